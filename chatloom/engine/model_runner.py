@@ -1,0 +1,75 @@
+"""Owns the KV pool and turns one scheduled batch into one forward pass."""
+from __future__ import annotations
+
+import torch
+
+from chatloom.engine.scheduler import ScheduledBatch
+from chatloom.engine.sequence import Sequence
+from chatloom.models.attention import AttentionBatch, PrefillSegment, chunk_mask
+from chatloom.models.llama import LlamaForCausalLM
+
+
+def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cfg = model.config
+    dtype = model.embed_tokens.weight.dtype
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        attn = AttentionBatch(num_decode=len(batch.decodes), block_size=bs)
+
+        if batch.decodes:
+            tables, ctx_lens = [], []
+            for seq in batch.decodes:
+                pos = seq.num_computed_tokens
+                ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                ctx_lens.append(pos + 1)
+                tables.append(seq.block_table)
+            width = max(len(t) for t in tables)
+            attn.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            lens = torch.tensor(ctx_lens)
+            attn.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            logit_rows.extend(range(len(batch.decodes)))
+
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            q_start = len(ids)
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            ctx = start + n
+            if start == 0:
+                seg = PrefillSegment(q_start, n, ctx, None)
+            else:
+                used = table[: -(-ctx // bs)]
+                seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
+            attn.prefills.append(seg)
+            if ctx == len(seq):
+                logit_rows.append(q_start + n - 1)
+        attn.slot_mapping = torch.tensor(slots)
+        return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the batch; returns logits for the sequences that produce a token now."""
+        ids, positions, attn, rows = self._prepare(batch)
+        hidden = self.model(ids, positions, attn, self.kv_caches)
+        sampled = list(batch.decodes) + [s for s, n in batch.prefills if s.num_computed_tokens + n == len(s)]
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0)
+        return logits, sampled

@@ -1,0 +1,21 @@
+"""What the engine reports about a request after each step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chatloom.engine.sequence import RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    delta_text: str  # text new since the last output of this request
+    delta_token_ids: list[int]
+    text: str  # all text so far
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    token_ids: list[int] = field(default_factory=list)  # all output tokens, on the final output

@@ -1,0 +1,44 @@
+"""What a request asks of generation: length, randomness and when to stop."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot take; the message names the problem."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise InvalidRequest("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise InvalidRequest("top_k must be -1, 0 (off) or positive")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens must be between 0 and max_tokens")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

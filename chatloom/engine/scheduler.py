@@ -1,0 +1,120 @@
+"""Iteration-level (continuous) batching under a token budget, with chunked prefill
+and preemption by recompute."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from chatloom.engine.block_manager import BlockManager
+from chatloom.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    # Off: a prompt is prefilled in one step however long (for the sake of comparison).
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledBatch:
+    # Running sequences taking one token each, then prefill chunks (seq, number of tokens).
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        keys = [s.sort_key for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.sort_key), seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_sequence(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.bm.free_sequence(victim)
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        # Its original arrival order puts it back at the front of its priority class.
+        self.add(victim)
+
+    def schedule(self) -> ScheduledBatch:
+        cfg, batch = self.config, ScheduledBatch()
+        budget = cfg.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key)
+
+        # 1. Running sequences: decodes (one token) and unfinished prefills, in priority order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = len(seq) - seq.num_computed_tokens
+            n = min(remaining, budget) if cfg.enable_chunked_prefill or remaining == 1 else remaining
+            if n > budget:
+                break
+            # Grow the block table; when the pool is full, preempt the lowest-priority, newest.
+            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted itself; the list shifted under i
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            if remaining == 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
+            budget -= n
+            i += 1
+
+        # 2. Waiting sequences, strictly in order, while budget, sequence slots and blocks allow.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq):
+                break
+            self.bm.allocate(seq)
+            remaining = len(seq) - seq.num_computed_tokens
+            if not cfg.enable_chunked_prefill and remaining > budget:
+                if batch:  # a whole prompt must wait for an empty step
+                    self.bm.free_sequence(seq)
+                    break
+                n = remaining
+            else:
+                n = min(remaining, budget)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if remaining == 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
+            budget -= n
+        return batch

@@ -1,0 +1,100 @@
+"""One request as the engine tracks it: its tokens, its blocks, its progress."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from chatloom.engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """(latency - TTFT) / (output tokens - 1), vLLM's definition."""
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    def as_dict(self) -> dict:
+        return {"queue_time": self.queue_time, "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e,
+                "prompt_tokens": self.num_prompt_tokens, "output_tokens": self.num_output_tokens,
+                "cached_tokens": self.num_cached_tokens, "preemptions": self.num_preemptions}
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_len = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_order = next(_arrival_counter)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        # Tokens whose K/V are already in the cache (computed or found in the prefix cache).
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0  # leading blocks already published in the prefix cache
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=self.prompt_len)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower priority number first, then first come, first served."""
+        return (self.priority, self.arrival_order)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}, len={len(self)}, computed={self.num_computed_tokens})"

@@ -1,0 +1,100 @@
+"""Attention over a paged KV cache, in plain PyTorch.
+
+The engine lays out one step's tokens as a flat batch: first one token for each
+decoding sequence, then the prefill chunks one after another. K/V are written to
+the pool at `slot_mapping` and read back through block tables, so a sequence
+never needs contiguous memory and the result does not depend on block size or
+on how a prompt was chunked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One prefill chunk: `q_len` new tokens whose context ends at `context_len`."""
+
+    q_start: int
+    q_len: int
+    context_len: int
+    block_table: torch.Tensor | None  # [num_blocks] int64; None when the chunk is the whole context
+    mask: torch.Tensor | None = None  # [q_len, context_len] bool, built once per step
+
+
+@dataclass
+class AttentionBatch:
+    """Where one step's tokens read and write K/V.
+
+    With `kv_caches` empty the batch is run without any cache: every segment is a
+    whole sequence attending causally to itself (the reference path).
+    """
+
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, flat slot in the pool
+    block_size: int = 16
+
+    @classmethod
+    def dense(cls, seq_lens: list[int]) -> "AttentionBatch":
+        """Several whole sequences, no cache, each causal over itself."""
+        segs, start = [], 0
+        for n in seq_lens:
+            segs.append(PrefillSegment(start, n, n, None))
+            start += n
+        return cls(prefills=segs)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            causal: bool) -> torch.Tensor:
+    # q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache: tuple[torch.Tensor, torch.Tensor] | None,
+                    batch: AttentionBatch) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]. Cache pools: [num_blocks, block_size, Hkv, D]."""
+    out = torch.empty_like(q)
+    if cache is not None:
+        k_pool, v_pool = cache
+        flat_k = k_pool.view(-1, k_pool.shape[2], k_pool.shape[3])
+        flat_v = v_pool.view(-1, v_pool.shape[2], v_pool.shape[3])
+        flat_k.index_copy_(0, batch.slot_mapping, k)
+        flat_v.index_copy_(0, batch.slot_mapping, v)
+
+    nd = batch.num_decode
+    if nd:
+        tables = batch.decode_block_tables
+        kd = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
+        vd = v_pool[tables].flatten(1, 2).transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
+        out[:nd] = _attend(qd, kd, vd, batch.decode_mask, False).squeeze(2)
+
+    for seg in batch.prefills:
+        s, e = seg.q_start, seg.q_start + seg.q_len
+        qs = q[s:e].transpose(0, 1).unsqueeze(0)
+        if seg.block_table is None:
+            # The chunk is the whole context: attend to its own fresh K/V.
+            ks = k[s:e].transpose(0, 1).unsqueeze(0)
+            vs = v[s:e].transpose(0, 1).unsqueeze(0)
+            res = _attend(qs, ks, vs, None, True)
+        else:
+            n = seg.context_len
+            ks = k_pool[seg.block_table].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+            vs = v_pool[seg.block_table].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+            res = _attend(qs, ks, vs, seg.mask, False)
+        out[s:e] = res.squeeze(0).transpose(0, 1)
+    return out
+
+
+def chunk_mask(q_len: int, context_len: int) -> torch.Tensor:
+    """Causal mask for the last `q_len` queries of a `context_len`-token context."""
+    q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)
+    return torch.arange(context_len).unsqueeze(0) <= q_pos

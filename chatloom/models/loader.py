@@ -1,0 +1,99 @@
+"""One entry point: a registry id or a path in, a ready model and tokenizer out."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from chatloom.models import gguf_loader, hf_loader
+from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.llama import LlamaForCausalLM
+from chatloom.models.registry import DEFAULT_MODEL, REGISTRY, smollm2_path, tiny_random_config
+from chatloom.models.tokenizer import TextTokenizer, from_gguf, from_hf_folder
+from chatloom.models.weights import build_model, random_model
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp64": torch.float64, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    id: str
+    model: LlamaForCausalLM
+    tokenizer: TextTokenizer
+    config: ModelConfig
+    load_seconds: float = 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r} (use fp32 or bf16)")
+    return DTYPES[dtype]
+
+
+def _byte_tokenizer() -> TextTokenizer:
+    """256 byte tokens plus ChatML specials: enough text handling for the random test model."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    ids = [tok.token_to_id(s) for s in specials]
+    return TextTokenizer(tok, bos_token_id=None, eos_token_ids=[ids[2]], chat_template=None,
+                         eos_token="<|im_end|>", special_ids=set(ids))
+
+
+def describe_config(spec: str) -> ModelConfig:
+    """The architecture of a model without loading its weights (for `models` and `capacity`)."""
+    if spec == "tiny-random":
+        return tiny_random_config()
+    path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    if path.suffix == ".json" and path.is_file():
+        return ModelConfig.from_json_file(path)
+    if path.is_dir():
+        return hf_loader.read_config(path)
+    if path.is_file():
+        return gguf_loader.read_config(gguf_loader.open_gguf(path), path.stem)
+    raise _unknown(spec)
+
+
+def _unknown(spec: str) -> ModelError:
+    return ModelError(f"unknown model {spec!r}: not a registry id ({', '.join(REGISTRY)}) "
+                      "nor an existing GGUF file or Hugging Face folder")
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32") -> LoadedModel:
+    t0 = time.perf_counter()
+    torch_dtype = resolve_dtype(dtype)
+    if spec == "tiny-random":
+        cfg = tiny_random_config()
+        tok = _byte_tokenizer()
+        cfg.vocab_size = tok.vocab_size
+        model = random_model(cfg, torch_dtype)
+        return LoadedModel(spec, model, tok, cfg, time.perf_counter() - t0)
+    path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    if path.is_dir():
+        cfg = hf_loader.read_config(path)
+        tok = from_hf_folder(path, hf_loader.generation_eos(path))
+        weights = hf_loader.read_weights(path)
+    elif path.is_file():
+        reader = gguf_loader.open_gguf(path)
+        cfg = gguf_loader.read_config(reader, path.stem)
+        tok = from_gguf(reader)
+        weights = gguf_loader.read_weights(reader)
+    else:
+        raise _unknown(spec)
+    model = build_model(cfg, weights.get, torch_dtype)
+    model_id = spec if spec in REGISTRY else path.stem
+    return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)

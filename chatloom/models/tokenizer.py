@@ -1,0 +1,135 @@
+"""Tokenizers built with the `tokenizers` library, from GGUF metadata or tokenizer.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from chatloom.models.config import ModelError
+
+# The split pattern llama-3 / qwen2 style BPE tokenizers apply before byte-level encoding.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclass
+class TextTokenizer:
+    """What the engine and the product need of a tokenizer."""
+
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    chat_template: str | None
+    bos_token: str = ""
+    eos_token: str = ""
+    add_bos: bool = False
+    special_ids: set[int] = field(default_factory=set)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id) or ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+
+def from_gguf(reader: Any) -> TextTokenizer:
+    from chatloom.models.gguf_loader import field as gf
+
+    kind = gf(reader, "tokenizer.ggml.model")
+    tokens: list[str] = gf(reader, "tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ModelError("GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    types = gf(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in gf(reader, "tokenizer.ggml.merges") or []]
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
+        pre = gf(reader, "tokenizer.ggml.pre") or "gpt2"
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt2", "default", "smollm"))
+        if pre == "smollm":
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        elif pre in ("gpt2", "default"):
+            tok.pre_tokenizer = byte_level
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level])
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = gf(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        unk = gf(reader, "tokenizer.ggml.unknown_token_id", 0)
+        tok = Tokenizer(models.Unigram(list(zip(tokens, map(float, scores))), unk_id=int(unk), byte_fallback=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    else:
+        raise ModelError(f"unsupported tokenizer model {kind!r} in GGUF file")
+    special = [i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special
+                            if types[i] == _CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i in special if types[i] == _USER_DEFINED])
+    del vocab
+
+    bos = gf(reader, "tokenizer.ggml.bos_token_id")
+    eos = gf(reader, "tokenizer.ggml.eos_token_id")
+    eot = gf(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = sorted({int(x) for x in (eos, eot) if x is not None})
+    return TextTokenizer(
+        tokenizer=tok,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        chat_template=gf(reader, "tokenizer.chat_template"),
+        bos_token=tokens[int(bos)] if bos is not None else "",
+        eos_token=tokens[int(eos)] if eos is not None else "",
+        add_bos=bool(gf(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
+        special_ids={i for i, t in enumerate(types) if t == _CONTROL},
+    )
+
+
+def _token_str(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("content", "")
+    return value or ""
+
+
+def from_hf_folder(folder: Path, generation_eos: list[int] | None = None) -> TextTokenizer:
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise ModelError(f"{folder} has no tokenizer.json")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from None
+    cfg: dict = {}
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
+    bos_id = tok.token_to_id(bos) if bos else None
+    eos_ids = set(generation_eos or [])
+    if eos and tok.token_to_id(eos) is not None:
+        eos_ids.add(tok.token_to_id(eos))
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    # tokenizer.json post-processors add BOS themselves; we add it by hand to control it.
+    return TextTokenizer(tok, bos_id, sorted(eos_ids), template, bos, eos,
+                         add_bos=bool(cfg.get("add_bos_token", False)), special_ids=special)

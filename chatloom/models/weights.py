@@ -1,0 +1,93 @@
+"""Turn per-tensor weights (in Hugging Face naming) into a ready LlamaForCausalLM."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.llama import LlamaForCausalLM
+
+# get(name) returns the tensor for a Hugging Face weight name, or None when absent.
+WeightGetter = Callable[[str], "torch.Tensor | None"]
+
+
+def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Create the model and fill every parameter from `get`, fusing QKV and gate/up."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+
+    def need(name: str) -> torch.Tensor:
+        t = get(name)
+        if t is None:
+            raise ModelError(f"weight {name!r} is missing from the model file")
+        return t
+
+    state: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": need("model.embed_tokens.weight"),
+        "norm.weight": need("model.norm.weight"),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        att = p + "self_attn."
+        state[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [need(att + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.attention_bias:
+            state[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                [need(att + f"{n}_proj.bias") for n in "qkv"])
+        state[f"layers.{i}.self_attn.o_proj.weight"] = need(att + "o_proj.weight")
+        state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])
+        state[f"layers.{i}.mlp.down_proj.weight"] = need(p + "mlp.down_proj.weight")
+        state[f"layers.{i}.input_layernorm.weight"] = need(p + "input_layernorm.weight")
+        state[f"layers.{i}.post_attention_layernorm.weight"] = need(p + "post_attention_layernorm.weight")
+    if not cfg.tie_word_embeddings:
+        head = get("lm_head.weight")
+        state["lm_head.weight"] = head if head is not None else state["embed_tokens.weight"]
+
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    expected = {k for k in shapes if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    for name, tensor in state.items():
+        want = shapes[name]
+        if tuple(tensor.shape) != tuple(want):
+            raise ModelError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+    missing = expected - set(state)
+    if missing:
+        raise ModelError(f"weights missing: {sorted(missing)[:3]}")
+
+    model = model.to_empty(device="cpu")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Buffers (RoPE tables) were created on meta: rebuild them for real.
+    from chatloom.models.llama import RotaryEmbedding
+    model.rope = RotaryEmbedding(cfg)
+    return model.eval().requires_grad_(False)
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    """Random weights (for tests), reproducible from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (cfg.vocab_size, h)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.bias": (kv,),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            scale = 1.0 if "embed" in name else shape[-1] ** -0.5
+            tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float64).float() * scale
+    return build_model(cfg, tensors.get, dtype)
