@@ -1,0 +1,1 @@
+"""Workloads and benchmarks, shared by the CLI and the tests."""

@@ -1,0 +1,139 @@
+"""asyncio face of the engine: a background thread runs the steps, coroutines stream deltas.
+
+The step loop runs in its own thread (PyTorch releases the GIL inside its kernels),
+so the event loop stays responsive. Requests and aborts from the event loop are
+queued and applied between steps; outputs travel back with call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from typing import AsyncIterator
+
+from chatloom.engine.config import EngineConfig
+from chatloom.engine.llm_engine import LLMEngine
+from chatloom.engine.outputs import RequestOutput
+from chatloom.engine.sampling_params import SamplingParams
+from chatloom.models.loader import LoadedModel
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="chatloom-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, loaded: LoadedModel, config: EngineConfig | None = None) -> "AsyncEngine":
+        return cls(LLMEngine(loaded, config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- the background loop ------------------------------------------------------
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd, args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                request_id, prompt, params, priority = args
+                try:
+                    self.engine.add_request(prompt, params, request_id, priority)
+                except Exception as exc:  # invalid request: report it on its stream
+                    self._deliver(request_id, exc)
+            elif cmd == "abort":
+                # Frees the blocks now; the final 'abort' output comes out of the next step().
+                self.engine.abort(args)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is closed; nobody is listening
+                pass
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # surface a crash to every waiting stream
+            self._error = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"engine loop failed: {exc!r}"))
+
+    # -- public API -----------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> tuple[str, asyncio.Queue]:
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop failed: {self._error!r}")
+        request_id = request_id or f"async-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._commands.put(("add", (request_id, prompt, params, priority)))
+        self._wakeup.set()
+        return request_id, q
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's blocks at the next step boundary."""
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield outputs as tokens arrive, the last with finished=True.
+        Cancelling the consumer (or closing the generator) aborts the request."""
+        request_id, q = self.add_request(prompt, params or SamplingParams(), request_id, priority)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       priority: int = 0) -> RequestOutput:
+        last = None
+        async for out in self.stream(prompt, params, priority=priority):
+            last = out
+        assert last is not None
+        return last
+
+    def get_stats(self) -> dict:
+        return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=5)
