@@ -1,8 +1,9 @@
 """Read a GGUF file: architecture, dequantized weights, tokenizer and chat template."""
 from __future__ import annotations
 
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -18,26 +19,140 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def open_gguf(path: Path) -> Any:
-    import gguf
+# GGUF metadata value types: scalar struct formats by type id (8 = string, 9 = array).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+               10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
 
+
+class GGUFTensor(NamedTuple):
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order (outermost first)
+    data: np.ndarray  # raw, memory-mapped: elements for float types, bytes per row for quantized ones
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor index, tensors memory-mapped.
+
+    gguf.GGUFReader builds numpy views for every element of every metadata array,
+    which takes seconds for a 49k-token vocabulary; this reads the same with struct.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = Path(path)
+        self._mm = np.memmap(self.path, mode="r")
+        buf = memoryview(self._mm)
+        self._buf, self._size = buf, len(buf)
+        if self._size < 24 or bytes(buf[:4]) != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version} (or a big-endian file)")
+        offs = 24
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, offs = self._string(offs)
+            (vtype,) = struct.unpack_from("<I", buf, offs)
+            self.metadata[key], offs = self._value(vtype, offs + 4)
+        infos = []
+        for _ in range(n_tensors):
+            name, offs = self._string(offs)
+            (n_dims,) = struct.unpack_from("<I", buf, offs)
+            if n_dims > 8:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, offs + 4)
+            raw_type, rel = struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims)
+            offs += 4 + 8 * n_dims + 12
+            infos.append((name, dims, raw_type, rel))
+        align = int(self.metadata.get("general.alignment", 32))
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"invalid alignment {align}")
+        data_start = -(-offs // align) * align
+        self.tensors: list[GGUFTensor] = []
+        for name, dims, raw_type, rel in infos:
+            qtype = GGMLQuantizationType(raw_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            shape = tuple(reversed(dims))
+            if qtype.name in ("F32", "F16", "F64", "I8", "I16", "I32", "I64"):
+                dtype = np.dtype({"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2",
+                                  "I32": "<i4", "I64": "<i8"}[qtype.name])
+                count = n_elems
+            else:
+                if shape[-1] % block:
+                    raise ValueError(f"tensor {name!r}: row size {shape[-1]} is not a multiple of {block}")
+                dtype, count = np.dtype(np.uint8), n_elems // block * type_size
+                shape = (*shape[:-1], shape[-1] // block * type_size)
+            start = data_start + rel
+            if start + count * dtype.itemsize > self._size:
+                raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
+            data = np.frombuffer(self._mm, dtype=dtype, count=count, offset=start).reshape(shape)
+            self.tensors.append(GGUFTensor(name, qtype, shape, data))
+        del self._buf, buf
+
+    def _string(self, offs: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._buf, offs)
+        end = offs + 8 + n
+        if end > self._size:
+            raise ValueError("string runs past the end of the file (truncated?)")
+        return str(self._buf[offs + 8:end], "utf-8"), end
+
+    def _value(self, vtype: int, offs: int) -> tuple[Any, int]:
+        if vtype == _STRING:
+            return self._string(offs)
+        fmt = _SCALARS.get(vtype)
+        if fmt is not None:
+            return struct.unpack_from("<" + fmt, self._buf, offs)[0], offs + struct.calcsize(fmt)
+        if vtype != _ARRAY:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        itype, count = struct.unpack_from("<IQ", self._buf, offs)
+        offs += 12
+        if count > self._size - offs:  # every element takes at least one byte
+            raise ValueError(f"array of {count} items is larger than the file")
+        if itype in _NP_SCALARS:
+            dt = np.dtype(_NP_SCALARS[itype])
+            if offs + count * dt.itemsize > self._size:
+                raise ValueError("array runs past the end of the file (truncated?)")
+            arr = np.frombuffer(self._buf, dtype=dt, count=count, offset=offs)
+            return arr.tolist(), offs + count * dt.itemsize
+        if itype == _STRING:
+            buf, out = self._buf, []
+            unpack, size = struct.unpack_from, self._size
+            for _ in range(count):
+                (n,) = unpack("<Q", buf, offs)
+                end = offs + 8 + n
+                if end > size:
+                    raise ValueError("string runs past the end of the file (truncated?)")
+                out.append(str(buf[offs + 8:end], "utf-8"))
+                offs = end
+            return out, offs
+        items = []
+        for _ in range(count):
+            v, offs = self._value(itype, offs)
+            items.append(v)
+        return items, offs
+
+
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFFile(path)
     except FileNotFoundError:
         raise ModelError(f"model file not found: {path}") from None
-    except Exception as exc:  # the reader raises bare ValueErrors etc. on corrupt files
+    except IsADirectoryError:
+        raise ModelError(f"{path} is a directory, not a GGUF file") from None
+    except Exception as exc:  # struct.error, ValueError, UnicodeDecodeError... on corrupt files
         raise ModelError(f"cannot read GGUF file {path}: {exc}") from None
 
 
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
-def read_config(reader: Any, name: str) -> ModelConfig:
+def read_config(reader: GGUFFile, name: str) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -82,7 +197,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return stem and f"{stem}.{parts[1]}"
 
 
-def read_weights(reader: Any) -> dict[str, torch.Tensor]:
+def read_weights(reader: GGUFFile) -> dict[str, torch.Tensor]:
     """Every tensor, dequantized to float32, keyed by its Hugging Face name."""
     from gguf import quants
 
