@@ -1,7 +1,8 @@
 """Turn per-tensor weights (in Hugging Face naming) into a ready LlamaForCausalLM."""
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 
@@ -12,9 +13,27 @@ from chatloom.models.llama import LlamaForCausalLM
 WeightGetter = Callable[[str], "torch.Tensor | None"]
 
 
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Skip nn.init while building the module: every parameter is replaced right after.
+    (Building on the meta device instead runs factory calls through torch._refs, whose
+    first use imports torch._dynamo: about 3 s of start-up.) Parameters are left as
+    uninitialized CPU memory, which the OS does not even commit until it is touched."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "trunc_normal_", "ones_", "zeros_", "constant_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up."""
-    with torch.device("meta"):
+    with _no_init():
         model = LlamaForCausalLM(cfg)
 
     def need(name: str) -> torch.Tensor:
