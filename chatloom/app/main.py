@@ -1,0 +1,72 @@
+"""The application factory: wires settings, database, backend and routes into a FastAPI app."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from chatloom.app.auth import Passwords, Tokens
+from chatloom.app.conversation_service import ConversationService
+from chatloom.app.deps import AppContext
+from chatloom.app.errors import install_error_handlers
+from chatloom.app.events import MemoryEventLogStore
+from chatloom.app.routes import auth, conversations, health, openai
+from chatloom.app.settings import Settings
+from chatloom.engine import EngineConfig
+from chatloom.serving import Backend, BackendError, LocalBackend
+from chatloom.store import Database
+
+log = logging.getLogger(__name__)
+
+
+def default_backend(settings: Settings) -> Backend:
+    config = EngineConfig(kv_cache_gb=settings.kv_cache_gb, num_blocks=settings.num_blocks,
+                          max_num_seqs=settings.max_num_seqs, max_model_len=settings.context_window)
+    return LocalBackend(settings.model, settings.dtype, config)
+
+
+def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
+    """Build the app. Without a backend, the settings' model runs in-process (and is closed with the app);
+    a backend passed in belongs to the caller."""
+    settings = settings or Settings()
+    owns_backend = backend is None
+    backend = backend or default_backend(settings)
+    db = Database(settings.database_url)
+    ctx = AppContext(
+        settings=settings, db=db, backend=backend,
+        passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
+        tokens=Tokens(settings.secret(), settings.token_ttl_s),
+        conversations=ConversationService(db, backend, settings, MemoryEventLogStore(settings.event_log_retention_s)),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await db.migrate()
+        # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
+        loading = asyncio.create_task(_start_backend(backend), name="backend-start")
+        try:
+            yield
+        finally:
+            await ctx.conversations.shutdown()
+            if not loading.done():
+                loading.cancel()
+            if owns_backend:
+                await backend.close()
+            await db.close()
+
+    app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for module in (health, auth, conversations, openai):
+        app.include_router(module.router)
+    return app
+
+
+async def _start_backend(backend: Backend) -> None:
+    try:
+        await backend.start()
+    except BackendError as exc:  # /readyz reports it
+        log.error("%s", exc)

@@ -1,0 +1,145 @@
+"""What the product needs from a model server, whatever runs it.
+
+The app talks only to `Backend`. `LocalBackend` runs the chatloom engine in this
+process; a remote OpenAI-compatible server (vLLM, SGLang, another chatloom replica)
+can implement the same interface without the app noticing.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+
+class BackendError(Exception):
+    """The backend failed while serving a request (crashed engine, lost connection)."""
+
+
+class BackendNotReady(BackendError):
+    """The model is still loading (or failed to load)."""
+
+
+class BadGenerationRequest(BackendError):
+    """The backend refuses the request itself (prompt too long, bad sampling values)."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class UnknownModel(BadGenerationRequest):
+    def __init__(self, model: str, known: list[str]) -> None:
+        super().__init__(f"unknown model {model!r}; available: {', '.join(known)}", "model_not_found", "model")
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. Give chat `messages` ([{"role", "content"}]) or a raw `prompt` string."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    model: str | None = None  # None: the backend's default model
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    request_id: str | None = None  # lets the caller abort() it later
+    priority: int = 0
+
+
+@dataclass
+class Delta:
+    """New text since the previous delta; the last one has finished=True and final counts."""
+
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Backend(abc.ABC):
+    """A model server as seen by the product."""
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Get ready to serve (load weights, connect). Called once in the background at app start."""
+
+    async def close(self) -> None:
+        """Release what start() acquired."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True once stream() can serve requests."""
+
+    @property
+    def load_error(self) -> str | None:
+        """Why start() failed, if it did."""
+        return None
+
+    # -- models -------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def model_ids(self) -> list[str]:
+        """The model ids this backend serves; the first is the default."""
+
+    @property
+    def default_model(self) -> str:
+        return self.model_ids[0]
+
+    def resolve_model(self, model: str | None) -> str:
+        """The model id to use for `model` (None: the default); raises UnknownModel."""
+        if model is None or model == "":
+            return self.default_model
+        if model not in self.model_ids:
+            raise UnknownModel(model, self.model_ids)
+        return model
+
+    @property
+    @abc.abstractmethod
+    def context_window(self) -> int:
+        """Tokens of prompt plus answer one request may use."""
+
+    # -- tokens -------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> object | None:
+        """The tokenizer, where the backend has one locally (None for a remote server)."""
+        return None
+
+    @abc.abstractmethod
+    def count_tokens(self, text: str) -> int:
+        """Tokens `text` takes as message content (no template, no special tokens)."""
+
+    @abc.abstractmethod
+    def count_prompt_tokens(self, messages: list[dict]) -> int:
+        """Tokens the rendered chat prompt for `messages` takes, generation prompt included."""
+
+    # -- generation -----------------------------------------------------------------
+    @abc.abstractmethod
+    def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Yield deltas as tokens arrive; the last has finished=True.
+        Raises BadGenerationRequest, BackendNotReady or BackendError. Closing or cancelling
+        the iterator aborts the request and frees its resources."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop a running request now; its stream ends with finish_reason 'abort'."""
+
+    async def complete(self, request: GenerationRequest) -> Delta:
+        """Run a request to its end; the returned delta carries the whole text."""
+        parts: list[str] = []
+        last = Delta("")
+        async for delta in self.stream(request):
+            parts.append(delta.text)
+            last = delta
+        return Delta("".join(parts), True, last.finish_reason, last.prompt_tokens,
+                     last.completion_tokens, last.cached_tokens)
+
+    def stats(self) -> dict:
+        """Load figures for health pages and routing (KV usage, queue lengths)."""
+        return {}

@@ -1,0 +1,151 @@
+"""The chatloom engine running in this process, behind the Backend interface."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import AsyncIterator
+
+from chatloom.engine import EngineConfig, InvalidRequest, SamplingParams
+from chatloom.engine.async_engine import AsyncEngine, EngineDeadError
+from chatloom.models import LoadedModel, ModelError, load_model
+from chatloom.models.chat_template import render_chat
+from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BadGenerationRequest, Delta,
+                                      GenerationRequest)
+
+log = logging.getLogger(__name__)
+
+
+def model_id_for(spec: str) -> str:
+    """The id a model spec will be served under, known before loading (matches load_model)."""
+    return spec if spec in REGISTRY else Path(spec).stem
+
+
+class LocalBackend(Backend):
+    """Wraps an AsyncEngine. Construct with a model spec (loaded by start()) or a LoadedModel."""
+
+    def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
+                 engine_config: EngineConfig | None = None) -> None:
+        self._loaded = model if isinstance(model, LoadedModel) else None
+        self._spec = model.id if isinstance(model, LoadedModel) else model
+        self._dtype = dtype
+        self._config = engine_config or EngineConfig()
+        self._engine: AsyncEngine | None = None
+        self._error: str | None = None
+        self._start_lock = asyncio.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._engine is not None:
+                return
+            try:
+                if self._loaded is None:
+                    log.info("loading model %s", self._spec)
+                    self._loaded = await asyncio.to_thread(load_model, self._spec, self._dtype)
+                # Allocating the KV pool takes a moment for big pools; keep the event loop free.
+                self._engine = await asyncio.to_thread(AsyncEngine.from_model, self._loaded, self._config)
+                self._error = None
+                log.info("model %s ready (context window %d tokens)", self._loaded.id, self.context_window)
+            except (ModelError, OSError, ValueError, RuntimeError) as exc:
+                self._error = str(exc)
+                log.error("model %s failed to load: %s", self._spec, exc)
+                raise BackendNotReady(f"model failed to load: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            await asyncio.to_thread(engine.shutdown)
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def load_error(self) -> str | None:
+        return self._error
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise BackendNotReady(self._error and f"model failed to load: {self._error}" or "the model is loading")
+        return self._engine
+
+    # -- models -------------------------------------------------------------------
+    @property
+    def model_ids(self) -> list[str]:
+        return [self._loaded.id if self._loaded is not None else model_id_for(self._spec)]
+
+    @property
+    def context_window(self) -> int:
+        if self._engine is not None:
+            return self._engine.engine.max_model_len
+        if self._loaded is not None:
+            return self._config.max_model_len or min(self._loaded.config.max_position, 8192)
+        return self._config.max_model_len or 0
+
+    # -- tokens -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special=False))
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        try:
+            text = render_chat(tok.chat_template, messages, add_generation_prompt=True,
+                               bos_token=tok.bos_token, eos_token=tok.eos_token)
+        except ModelError as exc:
+            raise BadGenerationRequest(str(exc), "invalid_messages", "messages") from None
+        # A template that writes the BOS text itself must not get a second BOS from the encoder.
+        return tok.encode(text, add_special=not (tok.bos_token and text.startswith(tok.bos_token)))
+
+    def count_prompt_tokens(self, messages: list[dict]) -> int:
+        return len(self.encode_messages(messages))
+
+    # -- generation -----------------------------------------------------------------
+    def _prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
+        self.resolve_model(request.model)
+        if request.messages is not None:
+            ids = self.encode_messages(request.messages)
+        elif request.prompt is not None:
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            raise BadGenerationRequest("a request needs messages or a prompt", param="messages")
+        window = self.context_window
+        if len(ids) >= window:
+            raise BadGenerationRequest(
+                f"the prompt has {len(ids)} tokens; this model's context window is {window} tokens "
+                "and the answer needs room too", "context_length_exceeded", "messages")
+        try:
+            params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                                    stop=list(request.stop))
+        except InvalidRequest as exc:
+            raise BadGenerationRequest(str(exc)) from None
+        return ids, params
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        ids, params = self._prepare(request)
+        try:
+            async for out in self.engine.stream(ids, params, request_id=request.request_id,
+                                                priority=request.priority):
+                yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
+                            out.num_output_tokens, out.num_cached_tokens)
+        except InvalidRequest as exc:
+            raise BadGenerationRequest(str(exc)) from None
+        except EngineDeadError as exc:
+            raise BackendError(str(exc)) from exc
+
+    def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
+
+    def stats(self) -> dict:
+        if self._engine is None:
+            return {"ready": False}
+        return {"ready": True, "model": self.default_model, "context_window": self.context_window,
+                **self._engine.get_stats()}

@@ -1,0 +1,85 @@
+"""The database handle: engine, sessions, SQLite tuning and migrations at start."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+DEFAULT_URL = "sqlite+aiosqlite:///./data/chatloom.db"
+
+
+def normalize_url(url: str) -> str:
+    """Pick the async driver for plain URLs (sqlite://, postgresql://)."""
+    u = make_url(url)
+    if u.drivername == "sqlite":
+        u = u.set(drivername="sqlite+aiosqlite")
+    elif u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+asyncpg")
+    return u.render_as_string(hide_password=False)
+
+
+def _sqlite_file(url: str) -> Path | None:
+    u = make_url(url)
+    if not u.drivername.startswith("sqlite") or not u.database or u.database == ":memory:":
+        return None
+    return Path(u.database)
+
+
+def _tune_sqlite(dbapi_connection, _record) -> None:
+    # WAL lets readers run while one writer writes; busy_timeout makes writers queue instead of failing.
+    cur = dbapi_connection.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def alembic_config(connection=None, url: str | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    if url:
+        cfg.set_main_option("sqlalchemy.url", url)
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+class Database:
+    def __init__(self, url: str = DEFAULT_URL, echo: bool = False) -> None:
+        self.url = normalize_url(url)
+        path = _sqlite_file(self.url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.engine: AsyncEngine = create_async_engine(self.url, echo=echo)
+        if self.is_sqlite:
+            event.listen(self.engine.sync_engine, "connect", _tune_sqlite)
+        # expire_on_commit=False: rows stay readable after commit, outside the session's transaction.
+        self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    def session(self) -> AsyncSession:
+        return self.sessions()
+
+    async def migrate(self) -> None:
+        """Bring the schema to the newest revision."""
+        def upgrade(sync_conn) -> None:
+            command.upgrade(alembic_config(sync_conn), "head")
+
+        async with self.engine.begin() as conn:
+            await conn.run_sync(upgrade)
+        log.info("database schema up to date (%s)", self.engine.url.render_as_string(hide_password=True))
+
+    async def close(self) -> None:
+        await self.engine.dispose()

@@ -1,0 +1,106 @@
+"""Tables. Portable SQL only: the same models run on SQLite and PostgreSQL."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import datetime, timezone
+
+from sqlalchemy import Boolean, DateTime, ForeignKey, Index, Integer, MetaData, String, Text, false
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints keep future Alembic migrations (and SQLite batch mode) predictable.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+MESSAGE_STATUSES = ("complete", "incomplete", "stopped", "error")
+
+_id_lock = threading.Lock()
+_last_ms = 0
+_seq = 0
+
+
+def new_id(prefix: str) -> str:
+    """A short id that sorts by creation time: milliseconds, a counter within the ms, randomness.
+    Sortable ids give siblings and pages a stable order even when timestamps tie."""
+    global _last_ms, _seq
+    with _id_lock:
+        ms = int(time.time() * 1000)
+        if ms <= _last_ms:
+            _seq += 1
+            ms = _last_ms
+        else:
+            _seq = 0
+        _last_ms = ms
+        seq = _seq
+    return f"{prefix}_{ms:011x}{seq:04x}{os.urandom(5).hex()}"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("usr"))
+    username: Mapped[str] = mapped_column(String(64), unique=True)
+    # NULL: the account cannot log in with a password (created by `chatloom keys create --create-user`).
+    password_hash: Mapped[str | None] = mapped_column(String(255))
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    tier: Mapped[str] = mapped_column(String(32), default="free", server_default="free")
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("key"))
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100), default="", server_default="")
+    prefix: Mapped[str] = mapped_column(String(16))  # first characters, so a user can tell keys apart
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the whole key
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_used: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Conversation(Base):
+    __tablename__ = "conversations"
+    __table_args__ = (Index("ix_conversations_user_updated", "user_id", "updated"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("conv"))
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    title: Mapped[str | None] = mapped_column(String(200))
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The leaf of the branch shown by default: the newest message written or regenerated.
+    current_leaf_id: Mapped[str | None] = mapped_column(String(40))
+    # A model-written summary of the branch from the root up to and including summary_upto.
+    summary: Mapped[str | None] = mapped_column(Text)
+    summary_upto: Mapped[str | None] = mapped_column(String(40))
+
+
+class Message(Base):
+    __tablename__ = "messages"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("msg"))
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"), index=True)
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("messages.id", ondelete="CASCADE"), index=True)
+    role: Mapped[str] = mapped_column(String(16))  # user | assistant
+    text: Mapped[str] = mapped_column(Text, default="")
+    tokens: Mapped[int] = mapped_column(Integer, default=0)  # tokens of `text` alone, for prompt assembly
+    model: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="complete")  # one of MESSAGE_STATUSES
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

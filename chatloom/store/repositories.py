@@ -1,0 +1,133 @@
+"""Queries, one small class per table. Each takes an AsyncSession; the caller commits."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from chatloom.store.models import ApiKey, Conversation, Message, User, utcnow
+
+
+class Users:
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def count(self) -> int:
+        return int(await self.s.scalar(select(func.count()).select_from(User)) or 0)
+
+    async def get(self, user_id: str) -> User | None:
+        return await self.s.get(User, user_id)
+
+    async def by_username(self, username: str) -> User | None:
+        return await self.s.scalar(select(User).where(User.username == username))
+
+    async def create(self, username: str, password_hash: str | None, is_admin: bool = False) -> User:
+        user = User(username=username, password_hash=password_hash, is_admin=is_admin)
+        self.s.add(user)
+        await self.s.flush()
+        return user
+
+
+class ApiKeys:
+    # Writing last_used on every request would make each read a write; a minute's precision is enough.
+    TOUCH_EVERY = timedelta(minutes=1)
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def create(self, user_id: str, name: str, prefix: str, key_hash: str) -> ApiKey:
+        key = ApiKey(user_id=user_id, name=name, prefix=prefix, key_hash=key_hash)
+        self.s.add(key)
+        await self.s.flush()
+        return key
+
+    async def by_hash(self, key_hash: str) -> ApiKey | None:
+        return await self.s.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash))
+
+    async def for_user(self, user_id: str) -> list[ApiKey]:
+        rows = await self.s.scalars(select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id))
+        return list(rows)
+
+    async def delete(self, user_id: str, key_id: str) -> bool:
+        result = await self.s.execute(delete(ApiKey).where(ApiKey.id == key_id, ApiKey.user_id == user_id))
+        return result.rowcount > 0
+
+    async def touch(self, key: ApiKey) -> bool:
+        now = utcnow()
+        last = _aware(key.last_used)
+        if last is not None and now - last < self.TOUCH_EVERY:
+            return False
+        key.last_used = now
+        return True
+
+
+class Conversations:
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def create(self, user_id: str, title: str | None = None) -> Conversation:
+        now = utcnow()
+        conv = Conversation(user_id=user_id, title=title, created=now, updated=now)
+        self.s.add(conv)
+        await self.s.flush()
+        return conv
+
+    async def get_owned(self, user_id: str, conversation_id: str) -> Conversation | None:
+        """The conversation if `user_id` owns it; a foreign one looks exactly like a missing one."""
+        return await self.s.scalar(select(Conversation).where(
+            Conversation.id == conversation_id, Conversation.user_id == user_id))
+
+    async def get(self, conversation_id: str) -> Conversation | None:
+        return await self.s.get(Conversation, conversation_id)
+
+    async def page(self, user_id: str, limit: int, offset: int) -> list[Conversation]:
+        rows = await self.s.scalars(
+            select(Conversation).where(Conversation.user_id == user_id)
+            .order_by(Conversation.updated.desc(), Conversation.id.desc()).limit(limit).offset(offset))
+        return list(rows)
+
+    async def delete(self, conversation_id: str) -> None:
+        # Messages first and explicitly, so nothing depends on the database enforcing ON DELETE CASCADE.
+        await self.s.execute(delete(Message).where(Message.conversation_id == conversation_id))
+        await self.s.execute(delete(Conversation).where(Conversation.id == conversation_id))
+
+    async def touch(self, conversation_id: str, **values) -> None:
+        await self.s.execute(update(Conversation).where(Conversation.id == conversation_id)
+                             .values(updated=utcnow(), **values))
+
+
+class Messages:
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def add(self, conversation_id: str, parent_id: str | None, role: str, text: str, tokens: int,
+                  model: str | None = None, status: str = "complete") -> Message:
+        msg = Message(conversation_id=conversation_id, parent_id=parent_id, role=role, text=text, tokens=tokens,
+                      model=model, status=status, created=utcnow())
+        self.s.add(msg)
+        await self.s.flush()
+        return msg
+
+    async def get(self, conversation_id: str, message_id: str) -> Message | None:
+        return await self.s.scalar(select(Message).where(
+            Message.id == message_id, Message.conversation_id == conversation_id))
+
+    async def all_in(self, conversation_id: str) -> list[Message]:
+        """Every message of a conversation, oldest first (ids sort by creation)."""
+        rows = await self.s.scalars(select(Message).where(Message.conversation_id == conversation_id)
+                                    .order_by(Message.id))
+        return list(rows)
+
+    async def finish(self, message_id: str, **values) -> bool:
+        """Write a generation's outcome; False when the message is gone (its conversation was deleted)."""
+        result = await self.s.execute(update(Message).where(Message.id == message_id).values(**values))
+        return result.rowcount > 0
+
+
+def _aware(dt: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; everything we store is UTC."""
+    if dt is None or dt.tzinfo is not None:
+        return dt
+    from datetime import timezone
+    return dt.replace(tzinfo=timezone.utc)
