@@ -1,5 +1,14 @@
 """Model definitions, weight loading, tokenizers and chat templates."""
 from chatloom.models.config import ModelConfig, ModelError
-from chatloom.models.loader import LoadedModel, describe_config, load_model
 
 __all__ = ["ModelConfig", "ModelError", "LoadedModel", "describe_config", "load_model"]
+
+
+def __getattr__(name: str):
+    # The loader imports torch (seconds); load it on first use so that light users
+    # (the registry, configs, `chatloom --help`) start fast.
+    if name in ("LoadedModel", "describe_config", "load_model"):
+        from chatloom.models import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'chatloom.models' has no attribute {name!r}")

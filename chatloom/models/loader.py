@@ -69,6 +69,8 @@ def describe_config(spec: str) -> ModelConfig:
 
 
 def _unknown(spec: str) -> ModelError:
+    if "/" in spec or "\\" in spec or Path(spec).suffix in (".gguf", ".json", ".safetensors"):
+        return ModelError(f"model file or folder not found: {spec}")
     return ModelError(f"unknown model {spec!r}: not a registry id ({', '.join(REGISTRY)}) "
                       "nor an existing GGUF file or Hugging Face folder")
 
