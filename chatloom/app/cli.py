@@ -1,8 +1,88 @@
-"""`chatloom serve`, `chatloom keys ...` and other product subcommands (filled in by the app)."""
+"""`chatloom serve` and `chatloom keys create`: the product's commands.
+
+Imports of the app (FastAPI, SQLAlchemy, torch) happen inside the handlers, so registering
+these commands costs nothing for the others.
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
+
+
+def _settings(args: argparse.Namespace):
+    from chatloom.app.settings import Settings
+
+    settings = Settings.from_file(args.config) if args.config else Settings()
+    return settings.updated(db_url=args.db, **{k: getattr(args, k, None) for k in ("host", "port", "model")})
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML file of settings (see chatloom/app/settings.py)")
+    p.add_argument("--db", metavar="URL", help="database URL (default: SQLite at ./data/chatloom.db; "
+                                               "postgresql+asyncpg://... for PostgreSQL)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from chatloom.app.main import create_app
+
+    settings = _settings(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    print(f"chatloom: serving {settings.model} on http://{settings.host}:{settings.port} "
+          f"(database {settings.database_url})", file=sys.stderr)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+async def _create_key(settings, username: str, name: str, create_user: bool) -> str:
+    from chatloom.app.auth import new_api_key
+    from chatloom.store import ApiKeys, Database, Users
+
+    db = Database(settings.database_url)
+    try:
+        await db.migrate()
+        async with db.session() as session:
+            users = Users(session)
+            user = await users.by_username(username)
+            if user is None:
+                if not create_user:
+                    raise ValueError(f"no user named {username!r} (sign up first, or pass --create-user)")
+                user = await users.create(username, None, is_admin=await users.count() == 0)
+            key, prefix, key_hash = new_api_key()
+            await ApiKeys(session).create(user.id, name, prefix, key_hash)
+            await session.commit()
+            return key
+    finally:
+        await db.close()
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    key = asyncio.run(_create_key(_settings(args), args.user, args.name, args.create_user))
+    print(key)
+    return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the product's commands to the top-level parser."""
+    p = subparsers.add_parser("serve", help="run the chat service (REST/SSE, OpenAI-compatible API)")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--model", default=None, metavar="ID|PATH",
+                   help="registry id, GGUF file or Hugging Face folder (default: the bundled model)")
+    _add_common(p)
+    p.set_defaults(func=cmd_serve)
+
+    keys = subparsers.add_parser("keys", help="manage API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", metavar="SUBCOMMAND")
+    k = keys_sub.add_parser("create", help="create an API key for a user and print it (shown once)")
+    k.add_argument("--user", required=True, metavar="NAME", help="the account the key acts for")
+    k.add_argument("--name", default="", help="a label to tell keys apart")
+    k.add_argument("--create-user", action="store_true",
+                   help="create the account (without a password) if it does not exist")
+    _add_common(k)
+    k.set_defaults(func=cmd_keys_create)

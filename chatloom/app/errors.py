@@ -57,7 +57,9 @@ def _describe(errors: list[dict]) -> tuple[str, str | None, str]:
     param = None
     code = "invalid_value"
     for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path", "header")]
+        raw_loc = list(err.get("loc", ()))
+        loc = [str(x) for x in raw_loc[1:]] if raw_loc and raw_loc[0] in ("body", "query", "path", "header") \
+            else [str(x) for x in raw_loc]
         if err.get("type") == "json_invalid":
             return "request body is not valid JSON", None, "invalid_json"
         if err.get("type") == "missing":
@@ -65,7 +67,8 @@ def _describe(errors: list[dict]) -> tuple[str, str | None, str]:
         field = ".".join(loc)
         param = param or field or None
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
-        parts.append(f"{field}: {msg}" if field else msg)
+        where = field or ("request body" if raw_loc[:1] == ["body"] else "")
+        parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request", param, code
 
 

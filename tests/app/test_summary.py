@@ -1,0 +1,103 @@
+"""Prompt assembly past the context window: older turns are summarized once, stored, and reused."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import httpx
+
+from chatloom.app.main import create_app
+from chatloom.app.prompt import SUMMARIZER_SYSTEM, SUMMARY_HEADER
+from chatloom.serving import Backend, GenerationRequest
+from tests.app.conftest import make_settings, signup
+from tests.app.helpers import done_of
+from tests.app.test_conversations import new_conversation, send
+
+
+class RecordingBackend(Backend):
+    """Delegates to a real backend and keeps every request it was given."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.requests: list[GenerationRequest] = []
+
+    ready = property(lambda self: self.inner.ready)
+    model_ids = property(lambda self: self.inner.model_ids)
+    context_window = property(lambda self: self.inner.context_window)
+
+    def count_tokens(self, text):
+        return self.inner.count_tokens(text)
+
+    def count_prompt_tokens(self, messages):
+        return self.inner.count_prompt_tokens(messages)
+
+    def stream(self, request):
+        self.requests.append(request)
+        return self.inner.stream(request)
+
+    def abort(self, request_id):
+        self.inner.abort(request_id)
+
+    def summaries(self) -> list[GenerationRequest]:
+        return [r for r in self.requests if r.messages[0]["content"] == SUMMARIZER_SYSTEM]
+
+    def answers(self) -> list[GenerationRequest]:
+        return [r for r in self.requests if r.messages[0]["content"] != SUMMARIZER_SYSTEM]
+
+
+@asynccontextmanager
+async def app_client(settings, backend):
+    app = create_app(settings, backend)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            yield client, app, await signup(client, "alice")
+
+
+async def test_history_past_the_window_is_summarized_once_and_reused(tmp_path, tiny_backend):
+    window, max_tokens = 1024, 24
+    settings = make_settings(tmp_path, context_window=window, default_max_tokens=max_tokens, summary_max_tokens=40)
+    backend = RecordingBackend(tiny_backend)
+    async with app_client(settings, backend) as (client, app, alice):
+        cid = await new_conversation(client, alice)
+        states = []
+        for i in range(turns := 14):
+            _, events = await send(client, alice, cid, f"Turn {i}: tell me about the number {i * 7} in a few words.")
+            # Every prompt fits the window with room for the answer.
+            assert done_of(events)["usage"]["prompt_tokens"] <= window - max_tokens
+            conv = (await client.get(f"/conversations/{cid}", headers=alice)).json()
+            states.append((conv["summary"], conv["summary_upto"]))
+
+        summaries = backend.summaries()
+        assert summaries, "the history outgrew the window but was never summarized"
+        assert len(summaries) <= turns // 4, "the summary should be reused for several turns, not rebuilt each time"
+        # Once a summary exists, it goes into the system message of the answers that follow.
+        first_with_summary = next(i for i, (s, _) in enumerate(states) if s)
+        later_prompts = backend.answers()[first_with_summary:]
+        for i, req in enumerate(later_prompts):
+            summary, _ = states[first_with_summary + i]
+            assert req.messages[0]["content"].endswith(SUMMARY_HEADER + summary) or i == 0
+        # Reuse: some consecutive turns kept the very same summary.
+        assert any(a == b and a[0] for a, b in zip(states, states[1:]))
+
+        # summary_upto is a message on the branch, and the turns after it are sent verbatim.
+        conv = (await client.get(f"/conversations/{cid}", headers=alice)).json()
+        ids = [m["id"] for m in conv["messages"]]
+        upto = conv["summary_upto"]
+        assert upto in ids
+        last_prompt = backend.answers()[-1].messages
+        verbatim = [m["content"] for m in last_prompt[1:]]
+        after = [m["text"] for m in conv["messages"][ids.index(upto) + 1:-1]]
+        assert verbatim == after[-len(verbatim):]
+        assert verbatim[-1] == conv["messages"][-2]["text"]  # the newest user message
+        assert verbatim[0] not in [m["text"] for m in conv["messages"][: ids.index(upto) + 1]]
+
+
+async def test_short_conversations_are_not_summarized(tmp_path, tiny_backend):
+    backend = RecordingBackend(tiny_backend)
+    async with app_client(make_settings(tmp_path), backend) as (client, app, alice):
+        cid = await new_conversation(client, alice)
+        for i in range(3):
+            await send(client, alice, cid, f"message {i}")
+        assert backend.summaries() == []
+        last = backend.answers()[-1].messages
+        assert [m["role"] for m in last] == ["system"] + ["user", "assistant"] * 2 + ["user"]
+        assert last[0]["content"] == "Be brief."
