@@ -19,7 +19,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/chatloom chat
+	$(VENV)/bin/chatloom serve
 
 chat: $(STAMP)
 	$(VENV)/bin/chatloom chat
