@@ -1,10 +1,133 @@
-"""`chatloom bench ...` subcommands (filled in by the engine benchmarks)."""
+"""`chatloom bench ...`: each benchmark prints JSON (and a table with --table)."""
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import sys
+
+from chatloom.models.registry import DEFAULT_MODEL
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `bench` command and its subcommands to the top-level parser."""
-    p = subparsers.add_parser("bench", help="benchmarks that print JSON")
-    p.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench = subparsers.add_parser("bench", help="benchmarks that print JSON")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    p = sub.add_parser("throughput", help="offline throughput: continuous vs static vs sequential")
+    _common(p)
+    p.add_argument("--mode", choices=["continuous", "static", "sequential"], default="continuous")
+    p.add_argument("--compare", action="store_true", help="run all three modes in one process and print ratios")
+    p.add_argument("--num-requests", type=_positive, default=64)
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+    p.add_argument("--static-batch-size", type=_positive, default=32)
+    p.add_argument("--sequential-requests", type=_positive, default=8,
+                   help="with --compare: how many of the requests the slow sequential mode runs")
+    p.add_argument("--repeats", type=_positive, default=1, help="with --compare: rounds of all modes, interleaved")
+    p.set_defaults(func=_throughput)
+
+    p = sub.add_parser("prefix", help="multi-turn TTFT with prefix caching on and off")
+    _common(p)
+    p.add_argument("--turns", type=_positive, default=8)
+    p.add_argument("--max-tokens", type=_positive, default=32)
+    p.set_defaults(func=_prefix)
+
+    p = sub.add_parser("memory", help="KV memory holding real tokens: paged vs contiguous")
+    _common(p)
+    p.add_argument("--num-requests", type=_positive, default=64)
+    p.set_defaults(func=_memory)
+
+    p = sub.add_parser("roofline", help="matmul GFLOP/s at the engine's batch sizes and the engine's fraction")
+    _common(p)
+    p.add_argument("--num-requests", type=_positive, default=32)
+    p.set_defaults(func=_roofline)
+
+
+def _load(args):
+    from chatloom.models import load_model
+
+    return load_model(args.model, args.dtype)
+
+
+def _emit(result: dict, table: bool) -> int:
+    print(json.dumps(result, indent=2))
+    if table:
+        for key, value in _flatten(result):
+            print(f"{key:<48} {value}", file=sys.stderr)
+    return 0
+
+
+def _flatten(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        elif isinstance(v, list) and len(v) and isinstance(v[0], dict):
+            for i, item in enumerate(v):
+                yield from _flatten(item, f"{prefix}{k}[{i}].")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _throughput(args) -> int:
+    from chatloom.bench.throughput import run_mode
+    from chatloom.bench.workload import standard_workload
+
+    loaded = _load(args)
+    requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed,
+                                 avoid_ids=set(loaded.tokenizer.eos_token_ids))
+    kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              static_batch_size=args.static_batch_size)
+    if not args.compare:
+        return _emit(dict(run_mode(args.mode, loaded, requests, **kw), model=loaded.id, seed=args.seed), args.table)
+    runs: dict[str, list[dict]] = {"continuous": [], "static": [], "sequential": []}
+    for _ in range(args.repeats):
+        # Interleaved so that noise from a shared machine lands on every mode alike.
+        runs["continuous"].append(run_mode("continuous", loaded, requests, **kw))
+        runs["static"].append(run_mode("static", loaded, requests, **kw))
+        runs["sequential"].append(run_mode("sequential", loaded, requests[: args.sequential_requests], **kw))
+    rate = {m: statistics.median(r["output_tokens_per_s"] for r in rs) for m, rs in runs.items()}
+    result = {
+        "benchmark": "throughput", "model": loaded.id, "seed": args.seed, "num_requests": args.num_requests,
+        "runs": [r for rs in runs.values() for r in rs],
+        "output_tokens_per_s": rate,
+        "continuous_vs_static": round(rate["continuous"] / rate["static"], 2),
+        "continuous_vs_sequential": round(rate["continuous"] / rate["sequential"], 2),
+    }
+    return _emit(result, args.table)
+
+
+def _prefix(args) -> int:
+    from chatloom.bench.prefix import run_prefix
+
+    return _emit(dict(run_prefix(_load(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
+                 args.table)
+
+
+def _memory(args) -> int:
+    from chatloom.bench.memory import run_memory
+    from chatloom.bench.workload import standard_workload
+
+    loaded = _load(args)
+    requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed)
+    return _emit(dict(run_memory(loaded, requests), model=loaded.id, seed=args.seed), args.table)
+
+
+def _roofline(args) -> int:
+    from chatloom.bench.roofline import run_roofline
+
+    return _emit(dict(run_roofline(_load(args), args.num_requests, args.seed), model=args.model), args.table)

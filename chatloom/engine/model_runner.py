@@ -6,6 +6,7 @@ import torch
 from chatloom.engine.scheduler import ScheduledBatch
 from chatloom.engine.sequence import Sequence
 from chatloom.models.attention import AttentionBatch, PrefillSegment, chunk_mask
+from chatloom.models.kernels import load_kernels
 from chatloom.models.llama import LlamaForCausalLM
 
 
@@ -18,10 +19,13 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 use_kernels: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
+        dtype = model.embed_tokens.weight.dtype
+        self.kernels = load_kernels() if use_kernels and dtype in (torch.float32, torch.float64) else None
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
         bs = self.block_size
@@ -29,7 +33,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        attn = AttentionBatch(num_decode=len(batch.decodes), block_size=bs)
+        kern = self.kernels
+        attn = AttentionBatch(num_decode=len(batch.decodes), block_size=bs, kernels=kern)
 
         if batch.decodes:
             tables, ctx_lens = [], []
@@ -41,9 +46,15 @@ class ModelRunner:
                 ctx_lens.append(pos + 1)
                 tables.append(seq.block_table)
             width = max(len(t) for t in tables)
-            attn.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-            lens = torch.tensor(ctx_lens)
-            attn.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            if kern is not None:
+                attn.decode_block_tables = torch.tensor(padded, dtype=torch.int32)
+                attn.decode_rows = torch.arange(len(tables), dtype=torch.int32)
+                attn.decode_kv_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+            else:
+                attn.decode_block_tables = torch.tensor(padded)
+                lens = torch.tensor(ctx_lens)
+                attn.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
             logit_rows.extend(range(len(batch.decodes)))
 
         for seq, n in batch.prefills:
@@ -56,6 +67,10 @@ class ModelRunner:
             ctx = start + n
             if start == 0:
                 seg = PrefillSegment(q_start, n, ctx, None)
+            elif kern is not None:
+                used = table[: -(-ctx // bs)]
+                seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
+                                     kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
             else:
                 used = table[: -(-ctx // bs)]
                 seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))

@@ -23,6 +23,9 @@ class PrefillSegment:
     context_len: int
     block_table: torch.Tensor | None  # [num_blocks] int64; None when the chunk is the whole context
     mask: torch.Tensor | None = None  # [q_len, context_len] bool, built once per step
+    # For the C++ kernel: int32 table [1, num_blocks], and each query's number of visible keys.
+    kernel_table: torch.Tensor | None = None
+    kernel_kv_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -39,6 +42,10 @@ class AttentionBatch:
     prefills: list[PrefillSegment] = field(default_factory=list)
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, flat slot in the pool
     block_size: int = 16
+    # Set when the compiled kernel is used: int32 decode tables, rows and key counts.
+    kernels: object | None = None
+    decode_rows: torch.Tensor | None = None
+    decode_kv_lens: torch.Tensor | None = None
 
     @classmethod
     def dense(cls, seq_lens: list[int]) -> "AttentionBatch":
@@ -70,7 +77,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         flat_v.index_copy_(0, batch.slot_mapping, v)
 
     nd = batch.num_decode
-    if nd:
+    kern = batch.kernels
+    scale = q.shape[-1] ** -0.5
+    if nd and kern is not None:
+        out[:nd] = kern.paged_attention(q[:nd].contiguous(), k_pool, v_pool, batch.decode_block_tables,
+                                        batch.decode_rows, batch.decode_kv_lens, scale)
+    elif nd:
         tables = batch.decode_block_tables
         kd = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
         vd = v_pool[tables].flatten(1, 2).transpose(1, 2)
@@ -79,6 +91,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     for seg in batch.prefills:
         s, e = seg.q_start, seg.q_start + seg.q_len
+        if seg.kernel_table is not None:
+            rows = torch.zeros(seg.q_len, dtype=torch.int32)
+            out[s:e] = kern.paged_attention(q[s:e].contiguous(), k_pool, v_pool, seg.kernel_table, rows,
+                                            seg.kernel_kv_lens, scale)
+            continue
         qs = q[s:e].transpose(0, 1).unsqueeze(0)
         if seg.block_table is None:
             # The chunk is the whole context: attend to its own fresh K/V.

@@ -9,6 +9,23 @@ from chatloom.models.attention import AttentionBatch, paged_attention
 from chatloom.models.config import ModelConfig
 
 
+# Below this many rows, W @ x.T beats x @ W.T on CPU BLAS (no repacking of the weight
+# per call); decode batches live here, long prefill chunks above it.
+_SMALL_BATCH = 256
+_LOGIT_SLICE = 2048
+
+
+def linear_t(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x), returned transposed: [out_features, T] (contiguous for small T)."""
+    if x.shape[0] <= _SMALL_BATCH:
+        y = torch.mm(layer.weight, x.t())
+    else:
+        y = F.linear(x, layer.weight).t()
+    if layer.bias is not None:
+        y = y + layer.bias.unsqueeze(1)
+    return y
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -57,14 +74,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: tuple[torch.Tensor, torch.Tensor] | None, batch: AttentionBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(-1, self.hq, self.d)
-        k = k.view(-1, self.hkv, self.d)
-        v = v.view(-1, self.hkv, self.d)
+        qkv = linear_t(x, self.qkv_proj)  # [q + 2kv, T]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=0)
+        q = q.t().reshape(-1, self.hq, self.d)
+        k = k.t().reshape(-1, self.hkv, self.d)
+        v = v.t().reshape(-1, self.hkv, self.d)
         q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, cache, batch)
-        return self.o_proj(o.flatten(1))
+        return linear_t(o.flatten(1), self.o_proj).t()
 
 
 class MLP(nn.Module):
@@ -75,8 +92,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # Stay in the transposed layout between the two matmuls: no copies.
+        gate_up = linear_t(x, self.gate_up_proj)  # [2I, T]
+        h = F.silu(gate_up[: self.inter]) * gate_up[self.inter:]
+        if x.shape[0] <= _SMALL_BATCH:
+            return torch.mm(self.down_proj.weight, h).t()
+        return F.linear(h.t(), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -113,7 +134,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """[N, hidden] -> [N, vocab]. The vocabulary is done in slices that stay in cache."""
+        w = self.lm_head.weight
+        out = torch.empty(w.shape[0], hidden.shape[0], dtype=hidden.dtype)
+        ht = hidden.t().contiguous()
+        for start in range(0, w.shape[0], _LOGIT_SLICE):
+            torch.mm(w[start:start + _LOGIT_SLICE], ht, out=out[start:start + _LOGIT_SLICE])
+        return out.t()
 
     @torch.inference_mode()
     def dense_logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:

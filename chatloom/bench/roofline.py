@@ -1,0 +1,42 @@
+"""This machine's matmul throughput at the engine's batch sizes, and the engine's
+achieved FLOP/s (about 2 x parameters x tokens/s) as a fraction of it."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from chatloom.bench.throughput import run_continuous
+from chatloom.bench.workload import standard_workload
+from chatloom.models.loader import LoadedModel
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:
+    """GFLOP/s of W[n, k] @ x[k, m], the shape the engine's linear layers use."""
+    w = torch.randn(n, k, dtype=dtype)
+    x = torch.randn(k, m, dtype=dtype)
+    for _ in range(3):
+        torch.mm(w, x)
+    runs, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(w, x)
+        runs += 1
+    return 2 * m * k * n * runs / (time.perf_counter() - t0) / 1e9
+
+
+def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
+                 batch_sizes: tuple[int, ...] = (1, 8, 32, 64, 128, 512)) -> dict:
+    cfg = loaded.config
+    k, n = cfg.hidden_size, 2 * cfg.intermediate_size  # the MLP's fused gate/up: the biggest per-layer matmul
+    peak = {m: round(matmul_gflops(m, k, n, loaded.dtype), 1) for m in batch_sizes}
+    requests = standard_workload(num_requests, cfg.vocab_size, seed)
+    run = run_continuous(loaded, requests, max_num_seqs=64)
+    params = cfg.num_parameters()
+    # Every computed token (prompt and output) costs about 2 x parameters FLOPs.
+    tokens = run["output_tokens"] + run["prompt_tokens"]
+    achieved = 2 * params * tokens / run["seconds"] / 1e9
+    best = max(peak.values())
+    return {"benchmark": "roofline", "matmul_shape_k_n": [k, n], "matmul_gflops_by_batch": peak,
+            "parameters": params, "engine_tokens_per_s": round(tokens / run["seconds"], 1),
+            "engine_output_tokens_per_s": run["output_tokens_per_s"],
+            "engine_gflops": round(achieved, 1), "fraction_of_best_matmul": round(achieved / best, 3)}

@@ -1,0 +1,44 @@
+"""Optional C++ kernels, compiled on first use with the machine's C++ compiler.
+
+They make decode attention read K/V straight from the paged pool. When no compiler
+is available (or CHATLOOM_KERNELS=0), callers fall back to the pure PyTorch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def load_kernels():
+    """The compiled module, or None when kernels are disabled or cannot be built."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    if os.environ.get("CHATLOOM_KERNELS", "1") == "0":
+        return None
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        source = Path(__file__).with_name("paged_attention.cpp")
+        digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+        try:
+            from torch.utils.cpp_extension import load
+
+            build_dir = Path(os.environ.get("CHATLOOM_KERNEL_CACHE",
+                                            Path.home() / ".cache" / "chatloom" / "kernels")) / digest
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _module = load(name=f"chatloom_kernels_{digest}", sources=[str(source)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # no compiler, no headers: run without kernels
+            log.warning("C++ kernels unavailable, using the PyTorch attention path: %s", exc)
+            _failed = True
+    return _module
