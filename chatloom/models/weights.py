@@ -31,6 +31,20 @@ def _no_init() -> Iterator[None]:
             setattr(torch.nn.init, n, fn)
 
 
+def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape a Hugging Face-named weight must have under `cfg` (None: not checked here)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    stem = ".".join(name.split(".")[-2:])  # e.g. "q_proj.weight"
+    return {
+        "embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "norm.weight": (h,),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+        "o_proj.weight": (h, q), "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+        "gate_proj.weight": (i, h), "up_proj.weight": (i, h), "down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }.get(stem)
+
+
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up."""
     with _no_init():
@@ -40,6 +54,11 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype) -> Llam
         t = get(name)
         if t is None:
             raise ModelError(f"weight {name!r} is missing from the model file")
+        want = _expected_shape(cfg, name)
+        if want is not None and tuple(t.shape) != want:
+            # Checked before fusing: torch.cat would fail with a bare RuntimeError.
+            raise ModelError(f"weight {name} has shape {tuple(t.shape)}, expected {want} "
+                             "(the weights do not match the model's config)")
         return t
 
     state: dict[str, torch.Tensor] = {
