@@ -20,7 +20,7 @@ from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messa
                                  summarizer_messages)
 from chatloom.app.settings import Settings
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, GenerationRequest
-from chatloom.store import Conversation, Conversations, Database, Message, Messages, new_id
+from chatloom.store import Conversation, Conversations, Database, Messages
 
 log = logging.getLogger(__name__)
 

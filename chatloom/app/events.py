@@ -51,7 +51,7 @@ class EventLogStore(abc.ABC):
 
 
 class MemoryEventLog(EventLog):
-    def __init__(self, key: str, on_close: "Callable[[MemoryEventLog], None] | None" = None) -> None:
+    def __init__(self, key: str, on_close: Callable[[MemoryEventLog], None] | None = None) -> None:
         self.key = key
         self._on_close = on_close
         self._events: list[StreamEvent] = []

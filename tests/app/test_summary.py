@@ -7,9 +7,9 @@ import httpx
 
 from chatloom.app.main import create_app
 from chatloom.app.prompt import SUMMARIZER_SYSTEM, SUMMARY_HEADER
-from chatloom.serving import Backend, GenerationRequest
+from chatloom.serving import Backend, BackendError, GenerationRequest
 from tests.app.conftest import make_settings, signup
-from tests.app.helpers import done_of
+from tests.app.helpers import done_of, parse_sse
 from tests.app.test_conversations import new_conversation, send
 
 
@@ -101,3 +101,32 @@ async def test_short_conversations_are_not_summarized(tmp_path, tiny_backend):
         last = backend.answers()[-1].messages
         assert [m["role"] for m in last] == ["system"] + ["user", "assistant"] * 2 + ["user"]
         assert last[0]["content"] == "Be brief."
+
+
+class FailingBackend(RecordingBackend):
+    """Streams two deltas from the real backend, then fails like a crashed engine."""
+
+    async def stream(self, request):
+        n = 0
+        async for delta in self.inner.stream(request):
+            yield delta
+            n += 1
+            if n == 2:
+                raise BackendError("the engine loop died")
+
+
+async def test_a_failure_after_the_stream_started_is_an_error_event(tmp_path, tiny_backend):
+    async with app_client(make_settings(tmp_path), FailingBackend(tiny_backend)) as (client, app, alice):
+        cid = await new_conversation(client, alice)
+        r = await client.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "hi", "max_tokens": 50})
+        assert r.status_code == 200
+        events = parse_sse(r.text)
+        assert [e.event for e in events] == [None] * (len(events) - 1) + ["error"]
+        assert all(e.id for e in events)
+        error = events[-1].data
+        assert "the engine loop died" in error["error"]["message"] and error["message_id"] == r.headers["x-message-id"]
+        answer = (await client.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
+        assert answer["status"] == "error" and "the engine loop died" in answer["error"]
+        assert answer["text"] == "".join(e.data["token"] for e in events[:-1])
+        # The conversation is usable again afterwards.
+        assert app.state.ctx.conversations.running(cid) is None
