@@ -11,7 +11,8 @@ from chatloom.app.main import create_app
 from chatloom.app.settings import Settings
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
-from tests.app.helpers import LiveServer
+
+from app_testing import LiveServer, make_settings, signup
 
 
 @pytest.fixture(scope="session")
@@ -21,14 +22,6 @@ def tiny_backend(tiny_model_fp32):
     asyncio.run(backend.start())
     yield backend
     asyncio.run(backend.close())
-
-
-def make_settings(tmp_path, **overrides) -> Settings:
-    # Cheap argon2 parameters: the tests sign up many users; production keeps the defaults.
-    base = dict(data_dir=str(tmp_path), jwt_secret="test-secret-0123456789abcdef0123456789", argon2_time_cost=1, argon2_memory_kib=1024,
-                system_prompt="Be brief.", default_max_tokens=16, default_temperature=0.0)
-    base.update(overrides)
-    return Settings(**base)
 
 
 @pytest.fixture
@@ -47,12 +40,6 @@ async def app(settings, tiny_backend):
 async def client(app):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
         yield c
-
-
-async def signup(client: httpx.AsyncClient, username: str, password: str = "correct horse") -> dict:
-    r = await client.post("/auth/signup", json={"username": username, "password": password})
-    assert r.status_code == 201, r.text
-    return {"Authorization": f"Bearer {r.json()['token']}"}
 
 
 @pytest.fixture

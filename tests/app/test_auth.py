@@ -7,7 +7,8 @@ import jwt
 from sqlalchemy import select
 
 from chatloom.store import ApiKey
-from tests.app.conftest import signup
+
+from app_testing import signup
 
 
 async def test_signup_login_and_first_user_is_admin(client):

@@ -5,8 +5,8 @@ import pytest
 from sqlalchemy import func, select
 
 from chatloom.store import Conversation, Message
-from tests.app.conftest import make_settings
-from tests.app.test_conversations import new_conversation, send
+
+from app_testing import app_client, make_settings, new_conversation, send
 
 
 async def counts(app) -> tuple[int, int]:
@@ -54,8 +54,6 @@ async def test_bad_message_bodies(client, app, alice, body, status, code, words)
 
 
 async def test_message_longer_than_the_context_window(tmp_path, tiny_backend):
-    from tests.app.test_summary import app_client
-
     async with app_client(make_settings(tmp_path, context_window=128), tiny_backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
         r = await client.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "y" * 120})

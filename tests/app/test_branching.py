@@ -2,8 +2,7 @@
 reading either branch back with ?leaf=."""
 from __future__ import annotations
 
-from tests.app.helpers import done_of, parse_sse
-from tests.app.test_conversations import new_conversation, send
+from app_testing import done_of, new_conversation, parse_sse, send
 
 
 async def read(client, headers, cid, leaf=None) -> dict:

@@ -4,19 +4,8 @@ from __future__ import annotations
 from sqlalchemy import func, select
 
 from chatloom.store import Message
-from tests.app.helpers import done_of, parse_sse, tokens_of
 
-
-async def new_conversation(client, headers, **body) -> str:
-    r = await client.post("/conversations", headers=headers, json=body or None)
-    assert r.status_code == 201, r.text
-    return r.json()["id"]
-
-
-async def send(client, headers, cid, text, **extra):
-    r = await client.post(f"/conversations/{cid}/messages", headers=headers, json={"text": text, **extra})
-    assert r.status_code == 200, r.text
-    return r, parse_sse(r.text)
+from app_testing import done_of, new_conversation, send, tokens_of
 
 
 async def test_stream_format_and_saved_answer(client, alice):

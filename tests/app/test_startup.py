@@ -8,7 +8,8 @@ import httpx
 from chatloom.app import cli as app_cli
 from chatloom.app.main import create_app
 from chatloom.serving import LocalBackend
-from tests.app.conftest import make_settings, signup
+
+from app_testing import make_settings, signup
 
 
 class GatedBackend(LocalBackend):

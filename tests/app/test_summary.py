@@ -1,55 +1,10 @@
 """Prompt assembly past the context window: older turns are summarized once, stored, and reused."""
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+from chatloom.app.prompt import SUMMARY_HEADER
+from chatloom.serving import BackendError
 
-import httpx
-
-from chatloom.app.main import create_app
-from chatloom.app.prompt import SUMMARIZER_SYSTEM, SUMMARY_HEADER
-from chatloom.serving import Backend, BackendError, GenerationRequest
-from tests.app.conftest import make_settings, signup
-from tests.app.helpers import done_of, parse_sse
-from tests.app.test_conversations import new_conversation, send
-
-
-class RecordingBackend(Backend):
-    """Delegates to a real backend and keeps every request it was given."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.requests: list[GenerationRequest] = []
-
-    ready = property(lambda self: self.inner.ready)
-    model_ids = property(lambda self: self.inner.model_ids)
-    context_window = property(lambda self: self.inner.context_window)
-
-    def count_tokens(self, text):
-        return self.inner.count_tokens(text)
-
-    def count_prompt_tokens(self, messages):
-        return self.inner.count_prompt_tokens(messages)
-
-    def stream(self, request):
-        self.requests.append(request)
-        return self.inner.stream(request)
-
-    def abort(self, request_id):
-        self.inner.abort(request_id)
-
-    def summaries(self) -> list[GenerationRequest]:
-        return [r for r in self.requests if r.messages[0]["content"] == SUMMARIZER_SYSTEM]
-
-    def answers(self) -> list[GenerationRequest]:
-        return [r for r in self.requests if r.messages[0]["content"] != SUMMARIZER_SYSTEM]
-
-
-@asynccontextmanager
-async def app_client(settings, backend):
-    app = create_app(settings, backend)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            yield client, app, await signup(client, "alice")
+from app_testing import RecordingBackend, app_client, done_of, make_settings, new_conversation, parse_sse, send
 
 
 async def test_history_past_the_window_is_summarized_once_and_reused(tmp_path, tiny_backend):
