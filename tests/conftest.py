@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from chatloom.models import LoadedModel, load_model
+
+# One intra-op thread: the tests' models are tiny, and OpenMP threads that spin-wait
+# for a busy second core turn microsecond ops into milliseconds.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from chatloom.engine.config import EngineConfig
 from chatloom.engine.llm_engine import LLMEngine
 from chatloom.engine.outputs import RequestOutput
-from chatloom.engine.sampling_params import SamplingParams
+from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.models.loader import LoadedModel
 
 
@@ -90,6 +90,8 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}")
         request_id = request_id or f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._commands.put(("add", (request_id, prompt, params, priority)))

@@ -1,0 +1,167 @@
+"""Sampling, stopping, aborting and streaming behaviour of the engine."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from chatloom.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from chatloom.engine.async_engine import AsyncEngine
+from chatloom.engine.detokenizer import IncrementalDetokenizer
+
+
+def _prompts(vocab: int, n: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model):
+    vocab = tiny_model.config.vocab_size
+    target = _prompts(vocab, 1, seed=99)[0]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+
+    alone = LLMEngine(tiny_model, EngineConfig(num_blocks=512, block_size=16))
+    solo = alone.generate([target], params, use_tqdm=False)[0].token_ids
+
+    crowded = LLMEngine(tiny_model, EngineConfig(num_blocks=512, block_size=16, max_num_batched_tokens=17))
+    others = _prompts(vocab, 9)
+    mixed = [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)] * 9
+    outs = crowded.generate(others[:4] + [target] + others[4:], mixed[:4] + [params] + mixed[4:], use_tqdm=False)
+    assert outs[4].token_ids == solo
+    # A different seed gives a different text (the seed really drives the draw).
+    other = alone.generate([target], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50,
+                                                    seed=4321, ignore_eos=True), use_tqdm=False)[0]
+    assert other.token_ids != solo
+
+
+def test_top_k_one_is_greedy(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=256))
+    p = _prompts(tiny_model.config.vocab_size, 1)[0]
+    greedy = engine.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
+    topk1 = engine.generate([p], SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3, ignore_eos=True),
+                            use_tqdm=False)
+    assert greedy[0].token_ids == topk1[0].token_ids
+
+
+def test_abort_mid_generation_frees_every_block(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=128, block_size=4, enable_prefix_caching=False))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
+           for p in _prompts(tiny_model.config.vocab_size, 4)]
+    for _ in range(5):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < 128
+    for rid in ids:
+        assert engine.abort(rid)
+    assert engine.block_manager.num_free_blocks == 128
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == sorted(ids)
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+
+
+def test_finish_reasons_and_token_limits(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=256))
+    eos = tiny_model.tokenizer.eos_token_ids[0]
+    p = _prompts(tiny_model.config.vocab_size, 1)[0]
+    out = engine.generate([p], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert (out.finish_reason, out.num_output_tokens) == ("length", 7)
+    # Treat the first greedy token as a stop token: generation ends at once with 'stop'.
+    first = out.token_ids[0]
+    stopped = engine.generate([p], SamplingParams(max_tokens=7, temperature=0, stop_token_ids=[first]),
+                              use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.num_output_tokens == 1
+    # min_tokens forbids stop tokens until reached.
+    held = engine.generate([p], SamplingParams(max_tokens=7, min_tokens=3, temperature=0,
+                                               stop_token_ids=[first, eos]), use_tqdm=False)[0]
+    assert held.num_output_tokens >= 3 and first not in held.token_ids[:3]
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(smollm2):
+    engine = LLMEngine(smollm2, EngineConfig(num_blocks=256))
+    prompt = "Count: 1, 2, 3, 4, 5, 6,"
+    full = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    stop = full.text.strip().split(",")[1].strip()  # some number the model will write
+    assert stop
+    streamed = ""
+    engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, stop=[stop]), "s")
+    final = None
+    while final is None:
+        for out in engine.step():
+            streamed += out.delta_text
+            if out.finished:
+                final = out
+    assert final.finish_reason == "stop"
+    assert stop not in final.text and stop not in streamed
+    assert streamed == final.text
+
+
+def test_detokenizer_holds_back_split_multibyte_characters(smollm2):
+    tok = smollm2.tokenizer
+    text = "naïve café 東京 🙂 done"
+    ids = tok.encode(text, add_special=False)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) + detok.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_bad_requests_are_rejected(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=8, block_size=16, max_model_len=100))
+    with pytest.raises(InvalidRequest, match="context window"):
+        engine.add_request(list(range(100)), SamplingParams(max_tokens=5))
+    small_pool = LLMEngine(tiny_model, EngineConfig(num_blocks=8, block_size=16, max_model_len=1000))
+    with pytest.raises(InvalidRequest, match="KV cache"):
+        small_pool.add_request(list(range(50)), SamplingParams(max_tokens=90))
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InvalidRequest):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequest):
+        SamplingParams(top_p=1.5)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "dup")
+    with pytest.raises(InvalidRequest, match="in use"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "dup")
+
+
+def test_priority_orders_admission_and_preemption_picks_the_lowest(tiny_model):
+    # Room for two sequences only: the high-priority request must be served first.
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=6, block_size=8, max_num_seqs=8))
+    prompts = _prompts(tiny_model.config.vocab_size, 3, seed=5)
+    engine.add_request(prompts[0][:8], SamplingParams(max_tokens=14, ignore_eos=True), "low", priority=5)
+    engine.add_request(prompts[1][:8], SamplingParams(max_tokens=14, ignore_eos=True), "mid", priority=3)
+    engine.step()
+    engine.add_request(prompts[2][:8], SamplingParams(max_tokens=14, ignore_eos=True), "high", priority=0)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished.index("high") < finished.index("low")
+    assert engine.scheduler.num_preemptions >= 1
+
+
+async def test_async_engine_streams_and_cancelling_aborts(tiny_model_fp32):
+    engine = AsyncEngine.from_model(tiny_model_fp32, EngineConfig(num_blocks=256, block_size=4))
+    try:
+        text, last = "", None
+        async for out in engine.stream("hello there", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)):
+            text += out.delta_text
+            last = out
+        assert last.finished and last.num_output_tokens == 12 and text == last.text
+
+        async def consume():
+            async for _ in engine.stream("a long one", SamplingParams(max_tokens=100000 // 1000, ignore_eos=True)):
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            stats = engine.get_stats()
+            if stats["num_requests_running"] == 0 and stats["kv_cache_usage_perc"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert stats["num_requests_running"] == 0 and stats["kv_cache_usage_perc"] == 0
+    finally:
+        engine.shutdown()
