@@ -361,9 +361,15 @@ def capacity(cfg, memory_bytes: int, context: int, dtype: str) -> dict[str, Any]
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from chatloom.models import describe_config
+    spec = _capacity_spec(args.model)
+    if spec.endswith(".json") and Path(spec).is_file():
+        from chatloom.models.config import ModelConfig  # a config alone: no need to import torch
 
-    cfg = describe_config(_capacity_spec(args.model))
+        cfg = ModelConfig.from_json_file(Path(spec))
+    else:
+        from chatloom.models import describe_config
+
+        cfg = describe_config(spec)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else int(args.memory_gib * 2**30)
     r = capacity(cfg, memory, args.context, args.dtype)
     if args.json:
@@ -373,8 +379,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     print(f"model: {cfg.name} ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, "
           f"head dim {cfg.head_dim}, context window {fmt_int(cfg.max_position)} tokens)")
     print(f"KV cache per token ({args.dtype}): {fmt_int(per_token)} bytes ({fmt_binary(per_token)})"
-          f" = 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim}"
-          f" x {r['dtype_bytes']} bytes")
+          f" = 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims"
+          f" x {r['dtype_bytes']} byte{'s' if r['dtype_bytes'] > 1 else ''}")
     print(f"KV cache memory: {fmt_int(memory)} bytes ({fmt_decimal(memory)}, {fmt_binary(memory)})")
     print(f"tokens that fit: {fmt_int(r['tokens'])}")
     print(f"one {n}-token conversation: {fmt_int(per_conv)} bytes "
