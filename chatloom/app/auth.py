@@ -100,4 +100,5 @@ async def current_user(request: Request, session: AsyncSession = Depends(get_ses
         user = await Users(session).get(user_id)
     if user is None:
         raise _unauthorized("the account behind this credential no longer exists", "invalid_token")
+    request.state.user = user  # for the x-ratelimit-* headers on the response
     return user

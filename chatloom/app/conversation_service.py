@@ -10,21 +10,29 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from chatloom.app.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.branches import Tree
 from chatloom.app.errors import ApiError, not_found
 from chatloom.app.events import EventLog, EventLogStore
+from chatloom.app import reasoning
 from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messages, chunk_turns, plan_prompt,
                                  summarizer_messages)
+from chatloom.app.quotas import Reservation
 from chatloom.app.settings import Settings
+from chatloom.app.tiers import Tier
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, GenerationRequest
-from chatloom.store import Conversation, Conversations, Database, Messages
+from chatloom.store import Conversation, Conversations, Database, Messages, User
+
+if TYPE_CHECKING:
+    from chatloom.app.traffic import Traffic
 
 log = logging.getLogger(__name__)
 
-STATUS_FOR_FINISH = {"stop": "complete", "length": "incomplete", "abort": "stopped"}
+STATUS_FOR_FINISH = {"stop": "complete", "length": "incomplete", "abort": "stopped", "content_filter": "filtered"}
 UNSET = object()
 
 
@@ -33,6 +41,8 @@ class GenerationOptions:
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    user: User | None = None  # the caller: their tier sets quotas, caps and queue priority
+    reasoning_effort: str | None = None  # low | medium | high: think before answering
 
 
 @dataclass
@@ -48,6 +58,10 @@ class Generation:
     log: EventLog
     request_id: str = ""  # the backend request now running (summaries use their own)
     stop_requested: bool = False
+    user: User | None = None
+    tier: Tier | None = None
+    reservation: Reservation | None = None
+    effort: str | None = None  # set: a reasoning request with this effort
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -56,12 +70,24 @@ class _Stopped(Exception):
     pass
 
 
+class _NoSlot:
+    """Admission when the service runs without traffic control (a bare ConversationService)."""
+
+    def started(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
 class ConversationService:
-    def __init__(self, db: Database, backend: Backend, settings: Settings, logs: EventLogStore) -> None:
+    def __init__(self, db: Database, backend: Backend, settings: Settings, logs: EventLogStore,
+                 traffic: "Traffic | None" = None) -> None:
         self.db = db
         self.backend = backend
         self.settings = settings
         self.logs = logs
+        self.traffic = traffic
         self._running: dict[str, Generation] = {}
         self._cost: TemplateCost | None = None
 
@@ -82,8 +108,14 @@ class ConversationService:
     def _summary_max_tokens(self) -> int:
         return max(16, min(self.settings.summary_max_tokens, self.context_window // 4))
 
+    def _tier(self, options: GenerationOptions) -> Tier | None:
+        return self.traffic.tier(options.user) if self.traffic is not None and options.user is not None else None
+
     def _resolve_options(self, options: GenerationOptions) -> tuple[str, int, float]:
         model = self.backend.resolve_model(options.model)
+        tier = self._tier(options)
+        if tier is not None:
+            self.traffic.check_model(tier, model)
         window = self.context_window
         max_tokens = options.max_tokens
         if max_tokens is None:
@@ -94,6 +126,11 @@ class ConversationService:
         if max_tokens >= window:
             raise ApiError(400, f"max_tokens must be below the context window ({window} tokens)",
                            "invalid_value", "max_tokens")
+        if tier is not None:
+            max_tokens = self.traffic.cap_max_tokens(tier, max_tokens)
+        effort = self.traffic.effort(options.reasoning_effort) if self.traffic is not None else None
+        if effort is not None:  # room for the thinking on top of the answer, within the window
+            max_tokens = min(max_tokens + reasoning.BUDGET_TOKENS[effort], (window + max_tokens) // 2)
         temperature = self.settings.default_temperature if options.temperature is None else options.temperature
         return model, max_tokens, temperature
 
@@ -128,6 +165,7 @@ class ConversationService:
     async def send(self, session: AsyncSession, conv: Conversation, text: str, parent_id: object = UNSET,
                    options: GenerationOptions | None = None) -> Generation:
         """Save a user message (under parent_id, or at the end of the active branch) and start its answer."""
+        reservation = None
         self._reserve(conv.id)
         try:
             options = options or GenerationOptions()
@@ -135,6 +173,8 @@ class ConversationService:
             if len(text) > self.settings.max_message_chars:
                 raise ApiError(400, f"the message is too long: {len(text)} characters, at most "
                                f"{self.settings.max_message_chars} allowed", "message_too_long", "text")
+            if self.traffic is not None:  # before any model work or anything saved
+                self.traffic.check_input(text)
             text_tokens = self.backend.count_tokens(text)
             self._check_fits(text_tokens, max_tokens)
             tree = Tree(await Messages(session).all_in(conv.id))
@@ -151,6 +191,8 @@ class ConversationService:
                                    "send the new text with the edited message's parent_id)", "invalid_parent",
                                    "parent_id")
                 parent = parent_id
+            history = [m.tokens for m in tree.path_to(parent)] if parent is not None else []
+            reservation = self._reserve_quota(options, history + [text_tokens], max_tokens)
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, model, status="incomplete")
@@ -159,14 +201,17 @@ class ConversationService:
                 values["title"] = make_title(text, self.settings.title_chars)
             await Conversations(session).touch(conv.id, **values)
             await session.commit()
-            return await self._start(conv.id, user_msg.id, answer.id, model, max_tokens, temperature)
+            return await self._start(conv.id, user_msg.id, answer.id, model, max_tokens, temperature,
+                                     options, reservation)
         except BaseException:
             self._release(conv.id)
+            self._settle(reservation, 0)
             raise
 
     async def regenerate(self, session: AsyncSession, conv: Conversation, message_id: str,
                          options: GenerationOptions | None = None) -> Generation:
         """A new answer beside an assistant message (or under a user message)."""
+        reservation = None
         self._reserve(conv.id)
         try:
             model, max_tokens, temperature = self._resolve_options(options or GenerationOptions())
@@ -176,18 +221,41 @@ class ConversationService:
             question_id = target.id if target.role == "user" else target.parent_id
             if question_id is None:
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
+            tree = Tree(await Messages(session).all_in(conv.id))
+            reservation = self._reserve_quota(options or GenerationOptions(),
+                                              [m.tokens for m in tree.path_to(question_id)], max_tokens)
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, model, status="incomplete")
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
             await session.commit()
-            return await self._start(conv.id, question_id, answer.id, model, max_tokens, temperature)
+            return await self._start(conv.id, question_id, answer.id, model, max_tokens, temperature,
+                                     options or GenerationOptions(), reservation)
         except BaseException:
             self._release(conv.id)
+            self._settle(reservation, 0)
             raise
 
+    def _reserve_quota(self, options: GenerationOptions, turn_tokens: list[int], max_tokens: int) -> Reservation | None:
+        """Reserve the prompt (estimated from stored counts, as prompt assembly will) plus max_tokens."""
+        tier = self._tier(options)
+        if tier is None:
+            return None
+        system = self.backend.count_tokens(self.settings.system_prompt)
+        prompt = min(self.template_cost.prompt(system, turn_tokens), self.context_window - max_tokens)
+        return self.traffic.reserve(options.user, tier, prompt + max_tokens)
+
+    def _settle(self, reservation: Reservation | None, used: int) -> None:
+        if reservation is not None and self.traffic is not None:
+            self.traffic.quotas.settle(reservation, used)
+
     async def _start(self, conversation_id: str, question_id: str, answer_id: str, model: str,
-                     max_tokens: int, temperature: float) -> Generation:
+                     max_tokens: int, temperature: float, options: GenerationOptions | None = None,
+                     reservation: Reservation | None = None) -> Generation:
+        options = options or GenerationOptions()
         gen = Generation(conversation_id, question_id, answer_id, model, max_tokens, temperature,
-                         await self.logs.create(answer_id), request_id=answer_id)
+                         await self.logs.create(answer_id), request_id=answer_id, user=options.user,
+                         tier=self._tier(options), reservation=reservation,
+                         effort=self.traffic.effort(options.reasoning_effort) if self.traffic else None)
+        await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
         self._running[conversation_id] = gen
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
         return gen
@@ -211,40 +279,107 @@ class ConversationService:
 
     # -- the job ---------------------------------------------------------------------------
     async def _run(self, gen: Generation) -> None:
-        parts: list[str] = []
+        parts: list[str] = []  # the answer as shown (thinking and held-back text excluded)
         outcome: dict = {}
+        seen = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}  # counts so far, for settling
         error: Exception | None = None
+        slot: Slot | None = None
         try:
             messages = await self._assemble(gen)
+            if gen.stop_requested:
+                raise _Stopped
+            if gen.effort is not None:
+                messages = reasoning.with_instructions(messages, gen.effort)
+            slot = await self._admit(gen, messages)
             if gen.stop_requested:
                 raise _Stopped
             gen.request_id = gen.message_id
             request = GenerationRequest(messages=messages, model=gen.model, max_tokens=gen.max_tokens,
                                         temperature=gen.temperature, top_p=self.settings.default_top_p,
-                                        request_id=gen.request_id)
+                                        request_id=gen.request_id,
+                                        priority=-gen.tier.priority if gen.tier else 0)  # the engine runs low numbers first
+            guard = self.traffic.output_guard() if self.traffic is not None else None
+            splitter = reasoning.ThinkingSplitter() if gen.effort is not None else None
             aborted = False
             async for delta in self.backend.stream(request):
+                slot.started()
                 if gen.stop_requested and not aborted:  # a stop that raced the request's start
                     self.backend.abort(gen.request_id)
                     aborted = True
-                if delta.text:
-                    parts.append(delta.text)
-                    await gen.log.append({"token": delta.text})
+                seen.update(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+                            cached_tokens=delta.cached_tokens)
+                if delta.text and not (guard and guard.verdict):
+                    pieces = splitter.push(delta.text) if splitter else [("answer", delta.text)]
+                    if delta.finished and splitter:
+                        pieces += splitter.finish()
+                    await self._emit(gen, pieces, guard, parts)
                 if delta.finished:
-                    outcome = {"finish_reason": delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
-                               "completion_tokens": delta.completion_tokens}
+                    if splitter and not delta.text:
+                        await self._emit(gen, splitter.finish(), guard, parts)
+                    if guard and not guard.verdict:
+                        await self._emit_answer(gen, guard.finish(), parts)
+                    if guard and guard.verdict and not aborted:
+                        self.traffic.output_blocked(guard)
+                    reason = "content_filter" if guard and guard.verdict else delta.finish_reason
+                    outcome = {"finish_reason": reason, "prompt_tokens": delta.prompt_tokens,
+                               "completion_tokens": delta.completion_tokens, "cached_tokens": delta.cached_tokens,
+                               "metrics": delta.metrics}
+                elif guard and guard.verdict and not aborted:
+                    # Caught before the user saw it: stop the model now; the stream ends as content_filter.
+                    self.traffic.output_blocked(guard)
+                    self.backend.abort(gen.request_id)
+                    aborted = True
         except _Stopped:
-            outcome = {"finish_reason": "abort", "prompt_tokens": 0, "completion_tokens": 0}
+            outcome = {"finish_reason": "abort", **seen}
+        except ApiError as exc:  # a quota top-up refused, or no room in the queue in time
+            error = exc
         except (BadGenerationRequest, BackendError) as exc:
             error = exc
         except asyncio.CancelledError:
-            outcome = {"finish_reason": "abort", "prompt_tokens": 0, "completion_tokens": 0}
+            outcome = {"finish_reason": "abort", **seen}
+            if slot is not None:
+                slot.release()
             await self._finish(gen, "".join(parts), outcome, None)
             raise
         except Exception as exc:  # keep the job's failure in the conversation, not in a log nobody reads
             log.exception("generation %s failed", gen.message_id)
             error = exc
+        finally:
+            if slot is not None:
+                slot.release()
+        if error is not None and not outcome:
+            outcome = dict(seen)
         await self._finish(gen, "".join(parts), outcome, error)
+
+    async def _admit(self, gen: Generation, messages: list[dict]) -> Slot | None:
+        """Top the quota reservation up to the exact prompt, then wait for room in the engine;
+        while waiting, the stream tells its readers their place in the queue."""
+        if self.traffic is None:
+            return _NoSlot()
+        prompt_tokens = self.backend.count_prompt_tokens(messages)
+        if gen.reservation is not None and gen.tier is not None:
+            self.traffic.extend(gen.reservation, gen.tier, prompt_tokens + gen.max_tokens)
+
+        async def position(n: int) -> None:
+            if not gen.log.closed:
+                await gen.log.append({"queue_position": n})
+
+        tier = gen.tier or self.traffic.tiers.for_user(None)
+        kind = REASONING if gen.effort is not None else INTERACTIVE
+        return await self.traffic.admit(tier, prompt_tokens, kind, position)
+
+    async def _emit(self, gen: Generation, pieces: list[tuple[str, str]], guard, parts: list[str]) -> None:
+        for kind, text in pieces:
+            if kind == "thinking":
+                await gen.log.append({"thinking": text})
+            else:
+                await self._emit_answer(gen, guard.push(text) if guard else [text], parts)
+
+    @staticmethod
+    async def _emit_answer(gen: Generation, texts: list[str], parts: list[str]) -> None:
+        for text in texts:
+            parts.append(text)
+            await gen.log.append({"token": text})
 
     async def _finish(self, gen: Generation, text: str, outcome: dict, error: Exception | None) -> None:
         try:
@@ -261,10 +396,19 @@ class ConversationService:
                     await session.commit()
             except Exception:
                 log.exception("could not save the answer %s", gen.message_id)
+            await self._account(gen, outcome)
             if error is not None:
-                body = {"message": f"generation failed: {error}", "type": "server_error",
-                        "code": getattr(error, "code", "generation_failed")}
-                await gen.log.append({"error": body, "message_id": gen.message_id}, event="error")
+                status_code = getattr(error, "status", 500)
+                body = {"message": f"generation failed: {error}" if status_code >= 500 and not
+                        isinstance(error, ApiError) else str(error),
+                        "type": "service_unavailable" if status_code == 503 else
+                        ("rate_limit_error" if status_code == 429 else "server_error"),
+                        "code": getattr(error, "code", "generation_failed"), "status": status_code}
+                extra = {}
+                headers = getattr(error, "headers", None) or {}
+                if "Retry-After" in headers:
+                    extra["retry_after"] = int(headers["Retry-After"])
+                await gen.log.append({"error": body, "message_id": gen.message_id, **extra}, event="error")
             else:
                 await gen.log.append({
                     "done": True, "message_id": gen.message_id, "user_message_id": gen.user_message_id,
@@ -276,6 +420,17 @@ class ConversationService:
             if self._running.get(gen.conversation_id) is gen:
                 del self._running[gen.conversation_id]
             gen.finished.set()
+
+    async def _account(self, gen: Generation, outcome: dict) -> None:
+        """Settle the quota with the tokens really used, meter them, observe the request's latencies."""
+        prompt, completion = outcome.get("prompt_tokens") or 0, outcome.get("completion_tokens") or 0
+        self._settle(gen.reservation, prompt + completion)
+        if self.traffic is None or prompt + completion == 0:
+            return
+        if gen.user is not None:
+            await self.traffic.meter.record(gen.user.id, gen.model, prompt, completion,
+                                            outcome.get("cached_tokens") or 0)
+        self.traffic.metrics.observe_request(outcome.get("metrics"), outcome.get("finish_reason"), prompt, completion)
 
     def _count(self, text: str) -> int:
         try:

@@ -14,6 +14,7 @@ from chatloom.store import Database
 if TYPE_CHECKING:
     from chatloom.app.auth import Passwords, Tokens
     from chatloom.app.conversation_service import ConversationService
+    from chatloom.app.traffic import Traffic
 
 
 @dataclass
@@ -26,6 +27,7 @@ class AppContext:
     passwords: "Passwords"
     tokens: "Tokens"
     conversations: "ConversationService"
+    traffic: "Traffic | None" = None
 
 
 def get_context(request: Request) -> AppContext:

@@ -49,6 +49,14 @@ class EventLogStore(abc.ABC):
     @abc.abstractmethod
     async def get(self, key: str) -> EventLog | None: ...
 
+    # A named pointer to a log (a conversation's newest generation), so a client that knows only the
+    # conversation can find the stream to resume. In Redis: a plain key with the same expiry as the log.
+    @abc.abstractmethod
+    async def set_pointer(self, name: str, key: str) -> None: ...
+
+    @abc.abstractmethod
+    async def pointer(self, name: str) -> str | None: ...
+
 
 class MemoryEventLog(EventLog):
     def __init__(self, key: str, on_close: Callable[[MemoryEventLog], None] | None = None) -> None:
@@ -107,6 +115,7 @@ class MemoryEventLogStore(EventLogStore):
     def __init__(self, retention_s: float = 600.0) -> None:
         self.retention_s = retention_s
         self._logs: dict[str, MemoryEventLog] = {}
+        self._pointers: dict[str, str] = {}
 
     async def create(self, key: str) -> EventLog:
         log = MemoryEventLog(key, on_close=self._schedule_eviction)
@@ -119,9 +128,18 @@ class MemoryEventLogStore(EventLogStore):
     def _schedule_eviction(self, log: MemoryEventLog) -> None:
         asyncio.get_running_loop().call_later(self.retention_s, self._evict, log)
 
+    async def set_pointer(self, name: str, key: str) -> None:
+        self._pointers[name] = key
+
+    async def pointer(self, name: str) -> str | None:
+        key = self._pointers.get(name)
+        return key if key in self._logs else None
+
     def _evict(self, log: MemoryEventLog) -> None:
         if self._logs.get(log.key) is log:
             del self._logs[log.key]
+            for name in [n for n, k in self._pointers.items() if k == log.key]:
+                del self._pointers[name]
 
     def __len__(self) -> int:
         return len(self._logs)

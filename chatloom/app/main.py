@@ -15,6 +15,7 @@ from chatloom.app.errors import install_error_handlers
 from chatloom.app.events import MemoryEventLogStore
 from chatloom.app.routes import auth, conversations, health, openai
 from chatloom.app.settings import Settings
+from chatloom.app.traffic import build_traffic, install as install_traffic
 from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend
 from chatloom.store import Database
@@ -35,11 +36,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     owns_backend = backend is None
     backend = backend or default_backend(settings)
     db = Database(settings.database_url)
+    traffic = build_traffic(settings, backend, db)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.token_ttl_s),
-        conversations=ConversationService(db, backend, settings, MemoryEventLogStore(settings.event_log_retention_s)),
+        conversations=ConversationService(db, backend, settings, MemoryEventLogStore(settings.event_log_retention_s),
+                                          traffic),
+        traffic=traffic,
     )
 
     @asynccontextmanager
@@ -60,6 +64,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_traffic(app)
     for module in (health, auth, conversations, openai):
         app.include_router(module.router)
     return app

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chatloom.store import ApiKey, Conversation, Message
@@ -53,6 +55,8 @@ class GenerationIn(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     # Ints are fine for a float ("temperature": 1) even in strict mode.
     temperature: float | None = Field(default=None, ge=0, le=2)
+    # Think before answering, with a thinking budget set by the effort (a separate queue class).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class MessageIn(GenerationIn):

@@ -49,6 +49,17 @@ class Settings:
     event_log_retention_s: float = 600.0
     title_chars: int = 60
 
+    # Traffic control (tiers, quotas, admission, moderation): see chatloom/app/traffic.py.
+    tiers_file: str | None = None  # TOML of tiers; default: built-in free/plus/pro (+ CHATLOOM_TIER_* env)
+    default_tier: str = "free"
+    queue_max_wait_s: float = 30.0  # longer in the admission queue: 503 with Retry-After
+    admission_max_running: int | None = None  # generations admitted at once (default: max_num_seqs)
+    reasoning_share: float = 0.5  # most of the running slots reasoning requests may hold
+    reasoning_max_effort: str = "high"  # cap on the effort dial (low | medium | high)
+    moderation: str = "lexicon"  # lexicon | off
+    moderation_holdback_tokens: int = 4  # pieces of output held back for the output check
+    metrics_public: bool = True  # GET /metrics without a token (as vLLM serves it)
+
     log_level: str = "info"
 
     @property

@@ -60,6 +60,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # On the last delta, where the backend measures them: queue_time, ttft, tpot, e2e (seconds).
+    metrics: dict | None = None
 
 
 class Backend(abc.ABC):
@@ -143,3 +145,9 @@ class Backend(abc.ABC):
     def stats(self) -> dict:
         """Load figures for health pages and routing (KV usage, queue lengths)."""
         return {}
+
+    def has_room(self, prompt_tokens: int) -> bool:
+        """Whether a new request of `prompt_tokens` would start at once (free KV blocks, nothing queued
+        inside the server). The gateway's admission queue holds requests back until this is true.
+        A backend that cannot tell says yes and lets its own queue absorb the load."""
+        return True

@@ -133,8 +133,9 @@ class LocalBackend(Backend):
         try:
             async for out in self.engine.stream(ids, params, request_id=request.request_id,
                                                 priority=request.priority):
+                metrics = out.metrics.as_dict() if out.finished and out.metrics is not None else None
                 yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
-                            out.num_output_tokens, out.num_cached_tokens)
+                            out.num_output_tokens, out.num_cached_tokens, metrics)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         except EngineDeadError as exc:
@@ -143,6 +144,14 @@ class LocalBackend(Backend):
     def abort(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.abort(request_id)
+
+    def has_room(self, prompt_tokens: int) -> bool:
+        if self._engine is None:
+            return True  # stream() answers "not ready" at once; no point queueing for it
+        s = self._engine.get_stats()
+        if s["num_requests_waiting"] > 0:
+            return False
+        return s["kv_cache_free_blocks"] * s["block_size"] >= prompt_tokens
 
     def stats(self) -> dict:
         if self._engine is None:

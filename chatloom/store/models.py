@@ -6,7 +6,8 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from sqlalchemy import Boolean, DateTime, ForeignKey, Index, Integer, MetaData, String, Text, false
+from sqlalchemy import (BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, MetaData, String, Text,
+                        UniqueConstraint, false)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Named constraints keep future Alembic migrations (and SQLite batch mode) predictable.
@@ -103,4 +104,34 @@ class Message(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Usage(Base):
+    """Tokens metered per user, UTC day and model (one row each, added to as generations end)."""
+
+    __tablename__ = "usage"
+    __table_args__ = (UniqueConstraint("user_id", "day", "model", name="uq_usage_user_day_model"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    day: Mapped[str] = mapped_column(String(10), index=True)  # YYYY-MM-DD, UTC
+    model: Mapped[str] = mapped_column(String(200))
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)  # prompt tokens served from the prefix cache
+
+
+class Feedback(Base):
+    """A user's thumbs up or down (and optional words) on an answer; one per user and message."""
+
+    __tablename__ = "feedback"
+    __table_args__ = (UniqueConstraint("message_id", "user_id", name="uq_feedback_message_user"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("fb"))
+    message_id: Mapped[str] = mapped_column(ForeignKey("messages.id", ondelete="CASCADE"), index=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    rating: Mapped[str] = mapped_column(String(8))  # up | down
+    text: Mapped[str | None] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatloom.store.models import ApiKey, Conversation, Message, User, utcnow
+from chatloom.store.models import ApiKey, Conversation, Feedback, Message, Usage, User, utcnow
 
 
 class Users:
@@ -26,6 +26,13 @@ class Users:
         user = User(username=username, password_hash=password_hash, is_admin=is_admin)
         self.s.add(user)
         await self.s.flush()
+        return user
+
+    async def set_tier(self, username: str, tier: str) -> User | None:
+        user = await self.by_username(username)
+        if user is not None:
+            user.tier = tier
+            await self.s.flush()
         return user
 
 
@@ -131,3 +138,60 @@ def _aware(dt: datetime | None) -> datetime | None:
         return dt
     from datetime import timezone
     return dt.replace(tzinfo=timezone.utc)
+
+
+class UsageRows:
+    """Metered tokens per (user, UTC day, model)."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def add(self, user_id: str, day: str, model: str, prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int, requests: int = 1) -> None:
+        # An UPDATE first: the common case is a row that exists already, and an UPDATE of
+        # counters is atomic in SQL, so concurrent writers never lose an increment.
+        values = dict(requests=Usage.requests + requests, prompt_tokens=Usage.prompt_tokens + prompt_tokens,
+                      completion_tokens=Usage.completion_tokens + completion_tokens,
+                      cached_tokens=Usage.cached_tokens + cached_tokens)
+        where = (Usage.user_id == user_id, Usage.day == day, Usage.model == model)
+        result = await self.s.execute(update(Usage).where(*where).values(**values))
+        if result.rowcount:
+            return
+        # A concurrent writer may insert the same row first: the flush then raises IntegrityError,
+        # and the caller retries (the UPDATE above then finds the row).
+        self.s.add(Usage(user_id=user_id, day=day, model=model, requests=requests, prompt_tokens=prompt_tokens,
+                         completion_tokens=completion_tokens, cached_tokens=cached_tokens))
+        await self.s.flush()
+
+    async def query(self, user_id: str | None = None, since: str | None = None,
+                    until: str | None = None) -> list[tuple[Usage, str]]:
+        """Rows with their username, newest day first."""
+        q = select(Usage, User.username).join(User, User.id == Usage.user_id)
+        if user_id is not None:
+            q = q.where(Usage.user_id == user_id)
+        if since is not None:
+            q = q.where(Usage.day >= since)
+        if until is not None:
+            q = q.where(Usage.day <= until)
+        rows = await self.s.execute(q.order_by(Usage.day.desc(), User.username, Usage.model))
+        return [(u, name) for u, name in rows.all()]
+
+
+class FeedbackRows:
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def put(self, message_id: str, user_id: str, rating: str, text: str | None) -> Feedback:
+        """One feedback per user and message: a second one replaces the first."""
+        row = await self.s.scalar(select(Feedback).where(Feedback.message_id == message_id,
+                                                         Feedback.user_id == user_id))
+        if row is None:
+            row = Feedback(message_id=message_id, user_id=user_id, rating=rating, text=text, created=utcnow())
+            self.s.add(row)
+        else:
+            row.rating, row.text, row.created = rating, text, utcnow()
+        await self.s.flush()
+        return row
+
+    async def for_message(self, message_id: str) -> list[Feedback]:
+        return list(await self.s.scalars(select(Feedback).where(Feedback.message_id == message_id)))

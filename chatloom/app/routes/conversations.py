@@ -92,12 +92,13 @@ async def delete_conversation(request: Request, conv: Conversation = Depends(own
 
 @router.post("/{conversation_id}/messages")
 async def send_message(body: MessageIn, request: Request, conv: Conversation = Depends(owned_conversation),
-                       session: AsyncSession = Depends(get_session)) -> StreamingResponse:
+                       session: AsyncSession = Depends(get_session),
+                       user: User = Depends(current_user)) -> StreamingResponse:
     """Save the message and stream the answer: data: {"token"} events, then data: {"done": true, ...}.
     Omit parent_id to continue the active branch; give an earlier assistant message's id (or null
     for the first message) to branch off, as an edit does."""
     parent = body.parent_id if "parent_id" in body.model_fields_set else UNSET
-    options = GenerationOptions(body.model, body.max_tokens, body.temperature)
+    options = GenerationOptions(body.model, body.max_tokens, body.temperature, user, body.reasoning_effort)
     gen = await get_context(request).conversations.send(session, conv, body.text, parent, options)
     return stream_response(gen)
 
@@ -105,9 +106,11 @@ async def send_message(body: MessageIn, request: Request, conv: Conversation = D
 @router.post("/{conversation_id}/messages/{message_id}/regenerate")
 async def regenerate(message_id: str, request: Request, body: GenerationIn | None = None,
                      conv: Conversation = Depends(owned_conversation),
-                     session: AsyncSession = Depends(get_session)) -> StreamingResponse:
+                     session: AsyncSession = Depends(get_session),
+                     user: User = Depends(current_user)) -> StreamingResponse:
     """Stream a new answer beside an assistant message (or a new answer to a user message)."""
-    options = GenerationOptions(body.model, body.max_tokens, body.temperature) if body else GenerationOptions()
+    options = GenerationOptions(body.model, body.max_tokens, body.temperature, user, body.reasoning_effort) \
+        if body else GenerationOptions(user=user)
     gen = await get_context(request).conversations.regenerate(session, conv, message_id, options)
     return stream_response(gen)
 

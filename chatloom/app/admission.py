@@ -1,0 +1,234 @@
+"""The admission queue in front of the engine.
+
+The engine's own KV room decides when the next request starts: a waiting request is let in only
+when the backend says its prompt's blocks are free (and nothing is already queued inside the
+engine). Among the waiting, higher tiers go first, but a tier with a reserved share keeps at least
+that share of recent admissions, so the free tier slows under load and never starves. Reasoning
+requests (long hidden thinking) may hold at most `reasoning_share` of the running slots, so they
+cannot crowd out interactive chat. A request that waits longer than `max_wait_s` leaves with
+QueueTimeout (a 503) having cost no model work.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from chatloom.app.tiers import Tier
+
+INTERACTIVE = "interactive"
+REASONING = "reasoning"
+
+
+class QueueTimeout(Exception):
+    def __init__(self, waited_s: float, retry_after: int) -> None:
+        super().__init__(f"the server is busy: no room for this request after {waited_s:.0f} s in the queue; "
+                         f"retry in {retry_after} s")
+        self.waited_s = waited_s
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Ticket:
+    tier: Tier
+    prompt_tokens: int
+    kind: str = INTERACTIVE
+    seq: int = 0
+    enqueued: float = field(default_factory=time.monotonic)
+    future: asyncio.Future | None = None
+    position: int = 0
+    on_position: Callable[[int], Awaitable[None]] | None = None
+
+
+class Slot:
+    """A granted place in the engine; release() when the generation ends."""
+
+    def __init__(self, queue: "AdmissionQueue", ticket: Ticket, waited_s: float) -> None:
+        self._queue = queue
+        self.ticket = ticket
+        self.waited_s = waited_s
+        self.pending = True  # granted, but the engine has not produced anything for it yet
+        self.released = False
+        self.started_at = time.monotonic()
+
+    def started(self) -> None:
+        """The engine has taken the request in: its prompt no longer counts as pending."""
+        if self.pending:
+            self.pending = False
+            self._queue._pending_tokens -= self.ticket.prompt_tokens
+            self._queue._kick()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.started()
+            self._queue._release(self)
+
+    async def __aenter__(self) -> "Slot":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
+class AdmissionQueue:
+    def __init__(self, has_room: Callable[[int], bool], max_running: int, max_wait_s: float = 30.0,
+                 reasoning_share: float = 0.5, share_window: int = 20, poll_s: float = 0.02,
+                 on_wait: Callable[[Ticket, float, bool], None] | None = None) -> None:
+        self.has_room = has_room
+        self.max_running = max(1, max_running)
+        self.max_wait_s = max_wait_s
+        self.reasoning_share = reasoning_share
+        self.poll_s = poll_s
+        self.on_wait = on_wait  # metrics: (ticket, seconds waited, admitted?)
+        self._waiting: list[Ticket] = []
+        self._running: dict[str, int] = {INTERACTIVE: 0, REASONING: 0}
+        self._pending_tokens = 0
+        self._recent: deque[str] = deque(maxlen=share_window)  # tier names of the latest admissions
+        self._seq = itertools.count()
+        self._poller: asyncio.Task | None = None
+        self._avg_run_s = 5.0
+
+    # -- figures ------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(self._running.values())
+
+    def running_of(self, kind: str) -> int:
+        return self._running.get(kind, 0)
+
+    def reasoning_slots(self) -> int:
+        return max(1, math.floor(self.max_running * self.reasoning_share))
+
+    # -- admission ------------------------------------------------------------------
+    async def admit(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
+                    on_position: Callable[[int], Awaitable[None]] | None = None) -> Slot:
+        """Wait for room; raises QueueTimeout after max_wait_s. Cancelling the caller leaves the queue."""
+        ticket = Ticket(tier, prompt_tokens, kind, next(self._seq), on_position=on_position)
+        ticket.future = asyncio.get_running_loop().create_future()
+        self._waiting.append(ticket)
+        self._dispatch()
+        if not ticket.future.done():
+            self._ensure_poller()
+            await self._announce()
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket.future), self.max_wait_s)
+        except asyncio.TimeoutError:
+            if ticket.future.done() and not ticket.future.cancelled():  # granted at the last moment
+                return ticket.future.result()
+            self._leave(ticket)
+            waited = time.monotonic() - ticket.enqueued
+            if self.on_wait:
+                self.on_wait(ticket, waited, False)
+            raise QueueTimeout(waited, self.retry_after()) from None
+        except BaseException:
+            if ticket.future.done() and not ticket.future.cancelled():
+                ticket.future.result().release()
+            else:
+                self._leave(ticket)
+            raise
+        slot = ticket.future.result()
+        if self.on_wait:
+            self.on_wait(ticket, slot.waited_s, True)
+        return slot
+
+    def retry_after(self) -> int:
+        """A guess at when a retry would get in: the queue ahead, drained at the recent pace."""
+        estimate = self._avg_run_s * (len(self._waiting) + 1) / self.max_running
+        return int(min(60, max(1, math.ceil(estimate))))
+
+    def _leave(self, ticket: Ticket) -> None:
+        if ticket in self._waiting:
+            self._waiting.remove(ticket)
+            if not ticket.future.done():
+                ticket.future.cancel()
+            self._kick()
+
+    def _release(self, slot: Slot) -> None:
+        kind = slot.ticket.kind
+        self._running[kind] = max(0, self._running[kind] - 1)
+        run_s = time.monotonic() - slot.started_at
+        self._avg_run_s = 0.8 * self._avg_run_s + 0.2 * run_s
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._waiting:
+            self._dispatch()
+
+    # -- choosing ---------------------------------------------------------------------
+    def _eligible(self, t: Ticket) -> bool:
+        return t.kind != REASONING or self._running[REASONING] < self.reasoning_slots()
+
+    def _order(self) -> list[Ticket]:
+        """Waiting tickets in the order they would be admitted if room appeared for all."""
+        eligible = [t for t in self._waiting if self._eligible(t)]
+        by_priority = sorted(eligible, key=lambda t: (-t.tier.priority, t.seq))
+        starved = self._starved_tier(eligible)
+        if starved is None:
+            return by_priority
+        first = min((t for t in eligible if t.tier.name == starved), key=lambda t: t.seq)
+        return [first] + [t for t in by_priority if t is not first]
+
+    def _starved_tier(self, eligible: list[Ticket]) -> str | None:
+        """The waiting tier furthest below its reserved share of recent admissions, if any."""
+        if not self._recent:
+            return None
+        best, best_gap = None, 0.0
+        for name in {t.tier.name for t in eligible}:
+            share = next(t.tier.reserved_share for t in eligible if t.tier.name == name)
+            gap = share - sum(1 for n in self._recent if n == name) / len(self._recent)
+            if gap > best_gap:
+                best, best_gap = name, gap
+        return best
+
+    def _dispatch(self) -> None:
+        while self._waiting and self.running < self.max_running:
+            order = self._order()
+            if not order:
+                break
+            ticket = order[0]
+            # The head waits for room rather than letting smaller requests overtake it forever.
+            if not self.has_room(ticket.prompt_tokens + self._pending_tokens):
+                break
+            self._grant(ticket)
+        if self._waiting:
+            asyncio.get_running_loop().create_task(self._announce())
+
+    def _grant(self, ticket: Ticket) -> None:
+        self._waiting.remove(ticket)
+        self._running[ticket.kind] += 1
+        self._pending_tokens += ticket.prompt_tokens
+        self._recent.append(ticket.tier.name)
+        slot = Slot(self, ticket, time.monotonic() - ticket.enqueued)
+        if ticket.future.done():  # cancelled meanwhile
+            slot.release()
+        else:
+            ticket.future.set_result(slot)
+
+    async def _announce(self) -> None:
+        """Tell each waiter its (1-based) place when it changes."""
+        for position, ticket in enumerate(self._order() + [t for t in self._waiting if not self._eligible(t)], 1):
+            if ticket.position != position and ticket.on_position is not None:
+                ticket.position = position
+                try:
+                    await ticket.on_position(position)
+                except Exception:  # a reader-side problem must not stall the queue
+                    pass
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        # KV blocks free up inside the engine without telling us; look again every few ms while anyone waits.
+        while self._waiting:
+            await asyncio.sleep(self.poll_s)
+            self._dispatch()

@@ -1,0 +1,110 @@
+"""Prometheus metrics. Engine figures use vLLM's names (vllm:...), so existing vLLM dashboards and
+alerts work unchanged; the gateway's own figures (rate limits, queue, moderation) use chatloom:...
+
+Each app owns a registry (tests build many apps in one process). Engine gauges and counters are
+read from backend.stats() at scrape time; per-request latencies are observed when a request ends.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets close to vLLM's, so histograms line up with theirs.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0)
+
+
+class _EngineCollector:
+    """vLLM's engine gauges and counters, from the backend's stats dict at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict], model: Callable[[], str]) -> None:
+        self._stats = stats
+        self._model = model
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            s = self._stats() or {}
+        except Exception:  # a scrape must not fail because the model is loading
+            s = {}
+        if not s.get("ready", True) or "num_requests_running" not in s:
+            return
+        labels = ["model_name"]
+        model = [self._model()]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(model, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(model, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in model execution batches.", s["num_requests_running"])
+        yield gauge("vllm:num_requests_waiting", "Requests waiting inside the engine.", s["num_requests_waiting"])
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    s.get("kv_cache_usage_perc", 0.0))
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.get("prefix_cache_queries", 0))
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.get("prefix_cache_hits", 0))
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.get("num_preemptions", 0))
+        if "generation_tokens_per_s" in s:
+            yield gauge("chatloom:generation_tokens_per_s", "Generated tokens per second over the last seconds.",
+                        s["generation_tokens_per_s"])
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], dict], model: Callable[[], str]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._model = model
+        r.register(_EngineCollector(stats, model))
+        m = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.", m,
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in the engine.", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent waiting inside the engine.", m,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", m, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests.", m + ["finished_reason"],
+                                       registry=r)
+        # The gateway's own.
+        self.rate_limited = Counter("chatloom:rate_limited", "Requests refused with 429.", ["code"], registry=r)
+        self.queue_timeouts = Counter("chatloom:queue_timeouts", "Requests that left the admission queue with 503.",
+                                      registry=r)
+        self.queue_wait = Histogram("chatloom:admission_queue_wait_seconds", "Time in the admission queue.",
+                                    ["tier", "kind"], buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                                                               20, 30, 60), registry=r)
+        self.queue_waiting = Gauge("chatloom:admission_queue_waiting", "Requests in the admission queue.",
+                                   registry=r)
+        self.queue_running = Gauge("chatloom:admission_running", "Requests admitted and not yet finished.",
+                                   registry=r)
+        self.moderation_blocks = Counter("chatloom:moderation_blocks", "Messages or answers stopped by moderation.",
+                                         ["stage", "category"], registry=r)
+
+    def observe_request(self, metrics: dict | None, finish_reason: str | None, prompt_tokens: int,
+                        completion_tokens: int) -> None:
+        model = self._model()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(completion_tokens)
+        self.request_success.labels(model, finish_reason or "unknown").inc()
+        for hist, key in ((self.ttft, "ttft"), (self.tpot, "tpot"), (self.e2e, "e2e"),
+                          (self.queue_time, "queue_time")):
+            value = (metrics or {}).get(key)
+            if value is not None:
+                hist.labels(model).observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,176 @@
+"""Moderation: a pluggable check of what users send and of what the model writes.
+
+`Moderator` has two checks, input and output. The default `LexiconModerator` is a fast local
+classifier: per category, word and phrase patterns matched on normalized text (lower case,
+leetspeak undone, punctuation folded to spaces). It runs offline in microseconds. A model-based
+moderator (a local classifier, or a remote moderation API) implements the same two methods.
+
+`OutputGuard` checks the answer while it streams: it holds back the newest few pieces of text, so
+a phrase that is still being written is caught before any of it reaches the user.
+"""
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Verdict:
+    category: str
+    match: str  # the normalized text that matched, for logs (not shown to users)
+
+
+class Moderator(abc.ABC):
+    # How much already-shown text the output check sees with the held-back part, so a phrase split
+    # across pieces still matches.
+    window_chars: int = 200
+
+    @abc.abstractmethod
+    def check_input(self, text: str) -> Verdict | None:
+        """A verdict if the user's message must be refused."""
+
+    @abc.abstractmethod
+    def check_output(self, text: str) -> Verdict | None:
+        """A verdict if this stretch of the model's answer must not be shown."""
+
+
+class NoModerator(Moderator):
+    window_chars = 0
+
+    def check_input(self, text: str) -> Verdict | None:
+        return None
+
+    def check_output(self, text: str) -> Verdict | None:
+        return None
+
+
+# Categories and phrases. Deliberately narrow (explicit intent or instructions), so that ordinary
+# talk about history, news, medicine or fiction passes; operators extend it with their own file.
+LEXICON: dict[str, list[str]] = {
+    "violence/threat": [
+        r"i (?:will|am going to|'m going to|gonna) (?:kill|murder|stab|shoot|hurt) (?:you|him|her|them)",
+        r"(?:kill|murder) (?:you|your family) (?:tonight|tomorrow|soon)",
+        r"you (?:will|are going to) die (?:tonight|tomorrow|soon)",
+        r"i know where you live",
+    ],
+    "hate": [
+        r"(?:all|every) (?:\w+ )?(?:people|immigrants|foreigners) (?:should|must|deserve to) (?:die|be killed|be exterminated)",
+        r"(?:exterminate|gas) (?:the|all) (?:\w+)",
+        r"subhuman (?:race|people|vermin)",
+    ],
+    "self-harm": [
+        r"(?:i want to|how (?:do i|to|can i)) (?:kill myself|end my life|commit suicide)",
+        r"(?:best|easiest|painless) way to (?:kill myself|die|commit suicide)",
+        r"how (?:many|much) (?:pills|tablets) (?:to|would) (?:kill|overdose)",
+    ],
+    "sexual/minors": [
+        r"(?:sex|sexual|nude|naked|explicit)\w* (?:with|of|involving|pictures of) (?:a |an )?(?:child|children|minor|minors|kid|kids|\d{1,2} ?year ?old)",
+        r"(?:child|minor|underage|preteen) (?:porn|sex|nudes|erotica)",
+    ],
+    "weapons/instructions": [
+        r"how (?:do i|to|can i) (?:make|build|assemble) (?:a |an )?(?:pipe bomb|bomb|explosive|ied|nerve agent|bioweapon|molotov)",
+        r"(?:recipe|instructions|steps) (?:for|to make) (?:a |an )?(?:pipe bomb|bomb|explosive|ied|nerve agent|sarin|ricin)",
+        r"(?:synthesi[sz]e|make|produce) (?:sarin|vx|ricin|anthrax|mustard gas)",
+    ],
+}
+
+_LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s"})
+_NON_WORD = re.compile(r"[^a-z0-9' ]+")
+_SPACES = re.compile(r"\s+")
+
+
+def normalize(text: str) -> str:
+    """Lower case, leetspeak digits to letters, punctuation to spaces, single spaces."""
+    t = text.lower().translate(_LEET)
+    t = _NON_WORD.sub(" ", t)
+    return _SPACES.sub(" ", t).strip()
+
+
+class LexiconModerator(Moderator):
+    def __init__(self, lexicon: dict[str, list[str]] | None = None, window_chars: int = 200) -> None:
+        self.lexicon = LEXICON if lexicon is None else lexicon
+        # One alternation per category, whole words only; the category order decides ties.
+        self._patterns = [(cat, re.compile(r"\b(?:" + "|".join(f"(?:{p})" for p in phrases) + r")\b"))
+                          for cat, phrases in self.lexicon.items() if phrases]
+        self.window_chars = window_chars
+
+    def _check(self, text: str) -> Verdict | None:
+        norm = normalize(text)
+        for category, pattern in self._patterns:
+            m = pattern.search(norm)
+            if m:
+                return Verdict(category, m.group(0))
+        return None
+
+    def check_input(self, text: str) -> Verdict | None:
+        return self._check(text)
+
+    def check_output(self, text: str) -> Verdict | None:
+        return self._check(text)
+
+
+def build_moderator(name: str) -> Moderator:
+    if name in ("off", "none", ""):
+        return NoModerator()
+    if name == "lexicon":
+        return LexiconModerator()
+    raise ValueError(f"unknown moderator {name!r} (use 'lexicon' or 'off')")
+
+
+class OutputGuard:
+    """Streams an answer through output moderation with a small hold-back.
+
+    push(text) returns the pieces now safe to show; finish() the rest. After a violation both
+    return nothing more and `verdict` says why. The check looks at a sliding window: the held-back
+    text plus the last `window_chars` characters already shown, so phrases split across pieces match.
+    A phrase is caught when its last piece arrives, so its last `holdback_tokens` pieces are never shown.
+    """
+
+    def __init__(self, moderator: Moderator, holdback_tokens: int = 8) -> None:
+        self.moderator = moderator
+        self.holdback_tokens = holdback_tokens
+        self.context_chars = moderator.window_chars
+        self._held: list[str] = []
+        self._held_chars = 0
+        self._shown_tail = ""
+        self.verdict: Verdict | None = None
+
+    @property
+    def active(self) -> bool:
+        return not isinstance(self.moderator, NoModerator)
+
+    def _violates(self) -> bool:
+        window = self._shown_tail + "".join(self._held)
+        self.verdict = self.moderator.check_output(window)
+        return self.verdict is not None
+
+    def push(self, text: str) -> list[str]:
+        if self.verdict is not None:
+            return []
+        if not self.active:
+            return [text] if text else []
+        if text:
+            self._held.append(text)
+            self._held_chars += len(text)
+        if self._violates():
+            self._held.clear()
+            return []
+        out: list[str] = []
+        while len(self._held) > self.holdback_tokens:
+            piece = self._held.pop(0)
+            self._held_chars -= len(piece)
+            out.append(piece)
+        if out:
+            self._shown_tail = (self._shown_tail + "".join(out))[-max(self.context_chars, 1):]
+        return out
+
+    def finish(self) -> list[str]:
+        """The answer ended: check once more and release what is held."""
+        if self.verdict is not None or not self.active:
+            return []
+        if self._violates():
+            self._held.clear()
+            return []
+        out, self._held, self._held_chars = self._held, [], 0
+        return out

@@ -1,0 +1,219 @@
+"""Token quotas: reserve at admission, settle with the real count at the end.
+
+A request reserves prompt tokens + max_tokens before any model work; the reservation counts
+against the user's per-minute and per-day budgets at once, so any number of concurrent requests
+can never be granted more than the limit. When the generation ends (finished, stopped, failed)
+the reservation is settled to the tokens really used, giving back the rest.
+
+`QuotaStore` is the interface; `MemoryQuotaStore` keeps the counters in this process. A Redis
+store can implement the same calls with a sorted set per user (minute window) and INCRBY on a
+per-day key, inside one Lua script so the check-and-reserve stays atomic across gateways.
+"""
+from __future__ import annotations
+
+import abc
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+from chatloom.app.tiers import Tier
+
+MINUTE = 60.0
+
+
+class QuotaExceeded(Exception):
+    """Over a limit: `code` is OpenAI's (rate_limit_exceeded, or insufficient_quota for the day)."""
+
+    def __init__(self, message: str, code: str, retry_after: float, state: "QuotaState") -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after = retry_after
+        self.state = state
+
+
+@dataclass
+class QuotaState:
+    """What the x-ratelimit-* headers report."""
+
+    limit_requests: int
+    remaining_requests: int
+    reset_requests_s: float
+    limit_tokens: int
+    remaining_tokens: int
+    reset_tokens_s: float
+
+    def headers(self) -> dict[str, str]:
+        return {"x-ratelimit-limit-requests": str(self.limit_requests),
+                "x-ratelimit-remaining-requests": str(max(0, self.remaining_requests)),
+                "x-ratelimit-reset-requests": duration(self.reset_requests_s),
+                "x-ratelimit-limit-tokens": str(self.limit_tokens),
+                "x-ratelimit-remaining-tokens": str(max(0, self.remaining_tokens)),
+                "x-ratelimit-reset-tokens": duration(self.reset_tokens_s)}
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format: '0s', '12s', '6m0s', '1h2m3s'."""
+    s = max(0, math.ceil(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m}m{s}s"
+    if m:
+        return f"{m}m{s}s"
+    return f"{s}s"
+
+
+@dataclass
+class Reservation:
+    user_id: str
+    tokens: int
+    created: float
+    day: str
+    settled: bool = False
+    _entry: list = field(default_factory=list, repr=False)  # [time, tokens] in the minute window
+
+
+class QuotaStore(abc.ABC):
+    @abc.abstractmethod
+    def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
+        """Count `tokens` against the user's budgets now, or raise QuotaExceeded."""
+
+    @abc.abstractmethod
+    def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
+        """Grow a reservation to `tokens` (the exact prompt turned out larger), or raise QuotaExceeded."""
+
+    @abc.abstractmethod
+    def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        """Replace the reservation by the tokens really used; ends the request's concurrency slot."""
+
+    @abc.abstractmethod
+    def state(self, user_id: str, tier: Tier) -> QuotaState: ...
+
+
+@dataclass
+class _UserCounters:
+    minute: deque = field(default_factory=deque)  # [time, tokens] entries, oldest first
+    requests: deque = field(default_factory=deque)  # request start times
+    day: str = ""
+    day_tokens: int = 0
+    active: int = 0
+
+
+def _today(now: float) -> str:
+    return datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d")
+
+
+def _seconds_to_midnight(now: float) -> float:
+    t = datetime.fromtimestamp(now, timezone.utc)
+    midnight = (t + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    return (midnight - t).total_seconds()
+
+
+class MemoryQuotaStore(QuotaStore):
+    """Sliding one-minute windows and a UTC-day counter per user, in this process.
+    Calls never await, so on one event loop each check-and-reserve is atomic."""
+
+    def __init__(self, clock=time.time) -> None:
+        self.clock = clock
+        self._users: dict[str, _UserCounters] = {}
+
+    def _counters(self, user_id: str, now: float) -> _UserCounters:
+        c = self._users.setdefault(user_id, _UserCounters())
+        while c.minute and c.minute[0][0] <= now - MINUTE:
+            c.minute.popleft()
+        while c.requests and c.requests[0] <= now - MINUTE:
+            c.requests.popleft()
+        today = _today(now)
+        if c.day != today:
+            c.day, c.day_tokens = today, 0
+        return c
+
+    @staticmethod
+    def _minute_used(c: _UserCounters) -> int:
+        return sum(e[1] for e in c.minute)
+
+    @staticmethod
+    def _wait_for(c: _UserCounters, now: float, need: int, limit: int) -> float:
+        """Seconds until the minute window has room for `need` more tokens."""
+        used = sum(e[1] for e in c.minute)
+        for t, tokens in c.minute:
+            used -= tokens
+            if used + need <= limit:
+                return t + MINUTE - now
+        return MINUTE
+
+    def _check(self, c: _UserCounters, tier: Tier, tokens: int, now: float, new_request: bool) -> None:
+        if tokens > tier.tokens_per_minute:
+            raise QuotaExceeded(f"this request needs {tokens} tokens (prompt + max_tokens), more than the "
+                                f"{tier.name} tier's {tier.tokens_per_minute} tokens per minute; lower "
+                                "max_tokens or shorten the prompt", "rate_limit_exceeded", MINUTE,
+                                self._state(c, tier, now))
+        if c.day_tokens + tokens > tier.tokens_per_day:
+            raise QuotaExceeded(f"daily token quota of the {tier.name} tier used up ({c.day_tokens} of "
+                                f"{tier.tokens_per_day} tokens today, this request needs {tokens})",
+                                "insufficient_quota", _seconds_to_midnight(now), self._state(c, tier, now))
+        if new_request and c.active >= tier.max_concurrent:
+            raise QuotaExceeded(f"the {tier.name} tier runs at most {tier.max_concurrent} generations at "
+                                "once; wait for one to finish", "rate_limit_exceeded", 1.0,
+                                self._state(c, tier, now))
+        if new_request and len(c.requests) >= tier.requests_per_minute:
+            raise QuotaExceeded(f"rate limit of {tier.requests_per_minute} requests per minute reached",
+                                "rate_limit_exceeded", c.requests[0] + MINUTE - now, self._state(c, tier, now))
+        used = self._minute_used(c)
+        if used + tokens > tier.tokens_per_minute:
+            raise QuotaExceeded(f"rate limit reached: {used} of {tier.tokens_per_minute} tokens per minute in "
+                                f"use, this request needs {tokens}", "rate_limit_exceeded",
+                                self._wait_for(c, now, tokens, tier.tokens_per_minute), self._state(c, tier, now))
+
+    def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
+        now = self.clock()
+        c = self._counters(user_id, now)
+        self._check(c, tier, tokens, now, new_request=True)
+        entry = [now, tokens]
+        c.minute.append(entry)
+        c.requests.append(now)
+        c.day_tokens += tokens
+        c.active += 1
+        return Reservation(user_id, tokens, now, c.day, _entry=entry)
+
+    def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
+        extra = tokens - reservation.tokens
+        if extra <= 0 or reservation.settled:
+            return
+        now = self.clock()
+        c = self._counters(reservation.user_id, now)
+        self._check(c, tier, extra, now, new_request=False)
+        reservation._entry[1] += extra
+        c.day_tokens += extra
+        reservation.tokens = tokens
+
+    def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        if reservation.settled:
+            return
+        reservation.settled = True
+        now = self.clock()
+        c = self._counters(reservation.user_id, now)
+        c.active = max(0, c.active - 1)
+        delta = used_tokens - reservation.tokens
+        # The entry may have left the minute window already; changing it then changes nothing.
+        reservation._entry[1] = used_tokens
+        if reservation.day == c.day:
+            c.day_tokens = max(0, c.day_tokens + delta)
+
+    def _state(self, c: _UserCounters, tier: Tier, now: float) -> QuotaState:
+        used = self._minute_used(c)
+        reset_tokens = (c.minute[-1][0] + MINUTE - now) if used else 0.0
+        reset_requests = (c.requests[0] + MINUTE - now) if c.requests else 0.0
+        remaining_tokens = min(tier.tokens_per_minute - used, tier.tokens_per_day - c.day_tokens)
+        return QuotaState(tier.requests_per_minute, tier.requests_per_minute - len(c.requests), reset_requests,
+                          tier.tokens_per_minute, remaining_tokens, reset_tokens)
+
+    def state(self, user_id: str, tier: Tier) -> QuotaState:
+        now = self.clock()
+        return self._state(self._counters(user_id, now), tier, now)
+
+    def day_used(self, user_id: str) -> int:
+        now = self.clock()
+        return self._counters(user_id, now).day_tokens
