@@ -42,6 +42,11 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r} "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position")
+        bad = [n for n in sizes if not isinstance(getattr(self, n), int) or getattr(self, n) < 1]
+        if bad:
+            raise ModelError(f"model config has invalid {', '.join(bad)}")
         if self.num_heads % self.num_kv_heads:
             raise ModelError("num_heads must be a multiple of num_kv_heads")
 
@@ -71,10 +76,28 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        # transformers 5 writes rope_theta inside rope_parameters; older configs at the top level.
+        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+        rope_type = scaling.get("rope_type") or scaling.get("type") or rope_params.get("rope_type") or "default"
+        if rope_type != "default":
+            # llama3 / yarn / linear scaling change the RoPE frequencies at every position.
+            raise ModelError(f"RoPE scaling {rope_type!r} is not supported yet (only plain RoPE)")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelError(f"activation {act!r} is not supported (the Llama MLP uses silu)")
+        if cfg.get("mlp_bias"):
+            raise ModelError("MLP biases (mlp_bias) are not supported")
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+            max_position = int(cfg.get("max_position_embeddings", 2048))
+            # Within the sliding window, windowed attention is plain causal attention:
+            # cap the context there rather than compute something else beyond it.
+            window = cfg.get("sliding_window")
+            if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+                max_position = min(max_position, int(window))
             return cls(
                 architecture=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -84,15 +107,17 @@ class ModelConfig:
                 num_heads=num_heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=head_dim,
-                max_position=int(cfg.get("max_position_embeddings", 2048)),
+                max_position=max_position,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 name=name,
             )
         except KeyError as exc:
             raise ModelError(f"config.json lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as exc:
+            raise ModelError(f"config.json has a bad value: {exc}") from None
 
     @classmethod
     def from_json_file(cls, path: Path) -> "ModelConfig":

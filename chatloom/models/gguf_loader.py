@@ -165,7 +165,15 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
+    head_dim = int(field(reader, f"{arch}.attention.key_length") or hidden // max(heads, 1))
     names = {t.name for t in reader.tensors}
+    scaling = field(reader, f"{arch}.rope.scaling.type")
+    if (scaling not in (None, "none")) or "rope_freqs.weight" in names:
+        # Llama 3.1+ files carry frequency factors (rope_freqs); others linear/yarn scaling.
+        raise ModelError(f"RoPE scaling {scaling or 'rope_freqs'!r} is not supported yet (only plain RoPE)")
+    rot = field(reader, f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ModelError(f"partial rotary embeddings ({rot} of {head_dim} dims) are not supported")
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     return ModelConfig(
         architecture=arch,
@@ -175,7 +183,7 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv") or heads),
-        head_dim=int(field(reader, f"{arch}.attention.key_length") or hidden // heads),
+        head_dim=head_dim,
         max_position=int(need("context_length")),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base") or 10000.0),

@@ -21,6 +21,9 @@ SEQS = [[5, 70, 200, 12, 261, 9, 44], [100], [262, 263, 1, 2, 3, 4, 5, 6, 7, 8, 
 VARIANTS = {
     "llama": tc.hf_config("llama"),
     "llama-tied": tc.hf_config("llama", tie_word_embeddings=True),
+    # transformers 5 writes rope_theta inside rope_parameters.
+    "llama-rope-parameters": {k: v for k, v in tc.hf_config("llama").items() if k != "rope_theta"}
+    | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
     "mistral": tc.hf_config("mistral"),
     "qwen2": tc.hf_config("qwen2"),
 }
@@ -48,6 +51,7 @@ def test_hf_folder_matches_transformers(checkpoint):
     loaded = load_model(str(folder), "fp32")
     cfg = loaded.config
     assert cfg.architecture == VARIANTS[name]["model_type"]
+    assert cfg.rope_theta == (500000.0 if name == "llama-rope-parameters" else 10000.0)
     assert cfg.attention_bias == (name == "qwen2")
     assert cfg.tie_word_embeddings == VARIANTS[name]["tie_word_embeddings"]
     assert not cfg.rope_interleaved
@@ -59,6 +63,7 @@ def test_gguf_file_matches_transformers(checkpoint):
     name, _, gguf_path, hf = checkpoint
     loaded = load_model(str(gguf_path), "fp32")
     cfg = loaded.config
+    assert cfg.rope_theta == (500000.0 if name == "llama-rope-parameters" else 10000.0)
     # llama.cpp permutes Q/K of llama-style models only; qwen2 keeps the HF layout.
     assert cfg.rope_interleaved == (name != "qwen2")
     assert cfg.attention_bias == (name == "qwen2")
@@ -175,3 +180,52 @@ def test_corrupt_or_mismatched_safetensors(tmp_path, llama_files):
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(ModelError, match="missing"):
         load_model(str(bad))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "RoPE scaling 'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "RoPE scaling 'yarn'"),
+    ({"hidden_act": "gelu"}, "activation 'gelu'"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
+    ({"num_hidden_layers": 0}, "invalid num_layers"),
+    ({"hidden_size": None}, "bad value"),
+])
+def test_unsupported_hf_configs_are_refused(tmp_path, change, message):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(tc.hf_config("llama") | change))
+    with pytest.raises(ModelError, match=message):
+        describe_config(str(tmp_path))
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(tc.hf_config("mistral", sliding_window=64)))
+    assert describe_config(str(tmp_path)).max_position == 64
+    (tmp_path / "config.json").write_text(json.dumps(tc.hf_config("qwen2", sliding_window=64)))
+    assert describe_config(str(tmp_path)).max_position == 128  # use_sliding_window is false
+
+
+def test_gguf_with_rope_scaling_is_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    cfg = VARIANTS["llama"]
+    path = tc.write_gguf(tmp_path / "scaled.gguf", cfg, tc.random_weights(cfg))
+    # Rewrite with a rope_freqs tensor, as llama.cpp writes for Llama 3.1+.
+    reader_free = tmp_path / "freqs.gguf"
+    w = gguf.GGUFWriter(str(reader_free), "llama")
+    for key, value in [("llama.context_length", 128), ("llama.embedding_length", 32), ("llama.block_count", 2),
+                       ("llama.feed_forward_length", 64), ("llama.attention.head_count", 4),
+                       ("llama.attention.layer_norm_rms_epsilon", 1e-6)]:
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
+    w.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="RoPE scaling"):
+        describe_config(str(reader_free))
+    assert describe_config(str(path)).rope_theta == 10000.0

@@ -127,7 +127,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> Path:
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_rope_dimension_count(cfg["head_dim"])
     w.add_file_type(0)  # all F32
 
