@@ -13,6 +13,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from chatloom.app import reasoning
+from chatloom.app.admission import INTERACTIVE, REASONING
 from chatloom.app.auth import current_user
 from chatloom.app.deps import get_context
 from chatloom.app.errors import ApiError, error_body
@@ -72,6 +74,8 @@ class ChatCompletionIn(BaseModel):
     seed: int | None = None
     n: int | None = Field(default=None, ge=1)
     user: str | None = Field(default=None, max_length=256)
+    # OpenAI's parameter for reasoning models: the thinking streams as delta.reasoning_content (as vLLM does).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -91,7 +95,7 @@ def _usage(last: Delta) -> dict:
 
 
 def _finish_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "content_filter") else "stop"
 
 
 def _to_request(body: ChatCompletionIn, backend: Backend, default_max_tokens: int) -> GenerationRequest:
@@ -111,36 +115,124 @@ def _to_request(body: ChatCompletionIn, backend: Backend, default_max_tokens: in
                              stop=body.stop or [], request_id=f"chatcmpl-{uuid.uuid4().hex}")
 
 
+class _Traffic:
+    """One request's trip through traffic control: tier caps, input moderation, the quota
+    reservation, the admission slot; then thinking split off and the output guarded while it streams,
+    and at the end the quota settled, the usage metered, the latencies observed."""
+
+    def __init__(self, request: Request, user: User, body: ChatCompletionIn, req: GenerationRequest) -> None:
+        ctx = get_context(request)
+        self.traffic, self.backend, self.user, self.req = ctx.traffic, ctx.backend, user, req
+        self.tier = self.traffic.tier(user)
+        self.traffic.check_model(self.tier, req.model)
+        req.max_tokens = self.traffic.cap_max_tokens(self.tier, req.max_tokens)
+        self.traffic.check_input("\n".join(m["content"] for m in req.messages if m["role"] != "assistant"),
+                                 "messages")
+        self.effort = self.traffic.effort(body.reasoning_effort)
+        if self.effort is not None:
+            req.messages = reasoning.with_instructions(req.messages, self.effort)
+            req.max_tokens += reasoning.BUDGET_TOKENS[self.effort]
+        req.priority = -self.tier.priority  # the engine runs low numbers first
+        self.prompt_tokens = self.backend.count_prompt_tokens(req.messages)
+        self.reservation = self.traffic.reserve(user, self.tier, self.prompt_tokens + req.max_tokens)
+        self.slot = None
+        self.guard = self.traffic.output_guard()
+        self.splitter = reasoning.ThinkingSplitter() if self.effort else None
+        self.last = Delta("")
+        self.finish_reason: str | None = None
+        self._closed = False
+
+    async def admit(self) -> None:
+        try:
+            self.slot = await self.traffic.admit(self.tier, self.prompt_tokens,
+                                                 REASONING if self.effort else INTERACTIVE)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def pieces(self, stream):
+        """(kind, text) pieces to show, kind 'content' or 'reasoning'; aborts the request on a violation."""
+        async for delta in stream:
+            self.slot.started()
+            self.last = delta
+            if self.guard.verdict is not None:
+                continue
+            parts = self.splitter.push(delta.text) if self.splitter else [("answer", delta.text)]
+            if delta.finished:
+                parts += self.splitter.finish() if self.splitter else []
+            for kind, text in parts:
+                if kind == "thinking":
+                    yield "reasoning", text
+                else:
+                    for shown in self.guard.push(text):
+                        yield "content", shown
+            if delta.finished and self.guard.verdict is None:
+                for shown in self.guard.finish():
+                    yield "content", shown
+            if self.guard.verdict is not None:
+                self.traffic.output_blocked(self.guard)
+                if not delta.finished:
+                    self.backend.abort(self.req.request_id)
+        self.finish_reason = "content_filter" if self.guard.verdict else self.last.finish_reason
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.slot is not None:
+            self.slot.release()
+        last = self.last
+        used = last.prompt_tokens + last.completion_tokens
+        self.traffic.quotas.settle(self.reservation, used)
+        if used:
+            await self.traffic.meter.record(self.user.id, self.req.model, last.prompt_tokens, last.completion_tokens,
+                                            last.cached_tokens)
+            self.traffic.metrics.observe_request(last.metrics, self.finish_reason or last.finish_reason,
+                                                 last.prompt_tokens, last.completion_tokens)
+
+
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionIn, request: Request, user: User = Depends(current_user)):
     ctx = get_context(request)
     backend = ctx.backend
     req = _to_request(body, backend, ctx.settings.default_max_tokens)
+    control = _Traffic(request, user, body, req)
+    # Queue for room before answering, so a request that waits too long is a real 503.
+    await control.admit()
     chunk_base = {"id": req.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                   "model": req.model, "system_fingerprint": None}
     stream = backend.stream(req)
-    # Wait for the first delta before answering, so a refused request (prompt too long, model not
+    pieces = control.pieces(stream)
+    # Wait for the first piece before answering, so a refused request (prompt too long, model not
     # ready) is a proper HTTP error rather than an error inside a 200 stream.
     try:
-        first = await stream.__anext__()
+        first = await pieces.__anext__()
     except StopAsyncIteration:
-        first = Delta("", True, "stop")
+        first = None
+    except BaseException:
+        await stream.aclose()
+        await control.close()
+        raise
 
     if not body.stream:
-        parts, last = [first.text], first
+        content, thinking = [], []
         try:
-            if not first.finished:
-                async for delta in stream:
-                    parts.append(delta.text)
-                    last = delta
+            if first is not None:
+                (content if first[0] == "content" else thinking).append(first[1])
+                async for kind, text in pieces:
+                    (content if kind == "content" else thinking).append(text)
         finally:
             await stream.aclose()
+            await control.close()
+        message = {"role": "assistant", "content": "".join(content), "refusal": None}
+        if control.effort is not None:
+            message["reasoning_content"] = "".join(thinking)
         return JSONResponse({
             "id": req.request_id, "object": "chat.completion", "created": chunk_base["created"], "model": req.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts), "refusal": None},
-                         "logprobs": None, "finish_reason": _finish_reason(last.finish_reason)}],
-            "usage": _usage(last)})
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": _finish_reason(control.finish_reason)}],
+            "usage": _usage(control.last)})
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -151,24 +243,24 @@ async def chat_completions(body: ChatCompletionIn, request: Request, user: User 
             data["usage"] = None
         return frame(data)
 
+    def piece_chunk(kind: str, text: str) -> bytes:
+        return chunk({"reasoning_content" if kind == "reasoning" else "content": text})
+
     async def events():
-        last = first
         try:
             yield chunk({"role": "assistant", "content": ""})
-            if first.text:
-                yield chunk({"content": first.text})
-            if not first.finished:
-                async for delta in stream:
-                    last = delta
-                    if delta.text:
-                        yield chunk({"content": delta.text})
-            yield chunk({}, _finish_reason(last.finish_reason))
+            if first is not None:
+                yield piece_chunk(*first)
+                async for kind, text in pieces:
+                    yield piece_chunk(kind, text)
+            yield chunk({}, _finish_reason(control.finish_reason))
             if include_usage:
-                yield frame({**chunk_base, "choices": [], "usage": _usage(last)})
+                yield frame({**chunk_base, "choices": [], "usage": _usage(control.last)})
         except (BadGenerationRequest, BackendError) as exc:
             yield frame(error_body(500, f"generation failed: {exc}", "generation_failed"))
         finally:
             await stream.aclose()  # a client that left aborts the request
+            await control.close()
         yield frame("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
