@@ -13,7 +13,7 @@ from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
 from chatloom.app.events import MemoryEventLogStore
-from chatloom.app.routes import auth, conversations, health, openai
+from chatloom.app.routes import auth, conversations, health, openai, web
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import build_traffic, install as install_traffic
 from chatloom.engine import EngineConfig
@@ -65,7 +65,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.ctx = ctx
     install_error_handlers(app)
     install_traffic(app)
-    for module in (health, auth, conversations, openai):
+    for module in (health, auth, conversations, openai, web):
         app.include_router(module.router)
     return app
 

@@ -1,0 +1,435 @@
+// The chat app's entry point: holds the state and wires the screens (auth, sidebar, messages,
+// composer) to the API. Rendering lives in messages.js / sidebar.js, streaming in run.js.
+import { api, session, setUnauthorizedHandler } from './api.js';
+import { $, nearBottom } from './dom.js';
+import { renderBranch, streamingMessage, updateStreaming } from './messages.js';
+import { describeError, hideNotice, setupNotice, showNotice } from './notice.js';
+import { Run } from './run.js';
+import { renderSidebar } from './sidebar.js';
+import { renderUsage } from './usage.js';
+
+const state = {
+  user: null,
+  conversations: [],
+  convId: null, // null: a new chat, created on the first message
+  title: 'New chat',
+  branch: [], // the messages shown, root first
+  run: null, // the generation this page is following
+  thoughts: new Map(), // message id -> thinking text seen while it streamed
+};
+
+const narrow = () => window.matchMedia('(max-width: 760px)').matches;
+const messagesBox = () => $('messages');
+
+// -- sign in --------------------------------------------------------------------
+
+function showAuth(message) {
+  state.run?.controller.abort();
+  session.token = null;
+  $('app').hidden = true;
+  $('auth').hidden = false;
+  const error = $('auth-error');
+  error.hidden = !message;
+  error.textContent = message || '';
+  $('auth-username').focus();
+}
+
+async function submitAuth(event) {
+  event.preventDefault();
+  const mode = event.submitter?.dataset.mode || 'login';
+  const username = $('auth-username').value.trim();
+  const password = $('auth-password').value;
+  const error = $('auth-error');
+  error.hidden = true;
+  try {
+    const result = mode === 'signup' ? await api.signup(username, password) : await api.login(username, password);
+    session.token = result.token;
+    state.user = result.user || await api.me();
+    $('auth-password').value = '';
+    await enterApp();
+  } catch (err) {
+    error.textContent = describeError(err);
+    error.hidden = false;
+  }
+}
+
+// -- the app shell ------------------------------------------------------------------
+
+async function enterApp() {
+  $('auth').hidden = true;
+  $('app').hidden = false;
+  $('username').textContent = state.user?.username || '';
+  loadModels();
+  refreshUsage();
+  await refreshConversations();
+  const id = new URLSearchParams(location.hash.slice(1)).get('c');
+  if (id && state.conversations.some((c) => c.id === id)) await openConversation(id);
+  else newChat();
+}
+
+async function loadModels() {
+  const select = $('model');
+  try {
+    const { data } = await api.models();
+    const saved = localStorage.getItem('chatloom.model');
+    select.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
+    if (saved && data.some((m) => m.id === saved)) select.value = saved;
+  } catch {
+    select.replaceChildren(new Option('default model', ''));
+  }
+}
+
+async function refreshUsage() {
+  try {
+    renderUsage($('usage'), await api.usage());
+  } catch {
+    $('usage').hidden = true; // no /usage on this server (or it failed): show nothing
+  }
+}
+
+async function refreshConversations() {
+  try {
+    state.conversations = await api.conversations();
+  } catch (err) {
+    if (err.status !== 401) showNotice(describeError(err));
+  }
+  drawSidebar();
+}
+
+function drawSidebar() {
+  renderSidebar($('conversation-list'), state.conversations, state.convId, {
+    open: (id) => { openConversation(id); closeDrawer(); },
+    rename: async (id, title) => {
+      try { await api.rename(id, title); } catch (err) { showNotice(describeError(err)); }
+      await refreshConversations();
+      if (id === state.convId) setTitle(title);
+    },
+    remove: async (id) => {
+      try { await api.remove(id); } catch (err) { if (err.status !== 404) showNotice(describeError(err)); }
+      if (id === state.convId) newChat();
+      await refreshConversations();
+    },
+  });
+}
+
+function setTitle(title) {
+  state.title = title || 'New chat';
+  $('title').textContent = state.title;
+  document.title = state.convId ? `${state.title} · chatloom` : 'chatloom';
+}
+
+function setHash() {
+  const hash = state.convId ? `#c=${state.convId}` : '';
+  if (location.hash !== hash) history.replaceState(null, '', `${location.pathname}${location.search}${hash}`);
+}
+
+// Leave the generation we follow running on the server; only this page stops listening.
+function detach() {
+  if (state.run) {
+    state.run.controller.abort();
+    state.run = null;
+    setRunning(false);
+  }
+}
+
+function newChat() {
+  detach();
+  hideNotice();
+  state.convId = null;
+  state.branch = [];
+  setTitle('New chat');
+  setHash();
+  drawMessages();
+  drawSidebar();
+  $('input').focus();
+}
+
+async function openConversation(id, leaf = null) {
+  if (id !== state.convId) detach();
+  let conv;
+  try {
+    conv = await api.conversation(id, leaf);
+  } catch (err) {
+    showNotice(describeError(err));
+    if (err.status === 404) { newChat(); refreshConversations(); }
+    return;
+  }
+  state.convId = id;
+  state.branch = conv.messages;
+  setTitle(conv.title);
+  setHash();
+  drawSidebar();
+  drawMessages();
+  scrollToBottom(true);
+  if (conv.generating && !state.run) attach(id, conv.generating);
+}
+
+// -- messages -----------------------------------------------------------------
+
+const messageActions = {
+  thoughtOf: (id) => state.thoughts.get(id),
+  showSibling: (id) => openConversation(state.convId, id),
+  edit: (m, text) => generate(() => api.send(state.convId, { text, parent_id: m.parent_id ?? null, ...options() })),
+  regenerate: (m) => generate(() => api.regenerate(state.convId, m.id, options())),
+  copy: (text) => navigator.clipboard?.writeText(text).catch(() => {}),
+  feedback: async (m, rating, button) => {
+    try {
+      await api.feedback(m.id, rating);
+      m.feedback = rating;
+      button.closest('.toolbar').querySelectorAll('.thumb')
+        .forEach((b) => b.setAttribute('aria-pressed', String(b === button)));
+    } catch (err) {
+      showNotice(err.status === 404 || err.status === 405 ? 'Feedback is not available on this server.'
+        : describeError(err));
+    }
+  },
+};
+
+function drawMessages() {
+  const box = messagesBox();
+  if (!state.branch.length && !state.run) {
+    box.replaceChildren($('empty') || emptyState());
+    return;
+  }
+  renderBranch(box, state.branch, messageActions, { runningId: state.run?.messageId ?? null });
+  if (state.run) drawRun();
+}
+
+function emptyState() {
+  const div = document.createElement('div');
+  div.id = 'empty';
+  div.className = 'empty';
+  div.innerHTML = '<h1>How can I help?</h1>';
+  return div;
+}
+
+let frame = 0;
+function drawRun() {
+  const run = state.run;
+  if (!run || run.convId !== state.convId) return;
+  let node = messagesBox().querySelector(`.message[data-id="${CSS.escape(run.messageId)}"]`);
+  if (!node) {
+    node = streamingMessage(run.messageId);
+    messagesBox().append(node);
+  }
+  const stick = nearBottom(messagesBox());
+  updateStreaming(node, run);
+  if (stick) scrollToBottom(true);
+}
+
+// Redraw at most once per animation frame, however fast tokens come.
+function scheduleDraw() {
+  if (!frame) frame = requestAnimationFrame(() => { frame = 0; drawRun(); });
+}
+
+function scrollToBottom(force = false) {
+  const box = messagesBox();
+  if (force || nearBottom(box)) box.scrollTop = box.scrollHeight;
+}
+
+// -- generating ---------------------------------------------------------------
+
+function options() {
+  const body = {};
+  const model = $('model').value;
+  if (model) body.model = model;
+  if ($('reasoning').checked) body.reasoning_effort = $('effort').value;
+  return body;
+}
+
+function setRunning(running) {
+  $('send').hidden = running;
+  $('stop').hidden = !running;
+  $('stop').disabled = false;
+  document.body.classList.toggle('generating', running);
+}
+
+// Start an answer: `start()` POSTs and resolves to the event-stream Response.
+async function generate(start, { onStarted = () => {} } = {}) {
+  if (state.run) return false;
+  hideNotice();
+  $('send').disabled = true;
+  let response;
+  try {
+    response = await start();
+  } catch (err) {
+    $('send').disabled = false;
+    const retry = err.status === 429 || err.status === 503 || err.status === 0;
+    showNotice(describeError(err), retry ? { retryAfter: err.retryAfter, onRetry: () => generate(start, { onStarted }) } : {});
+    return false;
+  }
+  $('send').disabled = false;
+  onStarted();
+  const convId = state.convId;
+  const run = new Run(convId, response.headers.get('X-Message-Id'));
+  state.run = run;
+  setRunning(true);
+  // The server has saved the question and an empty answer: show that branch, then stream into it.
+  try {
+    const conv = await api.conversation(convId, run.messageId);
+    if (state.convId === convId) {
+      state.branch = conv.messages;
+      setTitle(conv.title);
+    }
+  } catch { /* the stream still shows the answer */ }
+  drawMessages();
+  scrollToBottom(true);
+  refreshConversations();
+  await follow(run, response);
+  return true;
+}
+
+// Reattach to an answer that is still being written (after a reload, or on opening its conversation).
+function attach(convId, messageId) {
+  const run = Run.restore(convId, messageId);
+  state.run = run;
+  setRunning(true);
+  drawMessages();
+  follow(run, null);
+}
+
+// Read the run's stream to its end; a dropped connection resumes after the last event seen.
+async function follow(run, response) {
+  let attempts = 0;
+  while (!run.finished && state.run === run) {
+    try {
+      if (!response) response = await api.resume(run.convId, run.messageId, run.lastEventId, run.controller.signal);
+      await run.follow(response, scheduleDraw);
+      attempts = 0;
+    } catch (err) {
+      if (err.name === 'AbortError' || state.run !== run) return; // detached
+      if (err.status === 404 || err.status === 405) { await waitForSaved(run); break; }
+      if (++attempts > 5) { run.error = describeError(err); break; }
+      run.reconnecting = true;
+      scheduleDraw();
+      await new Promise((r) => setTimeout(r, 500 * attempts));
+    }
+    response = null;
+  }
+  if (state.run === run) finish(run);
+}
+
+// Without a resumable stream, poll until the answer is saved.
+async function waitForSaved(run) {
+  while (state.run === run) {
+    try {
+      const conv = await api.conversation(run.convId);
+      if (conv.generating !== run.messageId) return;
+    } catch { return; }
+    await new Promise((r) => setTimeout(r, 1000));
+  }
+}
+
+async function finish(run) {
+  run.forget();
+  if (run.thinking) state.thoughts.set(run.messageId, run.thinking);
+  state.run = null;
+  setRunning(false);
+  if (run.error) showNotice(`The answer failed: ${run.error}`);
+  if (run.convId === state.convId) {
+    try {
+      const conv = await api.conversation(run.convId, run.messageId);
+      state.branch = conv.messages;
+      setTitle(conv.title);
+    } catch { /* keep what is shown */ }
+    drawMessages();
+  }
+  await Promise.all([refreshConversations(), refreshUsage()]);
+  // A counter of finished answers: lets tests (and curious users) see that everything is settled.
+  document.body.dataset.answers = String(Number(document.body.dataset.answers || 0) + 1);
+}
+
+async function stop() {
+  const run = state.run;
+  if (!run || run.stopping) return;
+  run.stopping = true;
+  $('stop').disabled = true;
+  try {
+    await api.stop(run.convId);
+  } catch (err) {
+    run.stopping = false;
+    $('stop').disabled = false;
+    showNotice(describeError(err));
+  }
+}
+
+async function sendFromComposer() {
+  const input = $('input');
+  const text = input.value.trim();
+  if (!text || state.run) return;
+  if (!state.convId) {
+    try {
+      const conv = await api.createConversation();
+      state.convId = conv.id;
+      setHash();
+    } catch (err) {
+      showNotice(describeError(err), { retryAfter: err.retryAfter, onRetry: sendFromComposer });
+      return;
+    }
+  }
+  // Continue the branch on screen (not necessarily the last one written).
+  const last = state.branch[state.branch.length - 1];
+  const body = { text, ...options() };
+  if (last?.role === 'assistant') body.parent_id = last.id;
+  const convId = state.convId;
+  await generate(() => api.send(convId, body), {
+    onStarted: () => { input.value = ''; autosize(); },
+  });
+}
+
+// -- composer, keys, layout -------------------------------------------------------------
+
+function autosize() {
+  const input = $('input');
+  input.style.height = 'auto';
+  input.style.height = `${Math.min(input.scrollHeight, 200)}px`;
+}
+
+function closeDrawer() { document.body.classList.remove('sidebar-open'); }
+
+function wire() {
+  setupNotice();
+  setUnauthorizedHandler(() => showAuth('Your session has ended. Please log in again.'));
+  $('auth-form').addEventListener('submit', submitAuth);
+  $('composer').addEventListener('submit', (e) => { e.preventDefault(); sendFromComposer(); });
+  $('input').addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      sendFromComposer();
+    }
+  });
+  $('input').addEventListener('input', autosize);
+  $('stop').addEventListener('click', stop);
+  document.addEventListener('keydown', (e) => {
+    if (e.key === 'Escape' && state.run) { e.preventDefault(); stop(); }
+  });
+  $('new-chat').addEventListener('click', () => { newChat(); closeDrawer(); });
+  $('logout').addEventListener('click', () => { detach(); showAuth(); });
+  $('menu').addEventListener('click', () => document.body.classList.toggle('sidebar-open'));
+  $('scrim').addEventListener('click', closeDrawer);
+  $('model').addEventListener('change', () => localStorage.setItem('chatloom.model', $('model').value));
+  $('reasoning').addEventListener('change', () => { $('effort').disabled = !$('reasoning').checked; });
+  // Copy buttons inside rendered code blocks.
+  messagesBox().addEventListener('click', (e) => {
+    const button = e.target.closest('.copy-code');
+    if (!button) return;
+    const code = button.closest('.code-block')?.querySelector('code')?.textContent ?? '';
+    navigator.clipboard?.writeText(code).then(() => { button.textContent = 'Copied'; }).catch(() => {});
+  });
+  if (narrow()) closeDrawer();
+}
+
+async function main() {
+  wire();
+  if (!session.token) { showAuth(); return; }
+  try {
+    state.user = await api.me();
+  } catch (err) {
+    if (err.status === 401) return showAuth();
+    showAuth(describeError(err));
+    return;
+  }
+  await enterApp();
+}
+
+main();

@@ -1,0 +1,108 @@
+// The message view: one branch of the conversation tree, as bubbles with their tools
+// (‹ 2/3 › between siblings, edit for questions, copy / regenerate / thumbs for answers).
+import { el } from './dom.js';
+import { icon } from './icons.js';
+import { renderMarkdown } from './markdown.js';
+
+const STATUS_TEXT = { stopped: 'Stopped', incomplete: 'Cut off at the length limit', error: 'Failed' };
+
+// ‹ i/n › for a message that has siblings; `go(id)` shows the branch through that sibling.
+function siblingNav(message, go, busy) {
+  const ids = message.sibling_ids || [message.id];
+  if (ids.length < 2) return null;
+  const i = message.sibling_index ?? ids.indexOf(message.id);
+  return el('span', { class: 'siblings' },
+    el('button', { type: 'button', class: 'prev', 'aria-label': 'Previous version', disabled: busy || i === 0,
+      onclick: () => go(ids[i - 1]) }, '‹'),
+    el('span', { class: 'position' }, `${i + 1}/${ids.length}`),
+    el('button', { type: 'button', class: 'next', 'aria-label': 'Next version', disabled: busy || i === ids.length - 1,
+      onclick: () => go(ids[i + 1]) }, '›'));
+}
+
+function userMessage(m, actions, busy) {
+  const node = el('div', { class: 'message user', dataset: { id: m.id, role: 'user' } });
+  const bubble = el('div', { class: 'bubble', text: m.text });
+  const edit = el('button', { type: 'button', class: 'edit', title: 'Edit', 'aria-label': 'Edit', disabled: busy,
+    onclick: () => startEdit() }, icon('edit'));
+  const toolbar = el('div', { class: 'toolbar' }, siblingNav(m, actions.showSibling, busy), edit);
+  node.append(bubble, toolbar);
+
+  // Editing swaps the bubble for a text box; saving sends the new text as a sibling (a new branch).
+  function startEdit() {
+    const box = el('textarea', { class: 'edit-input', 'aria-label': 'Edit message' });
+    box.value = m.text;
+    const save = () => { const text = box.value.trim(); if (text) actions.edit(m, text); };
+    box.addEventListener('keydown', (e) => {
+      if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); save(); }
+      if (e.key === 'Escape') { e.stopPropagation(); cancel(); }
+    });
+    const form = el('div', { class: 'edit-box' }, box, el('div', { class: 'row' },
+      el('button', { type: 'button', class: 'cancel', onclick: () => cancel() }, 'Cancel'),
+      el('button', { type: 'button', class: 'primary save', onclick: save }, 'Send')));
+    node.replaceChildren(form);
+    box.focus();
+    function cancel() { node.replaceChildren(bubble, toolbar); }
+  }
+  return node;
+}
+
+function assistantMessage(m, actions, busy) {
+  const node = el('div', { class: 'message assistant', dataset: { id: m.id, role: 'assistant', status: m.status } });
+  const bubble = el('div', { class: 'bubble markdown' });
+  bubble.innerHTML = renderMarkdown(m.text); // escaped first: see markdown.js
+  const status = STATUS_TEXT[m.status];
+  const line = status ? el('div', { class: `status-line ${m.status === 'error' ? 'error' : ''}`,
+    text: m.error ? `${status}: ${m.error}` : status }) : null;
+  const thumb = (rating, label) => el('button', {
+    type: 'button', class: `thumb thumb-${rating}`, 'aria-label': label, title: label,
+    'aria-pressed': String(m.feedback === rating || m.feedback?.rating === rating),
+    onclick: (e) => actions.feedback(m, rating, e.currentTarget),
+  }, icon(rating));
+  const toolbar = el('div', { class: 'toolbar' },
+    siblingNav(m, actions.showSibling, busy),
+    el('button', { type: 'button', class: 'copy', title: 'Copy', 'aria-label': 'Copy',
+      onclick: () => actions.copy(m.text) }, icon('copy')),
+    el('button', { type: 'button', class: 'regenerate', title: 'Regenerate', 'aria-label': 'Regenerate', disabled: busy,
+      onclick: () => actions.regenerate(m) }, icon('regenerate')),
+    thumb('up', 'Good answer'), thumb('down', 'Bad answer'));
+  // Thinking is streamed but not stored: shown (collapsed) for answers this page watched being written.
+  const thought = actions.thoughtOf?.(m.id);
+  const thinking = thought ? el('details', { class: 'thinking' }, el('summary', {}, 'Thought about it'),
+    el('div', { class: 'thought', text: thought })) : null;
+  node.append(...(thinking ? [thinking] : []), bubble, ...(line ? [line] : []), toolbar);
+  return node;
+}
+
+// Draw a whole branch. `runningId` is the answer being streamed (drawn by updateStreaming instead).
+export function renderBranch(container, messages, actions, { runningId = null } = {}) {
+  const busy = runningId != null;
+  const nodes = messages.map((m) => {
+    if (m.role === 'user') return userMessage(m, actions, busy);
+    if (m.id === runningId) return streamingMessage(m.id);
+    return assistantMessage(m, actions, busy);
+  });
+  container.replaceChildren(...nodes);
+}
+
+// An answer still being written: optional collapsed thinking, the text so far, a queue line.
+export function streamingMessage(id) {
+  return el('div', { class: 'message assistant streaming', dataset: { id, role: 'assistant', status: 'streaming' } },
+    el('details', { class: 'thinking', hidden: true }, el('summary', {}, 'Thinking…'), el('div', { class: 'thought' })),
+    el('div', { class: 'bubble markdown cursor' }),
+    el('div', { class: 'status-line queue', hidden: true }));
+}
+
+export function updateStreaming(node, run) {
+  const thinking = node.querySelector('.thinking');
+  if (run.thinking) {
+    thinking.hidden = false;
+    thinking.querySelector('.thought').textContent = run.thinking;
+    thinking.querySelector('summary').textContent = run.text ? 'Thought about it' : 'Thinking…';
+  }
+  node.querySelector('.bubble').innerHTML = renderMarkdown(run.text);
+  const queue = node.querySelector('.queue');
+  const waiting = run.queue != null && !run.text && !run.thinking;
+  queue.hidden = !waiting && !run.reconnecting;
+  queue.textContent = run.reconnecting ? 'Reconnecting…'
+    : waiting ? (run.queue > 0 ? `Waiting in queue: position ${run.queue}` : 'Starting…') : '';
+}

@@ -1,0 +1,70 @@
+// One generation seen from the browser: the text and thinking so far, the last event id,
+// and the queue position. Every event is mirrored to sessionStorage, so a reloaded page can
+// show what it had and resume the stream after the last event it saw.
+import { readEvents } from './sse.js';
+
+const KEY = 'chatloom.stream';
+
+export class Run {
+  constructor(convId, messageId, { text = '', thinking = '', lastEventId = 0 } = {}) {
+    this.convId = convId;
+    this.messageId = messageId;
+    this.text = text;
+    this.thinking = thinking;
+    this.lastEventId = lastEventId;
+    this.queue = null; // position while waiting for the model
+    this.done = null; // the final {"done": true, ...} event
+    this.error = null; // the message of an `event: error`
+    this.stopping = false;
+    this.reconnecting = false;
+    this.controller = new AbortController(); // aborting it only detaches this page
+  }
+
+  // The saved state of `messageId` in `convId`, if this tab was following it before a reload.
+  static restore(convId, messageId) {
+    let saved = null;
+    try { saved = JSON.parse(sessionStorage.getItem(KEY)); } catch { /* ignore */ }
+    const same = saved && saved.convId === convId && saved.messageId === messageId;
+    return new Run(convId, messageId, same ? saved : {});
+  }
+
+  save() {
+    const { convId, messageId, text, thinking, lastEventId } = this;
+    try {
+      sessionStorage.setItem(KEY, JSON.stringify({ convId, messageId, text, thinking, lastEventId }));
+    } catch { /* storage full or disabled: resuming starts from the beginning */ }
+  }
+
+  forget() {
+    try {
+      const saved = JSON.parse(sessionStorage.getItem(KEY));
+      if (!saved || saved.messageId === this.messageId) sessionStorage.removeItem(KEY);
+    } catch { sessionStorage.removeItem(KEY); }
+  }
+
+  get finished() { return this.done != null || this.error != null; }
+
+  apply(event) {
+    if (event.id != null && event.id !== '') this.lastEventId = Number(event.id) || event.id;
+    const data = event.data && typeof event.data === 'object' ? event.data : {};
+    if (event.event === 'error' || data.error) {
+      this.error = data.error?.message || (typeof data.error === 'string' ? data.error : 'the answer failed');
+      return;
+    }
+    if (typeof data.token === 'string') { this.text += data.token; this.queue = null; }
+    if (typeof data.thinking === 'string') { this.thinking += data.thinking; this.queue = null; }
+    if (data.queue_position != null) this.queue = data.queue_position;
+    if (data.done) this.done = data;
+  }
+
+  // Read a stream Response to its end (or to the final event), calling onChange after each event.
+  async follow(response, onChange) {
+    for await (const event of readEvents(response)) {
+      this.reconnecting = false;
+      this.apply(event);
+      this.save();
+      onChange(this);
+      if (this.finished) break;
+    }
+  }
+}
