@@ -12,11 +12,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app import reasoning
 from chatloom.app.admission import INTERACTIVE, REASONING
 from chatloom.app.auth import current_user
-from chatloom.app.deps import get_context
+from chatloom.app.deps import get_context, get_session
 from chatloom.app.errors import ApiError, error_body
 from chatloom.app.sse import SSE_HEADERS, frame
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, Delta, GenerationRequest
@@ -192,11 +193,15 @@ class _Traffic:
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionIn, request: Request, user: User = Depends(current_user)):
+async def chat_completions(body: ChatCompletionIn, request: Request, user: User = Depends(current_user),
+                           session: AsyncSession = Depends(get_session)):
     ctx = get_context(request)
     backend = ctx.backend
     req = _to_request(body, backend, ctx.settings.default_max_tokens)
     control = _Traffic(request, user, body, req)
+    # Authentication is done with the database: hand its connection back before a possibly long
+    # wait in the queue, or a burst of waiting requests would drain the connection pool.
+    await session.close()
     # Queue for room before answering, so a request that waits too long is a real 503.
     await control.admit()
     chunk_base = {"id": req.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
