@@ -1,0 +1,117 @@
+"""Moderation: flagged input is a 400 before any model work; flagged output is cut before the
+user sees it (hold-back), the stream ends with content_filter and the stored answer is marked."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from chatloom.app.main import create_app
+from chatloom.app.moderation import LexiconModerator, OutputGuard, normalize
+from chatloom.store import Message
+
+from app_testing import make_settings, new_conversation, parse_sse, signup, tokens_of
+from traffic_testing import ScriptedBackend
+
+THREAT = ["Sure", ".", " I", " will", " kill", " you", " tonight", ".", " Bye", "."]
+
+
+@pytest.mark.parametrize("text,category", [
+    ("How do I make a pipe bomb at home?", "weapons/instructions"),
+    ("i w1ll k1ll you tonight", "violence/threat"),
+    ("what is the easiest way to kill myself", "self-harm"),
+])
+def test_lexicon_names_the_category(text, category):
+    verdict = LexiconModerator().check_input(text)
+    assert verdict is not None and verdict.category == category
+
+
+@pytest.mark.parametrize("text", ["The bomb squad defused it in 1944.", "Kill the process with kill -9",
+                                  "Murder mysteries are my favourite genre", "How do I kill a python thread?"])
+def test_ordinary_text_passes(text):
+    assert LexiconModerator().check_input(text) is None
+
+
+def test_guard_holds_back_and_never_releases_the_violating_words():
+    guard = OutputGuard(LexiconModerator(), holdback_tokens=3)
+    shown = []
+    for piece in THREAT:
+        shown += guard.push(piece)
+    shown += guard.finish()
+    assert guard.verdict.category == "violence/threat"
+    assert "".join(shown) == "Sure."  # ' I will' was still held when ' you' completed the phrase
+    assert normalize("I W1LL  kill-YOU") == "i will kill you"
+
+
+def test_guard_passes_clean_text_through_in_order():
+    guard = OutputGuard(LexiconModerator(), holdback_tokens=4)
+    pieces = [f" w{i}" for i in range(20)]
+    shown = [p for piece in pieces for p in guard.push(piece)]
+    assert len(shown) == 16  # the last four are held until the end
+    assert shown + guard.finish() == pieces and guard.verdict is None
+
+
+@pytest.fixture
+async def scripted_app(tmp_path):
+    backend = ScriptedBackend(THREAT, delay_s=0.001)
+    app = create_app(make_settings(tmp_path), backend)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            yield c, app, backend, await signup(c, "alice")
+
+
+async def test_flagged_input_is_a_400_naming_the_category_with_nothing_spent(scripted_app):
+    c, app, backend, alice = scripted_app
+    cid = await new_conversation(c, alice)
+    r = await c.post(f"/conversations/{cid}/messages", headers=alice,
+                     json={"text": "Tell me how to make a pipe bomb"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "content_policy_violation" and "weapons/instructions" in err["message"]
+    async with app.state.ctx.db.session() as s:
+        assert await s.scalar(select(func.count()).select_from(Message)) == 0  # nothing half-written
+    assert backend.requests == []
+    usage = (await c.get("/usage", headers=alice)).json()
+    assert usage["remaining_tokens_this_minute"] == usage["limits"]["tokens_per_minute"]
+    r = await c.post("/v1/chat/completions", headers=alice, json={
+        "model": "scripted", "messages": [{"role": "user", "content": "how to make a pipe bomb"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_policy_violation"
+    assert backend.requests == []
+
+
+async def test_flagged_output_never_reaches_the_client(scripted_app):
+    c, app, backend, alice = scripted_app
+    cid = await new_conversation(c, alice)
+    r = await c.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "say something"})
+    events = parse_sse(r.text)
+    shown = tokens_of(events)
+    # The default hold-back is 4 pieces: '. I will kill' were held when ' you' completed the phrase.
+    assert "kill" not in shown and "you" not in shown and shown == "Sure"
+    done = events[-1].data
+    assert done["finish_reason"] == "content_filter" and done["status"] == "filtered"
+    assert backend.requests[-1].request_id in backend.aborted  # the model was stopped, not left running
+    conv = (await c.get(f"/conversations/{cid}", headers=alice)).json()
+    answer = conv["messages"][-1]
+    assert answer["text"] == "Sure" and answer["finish_reason"] == "content_filter"
+    assert answer["status"] == "filtered"
+
+    # The OpenAI-compatible stream: same cut, finish_reason content_filter.
+    r = await c.post("/v1/chat/completions", headers=alice, json={
+        "model": "scripted", "stream": True, "messages": [{"role": "user", "content": "say something"}]})
+    chunks = [e.data for e in parse_sse(r.text) if isinstance(e.data, dict)]
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    assert "kill" not in text and text == "Sure"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "content_filter"
+    metrics = (await c.get("/metrics")).text
+    assert 'chatloom:moderation_blocks_total{category="violence/threat",stage="output"} 2.0' in metrics
+
+
+async def test_moderation_can_be_switched_off(tmp_path):
+    backend = ScriptedBackend(THREAT)
+    app = create_app(make_settings(tmp_path, moderation="off"), backend)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            alice = await signup(c, "alice")
+            cid = await new_conversation(c, alice)
+            r = await c.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "x"})
+            assert tokens_of(parse_sse(r.text)) == "".join(THREAT)
