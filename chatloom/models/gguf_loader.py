@@ -174,7 +174,10 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
     rot = field(reader, f"{arch}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
         raise ModelError(f"partial rotary embeddings ({rot} of {head_dim} dims) are not supported")
-    vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
+    # The embedding's rows are the model's vocabulary (it may be padded past the tokenizer's).
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = (embd.shape[0] if embd is not None and len(embd.shape) == 2 else None) \
+        or field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),

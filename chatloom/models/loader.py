@@ -57,7 +57,9 @@ def _byte_tokenizer() -> TextTokenizer:
 def describe_config(spec: str) -> ModelConfig:
     """The architecture of a model without loading its weights (for `models` and `capacity`)."""
     if spec == "tiny-random":
-        return tiny_random_config()
+        cfg = tiny_random_config()
+        cfg.vocab_size = _byte_tokenizer().vocab_size  # as load_model builds it
+        return cfg
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
     if path.suffix == ".json" and path.is_file():
         return ModelConfig.from_json_file(path)

@@ -10,11 +10,15 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from chatloom.models.config import ModelError
 
-# The split pattern llama-3 / qwen2 style BPE tokenizers apply before byte-level encoding.
+# The split pattern llama-3 style BPE tokenizers apply before byte-level encoding
+# (numbers in groups of up to three digits); qwen2 splits numbers into single digits.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# tokenizer.ggml.pre values whose split is GPT-2's own (ByteLevel's built-in regex).
+_GPT2_PRE = ("gpt2", "gpt-2", "default")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -59,16 +63,18 @@ def from_gguf(reader: Any) -> TextTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in gf(reader, "tokenizer.ggml.merges") or []]
-        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=False))
         pre = gf(reader, "tokenizer.ggml.pre") or "gpt2"
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt2", "default", "smollm"))
+        # Llama 3's tokenizer takes a whole word that is in the vocabulary without merging.
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre == "llama-bpe"))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in _GPT2_PRE + ("smollm",))
         if pre == "smollm":
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        elif pre in ("gpt2", "default"):
+        elif pre in _GPT2_PRE:
             tok.pre_tokenizer = byte_level
         else:
+            split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
             tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level])
+                [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
         tok.decoder = decoders.ByteLevel()
     elif kind == "llama":
         scores = gf(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)

@@ -103,6 +103,26 @@ def test_tokenizers_agree_between_formats(checkpoint):
         assert tok.decode(tok.encode(prompt)) == "user\nhi\nassistant\n"  # specials skipped
 
 
+@pytest.mark.parametrize("pre, pieces", [
+    ("default", ["123", "4", "5", "12", "Ġabc"]),  # GPT-2: a run of digits is one piece
+    ("llama-bpe", ["123", "4", "5", "1", "2", "Ġabc"]),  # Llama 3: groups of up to three digits
+    ("qwen2", ["1", "2", "3", "4", "5", "1", "2", "Ġabc"]),  # single digits
+    ("smollm", ["1", "2", "3", "4", "5", "1", "2", "Ġabc"]),
+])
+def test_gguf_pre_tokenizers(tmp_path, pre, pieces):
+    from chatloom.models.gguf_loader import open_gguf
+    from chatloom.models.tokenizer import from_gguf
+
+    cfg = VARIANTS["llama"]
+    path = tc.write_gguf(tmp_path / f"{pre}.gguf", cfg, tc.random_weights(cfg), pre=pre)
+    tok = from_gguf(open_gguf(path))
+    ids = tok.encode("1234512 abc")
+    got = [tok.token_text(i) for i in ids]
+    # "Ġabc" is not one token in the tiny vocabulary: compare after joining the tail.
+    assert got[:len(pieces) - 1] == pieces[:-1] and "".join(got[len(pieces) - 1:]) == pieces[-1]
+    assert tok.decode(ids) == "1234512 abc"
+
+
 # -- bad files ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ CHAT_TEMPLATE = (
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A few merges so the BPE does more than split bytes.
-MERGES = [("t", "h"), ("th", "e"), ("Ġ", "the"), ("i", "n"), ("Ġ", "a"), ("e", "r")]
+MERGES = [("t", "h"), ("th", "e"), ("Ġ", "the"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("1", "2"), ("12", "3")]
 
 BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6,
@@ -113,8 +113,9 @@ _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
                 "lm_head.weight": "output.weight"}
 
 
-def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> Path:
-    """The same model as a GGUF file: F32 tensors, gpt2-style BPE tokenizer metadata."""
+def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], pre: str = "default") -> Path:
+    """The same model as a GGUF file: F32 tensors, gpt2-style BPE tokenizer metadata
+    (`pre` names the pre-tokenizer, as llama.cpp's tokenizer.ggml.pre does)."""
     import gguf
 
     arch = cfg["model_type"]
@@ -133,7 +134,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> Path:
 
     tokens = vocab_tokens()
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
     w.add_token_merges([" ".join(m) for m in MERGES])
