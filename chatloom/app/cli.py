@@ -67,6 +67,30 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _set_tier(settings, username: str, tier: str) -> None:
+    from chatloom.app.tiers import TierTable
+    from chatloom.store import Database, Users
+
+    tiers = TierTable.load(settings.tiers_file, default=settings.default_tier)
+    if tier not in tiers:
+        raise ValueError(f"unknown tier {tier!r}; configured: {', '.join(tiers.names())}")
+    db = Database(settings.database_url)
+    try:
+        await db.migrate()
+        async with db.session() as session:
+            if await Users(session).set_tier(username, tier) is None:
+                raise ValueError(f"no user named {username!r}")
+            await session.commit()
+    finally:
+        await db.close()
+
+
+def cmd_users_set_tier(args: argparse.Namespace) -> int:
+    asyncio.run(_set_tier(_settings(args), args.user, args.tier))
+    print(f"{args.user}: tier {args.tier}")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the product's commands to the top-level parser."""
     p = subparsers.add_parser("serve", help="run the chat service (REST/SSE, OpenAI-compatible API)")
@@ -86,3 +110,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="create the account (without a password) if it does not exist")
     _add_common(k)
     k.set_defaults(func=cmd_keys_create)
+
+    users = subparsers.add_parser("users", help="manage accounts")
+    users_sub = users.add_subparsers(dest="users_command", metavar="SUBCOMMAND")
+    t = users_sub.add_parser("set-tier", help="put a user on a tier (free, plus, pro, or one from the tiers file)")
+    t.add_argument("user", metavar="USER")
+    t.add_argument("tier", metavar="TIER")
+    _add_common(t)
+    t.set_defaults(func=cmd_users_set_tier)
