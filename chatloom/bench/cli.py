@@ -57,6 +57,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=_positive, default=32)
     p.set_defaults(func=_roofline)
 
+    p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="model id to request")
+    p.add_argument("--num-prompts", type=_positive, default=32)
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--request-rate", type=float, help="mean requests per second (Poisson arrivals)")
+    load.add_argument("--max-concurrency", type=_positive, help="requests in flight at once (all sent at t=0)")
+    p.add_argument("--max-tokens", type=_positive, default=64)
+    p.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (e2el too)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_serve)
+
 
 def _load(args):
     from chatloom.models import load_model
@@ -131,3 +145,17 @@ def _roofline(args) -> int:
     from chatloom.bench.roofline import run_roofline
 
     return _emit(dict(run_roofline(_load(args), args.num_requests, args.seed), model=args.model), args.table)
+
+
+def _serve(args) -> int:
+    import asyncio
+    import os
+
+    from chatloom.bench.serve import parse_goodput, run_serve
+
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise ValueError("--request-rate must be positive")
+    result = asyncio.run(run_serve(args.base_url, args.model, args.num_prompts, args.request_rate,
+                                   args.max_concurrency, args.api_key or os.environ.get("OPENAI_API_KEY"),
+                                   args.max_tokens, parse_goodput(args.goodput), args.seed))
+    return _emit(result, args.table)

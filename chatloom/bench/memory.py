@@ -2,6 +2,7 @@
 contiguous max-length reservation per request (what a naive server allocates)."""
 from __future__ import annotations
 
+from chatloom.bench.throughput import pool_blocks_for
 from chatloom.bench.workload import BenchRequest
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.models.loader import LoadedModel
@@ -10,7 +11,8 @@ from chatloom.models.loader import LoadedModel
 def run_memory(loaded: LoadedModel, requests: list[BenchRequest], max_num_seqs: int = 64,
                block_size: int = 16, reserve_len: int | None = None) -> dict:
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size,
-                                            enable_prefix_caching=False, kv_cache_gb=2.0))
+                                            enable_prefix_caching=False,
+                                            num_blocks=pool_blocks_for(requests, block_size)))
     reserve = reserve_len or engine.max_model_len
     for r in requests:
         engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
@@ -22,8 +24,9 @@ def run_memory(loaded: LoadedModel, requests: list[BenchRequest], max_num_seqs: 
         if not running:
             continue
         steps += 1
-        # Sampled after each step: tokens whose K/V are in the cache vs what each scheme reserves.
-        used += sum(s.num_computed_tokens for s in running)
+        # Sampled after each step: the sequences' real tokens (in the cache or being written
+        # by the current prefill) vs what each scheme reserves.
+        used += sum(min(len(s), len(s.block_table) * block_size) for s in running)
         paged += sum(len(s.block_table) for s in running) * block_size
         contiguous += len(running) * reserve
         per_request += sum(s.prompt_len + s.params.max_tokens for s in running)

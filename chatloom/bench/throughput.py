@@ -18,10 +18,15 @@ from chatloom.models.loader import LoadedModel
 MODES = ("continuous", "static", "sequential")
 
 
-def _engine(loaded: LoadedModel, max_num_seqs: int, max_num_batched_tokens: int) -> LLMEngine:
+def pool_blocks_for(requests: list[BenchRequest], block_size: int = 16, extra_len: int = 0) -> int:
+    """A KV pool just big enough for every request at once: no mode is starved of memory."""
+    return sum(-(-(len(r.prompt_token_ids) + extra_len + r.output_len) // block_size) for r in requests) + 8
+
+
+def _engine(loaded: LoadedModel, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> LLMEngine:
     # Prefix caching off: throughput should not depend on accidental prompt overlap.
     return LLMEngine(loaded, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                          enable_prefix_caching=False, kv_cache_gb=2.0))
+                                          enable_prefix_caching=False, num_blocks=num_blocks))
 
 
 def _params(n: int) -> SamplingParams:
@@ -37,7 +42,7 @@ def _result(mode: str, requests: list[BenchRequest], seconds: float, **extra) ->
 
 def run_continuous(loaded: LoadedModel, requests: list[BenchRequest], max_num_seqs: int = 64,
                    max_num_batched_tokens: int = 512) -> dict:
-    engine = _engine(loaded, max_num_seqs, max_num_batched_tokens)
+    engine = _engine(loaded, max_num_seqs, max_num_batched_tokens, pool_blocks_for(requests))
     t0 = time.perf_counter()
     outs = engine.generate([r.prompt_token_ids for r in requests], [_params(r.output_len) for r in requests],
                            use_tqdm=False)
@@ -50,7 +55,11 @@ def run_continuous(loaded: LoadedModel, requests: list[BenchRequest], max_num_se
 
 def run_static(loaded: LoadedModel, requests: list[BenchRequest], batch_size: int = 32) -> dict:
     pad = (loaded.tokenizer.eos_token_ids or [0])[0]
-    engine = _engine(loaded, batch_size, 1 << 30)
+    # Padding can add up to the longest prompt to each request.
+    longest_prompt = max(len(r.prompt_token_ids) for r in requests)
+    longest_output = max(r.output_len for r in requests)
+    engine = _engine(loaded, batch_size, 1 << 30,
+                     batch_size * -(-(2 * longest_prompt + longest_output) // 16) + 8)
     engine.scheduler.config.enable_chunked_prefill = False
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch_size):
@@ -65,7 +74,7 @@ def run_static(loaded: LoadedModel, requests: list[BenchRequest], batch_size: in
 
 
 def run_sequential(loaded: LoadedModel, requests: list[BenchRequest]) -> dict:
-    engine = _engine(loaded, 1, 1 << 30)
+    engine = _engine(loaded, 1, 1 << 30, max(pool_blocks_for([r]) for r in requests))
     t0 = time.perf_counter()
     for r in requests:
         engine.generate([r.prompt_token_ids], _params(r.output_len), use_tqdm=False)

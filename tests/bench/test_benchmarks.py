@@ -1,0 +1,58 @@
+"""The benchmarks run end to end on the tiny model and report consistent figures.
+(Speed itself is checked by running them, never by timed tests.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from chatloom.bench.memory import run_memory
+from chatloom.bench.prefix import run_prefix
+from chatloom.bench.throughput import run_mode
+from chatloom.bench.workload import standard_workload
+
+
+def test_standard_workload_is_seeded_and_in_range():
+    a = standard_workload(20, 49152, seed=3)
+    b = standard_workload(20, 49152, seed=3)
+    assert a == b and a != standard_workload(20, 49152, seed=4)
+    assert all(32 <= len(r.prompt_token_ids) <= 256 and 32 <= r.output_len <= 256 for r in a)
+
+
+def test_throughput_modes_produce_every_requested_token(tiny_model_fp32):
+    reqs = standard_workload(6, tiny_model_fp32.config.vocab_size, seed=1, prompt_range=(4, 20),
+                             output_range=(3, 12))
+    for mode in ("continuous", "static", "sequential"):
+        r = run_mode(mode, tiny_model_fp32, reqs, static_batch_size=4)
+        assert r["mode"] == mode and r["requests"] == 6
+        assert r["output_tokens"] == sum(x.output_len for x in reqs)
+        assert r["output_tokens_per_s"] > 0 and r["seconds"] > 0
+
+
+def test_paged_memory_holds_real_tokens(tiny_model_fp32):
+    reqs = standard_workload(16, tiny_model_fp32.config.vocab_size, seed=2, output_range=(8, 24))
+    r = run_memory(tiny_model_fp32, reqs)
+    assert r["paged_utilization"] >= 0.9
+    assert r["contiguous_max_len_utilization"] < 0.2
+
+
+def test_prefix_cache_cuts_later_turn_work(tiny_model_fp32):
+    r = run_prefix(tiny_model_fp32, turns=3, max_tokens=4, conversations=1)
+    assert r["cache_on"]["hit_rate"] > 0.5
+    assert r["cache_off"]["hit_rate"] == 0
+    assert len(r["cache_on"]["ttft_ms_per_turn"]) == 3
+
+
+def test_bench_cli_prints_json():
+    proc = subprocess.run([sys.executable, "-m", "chatloom.cli", "bench", "memory", "--model", "tiny-random",
+                           "--num-requests", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["benchmark"] == "memory" and 0 < data["paged_utilization"] <= 1
+
+
+def test_bench_cli_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "chatloom.cli", "bench", "throughput", "--num-requests", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "num-requests" in proc.stderr
