@@ -325,7 +325,14 @@ async function finish(run) {
   if (run.thinking) state.thoughts.set(run.messageId, run.thinking);
   state.run = null;
   setRunning(false);
-  if (run.error) showNotice(`The answer failed: ${run.error}`);
+  if (run.error) {
+    const later = run.errorStatus === 429 || run.errorStatus === 503;
+    const text = describeError({ status: run.errorStatus, message: run.error });
+    showNotice(later ? text : `The answer failed: ${text}`, later ? {
+      retryAfter: run.retryAfter,
+      onRetry: () => generate(() => api.regenerate(run.convId, run.messageId, options())),
+    } : {});
+  }
   if (run.convId === state.convId) {
     try {
       const conv = await api.conversation(run.convId, run.messageId);

@@ -4,7 +4,8 @@ import { el } from './dom.js';
 import { icon } from './icons.js';
 import { renderMarkdown } from './markdown.js';
 
-const STATUS_TEXT = { stopped: 'Stopped', incomplete: 'Cut off at the length limit', error: 'Failed' };
+const STATUS_TEXT = { stopped: 'Stopped', incomplete: 'Cut off at the length limit', error: 'Failed',
+  filtered: 'Withheld by the content filter' };
 
 // ‹ i/n › for a message that has siblings; `go(id)` shows the branch through that sibling.
 function siblingNav(message, go, busy) {

@@ -49,6 +49,8 @@ export class Run {
     const data = event.data && typeof event.data === 'object' ? event.data : {};
     if (event.event === 'error' || data.error) {
       this.error = data.error?.message || (typeof data.error === 'string' ? data.error : 'the answer failed');
+      this.errorStatus = data.error?.status ?? null; // 429 / 503: refused while queued, worth a retry
+      this.retryAfter = data.retry_after ?? null;
       return;
     }
     if (typeof data.token === 'string') { this.text += data.token; this.queue = null; }

@@ -59,8 +59,10 @@ def server(tmp_path_factory):
         yield live
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    # Module scope: while sync Playwright is open its event loop counts as running in this thread,
+    # which would break asyncio.run() and async tests in the modules that run after these.
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield browser
