@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from typing import AsyncIterator
@@ -17,6 +18,8 @@ from chatloom.engine.llm_engine import LLMEngine
 from chatloom.engine.outputs import RequestOutput
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -31,7 +34,6 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="chatloom-engine", daemon=True)
         self._thread.start()
 
@@ -70,25 +72,30 @@ class AsyncEngine:
                 pass
 
     def _loop(self) -> None:
-        try:
-            while not self._stopped:
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-        except BaseException as exc:  # surface a crash to every waiting stream
-            self._error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"engine loop failed: {exc!r}"))
+        while not self._stopped:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails the requests in it, not the engine
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineDeadError(f"generation failed: {exc!r}"))
+        self.engine.step()  # drain the abort outputs; nobody is waiting for them now
 
     # -- public API -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0) -> tuple[str, asyncio.Queue]:
-        if self._error is not None:
-            raise EngineDeadError(f"engine loop failed: {self._error!r}")
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")

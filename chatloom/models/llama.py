@@ -134,8 +134,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab]. The vocabulary is done in slices that stay in cache."""
+        """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties).
+        The vocabulary is done in slices that stay in cache."""
         w = self.lm_head.weight
+        if w.dtype == torch.bfloat16 or w.dtype == torch.float16:
+            return F.linear(hidden.float(), w.float())
         out = torch.empty(w.shape[0], hidden.shape[0], dtype=hidden.dtype)
         ht = hidden.t().contiguous()
         for start in range(0, w.shape[0], _LOGIT_SLICE):

@@ -165,3 +165,27 @@ async def test_async_engine_streams_and_cancelling_aborts(tiny_model_fp32):
         assert stats["num_requests_running"] == 0 and stats["kv_cache_usage_perc"] == 0
     finally:
         engine.shutdown()
+
+
+async def test_a_failed_step_fails_its_requests_but_not_the_engine(tiny_model_fp32):
+    engine = AsyncEngine.from_model(tiny_model_fp32, EngineConfig(num_blocks=64))
+    try:
+        real_execute = engine.engine.runner.execute
+        calls = {"n": 0}
+
+        def flaky(batch):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("simulated kernel failure")
+            return real_execute(batch)
+
+        engine.engine.runner.execute = flaky
+        from chatloom.engine.async_engine import EngineDeadError
+        with pytest.raises(EngineDeadError, match="simulated"):
+            async for _ in engine.stream("doomed", SamplingParams(max_tokens=20, ignore_eos=True)):
+                pass
+        assert engine.get_stats()["kv_cache_usage_perc"] == 0
+        out = await engine.generate("still alive", SamplingParams(max_tokens=5, ignore_eos=True))
+        assert out.finished and out.num_output_tokens == 5
+    finally:
+        engine.shutdown()

@@ -7,7 +7,6 @@ forward pass must give the same logits.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ TEXTS = [
 def hf_gguf():
     """(transformers model, transformers tokenizer) read from the bundled GGUF file."""
     import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path()
     folder, name = str(path.parent), path.name
@@ -41,23 +40,8 @@ def hf_gguf():
         mp.setattr(gguf, "GGUFReader", cached_reader)
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        if importlib.util.find_spec("accelerate") is not None:
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        else:
-            # from_pretrained(gguf_file=...) insists on the accelerate package, which chatloom
-            # does not need; take the same steps it takes, with transformers' own GGUF reader.
-            from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-            from transformers.initialization import no_init_weights
-
-            config = AutoConfig.from_pretrained(folder, gguf_file=name)
-            with no_init_weights():  # every weight is loaded below; skip random init
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-            result = model.load_state_dict(state, strict=False)
-            assert not result.unexpected_keys
-            assert set(result.missing_keys) <= {"lm_head.weight"}  # tied to the embeddings
-            model.tie_weights()
+        # The issue's reference: LlamaForCausalLM via from_pretrained(folder, gguf_file=...).
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     cached_reader.cache_clear()
     assert model.config.model_type == "llama"
     return model.eval(), tokenizer
