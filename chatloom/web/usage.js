@@ -9,9 +9,10 @@ export function renderUsage(box, usage) {
   if (!usage || !Array.isArray(usage.data)) { box.hidden = true; return; }
   const used = usage.data.filter((row) => row.day === today()).reduce((sum, row) => sum + (row.total_tokens || 0), 0);
   const daily = usage.limits?.tokens_per_day || null;
-  const lines = [el('div', { class: 'usage-line' },
+  const lines = [
     el('strong', { text: usage.tier ? `${usage.tier[0].toUpperCase()}${usage.tier.slice(1)} plan` : 'Usage' }),
-    ` · today ${fmt(used)}${daily ? ` / ${fmt(daily)}` : ''} tokens`)];
+    el('div', { class: 'usage-line', text: `Today: ${fmt(used)}${daily ? ` / ${fmt(daily)}` : ''} tokens` }),
+  ];
   if (daily) {
     const fill = el('span');
     fill.style.width = `${Math.min(100, (100 * used) / daily).toFixed(1)}%`;

@@ -77,7 +77,7 @@ class ScriptedBackend(Backend):
         for token in tokens:
             if rid in self._aborted:
                 break
-            await asyncio.sleep(self.delay_s)
+            await asyncio.sleep(self.delay_s * (2 if "markdown" in question.lower() else 1))  # time to watch it grow
             sent += 1
             yield Delta(token)
         reason = "abort" if rid in self._aborted else ("length" if len(full) > len(tokens) else "stop")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 
-from conftest import screenshot, sign_up, unique_name, wait_js
+from browser_testing import screenshot, sign_up, unique_name, wait_js
 
 ASSISTANT = "#messages .message.assistant"
 
@@ -354,7 +354,7 @@ def test_thumbs_and_usage(page):
     assert page.locator("#notice").is_hidden()
     usage = page.locator("#usage")
     wait_js(page, "!document.querySelector('#usage').hidden")
-    assert re.search(r"today [\d,]+( / [\d,k]+)? tokens", usage.inner_text()), usage.inner_text()
+    assert re.search(r"Today: [\d,]+( / [\d,k]+)? tokens", usage.inner_text()), usage.inner_text()
 
 
 def test_without_usage_or_feedback_routes_the_page_degrades_quietly(page):

@@ -11,7 +11,7 @@ from app_testing import LiveServer, make_settings
 from chatloom.app.main import create_app
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
-from conftest import CHROMIUM_ARGS, DESKTOP, sign_up, wait_js
+from browser_testing import CHROMIUM_ARGS, DESKTOP, sign_up, wait_js
 
 
 def run_aside(coro) -> None:
