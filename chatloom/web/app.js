@@ -14,6 +14,7 @@ const state = {
   convId: null, // null: a new chat, created on the first message
   title: 'New chat',
   branch: [], // the messages shown, root first
+  leaf: null, // the message whose branch the user picked with ‹ › (null: the newest)
   run: null, // the generation this page is following
   thoughts: new Map(), // message id -> thinking text seen while it streamed
 };
@@ -62,8 +63,9 @@ async function enterApp() {
   loadModels();
   refreshUsage();
   await refreshConversations();
-  const id = new URLSearchParams(location.hash.slice(1)).get('c');
-  if (id && state.conversations.some((c) => c.id === id)) await openConversation(id);
+  const params = new URLSearchParams(location.hash.slice(1));
+  const id = params.get('c');
+  if (id && state.conversations.some((c) => c.id === id)) await openConversation(id, params.get('leaf'));
   else newChat();
 }
 
@@ -118,8 +120,10 @@ function setTitle(title) {
   document.title = state.convId ? `${state.title} · chatloom` : 'chatloom';
 }
 
+// #c=CONVERSATION, plus &leaf=MESSAGE while another branch than the newest is shown, so a reload keeps it.
 function setHash() {
-  const hash = state.convId ? `#c=${state.convId}` : '';
+  const leaf = state.convId && state.leaf ? `&leaf=${encodeURIComponent(state.leaf)}` : '';
+  const hash = state.convId ? `#c=${encodeURIComponent(state.convId)}${leaf}` : '';
   if (location.hash !== hash) history.replaceState(null, '', `${location.pathname}${location.search}${hash}`);
 }
 
@@ -136,6 +140,7 @@ function newChat() {
   detach();
   hideNotice();
   state.convId = null;
+  state.leaf = null;
   state.branch = [];
   setTitle('New chat');
   setHash();
@@ -150,11 +155,13 @@ async function openConversation(id, leaf = null) {
   try {
     conv = await api.conversation(id, leaf);
   } catch (err) {
+    if (err.status === 404 && leaf) return openConversation(id); // a stale branch link: show the newest
     showNotice(describeError(err));
     if (err.status === 404) { newChat(); refreshConversations(); }
     return;
   }
   state.convId = id;
+  state.leaf = leaf;
   state.branch = conv.messages;
   setTitle(conv.title);
   setHash();
@@ -263,6 +270,8 @@ async function generate(start, { onStarted = () => {} } = {}) {
   const convId = state.convId;
   const run = new Run(convId, response.headers.get('X-Message-Id'));
   state.run = run;
+  state.leaf = null; // the new answer's branch is the conversation's newest
+  setHash();
   setRunning(true);
   // The server has saved the question and an empty answer: show that branch, then stream into it.
   try {

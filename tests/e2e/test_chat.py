@@ -118,6 +118,9 @@ def test_regenerate_and_move_between_siblings(page):
     nav.locator(".prev").click()
     wait_js(page, "document.querySelector('#messages .message.assistant .position')?.innerText === '1/2'")
     assert answer_text(page) == first
+    page.reload()  # the branch picked stays picked
+    wait_js(page, "document.querySelector('#messages .message.assistant .position')?.innerText === '1/2'")
+    assert answer_text(page) == first
     last_answer(page).locator(".siblings .next").click()
     wait_js(page, "document.querySelector('#messages .message.assistant .position')?.innerText === '2/2'")
     assert answer_text(page) == second
