@@ -170,3 +170,10 @@ async def test_queue_timeout_is_a_503_and_costs_no_model_work(tmp_path):
             # The quota reservation was given back.
             assert usage["remaining_tokens_this_minute"] == usage["limits"]["tokens_per_minute"]
             assert (await busy).status_code == 200
+
+
+def test_the_local_backend_reports_room_from_its_kv_blocks(tiny_backend):
+    stats = tiny_backend.stats()
+    free_tokens = stats["kv_cache_free_blocks"] * stats["block_size"]
+    assert tiny_backend.has_room(1) and tiny_backend.has_room(free_tokens)
+    assert not tiny_backend.has_room(free_tokens + 1)

@@ -7,7 +7,7 @@ import httpx
 
 from chatloom.app.main import create_app
 from chatloom.app.quotas import MemoryQuotaStore, QuotaExceeded, duration
-from chatloom.app.tiers import DEFAULT_TIERS, Tier
+from chatloom.app.tiers import Tier
 
 from app_testing import make_settings, new_conversation, parse_sse, signup
 from traffic_testing import ScriptedBackend, write_tiers
