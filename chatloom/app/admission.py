@@ -91,6 +91,7 @@ class AdmissionQueue:
         self._recent: deque[str] = deque(maxlen=share_window)  # tier names of the latest admissions
         self._seq = itertools.count()
         self._poller: asyncio.Task | None = None
+        self._announcer: asyncio.Task | None = None
         self._avg_run_s = 5.0
 
     # -- figures ------------------------------------------------------------------
@@ -199,8 +200,10 @@ class AdmissionQueue:
             if not self.has_room(ticket.prompt_tokens + self._pending_tokens):
                 break
             self._grant(ticket)
-        if self._waiting:
-            asyncio.get_running_loop().create_task(self._announce())
+        if self._waiting and self._announcer is None:
+            # Positions may have moved; one announcement at a time (keeping a reference so it is not collected).
+            self._announcer = asyncio.get_running_loop().create_task(self._announce())
+            self._announcer.add_done_callback(lambda _t: setattr(self, "_announcer", None))
 
     def _grant(self, ticket: Ticket) -> None:
         self._waiting.remove(ticket)
