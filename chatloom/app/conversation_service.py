@@ -62,6 +62,7 @@ class Generation:
     tier: Tier | None = None
     reservation: Reservation | None = None
     effort: str | None = None  # set: a reasoning request with this effort
+    queued: asyncio.Future | None = None  # the wait in the admission queue, while it lasts
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -267,6 +268,8 @@ class ConversationService:
         if gen is None:
             return None
         gen.stop_requested = True
+        if gen.queued is not None:  # still waiting for room: leave the queue
+            gen.queued.cancel()
         self.backend.abort(gen.request_id)
         try:
             await asyncio.wait_for(gen.finished.wait(), timeout)
@@ -366,7 +369,16 @@ class ConversationService:
 
         tier = gen.tier or self.traffic.tiers.for_user(None)
         kind = REASONING if gen.effort is not None else INTERACTIVE
-        return await self.traffic.admit(tier, prompt_tokens, kind, position)
+        gen.queued = asyncio.ensure_future(self.traffic.admit(tier, prompt_tokens, kind, position))
+        try:
+            return await gen.queued
+        except asyncio.CancelledError:
+            # stop() cancelled the wait (not this task): the answer ends as stopped, at no cost.
+            if gen.stop_requested and not asyncio.current_task().cancelling():
+                raise _Stopped from None
+            raise
+        finally:
+            gen.queued = None
 
     async def _emit(self, gen: Generation, pieces: list[tuple[str, str]], guard, parts: list[str]) -> None:
         for kind, text in pieces:

@@ -177,3 +177,26 @@ def test_the_local_backend_reports_room_from_its_kv_blocks(tiny_backend):
     free_tokens = stats["kv_cache_free_blocks"] * stats["block_size"]
     assert tiny_backend.has_room(1) and tiny_backend.has_room(free_tokens)
     assert not tiny_backend.has_room(free_tokens + 1)
+
+
+async def test_stopping_an_answer_that_waits_in_the_queue(tmp_path):
+    backend = ScriptedBackend(["a"] * 40, delay_s=0.02)
+    app = traffic_app(tmp_path, backend, admission_max_running=1, queue_max_wait_s=20)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=60) as c:
+            alice = await signup(c, "alice")
+            body = {"model": "scripted", "messages": [{"role": "user", "content": "long"}], "max_tokens": 40}
+            busy = asyncio.create_task(c.post("/v1/chat/completions", json=body, headers=alice))
+            await asyncio.sleep(0.05)
+            cid = await new_conversation(c, alice)
+            sending = asyncio.create_task(c.post(f"/conversations/{cid}/messages", headers=alice,
+                                                 json={"text": "hi", "max_tokens": 3}))
+            await asyncio.sleep(0.1)
+            r = await asyncio.wait_for(c.post(f"/conversations/{cid}/stop", headers=alice), 2)
+            assert r.json()["stopped"] is True
+            events = parse_sse((await sending).text)
+            assert events[0].data == {"queue_position": 1} and events[-1].data["status"] == "stopped"
+            assert len(backend.requests) == 1  # the stopped answer never reached the model
+            assert app.state.ctx.traffic.admission.waiting == 0
+            assert (await busy).status_code == 200
