@@ -263,6 +263,8 @@ async function generate(start, { onStarted = () => {} } = {}) {
     $('send').disabled = false;
     const retry = err.status === 429 || err.status === 503 || err.status === 0;
     showNotice(describeError(err), retry ? { retryAfter: err.retryAfter, onRetry: () => generate(start, { onStarted }) } : {});
+    // Already answering here (another tab?): show that answer as it is written.
+    if (err.status === 409 && state.convId) openConversation(state.convId);
     return false;
   }
   $('send').disabled = false;

@@ -62,6 +62,7 @@ export class Run {
   // Read a stream Response to its end (or to the final event), calling onChange after each event.
   async follow(response, onChange) {
     for await (const event of readEvents(response)) {
+      if (this.controller.signal.aborted) break; // this page let go of the run
       this.reconnecting = false;
       this.apply(event);
       this.save();
