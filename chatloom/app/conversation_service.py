@@ -63,6 +63,7 @@ class Generation:
     reservation: Reservation | None = None
     effort: str | None = None  # set: a reasoning request with this effort
     queued: asyncio.Future | None = None  # the wait in the admission queue, while it lasts
+    summary_tokens: list[int] = field(default_factory=lambda: [0, 0])  # [prompt, completion] spent summarizing
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -436,12 +437,16 @@ class ConversationService:
     async def _account(self, gen: Generation, outcome: dict) -> None:
         """Settle the quota with the tokens really used, meter them, observe the request's latencies."""
         prompt, completion = outcome.get("prompt_tokens") or 0, outcome.get("completion_tokens") or 0
-        self._settle(gen.reservation, prompt + completion)
-        if self.traffic is None or prompt + completion == 0:
+        # Summaries of older turns are real model work for this user: they count and are metered too.
+        s_prompt, s_completion = gen.summary_tokens
+        self._settle(gen.reservation, prompt + completion + s_prompt + s_completion)
+        if self.traffic is None or prompt + completion + s_prompt + s_completion == 0:
             return
         if gen.user is not None:
-            await self.traffic.meter.record(gen.user.id, gen.model, prompt, completion,
+            await self.traffic.meter.record(gen.user.id, gen.model, prompt + s_prompt, completion + s_completion,
                                             outcome.get("cached_tokens") or 0)
+        if prompt + completion == 0:
+            return
         self.traffic.metrics.observe_request(outcome.get("metrics"), outcome.get("finish_reason"), prompt, completion)
 
     def _count(self, text: str) -> int:
@@ -515,6 +520,8 @@ class ConversationService:
             except BadGenerationRequest as exc:
                 log.warning("summary of %s skipped: %s", gen.conversation_id, exc)
                 return summary
+            gen.summary_tokens[0] += result.prompt_tokens  # model work for this user: counted and metered
+            gen.summary_tokens[1] += result.completion_tokens
             if gen.stop_requested or result.finish_reason == "abort":
                 raise _Stopped
             summary = result.text.strip() or summary

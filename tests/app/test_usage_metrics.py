@@ -100,3 +100,21 @@ async def test_metrics_count_refusals(tmp_path):
                for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples[("chatloom:rate_limited_total", (("code", "rate_limit_exceeded"),))] == 1
     assert samples[("vllm:kv_cache_usage_perc", (("model_name", "scripted"),))] == 0.25
+
+
+async def test_summaries_are_metered_with_the_answer(tmp_path, tiny_backend):
+    from app_testing import RecordingBackend, app_client
+    settings = make_settings(tmp_path, context_window=512, default_max_tokens=24, summary_max_tokens=40)
+    backend = RecordingBackend(tiny_backend)
+    async with app_client(settings, backend) as (client, app, alice):
+        cid = await new_conversation(client, alice)
+        answered = 0
+        for i in range(10):
+            _, events = await send(client, alice, cid, f"Turn {i}: tell me about the number {i * 7} in a few words.")
+            usage = done_of(events)["usage"]
+            answered += usage["prompt_tokens"] + usage["completion_tokens"]
+            if backend.summaries():
+                break
+        assert backend.summaries(), "the history never outgrew the window"
+        metered = (await client.get("/usage", headers=alice)).json()["totals"]["total_tokens"]
+        assert metered > answered  # the summary's own tokens are in the user's usage too
