@@ -371,3 +371,20 @@ def test_without_usage_or_feedback_routes_the_page_degrades_quietly(page):
     last_answer(page).locator(".thumb-up").click()
     page.locator("#notice").wait_for()
     assert page.locator("#notice-text").inner_text() == "Feedback is not available on this server."
+
+
+def test_log_out_and_log_back_in(page):
+    name = sign_up(page)
+    send_and_wait(page, "remember me")
+    page.click("#logout")
+    page.wait_for_selector("#auth:not([hidden])")
+    assert page.evaluate("localStorage.getItem('chatloom.token')") is None
+    page.fill("#auth-username", name)
+    page.fill("#auth-password", "wrong password")
+    page.click("#login-button")
+    page.wait_for_selector("#auth-error:not([hidden])")
+    assert page.locator("#auth-error").inner_text() == "wrong username or password."
+    page.fill("#auth-password", "correct horse battery")
+    page.click("#login-button")
+    page.wait_for_selector(".conversation")
+    assert page.locator(".conversation .open").all_inner_texts() == ["remember me"]
