@@ -298,10 +298,10 @@ class ConversationService:
             if gen.stop_requested:
                 raise _Stopped
             gen.request_id = gen.message_id
+            # The engine runs low priority numbers first; higher tiers get lower numbers.
             request = GenerationRequest(messages=messages, model=gen.model, max_tokens=gen.max_tokens,
                                         temperature=gen.temperature, top_p=self.settings.default_top_p,
-                                        request_id=gen.request_id,
-                                        priority=-gen.tier.priority if gen.tier else 0)  # the engine runs low numbers first
+                                        request_id=gen.request_id, priority=-gen.tier.priority if gen.tier else 0)
             guard = self.traffic.output_guard() if self.traffic is not None else None
             splitter = reasoning.ThinkingSplitter() if gen.effort is not None else None
             aborted = False
