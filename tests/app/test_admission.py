@@ -200,3 +200,9 @@ async def test_stopping_an_answer_that_waits_in_the_queue(tmp_path):
             assert len(backend.requests) == 1  # the stopped answer never reached the model
             assert app.state.ctx.traffic.admission.waiting == 0
             assert (await busy).status_code == 200
+
+
+async def test_admin_stats_show_the_admission_queue(client, alice):
+    stats = (await client.get("/admin/stats", headers=alice)).json()
+    assert stats["admission"] == {"waiting": 0, "running": 0, "max_running": 32, "reasoning_running": 0,
+                                  "reasoning_slots": 16}

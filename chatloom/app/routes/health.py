@@ -34,4 +34,9 @@ async def stats(request: Request, user: User = Depends(current_user)) -> dict:
     if not user.is_admin:
         raise ApiError(403, "admins only", "forbidden")
     ctx = get_context(request)
-    return {"backend": ctx.backend.stats(), "running_generations": ctx.conversations.running_count()}
+    out = {"backend": ctx.backend.stats(), "running_generations": ctx.conversations.running_count()}
+    if ctx.traffic is not None:
+        a = ctx.traffic.admission
+        out["admission"] = {"waiting": a.waiting, "running": a.running, "max_running": a.max_running,
+                            "reasoning_running": a.running_of("reasoning"), "reasoning_slots": a.reasoning_slots()}
+    return out
