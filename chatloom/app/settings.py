@@ -26,6 +26,7 @@ class Settings:
     kv_cache_gb: float = 0.5
     num_blocks: int | None = None
     max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # per engine step: decodes first, then prefill chunks
     context_window: int | None = None  # cap below the model's own window (tests use a tiny one)
 
     # Accounts.

@@ -109,3 +109,18 @@ def test_settings_file(tmp_path):
     path.write_text("prot = 9000\n")
     with pytest.raises(ValueError, match="prot"):
         Settings.from_file(path)
+
+
+def test_serve_engine_flags_reach_the_engine_config(tmp_path):
+    import argparse
+
+    from chatloom.app.main import default_backend
+
+    parser = argparse.ArgumentParser()
+    app_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "tiny-random", "--kv-cache-gb", "0.25", "--max-num-seqs", "8",
+                              "--max-num-batched-tokens", "128", "--db", f"sqlite+aiosqlite:///{tmp_path}/x.db"])
+    settings = app_cli._settings(args)
+    backend = default_backend(settings)
+    assert (backend._config.kv_cache_gb, backend._config.max_num_seqs, backend._config.max_num_batched_tokens) == (
+        0.25, 8, 128)
