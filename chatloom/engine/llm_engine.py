@@ -111,8 +111,8 @@ class LLMEngine:
         for seq in batch.decodes + [s for s, _ in batch.prefills]:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        logits, sampled = self.runner.execute(batch)
-        new_tokens = self.sampler(logits, sampled, self.eos_ids) if sampled else []
+        logits, argmax, sampled = self.runner.execute(batch)
+        new_tokens = self.sampler(logits, sampled, self.eos_ids, argmax) if sampled else []
 
         for seq in batch.decodes:
             seq.num_computed_tokens += 1

@@ -81,10 +81,13 @@ class ModelRunner:
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the batch; returns logits for the sequences that produce a token now."""
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None, list[Sequence]]:
+        """Run the batch; returns logits and their row-wise argmax for the sequences that
+        produce a token now, and those sequences."""
         ids, positions, attn, rows = self._prepare(batch)
         hidden = self.model(ids, positions, attn, self.kv_caches)
         sampled = list(batch.decodes) + [s for s, n in batch.prefills if s.num_computed_tokens + n == len(s)]
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0)
-        return logits, sampled
+        if not rows:
+            return hidden.new_empty(0), None, sampled
+        logits, argmax = self.model.logits_and_argmax(hidden[rows])
+        return logits, argmax, sampled

@@ -29,16 +29,22 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int],
+                 argmax: torch.Tensor | None = None) -> list[int]:
+        """logits: [N, vocab]; argmax: their row-wise argmax when the caller has it already."""
         logits = logits.float()
         # min_tokens: end-of-sequence tokens are not allowed yet.
+        banned_any = False
         for row, seq in enumerate(seqs):
             p = seq.params
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
                 if banned:
                     logits[row, banned] = float("-inf")
-        out = logits.argmax(dim=-1).tolist()
+                    banned_any = True
+        if argmax is None or banned_any:
+            argmax = logits.argmax(dim=-1)
+        out = argmax.tolist()
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not rows:
             return out

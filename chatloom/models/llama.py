@@ -134,16 +134,35 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties).
-        The vocabulary is done in slices that stay in cache."""
+        """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties)."""
+        return self.logits_and_argmax(hidden, want_argmax=False)[0]
+
+    def logits_and_argmax(self, hidden: torch.Tensor, want_argmax: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [N, vocab] (a transposed view) and, if asked, each row's argmax [N].
+
+        The vocabulary is done in slices that stay in cache; each slice's maximum is
+        taken while it is still there, which is far cheaper than an argmax over the
+        finished [N, vocab] matrix."""
         w = self.lm_head.weight
         if w.dtype == torch.bfloat16 or w.dtype == torch.float16:
-            return F.linear(hidden.float(), w.float())
+            logits = F.linear(hidden.float(), w.float())
+            return logits, logits.argmax(dim=-1) if want_argmax else None
         out = torch.empty(w.shape[0], hidden.shape[0], dtype=hidden.dtype)
         ht = hidden.t().contiguous()
+        best_val = best_idx = None
         for start in range(0, w.shape[0], _LOGIT_SLICE):
-            torch.mm(w[start:start + _LOGIT_SLICE], ht, out=out[start:start + _LOGIT_SLICE])
-        return out.t()
+            piece = out[start:start + _LOGIT_SLICE]
+            torch.mm(w[start:start + _LOGIT_SLICE], ht, out=piece)
+            if want_argmax:
+                val, idx = piece.max(dim=0)
+                if best_val is None:
+                    best_val, best_idx = val, idx
+                else:
+                    better = val > best_val  # strict: ties keep the lower id, like argmax
+                    best_val = torch.where(better, val, best_val)
+                    best_idx = torch.where(better, idx + start, best_idx)
+        return out.t(), best_idx
 
     @torch.inference_mode()
     def dense_logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:

@@ -4,7 +4,9 @@
 // the query heads that share a KV head (GQA) are scored together so K and V are read once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 template <typename T, typename Acc>
@@ -13,49 +15,70 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
                                  int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
                                  int64_t block_size, int64_t table_width, double scale) {
   const int64_t group = hq / hkv;
-  at::parallel_for(0, n_tokens * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> scores, acc(group * d), qv(group * d);
+  // With several query tokens, one job takes all KV heads of a token, so each cached
+  // position is read as one contiguous run (hkv * d values) that prefetchers stream well.
+  // With very few tokens, split by KV head instead so both cores have work.
+  const int64_t heads_per_job = n_tokens >= 4 ? hkv : 1;
+  const int64_t jobs_per_token = hkv / heads_per_job;
+  const int64_t row_stride = hkv * d;  // values per cached position
+  at::parallel_for(0, n_tokens * jobs_per_token, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> scores, acc, qv, mx, sum;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / hkv, h = job % hkv;
+      const int64_t i = job / jobs_per_token;
+      const int64_t h0 = (job % jobs_per_token) * heads_per_job;
+      const int64_t nq = heads_per_job * group;  // query heads handled by this job
       const int64_t len = kv_lens[i];
       const int32_t* table = tables + (int64_t)rows[i] * table_width;
-      scores.resize(len * group);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t x = 0; x < d; ++x)
-          qv[g * d + x] = (Acc)q[(i * hq + h * group + g) * d + x] * (Acc)scale;
-      std::vector<Acc> mx(group, -INFINITY);
+      scores.resize(len * nq);
+      qv.resize(nq * d);
+      acc.assign(nq * d, (Acc)0);
+      mx.assign(nq, -std::numeric_limits<Acc>::max());
+      sum.assign(nq, (Acc)0);
+      const T* qi = q + (i * hq + h0 * group) * d;
+      for (int64_t x = 0; x < nq * d; ++x) qv[x] = (Acc)qi[x] * (Acc)scale;
+
+      // Pass 1: scores of every query head against every cached key.
       for (int64_t t = 0; t < len; ++t) {
-        const T* k = kp + (((int64_t)table[t / block_size] * block_size + t % block_size) * hkv + h) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const Acc* qg = qv.data() + g * d;
-          Acc s = 0;
+        const T* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+        Acc* st = scores.data() + t * nq;
+        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+          const T* k = krow + hh * d;
+          for (int64_t g = 0; g < group; ++g) {
+            const Acc* qg = qv.data() + (hh * group + g) * d;
+            Acc s = 0;
 #pragma omp simd reduction(+ : s)
-          for (int64_t x = 0; x < d; ++x) s += qg[x] * (Acc)k[x];
-          scores[t * group + g] = s;
-          if (s > mx[g]) mx[g] = s;
+            for (int64_t x = 0; x < d; ++x) s += qg[x] * (Acc)k[x];
+            st[hh * group + g] = s;
+          }
         }
+        for (int64_t j = 0; j < nq; ++j) mx[j] = std::max(mx[j], st[j]);
       }
-      std::vector<Acc> sum(group, 0);
-      for (int64_t t = 0; t < len; ++t)
-        for (int64_t g = 0; g < group; ++g) {
-          Acc e = std::exp(scores[t * group + g] - mx[g]);
-          scores[t * group + g] = e;
-          sum[g] += e;
-        }
-      std::fill(acc.begin(), acc.end(), (Acc)0);
       for (int64_t t = 0; t < len; ++t) {
-        const T* v = vp + (((int64_t)table[t / block_size] * block_size + t % block_size) * hkv + h) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const Acc p = scores[t * group + g];
-          Acc* a = acc.data() + g * d;
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) a[x] += p * (Acc)v[x];
+        Acc* st = scores.data() + t * nq;
+        for (int64_t j = 0; j < nq; ++j) {
+          const Acc e = std::exp(st[j] - mx[j]);
+          st[j] = e;
+          sum[j] += e;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out + (i * hq + h * group + g) * d;
-        const Acc inv = (Acc)1 / sum[g];
-        for (int64_t x = 0; x < d; ++x) o[x] = (T)(acc[g * d + x] * inv);
+      // Pass 2: probability-weighted sum of the values.
+      for (int64_t t = 0; t < len; ++t) {
+        const T* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+        const Acc* st = scores.data() + t * nq;
+        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+          const T* v = vrow + hh * d;
+          for (int64_t g = 0; g < group; ++g) {
+            const Acc p = st[hh * group + g];
+            Acc* a = acc.data() + (hh * group + g) * d;
+#pragma omp simd
+            for (int64_t x = 0; x < d; ++x) a[x] += p * (Acc)v[x];
+          }
+        }
+      }
+      T* o = out + (i * hq + h0 * group) * d;
+      for (int64_t j = 0; j < nq; ++j) {
+        const Acc inv = (Acc)1 / sum[j];
+        for (int64_t x = 0; x < d; ++x) o[j * d + x] = (T)(acc[j * d + x] * inv);
       }
     }
   });
