@@ -113,6 +113,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
 // BLAS GEMMs run such skinny products far below memory bandwidth on some CPUs; here two
 // weight rows at a time are streamed once and dotted with four input rows at a time,
 // eight independent vector accumulators keeping the FMA units busy.
+#if defined(__AVX2__) && defined(__FMA__)
 static inline float hsum256(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
@@ -158,6 +159,20 @@ static void skinny_matmul_f32(const float* w, const float* x, float* out, int64_
     }
   });
 }
+
+#else
+// Without AVX2/FMA: a plain loop the compiler vectorizes as it can.
+static void skinny_matmul_f32(const float* w, const float* x, float* out, int64_t n, int64_t k, int64_t m) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t j = 0; j < m; ++j) {
+        float s = 0;
+        for (int64_t c = 0; c < k; ++c) s += w[r * k + c] * x[j * k + c];
+        out[r * m + j] = s;
+      }
+  });
+}
+#endif
 
 torch::Tensor skinny_matmul(torch::Tensor w, torch::Tensor x) {
   TORCH_CHECK(w.is_contiguous() && x.is_contiguous() && w.dim() == 2 && x.dim() == 2, "contiguous 2-D inputs");
