@@ -345,11 +345,18 @@ async function finish(run) {
     } : {});
   }
   if (run.convId === state.convId) {
-    try {
-      const conv = await api.conversation(run.convId, run.messageId);
-      state.branch = conv.messages;
-      setTitle(conv.title);
-    } catch { /* keep what is shown */ }
+    // The saved answer replaces the streamed one; a failed fetch (a busy server) is retried
+    // a few times before falling back to what is shown.
+    for (let attempt = 0; attempt < 3; attempt++) {
+      try {
+        const conv = await api.conversation(run.convId, run.messageId);
+        state.branch = conv.messages;
+        setTitle(conv.title);
+        break;
+      } catch {
+        await new Promise((r) => setTimeout(r, 300 * (attempt + 1)));
+      }
+    }
     drawMessages();
   }
   await Promise.all([refreshConversations(), refreshUsage()]);
