@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn, TextIO
+from typing import Any, NoReturn, TextIO
+
+from chatloom.argtypes import float_in, int_at_least, positive_float, positive_int
 
 PROG = "chatloom"
 EXAMPLES_DIR = Path(__file__).parent / "examples"
@@ -39,35 +40,9 @@ class _Parser(argparse.ArgumentParser):
 
 # -- argument types (checked before any model is loaded) ----------------------------
 
-def _int_at_least(lo: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"{what}, got {value}")
-        return value
-    return parse
-
-
-def _float_in(lo: float, hi: float, what: str, lo_open: bool = False) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
-            raise argparse.ArgumentTypeError(f"{what}, got {text}")
-        return value
-    return parse
-
-
-_positive_int = _int_at_least(1, "must be at least 1")
-_temperature = _float_in(0.0, 100.0, "must be between 0 (greedy) and 100")
-_top_p = _float_in(0.0, 1.0, "must be in (0, 1]", lo_open=True)
-_top_k = _int_at_least(-1, "must be 0 or -1 (off) or a positive integer")
-_positive_float = _float_in(0.0, math.inf, "must be a positive number", lo_open=True)
+_temperature = float_in(0.0, 100.0, "must be between 0 (greedy) and 100")
+_top_p = float_in(0.0, 1.0, "must be in (0, 1]", lo_open=True)
+_top_k = int_at_least(-1, "must be 0 or -1 (off) or a positive integer")
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -112,7 +87,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=_positive_int, default=max_tokens, metavar="N",
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
                    help=f"most tokens to generate (default {max_tokens})")
     p.add_argument("--temperature", type=_temperature, default=0.7, metavar="T",
                    help="sampling temperature; 0 means greedy (default 0.7)")
@@ -425,9 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="registry id, GGUF file, HF folder or config.json; "
                         "or a shipped example by name (llama-70b)")
     mem = p.add_mutually_exclusive_group(required=True)
-    mem.add_argument("--memory-gb", type=_positive_float, metavar="X", help="KV-cache memory in GB (10^9 bytes)")
-    mem.add_argument("--memory-gib", type=_positive_float, metavar="X", help="KV-cache memory in GiB (2^30 bytes)")
-    p.add_argument("--context", type=_positive_int, default=8000, metavar="N",
+    mem.add_argument("--memory-gb", type=positive_float, metavar="X", help="KV-cache memory in GB (10^9 bytes)")
+    mem.add_argument("--memory-gib", type=positive_float, metavar="X", help="KV-cache memory in GiB (2^30 bytes)")
+    p.add_argument("--context", type=positive_int, default=8000, metavar="N",
                    help="tokens per conversation (default 8000)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), default="fp16",
                    help="KV-cache dtype (default fp16)")

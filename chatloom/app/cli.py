@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import sys
 
+from chatloom.argtypes import positive_float, positive_int
+
 
 def _settings(args: argparse.Namespace):
     from chatloom.app.settings import Settings
@@ -16,26 +18,6 @@ def _settings(args: argparse.Namespace):
     settings = Settings.from_file(args.config) if args.config else Settings()
     fields = ("host", "port", "model", "dtype", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
     return settings.updated(db_url=args.db, **{k: getattr(args, k, None) for k in fields})
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -120,10 +102,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, metavar="ID|PATH",
                    help="registry id, GGUF file or Hugging Face folder (default: the bundled model)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="weights dtype (default fp32)")
-    p.add_argument("--kv-cache-gb", type=_positive_float, default=None, help="KV pool size in GiB (default 0.5)")
-    p.add_argument("--num-blocks", type=_positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="sequences per engine step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB (default 0.5)")
+    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="token budget per engine step (default 512)")
     _add_common(p)
     p.set_defaults(func=cmd_serve)

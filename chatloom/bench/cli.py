@@ -6,14 +6,8 @@ import json
 import statistics
 import sys
 
+from chatloom.argtypes import positive_int
 from chatloom.models.registry import DEFAULT_MODEL
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return n
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -32,39 +26,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     p.add_argument("--mode", choices=["continuous", "static", "sequential"], default="continuous")
     p.add_argument("--compare", action="store_true", help="run all three modes in one process and print ratios")
-    p.add_argument("--num-requests", type=_positive, default=64)
-    p.add_argument("--max-num-seqs", type=_positive, default=64)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=512)
-    p.add_argument("--static-batch-size", type=_positive, default=32)
-    p.add_argument("--sequential-requests", type=_positive, default=8,
+    p.add_argument("--num-requests", type=positive_int, default=64)
+    p.add_argument("--max-num-seqs", type=positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    p.add_argument("--static-batch-size", type=positive_int, default=32)
+    p.add_argument("--sequential-requests", type=positive_int, default=8,
                    help="with --compare: how many of the requests the slow sequential mode runs")
-    p.add_argument("--repeats", type=_positive, default=1, help="with --compare: rounds of all modes, interleaved")
+    p.add_argument("--repeats", type=positive_int, default=1, help="with --compare: rounds of all modes, interleaved")
     p.set_defaults(func=_throughput)
 
     p = sub.add_parser("prefix", help="multi-turn TTFT with prefix caching on and off")
     _common(p)
-    p.add_argument("--turns", type=_positive, default=8)
-    p.add_argument("--max-tokens", type=_positive, default=32)
+    p.add_argument("--turns", type=positive_int, default=8)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
     p.set_defaults(func=_prefix)
 
     p = sub.add_parser("memory", help="KV memory holding real tokens: paged vs contiguous")
     _common(p)
-    p.add_argument("--num-requests", type=_positive, default=64)
+    p.add_argument("--num-requests", type=positive_int, default=64)
     p.set_defaults(func=_memory)
 
     p = sub.add_parser("roofline", help="matmul GFLOP/s at the engine's batch sizes and the engine's fraction")
     _common(p)
-    p.add_argument("--num-requests", type=_positive, default=32)
+    p.add_argument("--num-requests", type=positive_int, default=32)
     p.set_defaults(func=_roofline)
 
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
-    p.add_argument("--num-prompts", type=_positive, default=32)
+    p.add_argument("--num-prompts", type=positive_int, default=32)
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--request-rate", type=float, help="mean requests per second (Poisson arrivals)")
-    load.add_argument("--max-concurrency", type=_positive, help="requests in flight at once (all sent at t=0)")
-    p.add_argument("--max-tokens", type=_positive, default=64)
+    load.add_argument("--max-concurrency", type=positive_int, help="requests in flight at once (all sent at t=0)")
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (e2el too)")
     p.add_argument("--seed", type=int, default=0)
