@@ -108,7 +108,8 @@ class LLMEngine:
         if not batch:
             return outputs
         now = time.time()
-        for seq in batch.decodes + [s for s, _ in batch.prefills]:
+        scheduled = batch.decodes + [s for s, _ in batch.prefills]
+        for seq in scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         logits, argmax, sampled = self.runner.execute(batch)
@@ -129,7 +130,7 @@ class LLMEngine:
             out = self._advance(self.requests[seq.request_id], token)
             if out is not None:
                 outputs.append(out)
-        for seq in batch.decodes + [s for s, _ in batch.prefills]:
+        for seq in scheduled:
             if not seq.is_finished:
                 self.block_manager.register_full_blocks(seq)
         self.stats.record_step(batch.num_tokens, len(new_tokens), now)

@@ -67,13 +67,13 @@ class ModelRunner:
             ctx = start + n
             if start == 0:
                 seg = PrefillSegment(q_start, n, ctx, None)
-            elif kern is not None:
-                used = table[: -(-ctx // bs)]
-                seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
-                                     kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
             else:
-                used = table[: -(-ctx // bs)]
-                seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
+                used = table[: -(-ctx // bs)]  # the blocks holding the context so far
+                if kern is not None:
+                    seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
+                                         kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
+                else:
+                    seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
             attn.prefills.append(seg)
             if ctx == len(seq):
                 logit_rows.append(q_start + n - 1)
