@@ -8,37 +8,18 @@ import torch.nn.functional as F
 from chatloom.models.attention import AttentionBatch, paged_attention
 from chatloom.models.config import ModelConfig
 from chatloom.models.kernels import load_kernels
+from chatloom.models.packed_linear import PackedLinear
 
 
-# Below this many rows, W @ x.T beats x @ W.T on CPU BLAS (no repacking of the weight
-# per call); decode batches live here, long prefill chunks above it.
-_SMALL_BATCH = 256
 _LOGIT_SLICE = 2048
 
 
-# Up to this many rows, our AVX2 kernel beats MKL's GEMM by 2-6x (bench roofline shows
-# MKL at 13-17 GFLOP/s for 1-8 rows on AMD CPUs); from about 16 rows on, MKL wins.
-_SKINNY_MAX_ROWS = 12
-
-
-def matmul_wx(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """w [N, K] @ x [T, K]^T -> [N, T], contiguous."""
-    if x.shape[0] <= _SKINNY_MAX_ROWS and x.dtype == torch.float32:
-        kernels = load_kernels()
-        if kernels is not None:
-            return kernels.skinny_matmul(w, x.contiguous())
-    return torch.mm(w, x.t())
-
-
-def linear_t(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x), returned transposed: [out_features, T] (contiguous for small T)."""
-    if x.shape[0] <= _SMALL_BATCH:
-        y = matmul_wx(layer.weight, x)
-    else:
-        y = F.linear(x, layer.weight).t()
-    if layer.bias is not None:
-        y = y + layer.bias.unsqueeze(1)
-    return y
+def fused_kernels(x: torch.Tensor):
+    """The C++ layer kernels when they apply to x (float32 and built), else None."""
+    if x.dtype != torch.float32:
+        return None
+    kernels = load_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "add_rms_norm") else None
 
 
 class RMSNorm(nn.Module):
@@ -47,8 +28,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x); with `residual`, first residual += x (in place), then rms_norm(residual)."""
+        kernels = fused_kernels(x)
+        if residual is None:
+            if kernels is not None and x.dim() == 2:
+                return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if kernels is not None:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        residual.add_(x)
+        return F.rms_norm(residual, (residual.shape[-1],), self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,6 +54,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         """Rotate each x: [T, H, D] at `positions` [T]."""
+        kernels = fused_kernels(xs[0])
+        if kernels is not None and len(xs) == 2:
+            return kernels.rotary(xs[0], xs[1], positions, self.cos, self.sin, self.interleaved)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         out = []
@@ -89,14 +82,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: tuple[torch.Tensor, torch.Tensor] | None, batch: AttentionBatch) -> torch.Tensor:
-        qkv = linear_t(x, self.qkv_proj)  # [q + 2kv, T]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=0)
-        q = q.t().reshape(-1, self.hq, self.d)
-        k = k.t().reshape(-1, self.hkv, self.d)
-        v = v.t().reshape(-1, self.hkv, self.d)
+        qkv = self.qkv_proj(x)  # [T, q + 2kv]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=1)
+        q = q.view(-1, self.hq, self.d)
+        k = k.view(-1, self.hkv, self.d)
+        v = v.view(-1, self.hkv, self.d)
         q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, cache, batch)
-        return linear_t(o.flatten(1), self.o_proj).t()
+        return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
@@ -107,12 +100,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Stay in the transposed layout between the two matmuls: no copies.
-        gate_up = linear_t(x, self.gate_up_proj)  # [2I, T]
-        h = F.silu(gate_up[: self.inter]) * gate_up[self.inter:]
-        if x.shape[0] <= _SMALL_BATCH:
-            return matmul_wx(self.down_proj.weight, h.t()).t()
-        return F.linear(h.t(), self.down_proj.weight)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        kernels = fused_kernels(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
 
 
 class DecoderLayer(nn.Module):
@@ -123,9 +115,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: RotaryEmbedding, cache, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output; residual: the running sum before it (None at
+        the first layer, where x is the embedding). Returns this layer's MLP output and
+        the residual stream without it, so the next norm can add and normalize in one pass."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, cache, batch)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,10 +145,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream may be updated in place
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_caches[i] if kv_caches else None, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, kv_caches[i] if kv_caches else None, batch)
+        return self.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties)."""
@@ -154,25 +157,24 @@ class LlamaForCausalLM(nn.Module):
 
     def logits_and_argmax(self, hidden: torch.Tensor, want_argmax: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [N, vocab] (a transposed view) and, if asked, each row's argmax [N].
+        """Logits [N, vocab] and, if asked, each row's argmax [N].
 
-        The vocabulary is done in slices that stay in cache; each slice's maximum is
-        taken while it is still there, which is far cheaper than an argmax over the
-        finished [N, vocab] matrix."""
+        Without the packed kernel, the head runs as W @ hidden^T (the faster BLAS shape
+        here) in vocabulary slices that stay in cache; each slice's maximum is taken while
+        it is still there, far cheaper than an argmax down the columns of [vocab, N]."""
+        if isinstance(self.lm_head, PackedLinear):
+            logits = self.lm_head(hidden)
+            return logits, logits.argmax(dim=-1) if want_argmax else None
         w = self.lm_head.weight
         if w.dtype == torch.bfloat16 or w.dtype == torch.float16:
             logits = F.linear(hidden.float(), w.float())
             return logits, logits.argmax(dim=-1) if want_argmax else None
         out = torch.empty(w.shape[0], hidden.shape[0], dtype=hidden.dtype)
         ht = hidden.t().contiguous()
-        skinny = hidden.shape[0] <= _SKINNY_MAX_ROWS
         best_val = best_idx = None
         for start in range(0, w.shape[0], _LOGIT_SLICE):
             piece = out[start:start + _LOGIT_SLICE]
-            if skinny:
-                piece.copy_(matmul_wx(w[start:start + _LOGIT_SLICE], hidden))
-            else:
-                torch.mm(w[start:start + _LOGIT_SLICE], ht, out=piece)
+            torch.mm(w[start:start + _LOGIT_SLICE], ht, out=piece)
             if want_argmax:
                 val, idx = piece.max(dim=0)
                 if best_val is None:

@@ -6,6 +6,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from chatloom.models.packed_linear import pack_linears
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.llama import LlamaForCausalLM
 
@@ -100,7 +101,10 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype) -> Llam
     # Buffers (RoPE tables) were created on meta: rebuild them for real.
     from chatloom.models.llama import RotaryEmbedding
     model.rope = RotaryEmbedding(cfg)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if dtype == torch.float32:
+        pack_linears(model)  # the C++ matmul, where it could be built
+    return model
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:

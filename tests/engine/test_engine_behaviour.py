@@ -189,21 +189,3 @@ async def test_a_failed_step_fails_its_requests_but_not_the_engine(tiny_model_fp
         assert out.finished and out.num_output_tokens == 5
     finally:
         engine.shutdown()
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12])
-def test_skinny_matmul_kernel_matches_torch(rows):
-    """The small-batch matmul kernel (decode with few sequences) equals torch.mm,
-    including odd row counts and a width that is not a multiple of the vector size."""
-    import torch
-
-    from chatloom.models.kernels import load_kernels
-
-    kernels = load_kernels()
-    if kernels is None:
-        pytest.skip("C++ kernels unavailable")
-    gen = torch.Generator().manual_seed(rows)
-    for n, k in ((97, 576), (64, 1539), (1, 8)):
-        w = torch.randn(n, k, generator=gen)
-        x = torch.randn(rows, k, generator=gen)
-        torch.testing.assert_close(kernels.skinny_matmul(w, x), w @ x.t(), rtol=1e-4, atol=1e-4)

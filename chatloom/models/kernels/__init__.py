@@ -1,7 +1,8 @@
 """Optional C++ kernels, compiled on first use with the machine's C++ compiler.
 
-They make decode attention read K/V straight from the paged pool. When no compiler
-is available (or CHATLOOM_KERNELS=0), callers fall back to the pure PyTorch path.
+Attention that reads K/V straight from the paged pool (paged_attention.cpp) and a
+float32 matmul over weights packed at load time (gemm.cpp). When no compiler is
+available (or CHATLOOM_KERNELS=0), callers fall back to the pure PyTorch path.
 """
 from __future__ import annotations
 
@@ -27,15 +28,16 @@ def load_kernels():
     with _lock:
         if _module is not None or _failed:
             return _module
-        source = Path(__file__).with_name("paged_attention.cpp")
-        digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+        here = Path(__file__).parent
+        sources = sorted(here.glob("*.cpp"))
+        digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))).hexdigest()[:10]
         try:
             from torch.utils.cpp_extension import load
 
             build_dir = Path(os.environ.get("CHATLOOM_KERNEL_CACHE",
                                             Path.home() / ".cache" / "chatloom" / "kernels")) / digest
             build_dir.mkdir(parents=True, exist_ok=True)
-            _module = load(name=f"chatloom_kernels_{digest}", sources=[str(source)],
+            _module = load(name=f"chatloom_kernels_{digest}", sources=[str(p) for p in sources],
                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # no compiler, no headers: run without kernels

@@ -2,7 +2,7 @@
 // Each query token i attends to the first kv_len[i] positions of the sequence whose
 // block table is block_tables[row[i]]. Work is split over (query token, KV head);
 // the query heads that share a KV head (GQA) are scored together so K and V are read once.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -107,83 +107,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
     TORCH_CHECK(false, "paged_attention supports float32 and float64");
   }
   return out;
-}
-
-// out[n, m] = sum_k w[n, k] * x[m, k] for a few input rows m (decode batches), float32.
-// BLAS GEMMs run such skinny products far below memory bandwidth on some CPUs; here two
-// weight rows at a time are streamed once and dotted with four input rows at a time,
-// eight independent vector accumulators keeping the FMA units busy.
-#if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
-
-static float dot_tail(const float* a, const float* b, int64_t from, int64_t k) {
-  float s = 0;
-  for (int64_t c = from; c < k; ++c) s += a[c] * b[c];
-  return s;
-}
-
-static void skinny_matmul_f32(const float* w, const float* x, float* out, int64_t n, int64_t k, int64_t m) {
-  const int64_t kv = k - k % 8;
-  at::parallel_for(0, (n + 1) / 2, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t pr = begin; pr < end; ++pr) {
-      const int64_t r0 = 2 * pr, r1 = std::min(r0 + 1, n - 1);
-      const float* w0 = w + r0 * k;
-      const float* w1 = w + r1 * k;
-      for (int64_t j = 0; j < m; j += 4) {
-        const int64_t nj = std::min<int64_t>(4, m - j);
-        const float* xs[4];
-        for (int64_t q = 0; q < 4; ++q) xs[q] = x + (j + std::min(q, nj - 1)) * k;
-        __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a02 = _mm256_setzero_ps(), a03 = _mm256_setzero_ps();
-        __m256 a10 = _mm256_setzero_ps(), a11 = _mm256_setzero_ps(), a12 = _mm256_setzero_ps(), a13 = _mm256_setzero_ps();
-        for (int64_t c = 0; c < kv; c += 8) {
-          const __m256 v0 = _mm256_loadu_ps(w0 + c), v1 = _mm256_loadu_ps(w1 + c);
-          const __m256 x0 = _mm256_loadu_ps(xs[0] + c), x1 = _mm256_loadu_ps(xs[1] + c);
-          const __m256 x2 = _mm256_loadu_ps(xs[2] + c), x3 = _mm256_loadu_ps(xs[3] + c);
-          a00 = _mm256_fmadd_ps(v0, x0, a00); a01 = _mm256_fmadd_ps(v0, x1, a01);
-          a02 = _mm256_fmadd_ps(v0, x2, a02); a03 = _mm256_fmadd_ps(v0, x3, a03);
-          a10 = _mm256_fmadd_ps(v1, x0, a10); a11 = _mm256_fmadd_ps(v1, x1, a11);
-          a12 = _mm256_fmadd_ps(v1, x2, a12); a13 = _mm256_fmadd_ps(v1, x3, a13);
-        }
-        const __m256 acc0[4] = {a00, a01, a02, a03}, acc1[4] = {a10, a11, a12, a13};
-        for (int64_t q = 0; q < nj; ++q) {
-          out[r0 * m + j + q] = hsum256(acc0[q]) + dot_tail(w0, xs[q], kv, k);
-          if (r1 != r0) out[r1 * m + j + q] = hsum256(acc1[q]) + dot_tail(w1, xs[q], kv, k);
-        }
-      }
-    }
-  });
-}
-
-#else
-// Without AVX2/FMA: a plain loop the compiler vectorizes as it can.
-static void skinny_matmul_f32(const float* w, const float* x, float* out, int64_t n, int64_t k, int64_t m) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t j = 0; j < m; ++j) {
-        float s = 0;
-        for (int64_t c = 0; c < k; ++c) s += w[r * k + c] * x[j * k + c];
-        out[r * m + j] = s;
-      }
-  });
-}
-#endif
-
-torch::Tensor skinny_matmul(torch::Tensor w, torch::Tensor x) {
-  TORCH_CHECK(w.is_contiguous() && x.is_contiguous() && w.dim() == 2 && x.dim() == 2, "contiguous 2-D inputs");
-  TORCH_CHECK(w.size(1) == x.size(1), "inner dimensions differ");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && x.scalar_type() == torch::kFloat32, "float32 only");
-  auto out = torch::empty({w.size(0), x.size(0)}, w.options());
-  skinny_matmul_f32(w.data_ptr<float>(), x.data_ptr<float>(), out.data_ptr<float>(), w.size(0), w.size(1), x.size(0));
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention over a paged KV pool");
-  m.def("skinny_matmul", &skinny_matmul, "w [N, K] @ x[M, K]^T for a few rows M, as [N, M] (float32)");
 }

@@ -1,0 +1,19 @@
+// Entry points of chatloom's C++ kernels (bound to Python in bindings.cpp).
+#pragma once
+#include <torch/extension.h>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                              torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
+                              double scale);
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                            c10::optional<torch::Tensor> bias);
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
+                                  torch::Tensor cos, torch::Tensor sin, bool interleaved);

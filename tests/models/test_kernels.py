@@ -1,0 +1,117 @@
+"""The C++ float32 kernels (packed matmul, fused norm/activation/rotary) against PyTorch."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import chatloom.models.llama as llama
+from chatloom.models.kernels import load_kernels
+from chatloom.models.packed_linear import PackedLinear, pack_linears, pack_weight, unpack_weight
+from chatloom.models.registry import tiny_random_config
+from chatloom.models.weights import random_model
+
+kernels = load_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 97, 200])
+@pytest.mark.parametrize("n,k", [(17, 8), (96, 576), (130, 100)])
+def test_packed_linear_matches_float64_reference(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    w, x, b = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    packed = pack_weight(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    ref = x.double() @ w.double().t()
+    torch.testing.assert_close(kernels.packed_linear(x, packed, n).double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.packed_linear(x, packed, n, b).double(), ref + b.double(),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_row_does_not_depend_on_the_batch():
+    """Each output row is one FMA chain in a fixed order: the same bits alone or batched."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(200, 576, generator=gen), torch.randn(40, 576, generator=gen)
+    packed = pack_weight(w)
+    full = kernels.packed_linear(x, packed, 200)
+    for i in (0, 5, 6, 17, 39):
+        assert torch.equal(kernels.packed_linear(x[i:i + 1], packed, 200)[0], full[i])
+        assert torch.equal(kernels.packed_linear(x[i:i + 7], packed, 200)[0], full[i])
+
+
+def test_pack_roundtrip_and_packed_linear_module():
+    lin = torch.nn.Linear(40, 33)
+    packed = PackedLinear.from_linear(lin, kernels)
+    assert torch.equal(unpack_weight(pack_weight(lin.weight), 33), lin.weight)
+    assert torch.equal(packed.weight, lin.weight)
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_rejects_bad_shapes():
+    packed = pack_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="inner dimensions differ"):
+        kernels.packed_linear(torch.randn(2, 9), packed, 20)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernels.packed_linear(torch.randn(2, 8), packed, 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.packed_linear(torch.randn(2, 8, dtype=torch.float64), packed, 20)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_norms_and_activation_match_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, res = (torch.randn(rows, 96, generator=gen) for _ in range(2))
+    w = torch.randn(96, generator=gen)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5))
+    res_ref = res + x
+    out = kernels.add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(res, res_ref)  # the residual stream was updated in place
+    torch.testing.assert_close(out, F.rms_norm(res_ref, (96,), w, 1e-5))
+    gate_up = torch.randn(rows, 2 * 48, generator=gen) * 4
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate_up[:, :48]) * gate_up[:, 48:])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_matches_torch_on_views_of_fused_qkv(interleaved, monkeypatch):
+    cfg = tiny_random_config()
+    cfg.rope_interleaved = interleaved
+    rope = llama.RotaryEmbedding(cfg)
+    hq, hk, d = 4, 2, cfg.head_dim
+    qkv = torch.randn(5, (hq + 2 * hk) * d)
+    q, k, _ = qkv.split((hq * d, hk * d, hk * d), dim=1)
+    q, k = q.view(5, hq, d), k.view(5, hk, d)
+    positions = torch.tensor([0, 1, 7, 3, 30])
+    got = kernels.rotary(q, k, positions, rope.cos, rope.sin, interleaved)
+    with monkeypatch.context() as m:
+        m.setattr(llama, "fused_kernels", lambda x: None)  # the PyTorch path
+        want = rope(positions, q, k)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        kernels.rotary(q, k, torch.tensor([0, 1, 2, 3, 10 ** 6]), rope.cos, rope.sin, interleaved)
+
+
+def test_kernel_model_matches_pytorch_model(monkeypatch):
+    """The float32 model with packed weights and fused ops gives the PyTorch path's logits."""
+    cfg = tiny_random_config()
+    plain = random_model(cfg, torch.float64).float()  # float64 build: nn.Linear left as is
+    assert isinstance(plain.lm_head, torch.nn.Linear)
+    fast = copy.deepcopy(plain)
+    assert pack_linears(fast)
+    assert isinstance(fast.lm_head, PackedLinear) and isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
+    seqs = [list(range(3, 40)), list(range(50, 58))]
+    got = fast.dense_logits(seqs)
+    monkeypatch.setattr(llama, "fused_kernels", lambda x: None)
+    want = plain.dense_logits(seqs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_float64_models_are_left_unpacked():
+    model = random_model(tiny_random_config(), torch.float64)
+    assert not pack_linears(model)
+    assert isinstance(model.lm_head, torch.nn.Linear)
