@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from chatloom.models.packed_linear import QUANTIZED_KINDS, QuantizedWeight
 from chatloom.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelError
 
 # GGUF tensor name stem -> Hugging Face name stem (per layer unless marked global).
@@ -206,6 +207,22 @@ def _hf_name(gguf_name: str) -> str | None:
         return stem and f"model.layers.{parts[1]}.{stem}.{parts[3]}"
     stem = _GLOBAL_NAMES.get(parts[0])
     return stem and f"{stem}.{parts[1]}"
+
+
+def read_quantized(reader: GGUFFile) -> dict[str, QuantizedWeight]:
+    """The tensors stored in a block format our matmul kernel reads as is (Q4_0, Q4_1,
+    Q8_0), raw, keyed by their Hugging Face name."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or t.tensor_type.name not in QUANTIZED_KINDS or len(t.shape) != 2:
+            continue
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        rows, nbytes = t.shape
+        out[name] = QuantizedWeight(t.tensor_type.name, t.data, rows, nbytes // type_size * block)
+    return out
 
 
 def read_weights(reader: GGUFFile) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from chatloom.models.attention import AttentionBatch, paged_attention
 from chatloom.models.config import ModelConfig
 from chatloom.models.kernels import load_kernels
-from chatloom.models.packed_linear import PackedLinear
+from chatloom.models.packed_linear import KernelLinear
 
 
 _LOGIT_SLICE = 2048
@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         Without the packed kernel, the head runs as W @ hidden^T (the faster BLAS shape
         here) in vocabulary slices that stay in cache; each slice's maximum is taken while
         it is still there, far cheaper than an argmax down the columns of [vocab, N]."""
-        if isinstance(self.lm_head, PackedLinear):
+        if isinstance(self.lm_head, KernelLinear):
             logits = self.lm_head(hidden)
             return logits, logits.argmax(dim=-1) if want_argmax else None
         w = self.lm_head.weight

@@ -87,6 +87,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32") -> 
         model = random_model(cfg, torch_dtype)
         return LoadedModel(spec, model, tok, cfg, time.perf_counter() - t0)
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    quantized = None
     if path.is_dir():
         cfg = hf_loader.read_config(path)
         tok = from_hf_folder(path, hf_loader.generation_eos(path))
@@ -96,8 +97,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32") -> 
         cfg = gguf_loader.read_config(reader, path.stem)
         tok = from_gguf(reader)
         weights = gguf_loader.read_weights(reader)
+        quantized = gguf_loader.read_quantized(reader)
     else:
         raise _unknown(spec)
-    model = build_model(cfg, weights.get, torch_dtype)
+    model = build_model(cfg, weights.get, torch_dtype, quantized)
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)

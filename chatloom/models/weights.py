@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
-from chatloom.models.packed_linear import pack_linears
+from chatloom.models.packed_linear import QuantizedWeight, pack_linears
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.llama import LlamaForCausalLM
 
@@ -46,8 +46,25 @@ def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     }.get(stem)
 
 
-def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Create the model and fill every parameter from `get`, fusing QKV and gate/up."""
+def linear_sources(cfg: ModelConfig, has_head: bool) -> dict[str, list[str]]:
+    """Each linear layer of the model (by module name) and the Hugging Face weights it
+    is made of, in order (QKV and gate/up are fused)."""
+    out = {"lm_head": ["lm_head.weight" if has_head else "model.embed_tokens.weight"]}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.self_attn.qkv_proj"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        out[f"layers.{i}.self_attn.o_proj"] = [p + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        out[f"layers.{i}.mlp.down_proj"] = [p + "mlp.down_proj.weight"]
+    return out
+
+
+def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
+                quantized: Mapping[str, QuantizedWeight] | None = None) -> LlamaForCausalLM:
+    """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
+
+    `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a
+    float32 model, layers whose weights are all there keep them quantized."""
     with _no_init():
         model = LlamaForCausalLM(cfg)
 
@@ -102,8 +119,11 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype) -> Llam
     from chatloom.models.llama import RotaryEmbedding
     model.rope = RotaryEmbedding(cfg)
     model = model.eval().requires_grad_(False)
-    if dtype == torch.float32:
-        pack_linears(model)  # the C++ matmul, where it could be built
+    if dtype == torch.float32:  # the C++ matmul, where it could be built
+        quantized = quantized or {}
+        sources = linear_sources(cfg, has_head=get("lm_head.weight") is not None)
+        pack_linears(model, {module: [quantized[n] for n in names] for module, names in sources.items()
+                             if all(n in quantized for n in names)})
     return model
 
 

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 namespace {
 
@@ -90,28 +92,61 @@ inline void panel_rows(const float* x, int64_t k_dim, const float* panel, const 
   }
 }
 
-}  // namespace
+// Quantized panels, for GGUF's Q4_1 and Q8_0 weights (blocks of 32 along K): the
+// weights stay 4 or 8 bits in memory, so a decode step that is bound by reading weights
+// reads 6x (Q4_1) or 4x (Q8_0) fewer bytes. Each panel is expanded to float32 in a
+// per-thread scratch right before its tiles run, with the same arithmetic as gguf's
+// dequantizer (w = d * code + m, the product exact in float32), so results are
+// bit-identical to the float32 packed path on the dequantized weights.
+//   Q4_1 codes [P, K, 8] uint8: byte j holds row j (low nibble) and row j + 8 (high).
+//   Q8_0 codes [P, K, 16] int8.
+//   scales [P, K / 32, 2, 16] float32: d for the panel's 16 rows, then m (zero for Q8_0).
+constexpr int64_t kQuantBlock = 32;
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel, "x [M, K], packed [P, K, 16]");
-  TORCH_CHECK(packed.is_contiguous(), "packed weight must be contiguous");
-  TORCH_CHECK(x.size(1) == packed.size(1), "inner dimensions differ: ", x.size(1), " vs ", packed.size(1));
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
-              "out_features does not match the packed panels");
-  x = x.contiguous();
-  const float* b = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.scalar_type() == torch::kFloat32 && bias_c.numel() == out_features, "bias shape");
-    b = bias_c.data_ptr<float>();
+template <bool Q4>
+void dequantize_panel(const uint8_t* codes, const float* scales, int64_t k_dim, float* dst) {
+  for (int64_t kb = 0; kb < k_dim / kQuantBlock; ++kb) {
+    const float* s = scales + kb * 2 * kPanel;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
+    const __m256 m0 = _mm256_loadu_ps(s + 16), m1 = _mm256_loadu_ps(s + 24);
+    for (int64_t k = kb * kQuantBlock; k < (kb + 1) * kQuantBlock; ++k) {
+      __m256 lo, hi;
+      if constexpr (Q4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
+        lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      } else {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel));
+        lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      }
+      _mm256_storeu_ps(dst + k * kPanel, _mm256_fmadd_ps(lo, d0, m0));
+      _mm256_storeu_ps(dst + k * kPanel + 8, _mm256_fmadd_ps(hi, d1, m1));
+    }
+#else
+    for (int64_t k = kb * kQuantBlock; k < (kb + 1) * kQuantBlock; ++k)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        float code;
+        if constexpr (Q4) {
+          const uint8_t byte = codes[k * 8 + (j % 8)];
+          code = (float)(j < 8 ? (byte & 15) : (byte >> 4));
+        } else {
+          code = (float)reinterpret_cast<const int8_t*>(codes)[k * kPanel + j];
+        }
+        dst[k * kPanel + j] = std::fma(code, s[j], s[kPanel + j]);
+      }
+#endif
   }
-  const int64_t m_dim = x.size(0), k_dim = x.size(1), panels = packed.size(0);
+}
+
+// Runs every (row block, panel) pair; `panel_at(p, scratch)` returns panel p as float32.
+template <typename PanelAt>
+torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, const float* bias,
+                         bool needs_scratch, PanelAt panel_at) {
+  const int64_t m_dim = x.size(0), k_dim = x.size(1);
   auto out = torch::empty({m_dim, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
     const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
@@ -119,12 +154,69 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
     const int64_t flops_per_panel = 2 * (m1 - m0) * k_dim * kPanel;
     const int64_t grain = std::max<int64_t>(1, 200000 / flops_per_panel);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(needs_scratch ? k_dim * kPanel : 0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col = p * kPanel;
-        panel_rows(xp, k_dim, wp + p * k_dim * kPanel, b ? b + col : nullptr, op + col, out_features,
+        panel_rows(xp, k_dim, panel_at(p, scratch.data()), bias ? bias + col : nullptr, op + col, out_features,
                    std::min(kPanel, out_features - col), m0, m1);
       }
     });
   }
   return out;
+}
+
+const float* checked_bias(const c10::optional<torch::Tensor>& bias, int64_t out_features, torch::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  keep = bias->contiguous();
+  TORCH_CHECK(keep.scalar_type() == torch::kFloat32 && keep.numel() == out_features, "bias shape");
+  return keep.data_ptr<float>();
+}
+
+void check_input(const torch::Tensor& x, int64_t k_dim, int64_t panels, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(x.size(1) == k_dim, "inner dimensions differ: ", x.size(1), " vs ", k_dim);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed panels");
+}
+
+}  // namespace
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "packed must be contiguous [P, K, 16]");
+  check_input(x, packed.size(1), packed.size(0), out_features);
+  torch::Tensor keep;
+  const float* b = checked_bias(bias, out_features, keep);
+  const float* wp = packed.data_ptr<float>();
+  const int64_t k_dim = packed.size(1);
+  return run_panels(x.contiguous(), packed.size(0), out_features, b, false,
+                    [&](int64_t p, float*) { return wp + p * k_dim * kPanel; });
+}
+
+torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (codes.size(2) == 8 || codes.size(2) == kPanel),
+              "codes must be contiguous [P, K, 8] (Q4_1) or [P, K, 16] (Q8_0)");
+  const bool q4 = codes.size(2) == 8;
+  TORCH_CHECK(codes.scalar_type() == (q4 ? torch::kUInt8 : torch::kInt8), "codes dtype");
+  const int64_t panels = codes.size(0), k_dim = codes.size(1);
+  TORCH_CHECK(k_dim % kQuantBlock == 0, "K must be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+              scales.sizes() == torch::IntArrayRef({panels, k_dim / kQuantBlock, 2, kPanel}), "scales shape");
+  check_input(x, k_dim, panels, out_features);
+  torch::Tensor keep;
+  const float* b = checked_bias(bias, out_features, keep);
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const int64_t code_bytes = codes.size(2);
+  return run_panels(x.contiguous(), panels, out_features, b, true, [&](int64_t p, float* scratch) {
+    const uint8_t* c = cp + p * k_dim * code_bytes;
+    const float* s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
+    if (q4) dequantize_panel<true>(c, s, k_dim, scratch);
+    else dequantize_panel<false>(c, s, k_dim, scratch);
+    return static_cast<const float*>(scratch);
+  });
 }

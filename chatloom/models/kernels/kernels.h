@@ -17,3 +17,6 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                                   torch::Tensor cos, torch::Tensor sin, bool interleaved);
+
+torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
+                               c10::optional<torch::Tensor> bias);
