@@ -6,6 +6,7 @@ import json
 import statistics
 import sys
 
+from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
 from chatloom.argtypes import positive_int
 from chatloom.models.registry import DEFAULT_MODEL
 
@@ -28,7 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true", help="run all three modes in one process and print ratios")
     p.add_argument("--num-requests", type=positive_int, default=64)
     p.add_argument("--max-num-seqs", type=positive_int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=OFFLINE_TOKEN_BUDGET,
+                   help="continuous mode's per-step token budget (default %(default)s: an offline run has no "
+                        "streams whose inter-token latency a long step would hurt; `serve` defaults to 512)")
     p.add_argument("--static-batch-size", type=positive_int, default=32)
     p.add_argument("--sequential-requests", type=positive_int, default=8,
                    help="with --compare: how many of the requests the slow sequential mode runs")

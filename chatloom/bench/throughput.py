@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 
-from chatloom.bench.workload import BenchRequest
+from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET, BenchRequest
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.models.loader import LoadedModel
 
 MODES = ("continuous", "static", "sequential")
+
 
 
 def pool_blocks_for(requests: list[BenchRequest], block_size: int = 16, extra_len: int = 0) -> int:
@@ -41,7 +42,7 @@ def _result(mode: str, requests: list[BenchRequest], seconds: float, **extra) ->
 
 
 def run_continuous(loaded: LoadedModel, requests: list[BenchRequest], max_num_seqs: int = 64,
-                   max_num_batched_tokens: int = 512) -> dict:
+                   max_num_batched_tokens: int = OFFLINE_TOKEN_BUDGET) -> dict:
     engine = _engine(loaded, max_num_seqs, max_num_batched_tokens, pool_blocks_for(requests))
     t0 = time.perf_counter()
     outs = engine.generate([r.prompt_token_ids for r in requests], [_params(r.output_len) for r in requests],
@@ -83,7 +84,7 @@ def run_sequential(loaded: LoadedModel, requests: list[BenchRequest]) -> dict:
 
 
 def run_mode(mode: str, loaded: LoadedModel, requests: list[BenchRequest], *, max_num_seqs: int = 64,
-             max_num_batched_tokens: int = 512, static_batch_size: int = 32) -> dict:
+             max_num_batched_tokens: int = OFFLINE_TOKEN_BUDGET, static_batch_size: int = 32) -> dict:
     if mode == "continuous":
         return run_continuous(loaded, requests, max_num_seqs, max_num_batched_tokens)
     if mode == "static":

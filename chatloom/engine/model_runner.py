@@ -65,15 +65,16 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
-            if start == 0:
+            used = table[: -(-ctx // bs)]  # the blocks holding the context so far
+            if kern is not None:
+                # The kernel reads this chunk's K/V back from the pool (written first), so a
+                # whole prompt and a later chunk take the same path.
+                seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
+                                     kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
+            elif start == 0:
                 seg = PrefillSegment(q_start, n, ctx, None)
             else:
-                used = table[: -(-ctx // bs)]  # the blocks holding the context so far
-                if kern is not None:
-                    seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
-                                         kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
-                else:
-                    seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
+                seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
             attn.prefills.append(seg)
             if ctx == len(seq):
                 logit_rows.append(q_start + n - 1)

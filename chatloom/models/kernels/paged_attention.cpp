@@ -85,6 +85,118 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp for x <= 0 (scores minus their maximum): 2^n * p(r) with |r| <= ln2 / 2 and a
+// degree-6 Taylor polynomial, within a few ulp of expf; underflows to 2^-126 near -87.
+static inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// The float32 path for head sizes that are a multiple of 16, in AVX2: the same two
+// passes as paged_attention_impl, with scores kept per head ([head][position]) so the
+// softmax's exponentials run eight at a time.
+static void paged_attention_f32(const float* q, const float* kp, const float* vp, const int32_t* tables,
+                                const int32_t* rows, const int32_t* kv_lens, float* out,
+                                int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
+                                int64_t block_size, int64_t table_width, float scale) {
+  const int64_t group = hq / hkv;
+  const int64_t heads_per_job = n_tokens >= 4 ? hkv : 1;
+  const int64_t jobs_per_token = hkv / heads_per_job;
+  const int64_t row_stride = hkv * d;
+  at::parallel_for(0, n_tokens * jobs_per_token, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, qv, mx, sum;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / jobs_per_token;
+      const int64_t h0 = (job % jobs_per_token) * heads_per_job;
+      const int64_t nq = heads_per_job * group;
+      const int64_t len = kv_lens[i];
+      const int32_t* table = tables + (int64_t)rows[i] * table_width;
+      scores.resize(nq * len);
+      qv.resize(nq * d);
+      acc.assign(nq * d, 0.f);
+      mx.assign(nq, -std::numeric_limits<float>::max());
+      sum.assign(nq, 0.f);
+      const float* qi = q + (i * hq + h0 * group) * d;
+      for (int64_t x = 0; x < nq * d; ++x) qv[x] = qi[x] * scale;
+
+      for (int64_t t = 0; t < len; ++t) {
+        const float* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+          const float* k = krow + hh * d;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t j = hh * group + g;
+            const float* qg = qv.data() + j * d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t x = 0; x < d; x += 16) {
+              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + x), _mm256_loadu_ps(k + x), a0);
+              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + x + 8), _mm256_loadu_ps(k + x + 8), a1);
+            }
+            const float sc = hsum8(_mm256_add_ps(a0, a1));
+            scores[j * len + t] = sc;
+            mx[j] = std::max(mx[j], sc);
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        float* st = scores.data() + j * len;
+        const __m256 m = _mm256_set1_ps(mx[j]);
+        __m256 vs = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(st + t), m));
+          _mm256_storeu_ps(st + t, e);
+          vs = _mm256_add_ps(vs, e);
+        }
+        float tail = 0.f;
+        for (; t < len; ++t) {
+          st[t] = std::exp(st[t] - mx[j]);
+          tail += st[t];
+        }
+        sum[j] = hsum8(vs) + tail;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const float* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+          const float* v = vrow + hh * d;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t j = hh * group + g;
+            const __m256 p = _mm256_set1_ps(scores[j * len + t]);
+            float* a = acc.data() + j * d;
+            for (int64_t x = 0; x < d; x += 8)
+              _mm256_storeu_ps(a + x, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + x), _mm256_loadu_ps(a + x)));
+          }
+        }
+      }
+      float* o = out + (i * hq + h0 * group) * d;
+      for (int64_t j = 0; j < nq; ++j) {
+        const float inv = 1.f / sum[j];
+        for (int64_t x = 0; x < d; ++x) o[j * d + x] = acc[j * d + x] * inv;
+      }
+    }
+  });
+}
+#endif
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
                               double scale) {
@@ -95,6 +207,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   auto out = torch::empty_like(q);
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_pool.size(1), hkv = k_pool.size(2);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (q.scalar_type() == torch::kFloat32 && d % 16 == 0) {
+    paged_attention_f32(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+        block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+        out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), (float)scale);
+    return out;
+  }
+#endif
   if (q.scalar_type() == torch::kFloat32) {
     paged_attention_impl<float, float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
         block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
