@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import chatloom.models.llama as llama
 from chatloom.models.kernels import load_kernels
-from chatloom.models.packed_linear import PackedLinear, pack_linears, pack_weight, unpack_weight
+from chatloom.models.packed_linear import (PackedLinear, QuantizedLinear, QuantizedWeight, pack_linears,
+                                           pack_quantized, pack_weight, unpack_weight)
 from chatloom.models.registry import tiny_random_config
 from chatloom.models.weights import random_model
 
@@ -115,3 +117,54 @@ def test_float64_models_are_left_unpacked():
     model = random_model(tiny_random_config(), torch.float64)
     assert not pack_linears(model)
     assert isinstance(model.lm_head, torch.nn.Linear)
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw GGUF blocks [rows, cols/32 * block bytes]: random codes, finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    scale = lambda: rng.uniform(-0.05, 0.05, (rows, nb, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if kind == "Q8_0":
+        parts = [scale(), rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)]
+    elif kind == "Q4_1":
+        parts = [scale(), scale(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
+    else:  # Q4_0
+        parts = [scale(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_linear_is_bit_identical_to_dequantized_float32(kind):
+    """Weights kept 4/8-bit and expanded in the kernel give exactly what dequantizing with
+    gguf at load time and running the float32 kernel gives (fused parts, odd row counts)."""
+    from gguf import GGMLQuantizationType, quants
+
+    parts = [QuantizedWeight(kind, _random_blocks(kind, rows, 96, rows), rows, 96) for rows in (20, 13)]
+    dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
+                       for p in parts])
+    codes, scales = pack_quantized(parts)
+    layer = QuantizedLinear(codes, scales, 33, None, kernels)
+    assert torch.equal(layer.weight, dense)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(33)
+    assert torch.equal(kernels.quantized_linear(x, codes, scales, 33, bias),
+                       kernels.packed_linear(x, pack_weight(dense), 33, bias))
+    torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linears_uses_quantized_weights_only_where_they_fit():
+    lin_q, lin_f = torch.nn.Linear(64, 20, bias=False), torch.nn.Linear(64, 20, bias=False)
+    model = torch.nn.ModuleDict({"q": lin_q, "f": lin_f})
+    good = [QuantizedWeight("Q8_0", _random_blocks("Q8_0", 20, 64, 0), 20, 64)]
+    assert pack_linears(model, {"q": good, "f": [QuantizedWeight("Q8_0", good[0].raw, 20, 32)]})
+    assert isinstance(model["q"], QuantizedLinear)
+    assert isinstance(model["f"], PackedLinear)  # wrong shape: falls back to float32 panels
+    assert torch.equal(model["f"].weight, lin_f.weight)
+
+
+def test_bundled_model_keeps_its_gguf_quantization(smollm2):
+    model = smollm2.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)
+    assert model.layers[0].mlp.gate_up_proj.codes.shape[2] == 8  # Q4_1: two rows per byte
+    assert isinstance(model.lm_head, QuantizedLinear)  # the tied Q8_0 embedding
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
