@@ -18,6 +18,9 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
+_KERNEL_MAX_CHUNK = 16  # prefill chunks up to this many tokens use the paged kernel
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  use_kernels: bool = True) -> None:
@@ -65,16 +68,18 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
-            used = table[: -(-ctx // bs)]  # the blocks holding the context so far
-            if kern is not None:
-                # The kernel reads this chunk's K/V back from the pool (written first), so a
-                # whole prompt and a later chunk take the same path.
-                seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
-                                     kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
-            elif start == 0:
+            if start == 0:
+                # A whole prompt attends to its own fresh K/V: PyTorch's fused causal SDPA.
                 seg = PrefillSegment(q_start, n, ctx, None)
             else:
-                seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
+                used = table[: -(-ctx // bs)]  # the blocks holding the context so far
+                # The per-query kernel wins for a few new tokens (it skips the gather); for
+                # long chunks, gathering the context once for SDPA is 2-3x faster.
+                if kern is not None and n <= _KERNEL_MAX_CHUNK:
+                    seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
+                                         kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
+                else:
+                    seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
             attn.prefills.append(seg)
             if ctx == len(seq):
                 logit_rows.append(q_start + n - 1)
