@@ -29,17 +29,10 @@ constexpr int64_t kRowBlock = 96;  // input rows kept hot in cache while all pan
     hi##r = _mm256_fmadd_ps(a, w1, hi##r);                                \
   }
 
+// Adds the bias and writes R rows of a tile (ncols < 16 at the last panel).
 template <int R>
-inline void tile(const float* x, int64_t k_dim, const float* panel, const float* bias,
-                 float* out, int64_t ldo, int64_t ncols) {
-  __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
-  __m256 lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
-  for (int64_t k = 0; k < k_dim; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    CHATLOOM_ROW(0) CHATLOOM_ROW(1) CHATLOOM_ROW(2) CHATLOOM_ROW(3) CHATLOOM_ROW(4) CHATLOOM_ROW(5)
-  }
-  const __m256 los[6] = {lo0, lo1, lo2, lo3, lo4, lo5}, his[6] = {hi0, hi1, hi2, hi3, hi4, hi5};
+inline void store_tile(const __m256 (&los)[6], const __m256 (&his)[6], const float* bias, float* out,
+                       int64_t ldo, int64_t ncols) {
   alignas(32) float bb[kPanel] = {0};
   if (bias != nullptr) std::copy(bias, bias + ncols, bb);
   const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
@@ -56,6 +49,61 @@ inline void tile(const float* x, int64_t k_dim, const float* panel, const float*
       std::copy(buf, buf + ncols, o);
     }
   }
+}
+
+template <int R>
+inline void tile(const float* x, int64_t k_dim, const float* panel, const float* bias,
+                 float* out, int64_t ldo, int64_t ncols) {
+  __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
+  __m256 lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    CHATLOOM_ROW(0) CHATLOOM_ROW(1) CHATLOOM_ROW(2) CHATLOOM_ROW(3) CHATLOOM_ROW(4) CHATLOOM_ROW(5)
+  }
+  const __m256 los[6] = {lo0, lo1, lo2, lo3, lo4, lo5}, his[6] = {hi0, hi1, hi2, hi3, hi4, hi5};
+  store_tile<R>(los, his, bias, out, ldo, ncols);
+}
+
+// A GGUF block-quantized panel's 16 weights at row k: the same arithmetic as gguf's
+// dequantizer (d * code + m with the product exact), so every path sees identical values.
+template <bool Q4>
+inline void dequantize_row(const uint8_t* codes, int64_t k, __m256 d0, __m256 d1, __m256 m0, __m256 m1,
+                           __m256& w0, __m256& w1) {
+  __m256 lo, hi;
+  if constexpr (Q4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  }
+  w0 = _mm256_fmadd_ps(lo, d0, m0);
+  w1 = _mm256_fmadd_ps(hi, d1, m1);
+}
+
+// Up to 6 rows against a quantized panel, expanding each weight row in registers: with so
+// few rows a decode step is bound by reading weights, and a float32 scratch round trip
+// would cost more than the FMAs. Same FMA order as `tile`, so the same results.
+template <int R, bool Q4>
+inline void tile_quantized(const float* x, int64_t k_dim, const uint8_t* codes, const float* scales,
+                           const float* bias, float* out, int64_t ldo, int64_t ncols) {
+  __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
+  __m256 lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
+  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
+    const float* s = scales + kb * 2 * kPanel;
+    const __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
+    const __m256 m0 = _mm256_loadu_ps(s + 16), m1 = _mm256_loadu_ps(s + 24);
+    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
+      __m256 w0, w1;
+      dequantize_row<Q4>(codes, k, d0, d1, m0, m1, w0, w1);
+      CHATLOOM_ROW(0) CHATLOOM_ROW(1) CHATLOOM_ROW(2) CHATLOOM_ROW(3) CHATLOOM_ROW(4) CHATLOOM_ROW(5)
+    }
+  }
+  const __m256 los[6] = {lo0, lo1, lo2, lo3, lo4, lo5}, his[6] = {hi0, hi1, hi2, hi3, hi4, hi5};
+  store_tile<R>(los, his, bias, out, ldo, ncols);
 }
 #undef CHATLOOM_ROW
 
@@ -111,18 +159,10 @@ void dequantize_panel(const uint8_t* codes, const float* scales, int64_t k_dim, 
     const __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
     const __m256 m0 = _mm256_loadu_ps(s + 16), m1 = _mm256_loadu_ps(s + 24);
     for (int64_t k = kb * kQuantBlock; k < (kb + 1) * kQuantBlock; ++k) {
-      __m256 lo, hi;
-      if constexpr (Q4) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
-        lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-        hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-      } else {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel));
-        lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-      }
-      _mm256_storeu_ps(dst + k * kPanel, _mm256_fmadd_ps(lo, d0, m0));
-      _mm256_storeu_ps(dst + k * kPanel + 8, _mm256_fmadd_ps(hi, d1, m1));
+      __m256 w0, w1;
+      dequantize_row<Q4>(codes, k, d0, d1, m0, m1, w0, w1);
+      _mm256_storeu_ps(dst + k * kPanel, w0);
+      _mm256_storeu_ps(dst + k * kPanel + 8, w1);
     }
 #else
     for (int64_t k = kb * kQuantBlock; k < (kb + 1) * kQuantBlock; ++k)
@@ -212,6 +252,41 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const int64_t code_bytes = codes.size(2);
+#if defined(__AVX2__) && defined(__FMA__)
+  // Up to two tiles of rows: expanding each weight row in registers (twice at most) beats
+  // the scratch panel's store and reload.
+  if (x.size(0) <= 2 * kTileRows) {
+    x = x.contiguous();
+    const int64_t m_dim = x.size(0);
+    auto out = torch::empty({m_dim, out_features}, x.options());
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, 100000 / (k_dim * kPanel));
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const uint8_t* c = cp + p * k_dim * code_bytes;
+        const float* s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
+        const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
+        const float* bp = b ? b + col : nullptr;
+        for (int64_t m = 0; m < m_dim; m += kTileRows) {
+          const float* xm = xp + m * k_dim;
+          float* om = op + m * out_features + col;
+#define CHATLOOM_FEW(R)                                                                \
+  case R:                                                                              \
+    if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);     \
+    else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);       \
+    break;
+          switch (std::min(kTileRows, m_dim - m)) {
+            CHATLOOM_FEW(1) CHATLOOM_FEW(2) CHATLOOM_FEW(3) CHATLOOM_FEW(4) CHATLOOM_FEW(5) CHATLOOM_FEW(6)
+            default: break;
+          }
+#undef CHATLOOM_FEW
+        }
+      }
+    });
+    return out;
+  }
+#endif
   return run_panels(x.contiguous(), panels, out_features, b, true, [&](int64_t p, float* scratch) {
     const uint8_t* c = cp + p * k_dim * code_bytes;
     const float* s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
