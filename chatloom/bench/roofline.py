@@ -11,17 +11,22 @@ from chatloom.bench.workload import standard_workload
 from chatloom.models.loader import LoadedModel
 
 
-def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:
-    """GFLOP/s of W[n, k] @ x[k, m], the shape the engine's linear layers use."""
-    w = torch.randn(n, k, dtype=dtype)
-    x = torch.randn(k, m, dtype=dtype)
+def _gflops(run, flops: float, seconds: float) -> float:
+    """GFLOP/s of `run()` (which does `flops` of work), timed for about `seconds` after a warm-up."""
     for _ in range(3):
-        torch.mm(w, x)
+        run()
     runs, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        torch.mm(w, x)
+        run()
         runs += 1
-    return 2 * m * k * n * runs / (time.perf_counter() - t0) / 1e9
+    return flops * runs / (time.perf_counter() - t0) / 1e9
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:
+    """GFLOP/s of W[n, k] @ x[k, m] in PyTorch."""
+    w = torch.randn(n, k, dtype=dtype)
+    x = torch.randn(k, m, dtype=dtype)
+    return _gflops(lambda: torch.mm(w, x), 2 * m * k * n, seconds)
 
 
 def kernel_matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float | None:
@@ -33,13 +38,7 @@ def kernel_matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float 
     if kernels is None:
         return None
     packed, x = pack_weight(torch.randn(n, k)), torch.randn(m, k)
-    for _ in range(3):
-        kernels.packed_linear(x, packed, n)
-    runs, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        kernels.packed_linear(x, packed, n)
-        runs += 1
-    return 2 * m * k * n * runs / (time.perf_counter() - t0) / 1e9
+    return _gflops(lambda: kernels.packed_linear(x, packed, n), 2 * m * k * n, seconds)
 
 
 def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,

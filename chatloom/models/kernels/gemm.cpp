@@ -180,10 +180,12 @@ void dequantize_panel(const uint8_t* codes, const float* scales, int64_t k_dim, 
   }
 }
 
-// Runs every (row block, panel) pair; `panel_at(p, scratch)` returns panel p as float32.
-template <typename PanelAt>
-torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, const float* bias,
-                         bool needs_scratch, PanelAt panel_at) {
+// Runs `work(p, m0, m1, x, out, scratch)` for every (row block, panel) pair, panels split
+// across threads: it writes rows [m0, m1) of panel p's 16 output columns. `scratch` holds
+// one float32 panel per thread when `needs_scratch`.
+template <typename PanelWork>
+torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, bool needs_scratch,
+                         PanelWork work) {
   const int64_t m_dim = x.size(0), k_dim = x.size(1);
   auto out = torch::empty({m_dim, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -195,11 +197,7 @@ torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, 
     const int64_t grain = std::max<int64_t>(1, 200000 / flops_per_panel);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(needs_scratch ? k_dim * kPanel : 0);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t col = p * kPanel;
-        panel_rows(xp, k_dim, panel_at(p, scratch.data()), bias ? bias + col : nullptr, op + col, out_features,
-                   std::min(kPanel, out_features - col), m0, m1);
-      }
+      for (int64_t p = begin; p < end; ++p) work(p, m0, m1, xp, op, scratch.data());
     });
   }
   return out;
@@ -232,8 +230,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
   const float* b = checked_bias(bias, out_features, keep);
   const float* wp = packed.data_ptr<float>();
   const int64_t k_dim = packed.size(1);
-  return run_panels(x.contiguous(), packed.size(0), out_features, b, false,
-                    [&](int64_t p, float*) { return wp + p * k_dim * kPanel; });
+  return run_panels(x.contiguous(), packed.size(0), out_features, false,
+                    [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float*) {
+                      const int64_t col = p * kPanel;
+                      panel_rows(xp, k_dim, wp + p * k_dim * kPanel, b ? b + col : nullptr, op + col, out_features,
+                                 std::min(kPanel, out_features - col), m0, m1);
+                    });
 }
 
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
@@ -252,46 +254,40 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const int64_t code_bytes = codes.size(2);
-#if defined(__AVX2__) && defined(__FMA__)
-  // Up to two tiles of rows: expanding each weight row in registers (twice at most) beats
+  // Up to two tiles of rows, expanding each weight row in registers (twice at most) beats
   // the scratch panel's store and reload.
-  if (x.size(0) <= 2 * kTileRows) {
-    x = x.contiguous();
-    const int64_t m_dim = x.size(0);
-    auto out = torch::empty({m_dim, out_features}, x.options());
-    const float* xp = x.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, 100000 / (k_dim * kPanel));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const uint8_t* c = cp + p * k_dim * code_bytes;
-        const float* s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
-        const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
-        const float* bp = b ? b + col : nullptr;
-        for (int64_t m = 0; m < m_dim; m += kTileRows) {
-          const float* xm = xp + m * k_dim;
-          float* om = op + m * out_features + col;
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool few_rows = x.size(0) <= 2 * kTileRows;
+#else
+  const bool few_rows = false;
+#endif
+  return run_panels(x.contiguous(), panels, out_features, !few_rows,
+                    [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float* scratch) {
+    const uint8_t* c = cp + p * k_dim * code_bytes;
+    const float* s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
+    const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
+    const float* bp = b ? b + col : nullptr;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (few_rows) {
+      for (int64_t m = m0; m < m1; m += kTileRows) {
+        const float* xm = xp + m * k_dim;
+        float* om = op + m * out_features + col;
 #define CHATLOOM_FEW(R)                                                                \
   case R:                                                                              \
     if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);     \
     else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);       \
     break;
-          switch (std::min(kTileRows, m_dim - m)) {
-            CHATLOOM_FEW(1) CHATLOOM_FEW(2) CHATLOOM_FEW(3) CHATLOOM_FEW(4) CHATLOOM_FEW(5) CHATLOOM_FEW(6)
-            default: break;
-          }
-#undef CHATLOOM_FEW
+        switch (std::min(kTileRows, m1 - m)) {
+          CHATLOOM_FEW(1) CHATLOOM_FEW(2) CHATLOOM_FEW(3) CHATLOOM_FEW(4) CHATLOOM_FEW(5) CHATLOOM_FEW(6)
+          default: break;
         }
+#undef CHATLOOM_FEW
       }
-    });
-    return out;
-  }
+      return;
+    }
 #endif
-  return run_panels(x.contiguous(), panels, out_features, b, true, [&](int64_t p, float* scratch) {
-    const uint8_t* c = cp + p * k_dim * code_bytes;
-    const float* s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
     if (q4) dequantize_panel<true>(c, s, k_dim, scratch);
     else dequantize_panel<false>(c, s, k_dim, scratch);
-    return static_cast<const float*>(scratch);
+    panel_rows(xp, k_dim, scratch, bp, op + col, out_features, ncols, m0, m1);
   });
 }

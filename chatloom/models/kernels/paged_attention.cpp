@@ -10,80 +10,30 @@
 #include <limits>
 #include <vector>
 
+// The three inner loops, portable: the compiler vectorizes what it can.
 template <typename T, typename Acc>
-static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int32_t* tables,
-                                 const int32_t* rows, const int32_t* kv_lens, T* out,
-                                 int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
-                                 int64_t block_size, int64_t table_width, double scale) {
-  const int64_t group = hq / hkv;
-  // With several query tokens, one job takes all KV heads of a token, so each cached
-  // position is read as one contiguous run (hkv * d values) that prefetchers stream well.
-  // With very few tokens, split by KV head instead so both cores have work.
-  const int64_t heads_per_job = n_tokens >= 4 ? hkv : 1;
-  const int64_t jobs_per_token = hkv / heads_per_job;
-  const int64_t row_stride = hkv * d;  // values per cached position
-  at::parallel_for(0, n_tokens * jobs_per_token, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> scores, acc, qv, mx, sum;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / jobs_per_token;
-      const int64_t h0 = (job % jobs_per_token) * heads_per_job;
-      const int64_t nq = heads_per_job * group;  // query heads handled by this job
-      const int64_t len = kv_lens[i];
-      const int32_t* table = tables + (int64_t)rows[i] * table_width;
-      scores.resize(len * nq);
-      qv.resize(nq * d);
-      acc.assign(nq * d, (Acc)0);
-      mx.assign(nq, -std::numeric_limits<Acc>::max());
-      sum.assign(nq, (Acc)0);
-      const T* qi = q + (i * hq + h0 * group) * d;
-      for (int64_t x = 0; x < nq * d; ++x) qv[x] = (Acc)qi[x] * (Acc)scale;
-
-      // Pass 1: scores of every query head against every cached key.
-      for (int64_t t = 0; t < len; ++t) {
-        const T* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
-        Acc* st = scores.data() + t * nq;
-        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-          const T* k = krow + hh * d;
-          for (int64_t g = 0; g < group; ++g) {
-            const Acc* qg = qv.data() + (hh * group + g) * d;
-            Acc s = 0;
+struct PortableOps {
+  static Acc dot(const Acc* q, const T* k, int64_t d) {
+    Acc s = 0;
 #pragma omp simd reduction(+ : s)
-            for (int64_t x = 0; x < d; ++x) s += qg[x] * (Acc)k[x];
-            st[hh * group + g] = s;
-          }
-        }
-        for (int64_t j = 0; j < nq; ++j) mx[j] = std::max(mx[j], st[j]);
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        Acc* st = scores.data() + t * nq;
-        for (int64_t j = 0; j < nq; ++j) {
-          const Acc e = std::exp(st[j] - mx[j]);
-          st[j] = e;
-          sum[j] += e;
-        }
-      }
-      // Pass 2: probability-weighted sum of the values.
-      for (int64_t t = 0; t < len; ++t) {
-        const T* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
-        const Acc* st = scores.data() + t * nq;
-        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-          const T* v = vrow + hh * d;
-          for (int64_t g = 0; g < group; ++g) {
-            const Acc p = st[hh * group + g];
-            Acc* a = acc.data() + (hh * group + g) * d;
-#pragma omp simd
-            for (int64_t x = 0; x < d; ++x) a[x] += p * (Acc)v[x];
-          }
-        }
-      }
-      T* o = out + (i * hq + h0 * group) * d;
-      for (int64_t j = 0; j < nq; ++j) {
-        const Acc inv = (Acc)1 / sum[j];
-        for (int64_t x = 0; x < d; ++x) o[j * d + x] = (T)(acc[j * d + x] * inv);
-      }
+    for (int64_t x = 0; x < d; ++x) s += q[x] * (Acc)k[x];
+    return s;
+  }
+  // st[t] = exp(st[t] - m) for every t < len; returns their sum.
+  static Acc exp_shift(Acc* st, int64_t len, Acc m) {
+    Acc sum = 0;
+    for (int64_t t = 0; t < len; ++t) {
+      st[t] = std::exp(st[t] - m);
+      sum += st[t];
     }
-  });
-}
+    return sum;
+  }
+  // a += p * v
+  static void axpy(Acc* a, Acc p, const T* v, int64_t d) {
+#pragma omp simd
+    for (int64_t x = 0; x < d; ++x) a[x] += p * (Acc)v[x];
+  }
+};
 
 #if defined(__AVX2__) && defined(__FMA__)
 // exp for x <= 0 (scores minus their maximum): 2^n * p(r) with |r| <= ln2 / 2 and a
@@ -112,90 +62,100 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// The float32 path for head sizes that are a multiple of 16, in AVX2: the same two
-// passes as paged_attention_impl, with scores kept per head ([head][position]) so the
+// The same loops in AVX2 for float32 with a head size that is a multiple of 16; the
 // softmax's exponentials run eight at a time.
-static void paged_attention_f32(const float* q, const float* kp, const float* vp, const int32_t* tables,
-                                const int32_t* rows, const int32_t* kv_lens, float* out,
-                                int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
-                                int64_t block_size, int64_t table_width, float scale) {
+struct Avx2F32Ops {
+  static float dot(const float* q, const float* k, int64_t d) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t x = 0; x < d; x += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), _mm256_loadu_ps(k + x), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x + 8), _mm256_loadu_ps(k + x + 8), a1);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+  }
+  static float exp_shift(float* st, int64_t len, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(st + t), mv));
+      _mm256_storeu_ps(st + t, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    float tail = 0.f;
+    for (; t < len; ++t) {
+      st[t] = std::exp(st[t] - m);
+      tail += st[t];
+    }
+    return hsum8(vs) + tail;
+  }
+  static void axpy(float* a, float p, const float* v, int64_t d) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t x = 0; x < d; x += 8)
+      _mm256_storeu_ps(a + x, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + x), _mm256_loadu_ps(a + x)));
+  }
+};
+#endif
+
+template <typename T, typename Acc, typename Ops>
+static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int32_t* tables,
+                                 const int32_t* rows, const int32_t* kv_lens, T* out,
+                                 int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
+                                 int64_t block_size, int64_t table_width, double scale) {
   const int64_t group = hq / hkv;
+  // With several query tokens, one job takes all KV heads of a token, so each cached
+  // position is read as one contiguous run (hkv * d values) that prefetchers stream well.
+  // With very few tokens, split by KV head instead so both cores have work.
   const int64_t heads_per_job = n_tokens >= 4 ? hkv : 1;
   const int64_t jobs_per_token = hkv / heads_per_job;
-  const int64_t row_stride = hkv * d;
+  const int64_t row_stride = hkv * d;  // values per cached position
   at::parallel_for(0, n_tokens * jobs_per_token, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc, qv, mx, sum;
+    std::vector<Acc> scores, acc, qv, mx, sum;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / jobs_per_token;
       const int64_t h0 = (job % jobs_per_token) * heads_per_job;
-      const int64_t nq = heads_per_job * group;
+      const int64_t nq = heads_per_job * group;  // query heads handled by this job
       const int64_t len = kv_lens[i];
       const int32_t* table = tables + (int64_t)rows[i] * table_width;
-      scores.resize(nq * len);
+      scores.resize(nq * len);  // [query head][position]
       qv.resize(nq * d);
-      acc.assign(nq * d, 0.f);
-      mx.assign(nq, -std::numeric_limits<float>::max());
-      sum.assign(nq, 0.f);
-      const float* qi = q + (i * hq + h0 * group) * d;
-      for (int64_t x = 0; x < nq * d; ++x) qv[x] = qi[x] * scale;
+      acc.assign(nq * d, (Acc)0);
+      mx.assign(nq, -std::numeric_limits<Acc>::max());
+      sum.assign(nq, (Acc)0);
+      const T* qi = q + (i * hq + h0 * group) * d;
+      for (int64_t x = 0; x < nq * d; ++x) qv[x] = (Acc)qi[x] * (Acc)scale;
 
+      // Pass 1: scores of every query head against every cached key.
       for (int64_t t = 0; t < len; ++t) {
-        const float* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+        const T* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
         for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-          const float* k = krow + hh * d;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t j = hh * group + g;
-            const float* qg = qv.data() + j * d;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            for (int64_t x = 0; x < d; x += 16) {
-              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + x), _mm256_loadu_ps(k + x), a0);
-              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + x + 8), _mm256_loadu_ps(k + x + 8), a1);
-            }
-            const float sc = hsum8(_mm256_add_ps(a0, a1));
+            const Acc sc = Ops::dot(qv.data() + j * d, krow + hh * d, d);
             scores[j * len + t] = sc;
             mx[j] = std::max(mx[j], sc);
           }
         }
       }
-      for (int64_t j = 0; j < nq; ++j) {
-        float* st = scores.data() + j * len;
-        const __m256 m = _mm256_set1_ps(mx[j]);
-        __m256 vs = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(st + t), m));
-          _mm256_storeu_ps(st + t, e);
-          vs = _mm256_add_ps(vs, e);
-        }
-        float tail = 0.f;
-        for (; t < len; ++t) {
-          st[t] = std::exp(st[t] - mx[j]);
-          tail += st[t];
-        }
-        sum[j] = hsum8(vs) + tail;
-      }
+      for (int64_t j = 0; j < nq; ++j) sum[j] = Ops::exp_shift(scores.data() + j * len, len, mx[j]);
+      // Pass 2: probability-weighted sum of the values.
       for (int64_t t = 0; t < len; ++t) {
-        const float* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+        const T* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
         for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-          const float* v = vrow + hh * d;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t j = hh * group + g;
-            const __m256 p = _mm256_set1_ps(scores[j * len + t]);
-            float* a = acc.data() + j * d;
-            for (int64_t x = 0; x < d; x += 8)
-              _mm256_storeu_ps(a + x, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + x), _mm256_loadu_ps(a + x)));
+            Ops::axpy(acc.data() + j * d, scores[j * len + t], vrow + hh * d, d);
           }
         }
       }
-      float* o = out + (i * hq + h0 * group) * d;
+      T* o = out + (i * hq + h0 * group) * d;
       for (int64_t j = 0; j < nq; ++j) {
-        const float inv = 1.f / sum[j];
-        for (int64_t x = 0; x < d; ++x) o[j * d + x] = acc[j * d + x] * inv;
+        const Acc inv = (Acc)1 / sum[j];
+        for (int64_t x = 0; x < d; ++x) o[j * d + x] = (T)(acc[j * d + x] * inv);
       }
     }
   });
 }
-#endif
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
@@ -209,19 +169,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   const int64_t bs = k_pool.size(1), hkv = k_pool.size(2);
 #if defined(__AVX2__) && defined(__FMA__)
   if (q.scalar_type() == torch::kFloat32 && d % 16 == 0) {
-    paged_attention_f32(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-        block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
-        out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), (float)scale);
+    paged_attention_impl<float, float, Avx2F32Ops>(q.data_ptr<float>(), k_pool.data_ptr<float>(),
+        v_pool.data_ptr<float>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(),
+        kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale);
     return out;
   }
 #endif
   if (q.scalar_type() == torch::kFloat32) {
-    paged_attention_impl<float, float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-        block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+    paged_attention_impl<float, float, PortableOps<float, float>>(
+        q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
         out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale);
   } else if (q.scalar_type() == torch::kFloat64) {
-    paged_attention_impl<double, double>(q.data_ptr<double>(), k_pool.data_ptr<double>(), v_pool.data_ptr<double>(),
-        block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
+    paged_attention_impl<double, double, PortableOps<double, double>>(
+        q.data_ptr<double>(), k_pool.data_ptr<double>(), v_pool.data_ptr<double>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
         out.data_ptr<double>(), n, hq, hkv, d, bs, block_tables.size(1), scale);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and float64");
