@@ -14,6 +14,8 @@ from chatloom.models.registry import DEFAULT_MODEL
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--int8-matmul", action="store_true",
+                   help="multiply 4-bit GGUF weights with int8 activations (see README)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 
@@ -72,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _load(args):
     from chatloom.models import load_model
 
-    return load_model(args.model, args.dtype)
+    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
 
 
 def _emit(result: dict, table: bool) -> int:
@@ -96,6 +98,7 @@ def _flatten(d: dict, prefix: str = ""):
 
 def _throughput(args) -> int:
     from chatloom.bench.throughput import run_mode
+    from chatloom.models.packed_linear import uses_int8_matmul
     from chatloom.bench.workload import standard_workload
 
     loaded = _load(args)
@@ -104,7 +107,8 @@ def _throughput(args) -> int:
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               static_batch_size=args.static_batch_size)
     if not args.compare:
-        return _emit(dict(run_mode(args.mode, loaded, requests, **kw), model=loaded.id, seed=args.seed), args.table)
+        return _emit(dict(run_mode(args.mode, loaded, requests, **kw), model=loaded.id, seed=args.seed,
+                          int8_matmul=uses_int8_matmul(loaded.model)), args.table)
     runs: dict[str, list[dict]] = {"continuous": [], "static": [], "sequential": []}
     for _ in range(args.repeats):
         # Interleaved so that noise from a shared machine lands on every mode alike.
@@ -114,6 +118,7 @@ def _throughput(args) -> int:
     rate = {m: statistics.median(r["output_tokens_per_s"] for r in rs) for m, rs in runs.items()}
     result = {
         "benchmark": "throughput", "model": loaded.id, "seed": args.seed, "num_requests": args.num_requests,
+        "int8_matmul": uses_int8_matmul(loaded.model),
         "runs": [r for rs in runs.values() for r in rs],
         "output_tokens_per_s": rate,
         "continuous_vs_static": round(rate["continuous"] / rate["static"], 2),

@@ -60,11 +60,13 @@ def linear_sources(cfg: ModelConfig, has_head: bool) -> dict[str, list[str]]:
 
 
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
-                quantized: Mapping[str, QuantizedWeight] | None = None) -> LlamaForCausalLM:
+                quantized: Mapping[str, QuantizedWeight] | None = None,
+                int8_matmul: bool | None = None) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
 
     `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a
-    float32 model, layers whose weights are all there keep them quantized."""
+    float32 model, layers whose weights are all there keep them quantized, and 4-bit ones
+    multiply with int8 activations when `int8_matmul` (see pack_linears)."""
     with _no_init():
         model = LlamaForCausalLM(cfg)
 
@@ -123,7 +125,7 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
         quantized = quantized or {}
         sources = linear_sources(cfg, has_head=get("lm_head.weight") is not None)
         pack_linears(model, {module: [quantized[n] for n in names] for module, names in sources.items()
-                             if all(n in quantized for n in names)})
+                             if all(n in quantized for n in names)}, int8_activations=int8_matmul)
     return model
 
 

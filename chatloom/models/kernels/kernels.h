@@ -20,3 +20,8 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
 
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
                                c10::optional<torch::Tensor> bias);
+
+bool int8_linear_supported();
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
+                          c10::optional<torch::Tensor> bias);
