@@ -228,3 +228,18 @@ def test_other_modules_can_register_commands(capsys, monkeypatch):
     monkeypatch.setattr(bench_cli, "register", register)
     rc, out, _ = call(capsys, "hello-test", "--name", "loom")
     assert rc == 0 and out == "hello loom\n"
+
+
+def test_serve_int8_flag_reaches_the_settings(tmp_path):
+    """`serve --int8-matmul` and the TOML key set the backend's matmul; absent, the env decides."""
+    import argparse
+
+    from chatloom.app.cli import _settings, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert _settings(parser.parse_args(["serve", "--int8-matmul"])).int8_matmul is True
+    assert _settings(parser.parse_args(["serve"])).int8_matmul is None
+    toml = tmp_path / "c.toml"
+    toml.write_text("int8_matmul = true\n")
+    assert _settings(parser.parse_args(["serve", "--config", str(toml)])).int8_matmul is True

@@ -16,7 +16,7 @@ def _settings(args: argparse.Namespace):
     from chatloom.app.settings import Settings
 
     settings = Settings.from_file(args.config) if args.config else Settings()
-    fields = ("host", "port", "model", "dtype", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
     return settings.updated(db_url=args.db, **{k: getattr(args, k, None) for k in fields})
 
 
@@ -102,6 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, metavar="ID|PATH",
                    help="registry id, GGUF file or Hugging Face folder (default: the bundled model)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="weights dtype (default fp32)")
+    p.add_argument("--int8-matmul", action="store_true", default=None,
+                   help="multiply 4-bit GGUF weights with int8 activations: about 1.4x the throughput, "
+                        "slightly less exact (see README)")
     p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB (default 0.5)")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step (default 32)")

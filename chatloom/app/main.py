@@ -27,7 +27,7 @@ def default_backend(settings: Settings) -> Backend:
     config = EngineConfig(kv_cache_gb=settings.kv_cache_gb, num_blocks=settings.num_blocks,
                           max_num_seqs=settings.max_num_seqs, max_model_len=settings.context_window,
                           max_num_batched_tokens=settings.max_num_batched_tokens)
-    return LocalBackend(settings.model, settings.dtype, config)
+    return LocalBackend(settings.model, settings.dtype, config, int8_matmul=settings.int8_matmul)
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:

@@ -9,6 +9,7 @@ import torch
 from chatloom.bench.throughput import run_continuous
 from chatloom.bench.workload import standard_workload
 from chatloom.models.loader import LoadedModel
+from chatloom.models.packed_linear import uses_int8_matmul
 
 
 def _gflops(run, flops: float, seconds: float) -> float:
@@ -41,24 +42,48 @@ def kernel_matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float 
     return _gflops(lambda: kernels.packed_linear(x, packed, n), 2 * m * k * n, seconds)
 
 
+def int8_kernel_matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float | None:
+    """Effective GFLOP/s (2mkn per second) of the int8-activation kernel on a random 4-bit
+    (Q4_1) weight [n, k] (None where the CPU or build lacks it)."""
+    import numpy as np
+
+    from chatloom.models.kernels import load_kernels
+    from chatloom.models.packed_linear import (QuantizedWeight, int8_matmul_supported, pack_quantized,
+                                               to_int8_layout)
+
+    kernels = load_kernels()
+    if not int8_matmul_supported(kernels):
+        return None
+    rng = np.random.default_rng(0)
+    nb = k // 32
+    scale = rng.uniform(-0.05, 0.05, (n, nb, 2)).astype(np.float16).view(np.uint8)
+    raw = np.concatenate([scale, rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)], -1).reshape(n, -1)
+    codes, scales = pack_quantized([QuantizedWeight("Q4_1", raw, n, k)])
+    codes, x = to_int8_layout(codes), torch.randn(m, k)
+    return _gflops(lambda: kernels.int8_linear(x, codes, scales, n), 2 * m * k * n, seconds)
+
+
 def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
                  batch_sizes: tuple[int, ...] = (1, 8, 32, 64, 128, 512)) -> dict:
     cfg = loaded.config
     k, n = cfg.hidden_size, 2 * cfg.intermediate_size  # the MLP's fused gate/up: the biggest per-layer matmul
     peak = {m: round(matmul_gflops(m, k, n, loaded.dtype), 1) for m in batch_sizes}
-    ours = {}
+    ours, int8 = {}, {}
     if loaded.dtype == torch.float32:
         ours = {m: round(g, 1) for m in batch_sizes if (g := kernel_matmul_gflops(m, k, n)) is not None}
+        if uses_int8_matmul(loaded.model):
+            int8 = {m: round(g, 1) for m in batch_sizes if (g := int8_kernel_matmul_gflops(m, k, n)) is not None}
     requests = standard_workload(num_requests, cfg.vocab_size, seed)
     run = run_continuous(loaded, requests, max_num_seqs=64)
     params = cfg.num_parameters()
     # Every computed token (prompt and output) costs about 2 x parameters FLOPs.
     tokens = run["output_tokens"] + run["prompt_tokens"]
     achieved = 2 * params * tokens / run["seconds"] / 1e9
-    # The denominator is the best matmul this machine ran, by either implementation.
-    best = max([*peak.values(), *ours.values()])
+    # The denominator is the best matmul this machine ran, by any implementation the engine uses.
+    best = max([*peak.values(), *ours.values(), *int8.values()])
     return {"benchmark": "roofline", "matmul_shape_k_n": [k, n], "matmul_gflops_by_batch": peak,
             "kernel_matmul_gflops_by_batch": ours,
+            **({"int8_kernel_matmul_gflops_by_batch": int8} if int8 else {}),
             "parameters": params, "engine_tokens_per_s": round(tokens / run["seconds"], 1),
             "engine_output_tokens_per_s": run["output_tokens_per_s"],
             "engine_gflops": round(achieved, 1), "fraction_of_best_matmul": round(achieved / best, 3)}

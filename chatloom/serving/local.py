@@ -26,10 +26,11 @@ class LocalBackend(Backend):
     """Wraps an AsyncEngine. Construct with a model spec (loaded by start()) or a LoadedModel."""
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None, int8_matmul: bool | None = None) -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model
         self._dtype = dtype
+        self._int8_matmul = int8_matmul
         self._config = engine_config or EngineConfig()
         self._engine: AsyncEngine | None = None
         self._error: str | None = None
@@ -43,7 +44,7 @@ class LocalBackend(Backend):
             try:
                 if self._loaded is None:
                     log.info("loading model %s", self._spec)
-                    self._loaded = await asyncio.to_thread(load_model, self._spec, self._dtype)
+                    self._loaded = await asyncio.to_thread(load_model, self._spec, self._dtype, self._int8_matmul)
                 # Allocating the KV pool takes a moment for big pools; keep the event loop free.
                 self._engine = await asyncio.to_thread(AsyncEngine.from_model, self._loaded, self._config)
                 self._error = None

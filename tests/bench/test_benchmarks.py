@@ -56,3 +56,22 @@ def test_bench_cli_rejects_bad_arguments():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "num-requests" in proc.stderr
+
+
+def test_int8_flag_reaches_the_model_and_the_report():
+    """--int8-matmul only changes 4-bit GGUF layers: the tiny float model reports it unused."""
+    proc = subprocess.run([sys.executable, "-m", "chatloom.cli", "bench", "throughput", "--model", "tiny-random",
+                           "--num-requests", "2", "--int8-matmul"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["mode"] == "continuous" and data["int8_matmul"] is False
+
+
+def test_int8_roofline_measures_the_kernel():
+    from chatloom.bench.roofline import int8_kernel_matmul_gflops
+    from chatloom.models.kernels import load_kernels
+    from chatloom.models.packed_linear import int8_matmul_supported
+
+    g = int8_kernel_matmul_gflops(8, 64, 32, seconds=0.01)
+    assert (g is None) == (not int8_matmul_supported(load_kernels()))
+    assert g is None or g > 0
