@@ -129,6 +129,16 @@ def int8_matmul_supported(kernels) -> bool:
     return kernels is not None and hasattr(kernels, "int8_linear") and kernels.int8_linear_supported()
 
 
+def q4_0_as_q4_1(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 panels (int8 codes q - 8 [P, K, 16], m = 0) as Q4_1 ones (4-bit q, m = -8 d): the
+    same weights exactly, in the form the int8 kernel reads."""
+    q = (codes.to(torch.int16) + 8).to(torch.uint8)
+    nibbles = q[..., :8] | (q[..., 8:] << 4)
+    scales = scales.clone()
+    scales[:, :, 1, :] = -8 * scales[:, :, 0, :]
+    return nibbles.contiguous(), scales
+
+
 def uses_int8_matmul(model: nn.Module) -> bool:
     """Whether any layer of `model` multiplies with int8 activations."""
     return any(isinstance(m, QuantizedLinear) and m.int8_activations for m in model.modules())
@@ -160,9 +170,9 @@ class QuantizedLinear(KernelLinear):
     """y = x @ W^T + b with W kept as GGUF Q4_0/Q4_1/Q8_0 panels.
 
     By default the arithmetic is float32 on the exactly dequantized weights. With
-    `int8_activations` (4-bit Q4_1 weights only), each row of x is quantized to int8 per
-    block of 32 and multiplied in integers, as llama.cpp does: about twice the speed, at
-    the cost of rounding the activations to 8 bits."""
+    `int8_activations` (4-bit codes: Q4_1, or Q4_0 through q4_0_as_q4_1), each row of x is
+    quantized to int8 per block of 32 and multiplied in integers, as llama.cpp does: about
+    twice the speed, at the cost of rounding the activations to 8 bits."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None, kernels, int8_activations: bool = False) -> None:
@@ -224,6 +234,8 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
         parts = quantized.get(path)
         if parts and _quantizable(parts, child):
             codes, scales = pack_quantized(parts)
+            if int8_activations and parts[0].kind == "Q4_0":
+                codes, scales = q4_0_as_q4_1(codes, scales)
             layer = QuantizedLinear(codes, scales, child.out_features, child.bias, kernels, int8_activations)
         else:
             layer = PackedLinear.from_linear(child, kernels)

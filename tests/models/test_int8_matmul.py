@@ -7,8 +7,8 @@ import torch
 
 from chatloom.models import load_model
 from chatloom.models.kernels import load_kernels
-from chatloom.models.packed_linear import (QuantizedLinear, QuantizedWeight, from_int8_layout, pack_quantized,
-                                           to_int8_layout, uses_int8_matmul)
+from chatloom.models.packed_linear import (QuantizedLinear, QuantizedWeight, from_int8_layout, pack_linears,
+                                           pack_quantized, to_int8_layout, uses_int8_matmul)
 
 kernels = load_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.int8_linear_supported(),
@@ -67,6 +67,22 @@ def test_int8_rows_do_not_depend_on_the_batch():
     for i in (0, 1, 2, 3, 20, 40):
         assert torch.equal(layer(x[i:i + 1])[0], full[i])
         assert torch.equal(layer(x[i:i + 5])[0], full[i])
+
+
+def test_q4_0_layers_use_the_int8_kernel_with_the_same_weights():
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(5)
+    scale = rng.uniform(-0.05, 0.05, (24, 3, 1)).astype(np.float16).view(np.uint8)
+    raw = np.concatenate([scale, rng.integers(0, 256, (24, 3, 16), dtype=np.uint8)], -1).reshape(24, -1)
+    part = QuantizedWeight("Q4_0", raw, 24, 96)
+    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_0).astype(np.float32))
+    model = torch.nn.ModuleDict({"fast": torch.nn.Linear(96, 24, bias=False)})
+    assert pack_linears(model, {"fast": [part]}, int8_activations=True)
+    fast = model["fast"]
+    assert fast.int8_activations and torch.equal(fast.weight, dense)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(fast(x).double(), _int8_reference(x, dense), rtol=1e-5, atol=1e-4)
 
 
 def test_zero_rows_and_bad_shapes():
