@@ -106,17 +106,23 @@ def _codes_and_scales(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def to_int8_layout(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit panels [P, K, 8] -> int8_linear's [P, K/4, 32]: each 32-byte group holds depths
-    4g..4g+3 of the panel's 16 features (byte 4j + i: feature j at depth 4g + i, low nibble;
-    feature j + 8, high nibble), the operand of one integer multiply-add."""
-    panels, k, _ = codes.shape
-    return codes.view(panels, k // 4, 4, 8).transpose(2, 3).reshape(panels, k // 4, 32).contiguous()
+    """Quantized panels -> int8_linear's layout, where each group of 4 depths of the panel's
+    16 features is the operand of one integer multiply-add:
+    4-bit [P, K, 8] -> [P, K/4, 32] (byte 4j + i: feature j at depth 4g + i, low nibble;
+    feature j + 8, high nibble); 8-bit [P, K, 16] -> [P, K/4, 64] (byte 32h + 4j + i:
+    feature 8h + j at depth 4g + i)."""
+    panels, k, width = codes.shape
+    if width == 8:
+        return codes.view(panels, k // 4, 4, 8).transpose(2, 3).reshape(panels, k // 4, 32).contiguous()
+    return codes.view(panels, k // 4, 4, 2, 8).permute(0, 1, 3, 4, 2).reshape(panels, k // 4, 64).contiguous()
 
 
 def from_int8_layout(codes: torch.Tensor) -> torch.Tensor:
-    """The inverse of to_int8_layout: [P, K/4, 32] -> [P, K, 8]."""
-    panels, groups, _ = codes.shape
-    return codes.view(panels, groups, 8, 4).transpose(2, 3).reshape(panels, groups * 4, 8).contiguous()
+    """The inverse of to_int8_layout."""
+    panels, groups, width = codes.shape
+    if width == 32:
+        return codes.view(panels, groups, 8, 4).transpose(2, 3).reshape(panels, groups * 4, 8).contiguous()
+    return codes.view(panels, groups, 2, 8, 4).permute(0, 1, 4, 2, 3).reshape(panels, groups * 4, 16).contiguous()
 
 
 def int8_matmul_requested() -> bool:
@@ -170,7 +176,7 @@ class QuantizedLinear(KernelLinear):
     """y = x @ W^T + b with W kept as GGUF Q4_0/Q4_1/Q8_0 panels.
 
     By default the arithmetic is float32 on the exactly dequantized weights. With
-    `int8_activations` (4-bit codes: Q4_1, or Q4_0 through q4_0_as_q4_1), each row of x is
+    `int8_activations` (Q4_1, Q8_0, or Q4_0 through q4_0_as_q4_1), each row of x is
     quantized to int8 per block of 32 and multiplied in integers, as llama.cpp does: about
     twice the speed, at the cost of rounding the activations to 8 bits."""
 
@@ -179,7 +185,7 @@ class QuantizedLinear(KernelLinear):
         super().__init__()
         self.in_features = codes.shape[1]
         self.out_features = out_features
-        self.int8_activations = int8_activations and codes.shape[2] == 8
+        self.int8_activations = int8_activations
         if self.int8_activations:
             codes = to_int8_layout(codes)
         self.register_buffer("codes", codes)

@@ -15,16 +15,20 @@ pytestmark = pytest.mark.skipif(kernels is None or not kernels.int8_linear_suppo
                                 reason="int8 matmul kernel unavailable on this CPU")
 
 
-def _q4_1_layer(rows: int, cols: int, seed: int) -> tuple[QuantizedLinear, torch.Tensor]:
-    """A Q4_1 layer with random codes and scales, and its exactly dequantized weight."""
+def _layer(kind: str, rows: int, cols: int, seed: int) -> tuple[QuantizedLinear, torch.Tensor]:
+    """A Q4_1 or Q8_0 int8-activation layer with random codes and scales, and its exactly
+    dequantized weight."""
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(seed)
     nb = cols // 32
     scale = lambda: rng.uniform(-0.05, 0.05, (rows, nb, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
-    raw = np.concatenate([scale(), scale(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)], -1)
-    part = QuantizedWeight("Q4_1", raw.reshape(rows, -1), rows, cols)
-    dense = torch.from_numpy(quants.dequantize(part.raw, GGMLQuantizationType.Q4_1).astype(np.float32))
+    if kind == "Q4_1":
+        blocks = [scale(), scale(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
+    else:  # Q8_0, with the full int8 range (-128 included) to test the sign trick's edges
+        blocks = [scale(), rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)]
+    part = QuantizedWeight(kind, np.concatenate(blocks, -1).reshape(rows, -1), rows, cols)
+    dense = torch.from_numpy(quants.dequantize(part.raw, GGMLQuantizationType[kind]).astype(np.float32))
     codes, scales = pack_quantized([part])
     return QuantizedLinear(codes, scales, rows, None, kernels, int8_activations=True), dense
 
@@ -39,16 +43,18 @@ def _int8_reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double()).view_as(x) @ dense.double().t()
 
 
-def test_layout_roundtrip_and_weight():
-    layer, dense = _q4_1_layer(40, 96, 0)
-    assert layer.codes.shape == (3, 24, 32)
+@pytest.mark.parametrize("kind,width", [("Q4_1", 32), ("Q8_0", 64)])
+def test_layout_roundtrip_and_weight(kind, width):
+    layer, dense = _layer(kind, 40, 96, 0)
+    assert layer.codes.shape == (3, 24, width)
     assert torch.equal(to_int8_layout(from_int8_layout(layer.codes)), layer.codes)
     assert torch.equal(layer.weight, dense)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 97, 200])
-def test_int8_linear_matches_the_integer_reference(rows):
-    layer, dense = _q4_1_layer(37, 128, rows)
+def test_int8_linear_matches_the_integer_reference(kind, rows):
+    layer, dense = _layer(kind, 37, 128, rows)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(37)
     ref = _int8_reference(x, dense)
@@ -60,8 +66,9 @@ def test_int8_linear_matches_the_integer_reference(rows):
     assert (layer(x).double() - exact).norm() / exact.norm() < 0.02
 
 
-def test_int8_rows_do_not_depend_on_the_batch():
-    layer, _ = _q4_1_layer(50, 256, 7)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_int8_rows_do_not_depend_on_the_batch(kind):
+    layer, _ = _layer(kind, 50, 256, 7)
     x = torch.randn(41, 256, generator=torch.Generator().manual_seed(1))
     full = layer(x)
     for i in (0, 1, 2, 3, 20, 40):
@@ -86,19 +93,19 @@ def test_q4_0_layers_use_the_int8_kernel_with_the_same_weights():
 
 
 def test_zero_rows_and_bad_shapes():
-    layer, _ = _q4_1_layer(16, 64, 2)
+    layer, _ = _layer("Q4_1", 16, 64, 2)
     assert torch.equal(layer(torch.zeros(2, 64)), torch.zeros(2, 16))
     with pytest.raises(RuntimeError, match="inner dimensions differ"):
         kernels.int8_linear(torch.randn(2, 96), layer.codes, layer.scales, 16)
 
 
 def test_bundled_model_with_int8_matmul(smollm2):
-    """Opt-in: 4-bit layers switch, the Q8_0 head stays float32; the logits stay close to
-    the exact model's and a row's tokens still do not depend on the batch."""
+    """Opt-in: the 4-bit layers and the Q8_0 head switch; the logits stay close to the exact
+    model's and a row's tokens still do not depend on the batch."""
     fast = load_model("smollm2-135m-instruct", "fp32", int8_matmul=True)
     assert uses_int8_matmul(fast.model) and not uses_int8_matmul(smollm2.model)
     assert fast.model.layers[0].mlp.gate_up_proj.int8_activations
-    assert not fast.model.lm_head.int8_activations
+    assert fast.model.lm_head.int8_activations and fast.model.lm_head.codes.shape[2] == 64
     ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
     exact = torch.log_softmax(smollm2.model.dense_logits([ids])[0].double(), -1)
     approx = torch.log_softmax(fast.model.dense_logits([ids])[0].double(), -1)
