@@ -5,7 +5,8 @@ to a few dozen rows), and every output row is computed the same way whatever els
 the batch. `pack_linears` swaps a model's `nn.Linear` layers for these after loading:
 `PackedLinear` holds float32 panels; `QuantizedLinear` keeps a GGUF file's Q4_0, Q4_1
 or Q8_0 weights at 4 or 8 bits and expands them inside the kernel, bit-identical to the
-float32 dequantization but with a fraction of the memory traffic per decode step.
+float32 dequantization but with a fraction of the memory traffic per decode step; with
+int8 activations (opt-in) it multiplies those codes in integers instead.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Optional C++ kernels, compiled on first use with the machine's C++ compiler.
 
-Attention that reads K/V straight from the paged pool (paged_attention.cpp) and a
-float32 matmul over weights packed at load time (gemm.cpp). When no compiler is
-available (or CHATLOOM_KERNELS=0), callers fall back to the pure PyTorch path.
+Attention that reads K/V straight from the paged pool (paged_attention.cpp), a float32
+matmul over weights packed at load time (gemm.cpp), an int8-activation matmul for
+GGUF-quantized weights (int8_gemm.cpp) and fused layer ops (layers.cpp). When no compiler
+is available (or CHATLOOM_KERNELS=0), callers fall back to the pure PyTorch path.
 """
 from __future__ import annotations
 
