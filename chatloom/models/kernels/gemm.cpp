@@ -7,6 +7,7 @@
 // the panel streams through once; each output is one FMA chain over k in a fixed order,
 // so a row's result does not depend on which other rows share the batch.
 #include "kernels.h"
+#include "panel_tile.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -15,7 +16,7 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output features per panel
+using chatloom_kernels::kPanel;
 constexpr int64_t kTileRows = 6;
 constexpr int64_t kRowBlock = 96;  // input rows kept hot in cache while all panels pass
 
@@ -29,28 +30,6 @@ constexpr int64_t kRowBlock = 96;  // input rows kept hot in cache while all pan
     hi##r = _mm256_fmadd_ps(a, w1, hi##r);                                \
   }
 
-// Adds the bias and writes R rows of a tile (ncols < 16 at the last panel).
-template <int R>
-inline void store_tile(const __m256 (&los)[6], const __m256 (&his)[6], const float* bias, float* out,
-                       int64_t ldo, int64_t ncols) {
-  alignas(32) float bb[kPanel] = {0};
-  if (bias != nullptr) std::copy(bias, bias + ncols, bb);
-  const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
-  alignas(32) float buf[kPanel];
-  for (int r = 0; r < R; ++r) {
-    const __m256 a = _mm256_add_ps(los[r], b0), b = _mm256_add_ps(his[r], b1);
-    float* o = out + r * ldo;
-    if (ncols == kPanel) {
-      _mm256_storeu_ps(o, a);
-      _mm256_storeu_ps(o + 8, b);
-    } else {
-      _mm256_store_ps(buf, a);
-      _mm256_store_ps(buf + 8, b);
-      std::copy(buf, buf + ncols, o);
-    }
-  }
-}
-
 template <int R>
 inline void tile(const float* x, int64_t k_dim, const float* panel, const float* bias,
                  float* out, int64_t ldo, int64_t ncols) {
@@ -62,7 +41,7 @@ inline void tile(const float* x, int64_t k_dim, const float* panel, const float*
     CHATLOOM_ROW(0) CHATLOOM_ROW(1) CHATLOOM_ROW(2) CHATLOOM_ROW(3) CHATLOOM_ROW(4) CHATLOOM_ROW(5)
   }
   const __m256 los[6] = {lo0, lo1, lo2, lo3, lo4, lo5}, his[6] = {hi0, hi1, hi2, hi3, hi4, hi5};
-  store_tile<R>(los, his, bias, out, ldo, ncols);
+  chatloom_kernels::store_tile<R>(los, his, bias, out, ldo, ncols);
 }
 
 // A GGUF block-quantized panel's 16 weights at row k: the same arithmetic as gguf's
@@ -103,7 +82,7 @@ inline void tile_quantized(const float* x, int64_t k_dim, const uint8_t* codes, 
     }
   }
   const __m256 los[6] = {lo0, lo1, lo2, lo3, lo4, lo5}, his[6] = {hi0, hi1, hi2, hi3, hi4, hi5};
-  store_tile<R>(los, his, bias, out, ldo, ncols);
+  chatloom_kernels::store_tile<R>(los, his, bias, out, ldo, ncols);
 }
 #undef CHATLOOM_ROW
 

@@ -16,6 +16,7 @@
 //     its low nibble and feature j + 8's in its high nibble;
 //   8-bit codes [P, K / 4, 64] int8: byte 32 h + 4 j + i holds feature 8 h + j's at 4g + i.
 #include "kernels.h"
+#include "panel_tile.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -25,7 +26,7 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;
+using chatloom_kernels::kPanel;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTileRows = 3;  // rows per tile for 4-bit codes
 constexpr int64_t kRowBlock = 96;
@@ -112,7 +113,7 @@ void tile(const int8_t* q, const float* dx, const float* sx, int64_t k_dim, cons
     }
     const float* s = scales + b * 2 * kPanel;
     const __m256 dl = _mm256_loadu_ps(s), dh = _mm256_loadu_ps(s + 8);
-    const __m256 ml = _mm256_loadu_ps(s + 16), mh = _mm256_loadu_ps(s + 24);
+    [[maybe_unused]] const __m256 ml = _mm256_loadu_ps(s + 16), mh = _mm256_loadu_ps(s + 24);
     // Q4's int16 sums widen here; Q8's are int32 already, and Q8 has no m term.
 #define CHATLOOM_SCALE(r)                                                                             \
   if constexpr (R > r) {                                                                              \
@@ -130,23 +131,8 @@ void tile(const int8_t* q, const float* dx, const float* sx, int64_t k_dim, cons
     CHATLOOM_SCALE(0) CHATLOOM_SCALE(1) CHATLOOM_SCALE(2)
 #undef CHATLOOM_SCALE
   }
-  alignas(32) float bb[kPanel] = {0};
-  if (bias != nullptr) std::copy(bias, bias + ncols, bb);
-  const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
   const __m256 lo[3] = {a0l, a1l, a2l}, hi[3] = {a0h, a1h, a2h};
-  alignas(32) float buf[kPanel];
-  for (int r = 0; r < R; ++r) {
-    float* o = out + r * ldo;
-    const __m256 l = _mm256_add_ps(lo[r], b0), h = _mm256_add_ps(hi[r], b1);
-    if (ncols == kPanel) {
-      _mm256_storeu_ps(o, l);
-      _mm256_storeu_ps(o + 8, h);
-    } else {
-      _mm256_store_ps(buf, l);
-      _mm256_store_ps(buf + 8, h);
-      std::copy(buf, buf + ncols, o);
-    }
-  }
+  chatloom_kernels::store_tile<R>(lo, hi, bias, out, ldo, ncols);
 }
 
 #endif

@@ -1,0 +1,40 @@
+// What the matmul kernels (gemm.cpp, int8_gemm.cpp) share: outputs come in panels of 16
+// features, and a tile of rows x 16 accumulates in pairs of AVX registers.
+#pragma once
+#include <cstdint>
+#include <algorithm>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace chatloom_kernels {
+
+constexpr int64_t kPanel = 16;  // output features per panel
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Adds the bias (when given) and writes R rows of a tile: features 0-7 of row r are in
+// lo[r], 8-15 in hi[r]; only `ncols` (< 16 at the last panel) are stored.
+template <int R, int N>
+inline void store_tile(const __m256 (&lo)[N], const __m256 (&hi)[N], const float* bias, float* out,
+                       int64_t ldo, int64_t ncols) {
+  static_assert(R <= N, "more rows than accumulators");
+  alignas(32) float bb[kPanel] = {0};
+  if (bias != nullptr) std::copy(bias, bias + ncols, bb);
+  const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
+  alignas(32) float buf[kPanel];
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_add_ps(lo[r], b0), b = _mm256_add_ps(hi[r], b1);
+    float* o = out + r * ldo;
+    if (ncols == kPanel) {
+      _mm256_storeu_ps(o, a);
+      _mm256_storeu_ps(o + 8, b);
+    } else {
+      _mm256_store_ps(buf, a);
+      _mm256_store_ps(buf + 8, b);
+      std::copy(buf, buf + ncols, o);
+    }
+  }
+}
+#endif
+
+}  // namespace chatloom_kernels
