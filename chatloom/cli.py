@@ -85,7 +85,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="weights and KV cache dtype (default fp32: the fast choice on most CPUs)")
     p.add_argument("--int8-matmul", action="store_true",
-                   help="multiply 4-bit GGUF weights with int8 activations: about 1.4x the throughput, "
+                   help="multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
                         "slightly less exact (see README)")
 
 

@@ -103,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="registry id, GGUF file or Hugging Face folder (default: the bundled model)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="weights dtype (default fp32)")
     p.add_argument("--int8-matmul", action="store_true", default=None,
-                   help="multiply 4-bit GGUF weights with int8 activations: about 1.4x the throughput, "
+                   help="multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
                         "slightly less exact (see README)")
     p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB (default 0.5)")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")

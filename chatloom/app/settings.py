@@ -21,7 +21,7 @@ class Settings:
     db_url: str | None = None  # default: SQLite file under data_dir
     model: str = DEFAULT_MODEL  # registry id or a path to a GGUF file / Hugging Face folder
     dtype: str = "fp32"
-    int8_matmul: bool | None = None  # 4-bit GGUF layers multiply with int8 activations (None: $CHATLOOM_INT8_MATMUL)
+    int8_matmul: bool | None = None  # quantized GGUF layers multiply with int8 activations (None: $CHATLOOM_INT8_MATMUL)
 
     # Engine sizing (the local backend).
     kv_cache_gb: float = 0.5

@@ -15,7 +15,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--int8-matmul", action="store_true",
-                   help="multiply 4-bit GGUF weights with int8 activations (see README)")
+                   help="multiply quantized GGUF weights with int8 activations (see README)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 

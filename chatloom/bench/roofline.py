@@ -9,7 +9,7 @@ import torch
 from chatloom.bench.throughput import run_continuous
 from chatloom.bench.workload import standard_workload
 from chatloom.models.loader import LoadedModel
-from chatloom.models.packed_linear import uses_int8_matmul
+from chatloom.models.packed_linear import QuantizedLinear
 
 
 def _gflops(run, flops: float, seconds: float) -> float:
@@ -42,25 +42,13 @@ def kernel_matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float 
     return _gflops(lambda: kernels.packed_linear(x, packed, n), 2 * m * k * n, seconds)
 
 
-def int8_kernel_matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float | None:
-    """Effective GFLOP/s (2mkn per second) of the int8-activation kernel on a random 4-bit
-    (Q4_1) weight [n, k] (None where the CPU or build lacks it)."""
-    import numpy as np
-
-    from chatloom.models.kernels import load_kernels
-    from chatloom.models.packed_linear import (QuantizedWeight, int8_matmul_supported, pack_quantized,
-                                               to_int8_layout)
-
-    kernels = load_kernels()
-    if not int8_matmul_supported(kernels):
-        return None
-    rng = np.random.default_rng(0)
-    nb = k // 32
-    scale = rng.uniform(-0.05, 0.05, (n, nb, 2)).astype(np.float16).view(np.uint8)
-    raw = np.concatenate([scale, rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)], -1).reshape(n, -1)
-    codes, scales = pack_quantized([QuantizedWeight("Q4_1", raw, n, k)])
-    codes, x = to_int8_layout(codes), torch.randn(m, k)
-    return _gflops(lambda: kernels.int8_linear(x, codes, scales, n), 2 * m * k * n, seconds)
+def int8_kernel_matmul_gflops(layer: QuantizedLinear, m: int, seconds: float = 0.5) -> float:
+    """Effective GFLOP/s (2mkn per second) of the int8-activation kernel on one of the
+    model's own int8 layers, x[m, k] @ W[n, k]^T."""
+    x = torch.randn(m, layer.in_features)
+    kernel = layer._kernels.int8_linear  # called directly, like the float kernel above
+    return _gflops(lambda: kernel(x, layer.codes, layer.scales, layer.out_features),
+                   2 * m * layer.in_features * layer.out_features, seconds)
 
 
 def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
@@ -71,8 +59,9 @@ def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
     ours, int8 = {}, {}
     if loaded.dtype == torch.float32:
         ours = {m: round(g, 1) for m in batch_sizes if (g := kernel_matmul_gflops(m, k, n)) is not None}
-        if uses_int8_matmul(loaded.model):
-            int8 = {m: round(g, 1) for m in batch_sizes if (g := int8_kernel_matmul_gflops(m, k, n)) is not None}
+        gate_up = loaded.model.layers[0].mlp.gate_up_proj  # the same [k, n] matmul, as the engine runs it
+        if isinstance(gate_up, QuantizedLinear) and gate_up.int8_activations:
+            int8 = {m: round(int8_kernel_matmul_gflops(gate_up, m), 1) for m in batch_sizes}
     requests = standard_workload(num_requests, cfg.vocab_size, seed)
     run = run_continuous(loaded, requests, max_num_seqs=64)
     params = cfg.num_parameters()

@@ -18,7 +18,6 @@ from chatloom.models.loader import LoadedModel
 MODES = ("continuous", "static", "sequential")
 
 
-
 def pool_blocks_for(requests: list[BenchRequest], block_size: int = 16, extra_len: int = 0) -> int:
     """A KV pool just big enough for every request at once: no mode is starved of memory."""
     return sum(-(-(len(r.prompt_token_ids) + extra_len + r.output_len) // block_size) for r in requests) + 8

@@ -221,7 +221,7 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     where `quantized` gives the layer's weight as stored in a GGUF file (by module name;
     several parts for a fused layer, all of one kind). Returns False (and changes nothing)
     when the kernels are unavailable or the model is not float32. With `int8_activations`
-    (default: `int8_matmul_requested()`), 4-bit layers multiply with int8 activations where
+    (default: `int8_matmul_requested()`), quantized layers multiply with int8 activations where
     the CPU allows it.
 
     A head tied to the embedding gets its own packed copy; the embedding keeps its table."""

@@ -65,8 +65,8 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
 
     `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a
-    float32 model, layers whose weights are all there keep them quantized, and 4-bit ones
-    multiply with int8 activations when `int8_matmul` (see pack_linears)."""
+    float32 model, layers whose weights are all there keep them quantized, and multiply with
+    int8 activations when `int8_matmul` (see pack_linears)."""
     with _no_init():
         model = LlamaForCausalLM(cfg)
 

@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from chatloom.bench.memory import run_memory
 from chatloom.bench.prefix import run_prefix
 from chatloom.bench.throughput import run_mode
@@ -70,8 +73,11 @@ def test_int8_flag_reaches_the_model_and_the_report():
 def test_int8_roofline_measures_the_kernel():
     from chatloom.bench.roofline import int8_kernel_matmul_gflops
     from chatloom.models.kernels import load_kernels
-    from chatloom.models.packed_linear import int8_matmul_supported
+    from chatloom.models.packed_linear import QuantizedLinear, int8_matmul_supported
 
-    g = int8_kernel_matmul_gflops(8, 64, 32, seconds=0.01)
-    assert (g is None) == (not int8_matmul_supported(load_kernels()))
-    assert g is None or g > 0
+    kernels = load_kernels()
+    if not int8_matmul_supported(kernels):
+        pytest.skip("int8 matmul kernel unavailable on this CPU")
+    codes = torch.randint(0, 256, (2, 64, 8), dtype=torch.uint8)
+    layer = QuantizedLinear(codes, torch.rand(2, 2, 2, 16), 32, None, kernels, int8_activations=True)
+    assert int8_kernel_matmul_gflops(layer, 8, seconds=0.01) > 0
