@@ -1,7 +1,7 @@
 """The KV pool's bookkeeping: block tables, refcounts and the automatic prefix cache.
 
-A full block's key is hash(parent key, its token ids), rooted in the model id, so
-identical prefixes map to identical keys. Blocks are refcounted; a block whose
+A full block's key is hash(parent key, its token ids), rooted in the model id (block_hash.py,
+stable across processes), so identical prefixes map to identical keys. Blocks are refcounted; a block whose
 count drops to zero keeps its contents and key on an LRU free list until it is
 handed out again: that free list is the prefix cache.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from chatloom.engine import block_hash
 from chatloom.engine.sequence import Sequence
 
 
@@ -33,7 +34,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.root_key = hash(("chatloom", model_key))
+        self.root_key = block_hash.root_key(model_key)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = evicted first). Values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -57,7 +58,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def block_key(self, parent: int, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
+        return block_hash.block_key(parent, tokens)
 
     # -- allocation ------------------------------------------------------------
     def _take_free_block(self) -> Block:
