@@ -11,8 +11,8 @@ from chatloom.engine.async_engine import AsyncEngine, EngineDeadError
 from chatloom.models import LoadedModel, ModelError, load_model
 from chatloom.models.chat_template import render_chat
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
-from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BadGenerationRequest, Delta,
-                                      GenerationRequest)
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
+                                      Delta, GenerationRequest, Timings)
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,10 @@ class LocalBackend(Backend):
 
     @property
     def context_window(self) -> int:
+        # What one request can really use: the model's window, or the whole KV pool if that is smaller
+        # (a request larger than the pool could never be scheduled).
         if self._engine is not None:
-            return self._engine.engine.max_model_len
+            return min(self._engine.engine.max_model_len, self._engine.engine.pool_tokens)
         if self._loaded is not None:
             return self._config.max_model_len or min(self._loaded.config.max_position, 8192)
         return self._config.max_model_len or 0
@@ -114,6 +116,8 @@ class LocalBackend(Backend):
             ids = self.encode_messages(request.messages)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
+        elif request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)  # the engine checks they are in the vocabulary
         else:
             raise BadGenerationRequest("a request needs messages or a prompt", param="messages")
         window = self.context_window
@@ -134,7 +138,8 @@ class LocalBackend(Backend):
         try:
             async for out in self.engine.stream(ids, params, request_id=request.request_id,
                                                 priority=request.priority):
-                metrics = out.metrics.as_dict() if out.finished and out.metrics is not None else None
+                m = out.metrics if out.finished else None
+                metrics = Timings(m.queue_time, m.ttft, m.tpot, m.e2e) if m is not None else None
                 yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
                             out.num_output_tokens, out.num_cached_tokens, metrics)
         except InvalidRequest as exc:
@@ -149,13 +154,19 @@ class LocalBackend(Backend):
     def has_room(self, prompt_tokens: int) -> bool:
         if self._engine is None:
             return True  # stream() answers "not ready" at once; no point queueing for it
-        s = self._engine.get_stats()
-        if s["num_requests_waiting"] > 0:
+        s = self._engine.snapshot()
+        if s.num_requests_waiting > 0:
             return False
-        return s["kv_cache_free_blocks"] * s["block_size"] >= prompt_tokens
+        return s.kv_cache_free_blocks * s.block_size >= prompt_tokens
 
-    def stats(self) -> dict:
+    def stats(self) -> BackendStats:
         if self._engine is None:
-            return {"ready": False}
-        return {"ready": True, "model": self.default_model, "context_window": self.context_window,
-                **self._engine.get_stats()}
+            return BackendStats(ready=False)
+        s = self._engine.snapshot()
+        return BackendStats(
+            ready=True, model=self.default_model, context_window=self.context_window,
+            num_requests_running=s.num_requests_running, num_requests_waiting=s.num_requests_waiting,
+            kv_cache_usage_perc=s.kv_cache_usage_perc, kv_cache_blocks=s.kv_cache_blocks,
+            kv_cache_free_blocks=s.kv_cache_free_blocks, block_size=s.block_size,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, generation_tokens_per_s=s.generation_tokens_per_s)
