@@ -17,6 +17,7 @@ from chatloom.app.pipeline import Pipeline
 from chatloom.app.routes import admin, auth, conversations, health, openai, usage, web
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import RateLimitHeaders, build_traffic
+from chatloom.model_args import int8_matmul
 from chatloom.serving import Backend, BackendError, LocalBackend
 from chatloom.store import Database
 
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def default_backend(settings: Settings) -> Backend:
-    return LocalBackend(settings.model, settings.dtype, settings.engine_config(), int8_matmul=settings.int8_matmul)
+    return LocalBackend(settings.model, settings.dtype, settings.engine_config(),
+                        int8_matmul=int8_matmul(settings.int8_matmul))  # the switch resolved once, here
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:

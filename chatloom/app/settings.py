@@ -23,7 +23,7 @@ class Settings:
     db_url: str | None = None  # default: SQLite file under data_dir
     model: str = DEFAULT_MODEL  # registry id or a path to a GGUF file / Hugging Face folder
     dtype: str = "fp32"
-    int8_matmul: bool | None = None  # quantized GGUF layers multiply with int8 activations (None: $CHATLOOM_INT8_MATMUL)
+    int8_matmul: bool | None = None  # quantized GGUF layers use int8 activations (None: $CHATLOOM_INT8_MATMUL, see model_args)
 
     # Engine sizing (the local backend); the defaults are EngineConfig's.
     kv_cache_gb: float = ENGINE_DEFAULTS.kv_cache_gb

@@ -153,27 +153,7 @@ class AdmissionOut(BaseModel):
                    reasoning_running=a.running_of(REASONING), reasoning_slots=a.reasoning_slots())
 
 
-class BackendStatsOut(BaseModel):
-    ready: bool
-    model: str | None = None
-    context_window: int | None = None
-    num_requests_running: int | None = None
-    num_requests_waiting: int | None = None
-    kv_cache_usage_perc: float | None = None
-    kv_cache_blocks: int | None = None
-    kv_cache_free_blocks: int | None = None
-    block_size: int | None = None
-    prefix_cache_queries: int | None = None
-    prefix_cache_hits: int | None = None
-    num_preemptions: int | None = None
-    generation_tokens_per_s: float | None = None
-
-    @classmethod
-    def of(cls, s: BackendStats) -> "BackendStatsOut":
-        return cls(**asdict(s))
-
-
 class StatsOut(BaseModel):
-    backend: BackendStatsOut
+    backend: BackendStats  # the dataclass itself: pydantic puts its fields in the schema
     running_generations: int
     admission: AdmissionOut

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from chatloom.engine import EngineConfig, InvalidRequest, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine, EngineDeadError
 from chatloom.models import LoadedModel, ModelError, load_model
-from chatloom.models.chat_template import render_chat
+from chatloom.models.chat_template import encode_chat
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
                                       Delta, GenerationRequest, Timings)
@@ -26,7 +26,7 @@ class LocalBackend(Backend):
     """Wraps an AsyncEngine. Construct with a model spec (loaded by start()) or a LoadedModel."""
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
-                 engine_config: EngineConfig | None = None, int8_matmul: bool | None = None) -> None:
+                 engine_config: EngineConfig | None = None, int8_matmul: bool = False) -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model
         self._dtype = dtype
@@ -97,14 +97,10 @@ class LocalBackend(Backend):
         return len(self.tokenizer.encode(text, add_special=False))
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
-        tok = self.tokenizer
         try:
-            text = render_chat(tok.chat_template, messages, add_generation_prompt=True,
-                               bos_token=tok.bos_token, eos_token=tok.eos_token)
+            return encode_chat(self.tokenizer, messages)
         except ModelError as exc:
             raise BadGenerationRequest(str(exc), "invalid_messages", "messages") from None
-        # A template that writes the BOS text itself must not get a second BOS from the encoder.
-        return tok.encode(text, add_special=not (tok.bos_token and text.startswith(tok.bos_token)))
 
     def count_prompt_tokens(self, messages: list[dict]) -> int:
         return len(self.encode_messages(messages))

@@ -8,7 +8,7 @@ from chatloom.app.errors import ApiError, not_found
 from chatloom.app.admission import REASONING
 from chatloom.app.reasoning import EFFORTS
 from chatloom.app.routes.usage import since
-from chatloom.app.traffic_schemas import (AdmissionOut, BackendStatsOut, FeedbackItem, ReasoningCap, ReasoningIn,
+from chatloom.app.traffic_schemas import (AdmissionOut, FeedbackItem, ReasoningCap, ReasoningIn,
                                           ReasoningOut, StatsOut, TierIn, TierOut, TiersOut, UsageReport, UserTierOut)
 from chatloom.store import FeedbackRows, UsageRows, Users
 
@@ -71,6 +71,6 @@ async def cap_reasoning(body: ReasoningIn, _admin: AdminUser, ctx: Ctx) -> Reaso
 @router.get("/stats", response_model=StatsOut)
 async def stats(_admin: AdminUser, ctx: Ctx) -> StatsOut:
     """The backend's load, the answers running, the admission queue."""
-    return StatsOut(backend=BackendStatsOut.of(ctx.backend.stats()),
+    return StatsOut(backend=ctx.backend.stats(),
                     running_generations=ctx.conversations.running_count(),
                     admission=AdmissionOut.of(ctx.traffic.admission))
