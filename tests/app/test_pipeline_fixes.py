@@ -225,6 +225,17 @@ async def test_goodput_under_the_slo_on_metrics(tmp_path, ttft, counted):
         assert _sample(metrics, "chatloom:goodput_requests_per_s") == pytest.approx(2 * counted / 60)
 
 
+async def test_routes_declare_what_they_return(tmp_path):
+    async with scripted(tmp_path) as (c, app, backend, alice):
+        schema = (await c.get("/openapi.json")).json()
+    names = set(schema["components"]["schemas"])
+    assert {"ConversationDetail", "MessageOut", "StatsOut", "BackendStats", "MyUsage", "FeedbackItem",
+            "SessionOut", "ModelList"} <= names
+    read = schema["paths"]["/conversations/{conversation_id}"]["get"]["responses"]["200"]
+    assert read["content"]["application/json"]["schema"]["$ref"].endswith("/ConversationDetail")
+    assert "feedback" in schema["components"]["schemas"]["MessageOut"]["properties"]
+
+
 # -- settings -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("toml,words", [('model = ["a", "b"]', "'model' must be str, not list"),

@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.deps import AppContext, Ctx, CurrentUser, SessionDep
@@ -185,17 +186,25 @@ def _decode(ctx: AppContext, ids: list[int]) -> str:
         return ""
 
 
-def _model_out(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": CREATED, "owned_by": "chatloom"}
+class ModelOut(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = CREATED
+    owned_by: str = "chatloom"
 
 
-@router.get("/models")
-async def list_models(ctx: Ctx, user: CurrentUser) -> dict:
-    return {"object": "list", "data": [_model_out(m) for m in ctx.backend.model_ids]}
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelOut]
 
 
-@router.get("/models/{model_id:path}")
-async def get_model(model_id: str, ctx: Ctx, user: CurrentUser) -> dict:
+@router.get("/models", response_model=ModelList)
+async def list_models(ctx: Ctx, user: CurrentUser) -> ModelList:
+    return ModelList(data=[ModelOut(id=m) for m in ctx.backend.model_ids])
+
+
+@router.get("/models/{model_id:path}", response_model=ModelOut)
+async def get_model(model_id: str, ctx: Ctx, user: CurrentUser) -> ModelOut:
     if model_id not in ctx.backend.model_ids:
         raise ApiError(404, f"the model {model_id!r} does not exist", "model_not_found", "model")
-    return _model_out(model_id)
+    return ModelOut(id=model_id)
