@@ -4,12 +4,12 @@ Every answer, whether the conversation API's background job or an OpenAI-compati
 through the same stages, in this order:
 
     run = await pipeline.open(ask, moderate=text)  # caps: model allowed for the tier, max_tokens defaulted,
-                                              #   limited and capped, effort capped; input moderation
-    run.reserve(prompt or estimate)           # 400 context_length_exceeded if it can never fit (before any
-                                              #   quota or queue), then the quota reservation (429)
-    await run.admit(prompt, on_position)      # exact prompt, reservation topped up, admission queue (503)
-    async for piece in run.stream(): ...      # backend.stream -> thinking split -> output guard
-    await run.close()                         # release the slot, settle the quota, meter, observe (idempotent)
+                                                   #   limited and capped, effort capped; input moderation
+    run.reserve(prompt or estimate)                # 400 context_length_exceeded if it can never fit (before
+                                                   #   any quota or queue), then the quota reservation (429)
+    await run.admit(prompt, on_position)           # exact prompt, reservation topped up, admission (503)
+    async for piece in run.stream(): ...           # backend.stream -> thinking split -> output guard
+    await run.close()                              # release the slot, settle, meter, observe (idempotent)
 
 `stream()` yields typed pieces, a union of small frozen dataclasses: `Thinking` and `AnswerText` as text
 arrives, then exactly one `Finished` (finish reason, `Usage`, `Timings`). Fronts match on the piece type
