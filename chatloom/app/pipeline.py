@@ -325,8 +325,7 @@ class Run:
         if self._reservation is not None:
             self.traffic.quotas.settle(self._reservation, used.total_tokens)
         if used.total_tokens:
-            await self.traffic.meter.record(self.ask.user.id, self.limits.model, used.prompt_tokens,
-                                            used.completion_tokens, used.cached_tokens)
+            await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:
             self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage)
 
