@@ -4,16 +4,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from chatloom.app.admission import REASONING, AdmissionQueue
-from chatloom.app.schemas import iso
+from chatloom.app.schemas import STRICT, iso
 from chatloom.app.tiers import Tier
 from chatloom.serving import BackendStats
 from chatloom.store import Feedback, Message
-
-STRICT = ConfigDict(extra="forbid", strict=True)
-
 
 class UsageRowOut(BaseModel):
     day: str
