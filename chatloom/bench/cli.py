@@ -8,14 +8,11 @@ import sys
 
 from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
 from chatloom.argtypes import positive_int
-from chatloom.models.registry import DEFAULT_MODEL
+from chatloom.model_args import add_model_args, load_from_args
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--int8-matmul", action="store_true",
-                   help="multiply quantized GGUF weights with int8 activations (see README)")
+    add_model_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 
@@ -71,12 +68,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
-def _load(args):
-    from chatloom.models import load_model
-
-    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
-
-
 def _emit(result: dict, table: bool) -> int:
     print(json.dumps(result, indent=2))
     if table:
@@ -101,7 +92,7 @@ def _throughput(args) -> int:
     from chatloom.models.packed_linear import uses_int8_matmul
     from chatloom.bench.workload import standard_workload
 
-    loaded = _load(args)
+    loaded = load_from_args(args)
     requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed,
                                  avoid_ids=set(loaded.tokenizer.eos_token_ids))
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -130,7 +121,7 @@ def _throughput(args) -> int:
 def _prefix(args) -> int:
     from chatloom.bench.prefix import run_prefix
 
-    return _emit(dict(run_prefix(_load(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
+    return _emit(dict(run_prefix(load_from_args(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
                  args.table)
 
 
@@ -138,7 +129,7 @@ def _memory(args) -> int:
     from chatloom.bench.memory import run_memory
     from chatloom.bench.workload import standard_workload
 
-    loaded = _load(args)
+    loaded = load_from_args(args)
     requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed)
     return _emit(dict(run_memory(loaded, requests), model=loaded.id, seed=args.seed), args.table)
 
@@ -146,7 +137,7 @@ def _memory(args) -> int:
 def _roofline(args) -> int:
     from chatloom.bench.roofline import run_roofline
 
-    return _emit(dict(run_roofline(_load(args), args.num_requests, args.seed), model=args.model), args.table)
+    return _emit(dict(run_roofline(load_from_args(args), args.num_requests, args.seed), model=args.model), args.table)
 
 
 def _serve(args) -> int:
