@@ -82,6 +82,13 @@ class ReplicaStats:
     peak_usage: float
     steps: int
     tokens_generated: int
+    span_s: float = 0.0  # simulated seconds the replica existed (the run's end, drain included)
+
+
+def replica_stats(run) -> list[ReplicaStats]:
+    """The figures each replica of a finished SimRun keeps."""
+    return [ReplicaStats(r.busy_time, r.usage_time, r.peak_usage, r.steps, r.tokens_generated, run.sim_seconds)
+            for r in run.replicas]
 
 
 @dataclass
@@ -97,8 +104,7 @@ def run_cell(spec: ReplicaSpec, cell_size: int, policy: PolicySpec, traffic: Tra
              progress: Callable[[float], None] | None = None, name_prefix: str = "r") -> CellResult:
     sim = Simulator(spec, cell_size, make_policy(policy), traffic, config, progress=progress, name_prefix=name_prefix)
     run = sim.run()
-    stats = [ReplicaStats(r.busy_time, r.usage_time, r.peak_usage, r.steps, r.tokens_generated) for r in run.replicas]
-    return CellResult(RequestTable.from_requests(run.requests), stats, run.sim_seconds, run.wall_seconds, run.events)
+    return CellResult(RequestTable.from_requests(run.requests), replica_stats(run), run.sim_seconds, run.wall_seconds, run.events)
 
 
 _progress_queue = None

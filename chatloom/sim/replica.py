@@ -13,8 +13,10 @@ holds them, so no preemption is skipped. An arrival cuts a run short at the step
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
+from chatloom.engine import block_hash
 from chatloom.engine.block_manager import BlockManager
 from chatloom.engine.sampling_params import SamplingParams
 from chatloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -53,11 +55,40 @@ class SimRequest:
         return len(self.answer)
 
 
+class _MemoKeys:
+    """block_hash.block_key memoized: the same pure function of (parent, tokens), shared by every
+    simulated replica of a process, so a prompt block seen again is not hashed again. Bounded."""
+
+    limit = 2_000_000
+
+    def __init__(self) -> None:
+        self.table: dict = {}
+
+    def __call__(self, parent: int, tokens: tuple[int, ...]) -> int:
+        key = (parent, tokens)
+        got = self.table.get(key)
+        if got is None:
+            if len(self.table) >= self.limit:
+                self.table.clear()
+            got = self.table[key] = block_hash.block_key(parent, tokens)
+        return got
+
+
+memo_block_key = _MemoKeys()
+
+
+class SimBlockManager(BlockManager):
+    """The engine's BlockManager, with its block keys memoized (the only method replaced: speed)."""
+
+    def block_key(self, parent: int, tokens: tuple[int, ...]) -> int:
+        return memo_block_key(parent, tokens)
+
+
 class SimReplica:
     def __init__(self, name: str, spec: ReplicaSpec, enable_prefix_caching: bool = True) -> None:
         self.name = name
         self.spec = spec
-        self.bm = BlockManager(spec.num_blocks, spec.block_size, spec.model_key, enable_prefix_caching)
+        self.bm = SimBlockManager(spec.num_blocks, spec.block_size, spec.model_key, enable_prefix_caching)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
                                                max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len),
                                self.bm)
@@ -78,6 +109,7 @@ class SimReplica:
         self.on_finish = None  # callback(SimRequest, now)
         self.on_first_token = None  # callback(SimRequest, now) -> bool: True stops the request (disagg)
         self.max_blocks_held = 0
+        self.inbox: deque[SimRequest] = deque()  # disaggregation: KV arrived, waiting for room
 
     # -- the router's view ----------------------------------------------------------------
     def cached_prefix_blocks(self, keys: tuple[int, ...]) -> int:
@@ -100,6 +132,37 @@ class SimReplica:
         self.sched.add(seq)
         return seq
 
+    @property
+    def num_queued(self) -> int:
+        return len(self.sched.waiting) + len(self.inbox)
+
+    def _take_inbox(self, now: float) -> None:
+        while self.inbox and self.receive(self.inbox[0], now):
+            self.inbox.popleft()
+
+    def receive(self, req: SimRequest, now: float) -> bool:
+        """Disaggregation: take a request whose prompt KV arrives from a prefill replica, its first token
+        already made. Its blocks are allocated (reusing any this replica has cached) and it joins the
+        running sequences as a decode, as a KV-connector load does; False when no slot or blocks.
+        Only between steps (start() calls it for the inbox): a step in flight owns its plan's blocks."""
+        sched, bm = self.sched, self.bm
+        if len(sched.running) >= sched.config.max_num_seqs:
+            return False
+        params = SamplingParams(max_tokens=len(req.answer), temperature=0, ignore_eos=True)
+        seq = Sequence(req.rid, req.prompt, params, req.priority)
+        seq.token_ids.append(req.answer[0])
+        if not bm.can_allocate(seq):
+            return False
+        bm.allocate(seq)
+        seq.num_computed_tokens = len(req.prompt)  # the transferred KV; the first token is decoded next
+        m = seq.metrics
+        m.arrival_time, m.first_scheduled_time, m.first_token_time = req.arrival, req.first_scheduled, req.first_token
+        seq.status = SequenceStatus.RUNNING
+        sched.running.append(seq)
+        self.requests[seq] = req
+        req.replica = self.name
+        return True
+
     def abort(self, seq: Sequence) -> SimRequest:
         req = self.requests.pop(seq)
         self.sched.remove(seq)
@@ -119,6 +182,8 @@ class SimReplica:
     # -- stepping ---------------------------------------------------------------------------
     def start(self, now: float) -> float | None:
         """Plan the next step (or run of steps); returns when it ends, None when there is nothing to do."""
+        if self.inbox:
+            self._take_inbox(now)
         batch = self.sched.schedule()
         if not batch:
             self.busy = False
@@ -217,11 +282,14 @@ class SimReplica:
             req = reqs[seq]
             seq.token_ids.append(req.answer[seq.num_output_tokens])
             self._after_tokens(seq, req, 1, now, now)
+        # As LLMEngine.step: publish the full blocks of every unfinished sequence (skipping the call
+        # when no block filled up, which is most decode steps).
+        bs = bm.block_size
         for seq in batch.decodes:
-            if seq.status is not SequenceStatus.FINISHED:
+            if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
                 bm.register_full_blocks(seq)
         for seq, _ in batch.prefills:
-            if seq.status is not SequenceStatus.FINISHED:
+            if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
                 bm.register_full_blocks(seq)
 
     def _after_tokens(self, seq: Sequence, req: SimRequest, got: int, first_at: float, now: float) -> None:

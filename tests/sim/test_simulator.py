@@ -8,7 +8,7 @@ import random
 import pytest
 
 from chatloom.sim import replica as replica_mod
-from chatloom.sim.fleet import RequestTable, ReplicaStats, run_fleet
+from chatloom.sim.fleet import RequestTable, replica_stats, run_fleet
 from chatloom.sim.hardware import ReplicaSpec, roofline_replica
 from chatloom.sim.replica import SimRequest
 from chatloom.sim.report import SLO, summarize
@@ -144,7 +144,7 @@ def test_fast_forward_gives_the_same_timings_as_single_steps(monkeypatch):
 def test_summary_figures_follow_the_definitions():
     sim, out = run(small_spec(), 2, FewestQueued(), small_traffic(), duration=30.0)
     table = RequestTable.from_requests(out.requests)
-    stats = [ReplicaStats(r.busy_time, r.usage_time, r.peak_usage, r.steps, r.tokens_generated) for r in out.replicas]
+    stats = replica_stats(out)
     s = summarize(table, stats, SLO(ttft_s=1.0, tpot_s=0.05), warmup_s=5.0, end_s=30.0)
     counted = [r for r in out.requests if 5.0 <= r.arrival < 30.0]
     assert s["requests"] == len(counted)
