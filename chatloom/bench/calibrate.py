@@ -15,11 +15,12 @@ from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.models.loader import LoadedModel
 from chatloom.sim.step_time import BatchShape, LinearStepTime, fit_linear, shape_of
 
-# (number of requests, prompt length range, output length range) per phase.
+# (number of requests, prompt length range, output length range) per phase: decode batches of many
+# sizes over short and longer contexts, chunked prefills alone and mixed with decodes. Small enough
+# to run in a minute or two on a busy two-core machine.
 PHASES = [
-    (1, (16, 32), (24, 24)), (4, (16, 64), (24, 32)), (16, (16, 64), (24, 32)), (32, (32, 96), (24, 32)),
-    (48, (32, 64), (16, 24)), (8, (600, 900), (16, 24)), (24, (300, 500), (12, 16)),
-    (6, (900, 1400), (4, 8)), (2, (1500, 1900), (8, 12)),
+    (1, (16, 32), (12, 12)), (4, (16, 64), (12, 16)), (12, (32, 96), (12, 16)), (24, (32, 96), (12, 16)),
+    (32, (40, 80), (8, 12)), (6, (200, 400), (8, 12)), (2, (700, 900), (4, 6)),
 ]
 
 

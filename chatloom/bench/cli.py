@@ -79,9 +79,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("sim-validate", help="the real engine against the simulator at two request rates")
     _common(p)
-    p.add_argument("--rates", type=float, nargs=2, default=[2.0, 6.0], metavar="RPS",
-                   help="two request rates (requests/s, Poisson), default 2 6")
-    p.add_argument("--num-prompts", type=positive_int, default=48)
+    p.add_argument("--rates", type=float, nargs=2, default=None, metavar="RPS",
+                   help="two request rates (requests/s, Poisson); default: 25%% and 60%% of what the calibrated "
+                        "model says this machine sustains")
+    p.add_argument("--num-prompts", type=positive_int, default=40)
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--step-time", default=None, help="a step-time JSON; default: calibrate first, in the same run")
     p.set_defaults(func=_sim_validate)
@@ -191,7 +192,7 @@ def _calibrate(args) -> int:
 def _sim_validate(args) -> int:
     from chatloom.bench.sim_validate import run_sim_validate
 
-    if any(r <= 0 for r in args.rates):
+    if args.rates and any(r <= 0 for r in args.rates):
         raise ValueError("--rates must be positive")
     return _emit(run_sim_validate(_load(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
                                   args.step_time), args.table)

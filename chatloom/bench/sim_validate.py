@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from chatloom.bench.calibrate import run_calibrate
+from chatloom.bench.calibrate import TimedEngine, run_calibrate
 from chatloom.bench.serve import make_prompts
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.models.chat_template import render_chat
@@ -22,7 +22,7 @@ from chatloom.models.loader import LoadedModel
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.replica import SimRequest
 from chatloom.sim.simulator import SimConfig, Simulator
-from chatloom.sim.step_time import StepTimeModel, load_step_time
+from chatloom.sim.step_time import BatchShape, StepTimeModel, load_step_time
 
 # The server's engine settings (chatloom.app.settings defaults).
 SERVER_CONFIG = dict(kv_cache_gb=0.5, max_num_seqs=32, max_num_batched_tokens=512)
@@ -48,7 +48,8 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def run_real(loaded: LoadedModel, prompts: list[list[int]], times: list[float], max_tokens: int) -> dict:
-    engine = LLMEngine(loaded, EngineConfig(**SERVER_CONFIG))
+    timed = TimedEngine(LLMEngine(loaded, EngineConfig(**SERVER_CONFIG)))
+    engine = timed.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     first: dict[str, float] = {}
     done: dict[str, tuple[float, list[int]]] = {}
@@ -62,7 +63,7 @@ def run_real(loaded: LoadedModel, prompts: list[list[int]], times: list[float], 
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, times[i] - now))
             continue
-        outs = engine.step()
+        outs = timed.step()
         t = time.perf_counter() - start
         for o in outs:
             if o.request_id not in first and o.num_output_tokens > 0:
@@ -75,7 +76,7 @@ def run_real(loaded: LoadedModel, prompts: list[list[int]], times: list[float], 
     return {"ttft_s": [first[k] - times[int(k)] for k in ids], "duration_s": duration,
             "output_tokens": out_tokens, "outputs": [done[k][1] for k in ids],
             "kv_blocks": engine.block_manager.num_blocks, "max_model_len": engine.max_model_len,
-            "prefix_hit_rate": engine.block_manager.hit_rate}
+            "prefix_hit_rate": engine.block_manager.hit_rate, "steps": timed.samples}
 
 
 def run_simulated(loaded: LoadedModel, step_time: StepTimeModel, prompts, times, outputs, real: dict) -> dict:
@@ -101,8 +102,24 @@ def _figures(r: dict) -> dict:
             "prefix_hit_rate": round(r["prefix_hit_rate"], 4)}
 
 
-def run_sim_validate(loaded: LoadedModel, rates: list[float], num_prompts: int, max_tokens: int, seed: int = 0,
-                     step_time_path: str | None = None, tolerance: float = 0.15) -> dict:
+def auto_rates(step_time: StepTimeModel, prompt_tokens: float, max_tokens: int) -> list[float]:
+    """A light and a heavy request rate for this machine: 25% and 60% of what the step-time model says
+    one replica sustains at batch 16 (requests of `prompt_tokens` + `max_tokens`)."""
+    ctx = prompt_tokens + max_tokens / 2
+    decode = step_time.step_time(BatchShape(16, 0, int(16 * ctx), 0, 0))
+    prefill = step_time.step_time(BatchShape(0, int(prompt_tokens), 0, prompt_tokens * (prompt_tokens + 1) / 2, 1))
+    per_request = max_tokens * decode / 16 + prefill  # seconds of replica time per request at batch 16
+    return [round(0.25 / per_request, 3), round(0.6 / per_request, 3)]
+
+
+def step_model_error(step_time: StepTimeModel, samples) -> float:
+    """Median relative error of the model on steps timed elsewhere (the real runs' own steps)."""
+    errs = sorted(abs(step_time.step_time(s) - t) / t for s, t in samples if t > 0)
+    return round(errs[len(errs) // 2], 4) if errs else float("nan")
+
+
+def run_sim_validate(loaded: LoadedModel, rates: list[float] | None, num_prompts: int, max_tokens: int,
+                     seed: int = 0, step_time_path: str | None = None, tolerance: float = 0.15) -> dict:
     calibration = None
     if step_time_path:
         step_time = load_step_time(step_time_path)
@@ -111,6 +128,8 @@ def run_sim_validate(loaded: LoadedModel, rates: list[float], num_prompts: int, 
                                                SERVER_CONFIG["max_num_seqs"])
     texts = make_prompts(num_prompts, seed)
     prompts = [_prompt_ids(loaded, t) for t in texts]
+    if not rates:
+        rates = auto_rates(step_time, sum(map(len, prompts)) / len(prompts), max_tokens)
     results = []
     for rate in rates:
         times = arrivals(num_prompts, rate, seed)
@@ -120,6 +139,7 @@ def run_sim_validate(loaded: LoadedModel, rates: list[float], num_prompts: int, 
         err_tp = fs["output_throughput"] / fr["output_throughput"] - 1
         err_ttft = fs["ttft_p50_ms"] / fr["ttft_p50_ms"] - 1
         results.append({"request_rate": rate, "measured": fr, "simulated": fs,
+                        "step_model_median_error_on_these_steps": step_model_error(step_time, real["steps"]),
                         "throughput_error": round(err_tp, 4), "ttft_p50_error": round(err_ttft, 4),
                         "within_tolerance": abs(err_tp) <= tolerance and abs(err_ttft) <= tolerance})
     return {"benchmark": "sim-validate", "model": loaded.id, "num_prompts": num_prompts, "max_tokens": max_tokens,

@@ -119,7 +119,10 @@ def replica_spec(args):
     else:
         blocks = size_node(cfg, gpu(args.gpu), args.gpus_per_replica, args.weight_dtype, args.kv_dtype).num_blocks
     if args.step_time == "seeds":
-        st, seqs = seed_step_time(), min(args.max_num_seqs, 32)
+        roof = roofline_replica(args.model, args.gpu, args.gpus_per_replica, args.weight_dtype, args.kv_dtype,
+                                args.compute_efficiency, args.memory_efficiency).step_time
+        per_prompt_token = 2.0 * roof.params / (roof.peak_flops * roof.num_gpus * roof.compute_efficiency)
+        st, seqs = seed_step_time(per_prompt_token), min(args.max_num_seqs, 32)
     else:
         st, seqs = load_step_time(args.step_time), args.max_num_seqs
     return ReplicaSpec(num_blocks=blocks, step_time=st, max_num_seqs=seqs,

@@ -18,11 +18,16 @@ from chatloom.sim.step_time import BatchShape, LinearStepTime, fit_linear
 SEED_BATCH_TABLE = ((1, 0.020), (8, 0.025), (32, 0.032))
 
 
-def seed_step_time() -> LinearStepTime:
-    """The seeds' server as a linear step-time model (decode cost only: the table has no prefill)."""
+def seed_step_time(prefill_s_per_token: float = 0.0) -> LinearStepTime:
+    """The seeds' server as a linear step-time model. The table prices decode only; a prompt token's
+    cost, `prefill_s_per_token`, comes from elsewhere (the CLI takes the roofline's compute term for the
+    model and GPU, since prefill is compute-bound)."""
     shapes = [BatchShape(b, 0, 0, 0, 0) for b, _ in SEED_BATCH_TABLE]
     # Three points, two free coefficients: fit the constant and the per-token cost only.
     model = fit_linear(shapes * 2, [t for _, t in SEED_BATCH_TABLE] * 2, source="the seeds' batching table")
+    if prefill_s_per_token:
+        coef = dict(model.coef, prefill_tokens=prefill_s_per_token)
+        model = LinearStepTime(coef=coef, source=model.source + " + roofline prefill cost", fit=model.fit)
     return model
 
 
