@@ -349,6 +349,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from chatloom.app import cli as app_cli
     from chatloom.bench import cli as bench_cli
+    from chatloom.sim import cli as sim_cli
 
     parser = _Parser(prog=PROG, description="chatloom: a self-hostable chat service and LLM serving engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -389,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     app_cli.register(sub)
     bench_cli.register(sub)
+    sim_cli.register(sub)
     return parser
 
 

@@ -67,6 +67,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=_serve)
 
+    p = sub.add_parser("calibrate", help="time the engine's steps by batch shape; write the simulator's step-time model")
+    _common(p)
+    p.add_argument("--output", default="step_time.json", help="where to write the model JSON (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    p.add_argument("--rounds", type=positive_int, default=1, help="passes over the calibration phases")
+    p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("sim-validate", help="the real engine against the simulator at two request rates")
+    _common(p)
+    p.add_argument("--rates", type=float, nargs=2, default=None, metavar="RPS",
+                   help="two request rates (requests/s, Poisson); default: 25%% and 60%% of what the calibrated "
+                        "model says this machine sustains")
+    p.add_argument("--num-prompts", type=positive_int, default=40)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--step-time", default=None, help="a step-time JSON; default: calibrate first, in the same run")
+    p.set_defaults(func=_sim_validate)
+
 
 def _emit(result: dict, table: bool) -> int:
     print(json.dumps(result, indent=2))
@@ -152,3 +169,21 @@ def _serve(args) -> int:
                                    args.max_concurrency, args.api_key or os.environ.get("OPENAI_API_KEY"),
                                    args.max_tokens, parse_goodput(args.goodput), args.seed))
     return _emit(result, args.table)
+
+
+def _calibrate(args) -> int:
+    from chatloom.bench.calibrate import run_calibrate
+
+    model, summary = run_calibrate(_load(args), args.seed, args.max_num_batched_tokens, rounds=args.rounds)
+    model.save(args.output)
+    summary["output"] = args.output
+    return _emit(summary, args.table)
+
+
+def _sim_validate(args) -> int:
+    from chatloom.bench.sim_validate import run_sim_validate
+
+    if args.rates and any(r <= 0 for r in args.rates):
+        raise ValueError("--rates must be positive")
+    return _emit(run_sim_validate(_load(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
+                                  args.step_time), args.table)
