@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from chatloom.engine.sampler import _filter_top_k_top_p
+from chatloom.engine.sampler import _filter_top_k_top_p, draw_token
 from chatloom.engine.sequence import Sequence
 
 
@@ -75,11 +75,18 @@ Rule = Callable[[torch.Tensor, torch.Tensor | None, int, torch.Generator], tuple
 
 
 def exact_rule(p: torch.Tensor, q: torch.Tensor | None, token: int, gen: torch.Generator) -> tuple[bool, int]:
-    q_token = 1.0 if q is None else float(q[token])
-    u = float(torch.rand(1, generator=gen))
+    if q is None:
+        # A point mass: draw the target's token with the very uniform the sampler would use
+        # and keep the proposal if they agree. That keeps it with probability p(d) and
+        # otherwise gives p without d, renormalized: the rule above for q = 1 at d. And a
+        # seeded request emits exactly the tokens it emits without speculation.
+        drawn = draw_token(p, gen)
+        return drawn == token, drawn
+    u = float(torch.rand(1, generator=gen, dtype=torch.float64))
+    q_token = float(q[token])
     if q_token > 0 and u * q_token < float(p[token]):
         return True, token
-    return False, int(torch.multinomial(residual(p, q, token), 1, generator=gen))
+    return False, draw_token(residual(p, q, token), gen)
 
 
 def accept_sampled(probs: torch.Tensor, proposed: list[int], draft_probs: torch.Tensor | None,
@@ -92,5 +99,5 @@ def accept_sampled(probs: torch.Tensor, proposed: list[int], draft_probs: torch.
         out.append(emit)
         if not kept:
             return out
-    out.append(int(torch.multinomial(probs[len(proposed)], 1, generator=gen)))
+    out.append(draw_token(probs[len(proposed)], gen))
     return out
