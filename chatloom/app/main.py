@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 def default_backend(settings: Settings) -> Backend:
     config = EngineConfig(kv_cache_gb=settings.kv_cache_gb, num_blocks=settings.num_blocks,
                           max_num_seqs=settings.max_num_seqs, max_model_len=settings.context_window,
-                          max_num_batched_tokens=settings.max_num_batched_tokens)
+                          max_num_batched_tokens=settings.max_num_batched_tokens,
+                          speculative=settings.speculative, num_speculative_tokens=settings.num_speculative_tokens,
+                          speculative_model=settings.speculative_model)
     return LocalBackend(settings.model, settings.dtype, config, int8_matmul=settings.int8_matmul)
 
 

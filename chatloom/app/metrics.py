@@ -56,6 +56,14 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.get("prefix_cache_queries", 0))
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.get("prefix_cache_hits", 0))
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.get("num_preemptions", 0))
+        if "spec_decode_num_drafts" in s:  # speculative decoding is on
+            for key, doc in (("num_drafts", "Sequence-steps that carried proposed tokens."),
+                             ("num_draft_tokens", "Proposed tokens checked by the target model."),
+                             ("num_accepted_tokens", "Proposed tokens accepted."),
+                             ("num_emitted_tokens", "Tokens emitted by speculative steps (accepted plus one).")):
+                yield counter(f"vllm:spec_decode_{key}", doc, s[f"spec_decode_{key}"])
+            yield gauge("chatloom:spec_decode_acceptance_rate", "Accepted over proposed tokens, since start.",
+                        s["spec_decode_acceptance_rate"])
         if "generation_tokens_per_s" in s:
             yield gauge("chatloom:generation_tokens_per_s", "Generated tokens per second over the last seconds.",
                         s["generation_tokens_per_s"])

@@ -29,6 +29,10 @@ class Settings:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # per engine step: decodes first, then prefill chunks
     context_window: int | None = None  # cap below the model's own window (tests use a tiny one)
+    # Speculative decoding: off | ngram (prompt lookup) | draft (speculative_model proposes).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None  # registry id, path, or self-int8 / self-layers:N
 
     # Accounts.
     jwt_secret: str | None = None  # default: generated once and kept in data_dir/jwt_secret
@@ -63,6 +67,14 @@ class Settings:
     metrics_public: bool = True  # GET /metrics without a token (as vLLM serves it)
 
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative must be off, ngram or draft, not {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative = draft needs speculative_model (e.g. self-int8 or self-layers:8)")
 
     @property
     def database_url(self) -> str:
