@@ -63,6 +63,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per workload (at most 8)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
     p.add_argument("--repeats", type=positive_int, default=1, help="rounds of on and off, alternating which goes first")
+    p.add_argument("--speculative-model", default=None, metavar="ID|PATH|self-int8|self-layers:N",
+                   help="also run the draft-model proposer with this draft")
+    p.add_argument("--no-adaptive", action="store_true", help="always propose as many tokens as allowed")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="PyTorch intra-op threads (default: PyTorch's choice; 1 on a busy shared machine)")
     p.set_defaults(func=_spec)
 
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
@@ -159,10 +164,15 @@ def _roofline(args) -> int:
 
 
 def _spec(args) -> int:
+    import torch
+
     from chatloom.bench.spec import run_spec
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     return _emit(run_spec(_load(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
-                          args.repeats, args.num_speculative_tokens), args.table)
+                          args.repeats, args.num_speculative_tokens, args.speculative_model,
+                          not args.no_adaptive), args.table)
 
 
 def _serve(args) -> int:

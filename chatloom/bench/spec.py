@@ -62,9 +62,11 @@ def _prompts(loaded: LoadedModel, convs: list[list[dict]]) -> list[list[int]]:
     return out
 
 
-def _engine(loaded: LoadedModel, speculative: str, k: int, num_blocks: int, max_num_seqs: int) -> LLMEngine:
+def _engine(loaded: LoadedModel, speculative: str, k: int, num_blocks: int, max_num_seqs: int,
+            draft: str | None = None, adaptive: bool = True) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-                                          speculative=speculative, num_speculative_tokens=k))
+                                          speculative=speculative, num_speculative_tokens=k,
+                                          speculative_model=draft, speculative_adaptive=adaptive))
 
 
 def _timed_run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -77,46 +79,56 @@ def _timed_run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
     return time.perf_counter() - t0, outputs
 
 
+def _spec_summary(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before[k] for k in after if k != "spec_decode_acceptance_rate"}
+    drafted, drafts = d["spec_decode_num_draft_tokens"], d["spec_decode_num_drafts"]
+    return {"acceptance_rate": round(d["spec_decode_num_accepted_tokens"] / drafted, 3) if drafted else None,
+            "mean_accepted_per_draft": round(d["spec_decode_num_accepted_tokens"] / drafts, 2) if drafts else None,
+            "draft_tokens": drafted, "spec_steps": d["spec_decode_spec_steps"],
+            "plain_steps": d["spec_decode_plain_steps"]}
+
+
 def run_spec(loaded: LoadedModel, batch_sizes: tuple[int, ...] = (1, 8), max_tokens: int = 128,
-             num_prompts: int = 8, repeats: int = 1, k: int = 4) -> dict:
+             num_prompts: int = 8, repeats: int = 1, k: int = 4, draft: str | None = None,
+             adaptive: bool = True) -> dict:
+    """`draft`: also run the draft-model proposer with this --speculative-model."""
     num_blocks = (max(batch_sizes) + 1) * (-(-(1024 + max_tokens + k) // 16))
     engines = {"off": _engine(loaded, "off", k, num_blocks, max(batch_sizes)),
-               "ngram": _engine(loaded, "ngram", k, num_blocks, max(batch_sizes))}
+               "ngram": _engine(loaded, "ngram", k, num_blocks, max(batch_sizes), adaptive=adaptive)}
+    if draft:
+        engines["draft"] = _engine(loaded, "draft", k, num_blocks, max(batch_sizes), draft, adaptive)
+    spec_modes = [m for m in engines if m != "off"]
     results = []
     for name, convs in WORKLOADS.items():
         prompts = _prompts(loaded, convs[:num_prompts])
         for batch in batch_sizes:
-            seconds: dict[str, list[float]] = {"off": [], "ngram": []}
+            seconds: dict[str, list[float]] = {m: [] for m in engines}
             tokens: dict[str, int] = {}
             outs: dict[str, list[list[int]]] = {}
-            before = engines["ngram"].spec.stats.as_dict()
+            before = {m: engines[m].spec.stats.as_dict() for m in spec_modes}
             for r in range(repeats):
-                order = ("off", "ngram") if r % 2 == 0 else ("ngram", "off")
+                order = list(engines) if r % 2 == 0 else list(reversed(engines))
                 for mode in order:
                     s, o = _timed_run(engines[mode], prompts, batch, max_tokens)
                     seconds[mode].append(s)
                     tokens[mode], outs[mode] = sum(len(x) for x in o), o
-            after = engines["ngram"].spec.stats.as_dict()
-            spec = {k2: after[k2] - before[k2] for k2 in after if k2 != "spec_decode_acceptance_rate"}
-            drafted = spec["spec_decode_num_draft_tokens"]
             rate = {m: tokens[m] / statistics.median(seconds[m]) for m in seconds}
-            results.append({
-                "workload": name, "batch": batch, "prompts": len(prompts),
-                "output_tokens": tokens,
-                "seconds": {m: [round(x, 3) for x in v] for m, v in seconds.items()},
-                "output_tokens_per_s": {m: round(v, 2) for m, v in rate.items()},
-                "speedup": round(rate["ngram"] / rate["off"], 3),
-                "acceptance_rate": round(spec["spec_decode_num_accepted_tokens"] / drafted, 3) if drafted else None,
-                "mean_accepted_per_draft": round(spec["spec_decode_num_accepted_tokens"] / spec["spec_decode_num_drafts"], 2)
-                if spec["spec_decode_num_drafts"] else None,
-                "spec_steps": spec["spec_decode_spec_steps"], "plain_steps": spec["spec_decode_plain_steps"],
-                "draft_tokens": drafted,
-                "identical_outputs": sum(a == b for a, b in zip(outs["off"], outs["ngram"])),
-            })
+            row = {"workload": name, "batch": batch, "prompts": len(prompts), "output_tokens": tokens,
+                   "seconds": {m: [round(x, 3) for x in v] for m, v in seconds.items()},
+                   "output_tokens_per_s": {m: round(v, 2) for m, v in rate.items()},
+                   "speedup": round(rate["ngram"] / rate["off"], 3),
+                   **_spec_summary(before["ngram"], engines["ngram"].spec.stats.as_dict()),
+                   "identical_outputs": sum(a == b for a, b in zip(outs["off"], outs["ngram"]))}
+            if draft:
+                row["draft"] = {"speedup": round(rate["draft"] / rate["off"], 3),
+                                **_spec_summary(before["draft"], engines["draft"].spec.stats.as_dict()),
+                                "identical_outputs": sum(a == b for a, b in zip(outs["off"], outs["draft"]))}
+            results.append(row)
     speed = {(r["workload"], r["batch"]): r["speedup"] for r in results}
     targets = {}
     if ("repeating", 1) in speed:
         targets["repeating_batch1_at_least_1.5x"] = speed[("repeating", 1)] >= 1.5
     targets["never_below_0.95x_elsewhere"] = all(v >= 0.95 for key, v in speed.items() if key != ("repeating", 1))
     return {"benchmark": "spec", "model": loaded.id, "max_tokens": max_tokens, "num_speculative_tokens": k,
-            "repeats": repeats, "results": results, "targets_met": targets}
+            "repeats": repeats, "adaptive": adaptive, "speculative_model": draft, "results": results,
+            "targets_met": targets}
