@@ -17,7 +17,8 @@ def _settings(args: argparse.Namespace):
     from chatloom.app.settings import Settings
 
     settings = Settings.from_file(args.config) if args.config else Settings()
-    fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+              "speculative", "num_speculative_tokens", "speculative_model")
     return settings.updated(db_url=args.db, **{k: getattr(args, k, None) for k in fields})
 
 
@@ -106,6 +107,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget per engine step")
+    p.add_argument("--speculative", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model); default off")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                   help="most tokens proposed per sequence and step (default 4; fewer when it does not pay)")
+    p.add_argument("--speculative-model", default=None, metavar="ID|PATH|self-int8|self-layers:N",
+                   help="the draft model for --speculative draft (same tokenizer as --model)")
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 

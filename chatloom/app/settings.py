@@ -31,6 +31,10 @@ class Settings:
     max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
     max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens  # per step: decodes, then prefill chunks
     context_window: int | None = None  # cap below the model's own window (tests use a tiny one)
+    # Speculative decoding: off | ngram (prompt lookup) | draft (speculative_model proposes).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None  # registry id, path, or self-int8 / self-layers:N
 
     # Accounts.
     jwt_secret: str | None = None  # default: generated once and kept in data_dir/jwt_secret
@@ -73,6 +77,14 @@ class Settings:
 
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative must be off, ngram or draft, not {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative = draft needs speculative_model (e.g. self-int8 or self-layers:8)")
+
     @property
     def database_url(self) -> str:
         if self.db_url:
@@ -97,7 +109,9 @@ class Settings:
     def engine_config(self) -> EngineConfig:
         """The local backend's engine sizing."""
         return EngineConfig(kv_cache_gb=self.kv_cache_gb, num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
-                            max_model_len=self.context_window, max_num_batched_tokens=self.max_num_batched_tokens)
+                            max_model_len=self.context_window, max_num_batched_tokens=self.max_num_batched_tokens,
+                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                            speculative_model=self.speculative_model)
 
     def updated(self, **changes) -> "Settings":
         """A copy with the non-None changes applied."""

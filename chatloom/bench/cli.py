@@ -53,6 +53,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.set_defaults(func=_roofline)
 
+    p = sub.add_parser("spec", help="speculative decoding on vs off: batch 1 and 8, repeating and plain chat")
+    _common(p)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per workload (at most 8)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
+    p.add_argument("--repeats", type=positive_int, default=1, help="rounds of on and off, alternating which goes first")
+    p.add_argument("--speculative-model", default=None, metavar="ID|PATH|self-int8|self-layers:N",
+                   help="also run the draft-model proposer with this draft")
+    p.add_argument("--no-adaptive", action="store_true", help="always propose as many tokens as allowed")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="PyTorch intra-op threads (default: PyTorch's choice; 1 on a busy shared machine)")
+    p.set_defaults(func=_spec)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -155,6 +169,18 @@ def _roofline(args) -> int:
     from chatloom.bench.roofline import run_roofline
 
     return _emit(dict(run_roofline(load_from_args(args), args.num_requests, args.seed), model=args.model), args.table)
+
+
+def _spec(args) -> int:
+    import torch
+
+    from chatloom.bench.spec import run_spec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_spec(_load(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
+                          args.repeats, args.num_speculative_tokens, args.speculative_model,
+                          not args.no_adaptive), args.table)
 
 
 def _serve(args) -> int:
