@@ -10,6 +10,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from chatloom.engine.spec_decode.decoder import SpecDecodeStats
+
 
 class BackendError(Exception):
     """The backend failed while serving a request (crashed engine, lost connection)."""
@@ -115,6 +117,7 @@ class BackendStats:
     prefix_cache_hits: int | None = None
     num_preemptions: int | None = None
     generation_tokens_per_s: float | None = None
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, where it is on
 
 
 class Backend(abc.ABC):
