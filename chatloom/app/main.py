@@ -24,10 +24,20 @@ log = logging.getLogger(__name__)
 
 
 def default_backend(settings: Settings) -> Backend:
+    if settings.models or settings.replicas:  # several models, or replicas: the fleet
+        from chatloom.app.fleet_settings import build_fleet_backend, parse_fleet
+
+        fleet = parse_fleet(settings.models, settings.replicas, settings.router_policy, settings.router_weights,
+                            settings.model)
+        return build_fleet_backend(fleet, lambda spec: local_backend(settings, spec))
+    return local_backend(settings, settings.model)
+
+
+def local_backend(settings: Settings, spec: str) -> Backend:
     config = EngineConfig(kv_cache_gb=settings.kv_cache_gb, num_blocks=settings.num_blocks,
                           max_num_seqs=settings.max_num_seqs, max_model_len=settings.context_window,
                           max_num_batched_tokens=settings.max_num_batched_tokens)
-    return LocalBackend(settings.model, settings.dtype, config, int8_matmul=settings.int8_matmul)
+    return LocalBackend(spec, settings.dtype, config, int8_matmul=settings.int8_matmul)
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:

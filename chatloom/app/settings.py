@@ -62,6 +62,12 @@ class Settings:
     moderation_holdback_tokens: int = 4  # pieces of output held back for the output check
     metrics_public: bool = True  # GET /metrics without a token (as vLLM serves it)
 
+    # The fleet (chatloom/app/fleet_settings.py): [[models]] tables, or replica URLs for `model`.
+    models: list | None = None
+    replicas: list | None = None
+    router_policy: str = "prefix_aware"  # round_robin | least_load | prefix_aware
+    router_weights: dict | None = None  # { prefix, kv_usage, waiting, min_prefix_fraction }
+
     log_level: str = "info"
 
     @property

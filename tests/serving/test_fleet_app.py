@@ -1,0 +1,83 @@
+"""Several models through the app: [[models]] settings, /v1/models lists them, requests route by model."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from chatloom.app.fleet_settings import parse_fleet
+from chatloom.app.main import create_app
+from chatloom.app.settings import Settings
+
+from fleet_testing import ReplicaProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from tiny_checkpoints import hf_config, random_weights, write_hf_folder  # noqa: E402
+
+
+def served(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
+
+
+@pytest.fixture(scope="module")
+def hf_replica(tmp_path_factory):
+    cfg = hf_config()
+    folder = write_hf_folder(tmp_path_factory.mktemp("m") / "tiny-hf", cfg, random_weights(cfg))
+    rep = ReplicaProcess(model=str(folder), num_blocks=256).launch().wait_ready()
+    yield rep, folder
+    rep.stop()
+
+
+async def test_models_route_by_name_and_unknown_is_404(fleet, hf_replica, tmp_path):
+    hf, folder = hf_replica
+    settings = Settings(data_dir=str(tmp_path), jwt_secret="test-secret-0123456789abcdef0123456789",
+                        argon2_time_cost=1, argon2_memory_kib=1024, default_temperature=0.0,
+                        models=[{"id": "tiny-random", "replicas": [fleet[0].url]},
+                                {"id": "tiny-hf", "replicas": [hf.url], "tokenizer": str(folder)}])
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            for _ in range(100):
+                if (await c.get("/readyz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+            r = await c.post("/auth/signup", json={"username": "alice", "password": "correct horse"})
+            auth = {"Authorization": f"Bearer {r.json()['token']}"}
+            models = (await c.get("/v1/models", headers=auth)).json()
+            assert [m["id"] for m in models["data"]] == ["tiny-random", "tiny-hf"]
+            for model, url in (("tiny-hf", hf.url), ("tiny-random", fleet[0].url)):
+                before = served(url)
+                r = await c.post("/v1/chat/completions", headers=auth, json={
+                    "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == model
+                assert served(url) == before + 1
+            r = await c.post("/v1/chat/completions", headers=auth, json={
+                "model": "nope", "messages": [{"role": "user", "content": "hello"}]})
+            assert r.status_code == 404 and "nope" in r.text
+
+
+@pytest.mark.parametrize("models, replicas, policy, weights, message", [
+    ([{"id": 3}], None, "prefix_aware", None, "models\\[0\\]: id must be a non-empty string"),
+    ([{"id": "a", "replicas": "http://x"}], None, "prefix_aware", None, "replicas must be a list"),
+    ([{"id": "a", "replicas": ["ftp://x"]}], None, "prefix_aware", None, "must look like http://host:port"),
+    ([{"id": "a", "urls": []}], None, "prefix_aware", None, "unknown field\\(s\\) urls"),
+    ([{"id": "a"}, {"id": "a"}], None, "prefix_aware", None, "a listed twice"),
+    ([], None, "prefix_aware", None, "one or more"),
+    ([{"id": "a", "replicas": ["http://x:1"]}], ["http://y:1"], "prefix_aware", None, "not both"),
+    (None, ["http://y:1"], "fastest", None, "router_policy"),
+    (None, ["http://y:1"], "least_load", {"prefix": "high"}, "router_weights.prefix"),
+])
+def test_malformed_fleet_settings_are_one_line_errors(models, replicas, policy, weights, message):
+    with pytest.raises(ValueError, match=message):
+        parse_fleet(models, replicas, policy, weights, "m")
+
+
+def test_replica_flag_serves_the_default_model_and_weights_are_read():
+    fleet = parse_fleet(None, ["http://h:1/"], "least_load", {"prefix": 2, "balance_waiting": 8}, "/m/tiny.gguf")
+    assert fleet.models[0].id == "tiny" and fleet.models[0].replicas == ("http://h:1",)
+    assert fleet.weights.prefix == 2.0 and fleet.weights.extra == {"balance_waiting": 8.0}
