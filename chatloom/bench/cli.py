@@ -70,6 +70,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=_serve)
 
+    p = sub.add_parser("router", help="multi-turn chat over N local replicas, once per routing policy")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
+    p.add_argument("--replicas", type=positive_int, default=4, help="local replica processes (default 4)")
+    p.add_argument("--replica-url", action="append", default=None, metavar="URL",
+                   help="use these running replicas instead of starting local ones (repeat)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads per replica (default 1)")
+    p.add_argument("--policies", default="round_robin,least_load,prefix_aware",
+                   help="comma-separated policies to run, in order (default: all three)")
+    p.add_argument("--users", type=positive_int, default=8, help="conversations at once (default 8)")
+    p.add_argument("--turns", type=positive_int, default=6, help="turns per conversation (default 6)")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="answer length (default 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of TTFT per turn for each policy")
+    p.add_argument("--table", action="store_true", help="also print a table")
+    p.set_defaults(func=_router)
+
 
 def _load(args):
     from chatloom.models import load_model
@@ -161,3 +177,37 @@ def _serve(args) -> int:
                                    args.max_concurrency, args.api_key or os.environ.get("OPENAI_API_KEY"),
                                    args.max_tokens, parse_goodput(args.goodput), args.seed))
     return _emit(result, args.table)
+
+
+def _router(args) -> int:
+    from chatloom.bench.router import plot, run_router_bench, table
+    from chatloom.serving.local_fleet import LocalReplicas
+    from chatloom.serving.policies import POLICIES
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    local = None
+    urls = args.replica_url
+    if not urls:
+        local = LocalReplicas(args.model, args.replicas, args.threads)
+        print(f"starting {args.replicas} replicas of {args.model} ({args.threads} thread(s) each)", file=sys.stderr)
+        try:
+            urls = local.start()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+    try:
+        result = run_router_bench(args.model, urls, policies, args.users, args.turns, args.max_tokens, args.seed)
+    finally:
+        if local is not None:
+            local.stop()
+    result["model"] = args.model
+    result["threads_per_replica"] = args.threads
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(table(result), file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0

@@ -164,6 +164,12 @@ def create_replica_app(backend: LocalBackend) -> FastAPI:
         return {"status": "draining", "running": s.get("num_requests_running", 0),
                 "waiting": s.get("num_requests_waiting", 0)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Forget cached blocks no request holds (vLLM has the same endpoint; benchmarks start cold)."""
+        engine().reset_prefix_cache()
+        return {"status": "ok"}
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         body = await json_body(request)
