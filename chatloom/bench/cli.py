@@ -79,8 +79,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="round_robin,least_load,prefix_aware",
                    help="comma-separated policies to run, in order (default: all three)")
     p.add_argument("--users", type=positive_int, default=8, help="conversations at once (default 8)")
-    p.add_argument("--turns", type=positive_int, default=6, help="turns per conversation (default 6)")
-    p.add_argument("--max-tokens", type=positive_int, default=16, help="answer length (default 16)")
+    p.add_argument("--turns", type=positive_int, default=8, help="turns per conversation (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=8, help="answer length (default 8)")
+    p.add_argument("--system-words", type=positive_int, default=60, help="words in the shared system prompt")
+    p.add_argument("--message-words", type=positive_int, default=80, help="words in each user message")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of TTFT per turn for each policy")
     p.add_argument("--table", action="store_true", help="also print a table")
@@ -198,7 +200,8 @@ def _router(args) -> int:
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
     try:
-        result = run_router_bench(args.model, urls, policies, args.users, args.turns, args.max_tokens, args.seed)
+        result = run_router_bench(args.model, urls, policies, args.users, args.turns, args.max_tokens, args.seed,
+                                  args.system_words, args.message_words)
     finally:
         if local is not None:
             local.stop()

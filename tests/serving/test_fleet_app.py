@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -81,3 +82,55 @@ def test_replica_flag_serves_the_default_model_and_weights_are_read():
     fleet = parse_fleet(None, ["http://h:1/"], "least_load", {"prefix": 2, "balance_waiting": 8}, "/m/tiny.gguf")
     assert fleet.models[0].id == "tiny" and fleet.models[0].replicas == ("http://h:1",)
     assert fleet.weights.prefix == 2.0 and fleet.weights.extra == {"balance_waiting": 8.0}
+
+
+def _running(url: str) -> float:
+    try:
+        text = httpx.get(url + "/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+
+
+def test_sigkill_mid_answer_through_the_app_keeps_the_stream_whole(fleet, tmp_path):
+    """A user's SSE stream survives its replica's death: ids contiguous, text as without the fault."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
+    from app_testing import LiveServer, make_settings, parse_sse, tokens_of
+
+    pair = fleet[1:]
+    settings = make_settings(tmp_path, model="tiny-random", replicas=[r.url for r in pair],
+                             router_policy="round_robin", default_max_tokens=200, max_tokens_limit=400)
+    with LiveServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        for _ in range(200):
+            if http.get("/readyz").status_code == 200:
+                break
+            time.sleep(0.1)
+        r = http.post("/auth/signup", json={"username": "alice", "password": "correct horse"})
+        auth = {"Authorization": f"Bearer {r.json()['token']}"}
+
+        def ask() -> tuple[list, object]:
+            cid = http.post("/conversations", headers=auth).json()["id"]
+            return cid, http.stream("POST", f"/conversations/{cid}/messages", headers=auth,
+                                    json={"text": "Tell me a long story about routers"})
+
+        _, stream = ask()
+        with stream as resp:
+            expected = parse_sse(resp.read().decode())
+        _, stream = ask()
+        raw, killed = b"", None
+        with stream as resp:
+            for chunk in resp.iter_bytes():
+                raw += chunk
+                if killed is None and raw.count(b"\"token\"") >= 10:
+                    killed = next(rep for rep in pair if _running(rep.url) > 0)
+                    killed.kill()
+        got = parse_sse(raw.decode())
+    try:
+        assert killed is not None
+        ids = [int(e.id) for e in got if e.id is not None]
+        assert ids == list(range(ids[0], ids[0] + len(ids)))  # contiguous: nothing lost, nothing twice
+        assert tokens_of(got) == tokens_of(expected) and len(tokens_of(got)) > 0
+        done = [e.data for e in got if isinstance(e.data, dict) and e.data.get("done")]
+        assert done and "error" not in str(done[0]).lower()
+    finally:
+        killed and killed.launch().wait_ready()

@@ -3,7 +3,7 @@
     vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --port 8000          # on a GPU host
     CHATLOOM_TEST_VLLM_URL=http://gpu-host:8000 \\
     CHATLOOM_TEST_VLLM_TOKENIZER=/path/to/SmolLM2-135M-Instruct \\     # optional: exact text checks
-        make test-vllm     # or: pytest tests/serving/test_vllm.py
+        pytest tests/serving/test_vllm.py
 
 CI does not install vLLM; this file is skipped there. Pointing CHATLOOM_TEST_VLLM_URL at a
 `chatloom replica` runs the same checks against chatloom's own server.
