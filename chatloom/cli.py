@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     from chatloom.app import cli as app_cli
     from chatloom.bench import cli as bench_cli
     from chatloom.sim import cli as sim_cli
+    from chatloom.serving import cli as serving_cli
 
     parser = _Parser(prog=PROG, description="chatloom: a self-hostable chat service and LLM serving engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -389,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_capacity)
 
     app_cli.register(sub)
+    serving_cli.register(sub)
     bench_cli.register(sub)
     sim_cli.register(sub)
     return parser

@@ -107,3 +107,16 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
     model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul)
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> TextTokenizer:
+    """The tokenizer (and chat template) of a model without its weights: a router or gateway
+    tokenizes prompts for a model that runs elsewhere (reading GGUF metadata is a memory map)."""
+    if spec == "tiny-random":
+        return _byte_tokenizer()
+    path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    if path.is_dir():
+        return from_hf_folder(path, hf_loader.generation_eos(path))
+    if path.is_file() and path.suffix != ".json":
+        return from_gguf(gguf_loader.open_gguf(path))
+    raise _unknown(spec)

@@ -93,6 +93,7 @@ class Delta:
     cached_tokens: int = 0
     # On the last delta, where the backend measures them.
     metrics: Timings | None = None
+    failovers: int = 0  # on the last delta from a router: replicas the answer moved off mid-way
 
     @property
     def usage(self) -> Usage:
@@ -118,6 +119,26 @@ class BackendStats:
     num_preemptions: int | None = None
     generation_tokens_per_s: float | None = None
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, where it is on
+    # A router's view of its replicas, and a multi-model backend's figures per model.
+    policy: str | None = None
+    failovers: int | None = None
+    replicas: list[ReplicaStatus] | None = None
+    models: dict[str, BackendStats] | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as its router sees it."""
+
+    url: str
+    healthy: bool
+    draining: bool
+    inflight: int
+    served: int
+    exact_prefix_feed: bool  # the replica publishes its prefix-cache events
+    cached_blocks: int  # blocks the router believes the replica holds
+    error: str | None = None
+    load: BackendStats | None = None  # last figures read from its /metrics
 
 
 class Backend(abc.ABC):
