@@ -109,7 +109,9 @@ def _sampling_params(args: argparse.Namespace):
 def _load(args: argparse.Namespace):
     from chatloom.models import load_model
 
-    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
+    # The KV pool _engine allocates: one context window (and a block), checked with the weights.
+    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None,
+                      kv_cache_bytes=lambda cfg: (min(cfg.max_position, 8192) + 32) * cfg.kv_bytes_per_token(args.dtype))
 
 
 def _engine(loaded, seed: int | None):
@@ -341,9 +343,9 @@ def capacity(cfg, memory_bytes: int, context: int, dtype: str) -> dict[str, Any]
 def cmd_capacity(args: argparse.Namespace) -> int:
     spec = _capacity_spec(args.model)
     if spec.endswith(".json") and Path(spec).is_file():
-        from chatloom.models.config import ModelConfig  # a config alone: no need to import torch
+        from chatloom.models.hf_config import read_config_file  # a config alone: no need to import torch
 
-        cfg = ModelConfig.from_json_file(Path(spec))
+        cfg = read_config_file(Path(spec))
     else:
         from chatloom.models import describe_config
 

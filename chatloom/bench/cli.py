@@ -56,6 +56,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.set_defaults(func=_roofline)
 
+    p = sub.add_parser("perplexity", help="perplexity on a shipped public-domain text, per matmul mode")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
+    p.add_argument("--modes", nargs="+", choices=["exact", "int8", "bf16"], default=["exact", "int8", "bf16"],
+                   help="exact: float32 (quantized weights expanded exactly); int8: int8 activations; "
+                        "bf16: bfloat16 weights (default: all three)")
+    p.add_argument("--window", type=positive_int, default=512, help="tokens per scored window (default %(default)s)")
+    p.add_argument("--text", default=None, help="another UTF-8 text file to score instead of the shipped one")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_perplexity)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -125,6 +136,17 @@ def _throughput(args) -> int:
         "continuous_vs_sequential": round(rate["continuous"] / rate["sequential"], 2),
     }
     return _emit(result, args.table)
+
+
+def _perplexity(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.perplexity import TEXT, run_perplexity
+
+    text = Path(args.text) if args.text else TEXT
+    if not text.is_file():
+        raise ValueError(f"text file not found: {text}")
+    return _emit(run_perplexity(args.model, args.modes, args.window, text, args.max_tokens), args.table)
 
 
 def _prefix(args) -> int:

@@ -1,0 +1,138 @@
+// y = x @ W^T (+ bias) for GGUF weights whose scales change every 16 weights along K (Q6_K),
+// or whose fused parts come in different block formats (a Q4_K_M file's Q4_K query and Q6_K
+// value projections in one QKV layer). Codes stay 8-bit in memory; each panel of 16 output
+// features is expanded to float32 in a per-thread scratch right before its tiles run.
+//
+//   codes  [P, K, 16] int8: codes[p, k, j] is feature 16 p + j's code at depth k;
+//   scales [P, K / 16, 2, 16] float32: d, then m, for the panel's 16 features per group of 16.
+//
+// A weight is fma(code, d, m): gguf's dequantizers compute d * code (exact in float32, the
+// factors having few significant bits) and then add m (-dmin * min for Q4_K / Q5_K, zero
+// for Q6_K), one rounding, as the single fma does. Each output is then one FMA chain over k
+// in increasing order, as in gemm.cpp's packed_linear, so the results are bit-identical to
+// dequantizing with gguf and running the float32 kernel, whatever the batch.
+#include "kernels.h"
+#include "panel_tile.h"
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using chatloom_kernels::kPanel;
+constexpr int64_t kGroup = 16;  // weights per scale along K
+constexpr int64_t kRowBlock = 96;
+
+void expand_panel(const int8_t* codes, const float* scales, int64_t k_dim, float* dst) {
+  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+    const float* s = scales + g * 2 * kPanel;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
+    const __m256 m0 = _mm256_loadu_ps(s + 16), m1 = _mm256_loadu_ps(s + 24);
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      _mm256_storeu_ps(dst + k * kPanel, _mm256_fmadd_ps(lo, d0, m0));
+      _mm256_storeu_ps(dst + k * kPanel + 8, _mm256_fmadd_ps(hi, d1, m1));
+    }
+#else
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+      for (int64_t j = 0; j < kPanel; ++j)
+        dst[k * kPanel + j] = std::fma((float)codes[k * kPanel + j], s[j], s[kPanel + j]);
+#endif
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// R rows x 16 features: one FMA chain per output over k, as gemm.cpp's tile.
+template <int R>
+void tile(const float* x, int64_t k_dim, const float* panel, const float* bias, float* out, int64_t ldo,
+          int64_t ncols) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * k_dim + k);
+      lo[r] = _mm256_fmadd_ps(a, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, w1, hi[r]);
+    }
+  }
+  chatloom_kernels::store_tile<R>(lo, hi, bias, out, ldo, ncols);
+}
+#else
+template <int R>
+void tile(const float* x, int64_t k_dim, const float* panel, const float* bias, float* out, int64_t ldo,
+          int64_t ncols) {
+  float acc[R][kPanel] = {};
+  for (int64_t k = 0; k < k_dim; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < kPanel; ++j) acc[r][j] = std::fma(x[r * k_dim + k], panel[k * kPanel + j], acc[r][j]);
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < ncols; ++j) out[r * ldo + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+}
+#endif
+
+void rows(const float* x, int64_t k_dim, const float* panel, const float* bias, float* out, int64_t ldo,
+          int64_t ncols, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) tile<4>(x + m * k_dim, k_dim, panel, bias, out + m * ldo, ldo, ncols);
+  const float* xs = x + m * k_dim;
+  float* os = out + m * ldo;
+  switch (m1 - m) {
+    case 3: tile<3>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+    case 2: tile<2>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+    case 1: tile<1>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+torch::Tensor grouped_quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                       int64_t out_features, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.dim() == 3 && codes.size(2) == kPanel &&
+                  codes.is_contiguous(), "codes must be contiguous int8 [P, K, 16]");
+  const int64_t panels = codes.size(0), k_dim = codes.size(1);
+  TORCH_CHECK(k_dim % kGroup == 0, "K must be a multiple of 16");
+  TORCH_CHECK(x.size(1) == k_dim, "inner dimensions differ: ", x.size(1), " vs ", k_dim);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+              scales.sizes() == torch::IntArrayRef({panels, k_dim / kGroup, 2, kPanel}), "scales shape");
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed panels");
+  torch::Tensor bias_keep;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_keep = bias->contiguous();
+    TORCH_CHECK(bias_keep.scalar_type() == torch::kFloat32 && bias_keep.numel() == out_features, "bias shape");
+    bp = bias_keep.data_ptr<float>();
+  }
+  x = x.contiguous();
+  const int64_t m_dim = x.size(0);
+  auto out = torch::empty({m_dim, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
+    const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
+    const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel));
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(k_dim * kPanel);
+      for (int64_t p = begin; p < end; ++p) {
+        expand_panel(cp + p * k_dim * kPanel, sp + p * (k_dim / kGroup) * 2 * kPanel, k_dim, scratch.data());
+        const int64_t col = p * kPanel;
+        rows(xp, k_dim, scratch.data(), bp ? bp + col : nullptr, op + col, out_features,
+             std::min(kPanel, out_features - col), m0, m1);
+      }
+    });
+  }
+  return out;
+}
