@@ -93,9 +93,17 @@ def _windowed_attention(q, k, v, k_pool, v_pool, batch: AttentionBatch, out: tor
     if nd:
         tables = batch.decode_block_tables.long()
         lens = batch.decode_kv_lens.long()
+        bs = k_pool.shape[1]
+        first = torch.zeros_like(lens)
+        if window is not None:
+            # Gather only the blocks that can hold the window's keys: a windowed layer's decode
+            # reads O(window), not O(context).
+            span = min(tables.shape[1], -(-window // bs) + 1)
+            first = torch.clamp((lens - window).clamp(min=0) // bs, max=tables.shape[1] - span)
+            tables = tables.gather(1, first.unsqueeze(1) + torch.arange(span))
         kd = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
         vd = v_pool[tables].flatten(1, 2).transpose(1, 2)
-        kv = torch.arange(kd.shape[2]).unsqueeze(0)
+        kv = (first * bs).unsqueeze(1) + torch.arange(kd.shape[2]).unsqueeze(0)  # absolute positions
         mask = kv < lens.unsqueeze(1)
         if window is not None:
             mask &= kv >= (lens - window).unsqueeze(1)

@@ -155,3 +155,24 @@ def test_engine_greedy_equals_each_prompt_alone(name, tmp_path):
     engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=40, max_num_batched_tokens=7, max_num_seqs=6))
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
+
+
+def test_published_config_shapes_are_read():
+    """Config keys as published checkpoints spell them (older and newer transformers)."""
+    from chatloom.models.hf_config import config_from_hf
+
+    llama31 = config_from_hf(tc.hf_config("llama", max_position_embeddings=131072, rope_theta=500000.0,
+                                          rope_scaling={"factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 8192,
+                                                        "rope_type": "llama3"}))
+    assert (llama31.rope_scaling.type, llama31.max_position, llama31.rope_trained_max_position) == (
+        "llama3", 131072, 131072)
+    qwen_yarn = config_from_hf(tc.hf_config("qwen2", max_position_embeddings=32768, rope_scaling={
+        "factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}))
+    assert (qwen_yarn.rope_scaling.type, qwen_yarn.max_position) == ("yarn", 131072)
+    gemma3 = config_from_hf({k: v for k, v in tc.hf_config("gemma3_text", num_hidden_layers=12).items()
+                             if k != "layer_types"} | {"sliding_window_pattern": 6, "sliding_window": 512})
+    assert gemma3.layer_windows == [512] * 5 + [None] + [512] * 5 + [None]
+    gemma2 = config_from_hf(tc.hf_config("gemma2", num_hidden_layers=4, sliding_window=4096))
+    assert gemma2.layer_windows == [4096, None, 4096, None]
