@@ -241,7 +241,8 @@ class QuantizedLinear(KernelLinear):
     is quantized to int8 per block of 32 and multiplied in integers, as llama.cpp does: about
     twice the speed, at the cost of rounding the activations to 8 bits. The int8 kernel's
     8-bit path has no m term, so a Q5_K layer adds it here: (block sums of x) @ m^T, a
-    float32 matmul 32 times smaller than the layer's."""
+    float32 matmul 32 times smaller than the layer's. The grouped layout (Q6_K, mixed kinds)
+    has its own int8 kernel, quantizing x per 16 (kquant.cpp)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None, kernels, int8_activations: bool = False) -> None:
@@ -249,9 +250,10 @@ class QuantizedLinear(KernelLinear):
         self.in_features = codes.shape[1]
         self.out_features = out_features
         self.group = self.in_features // scales.shape[1]
-        self.int8_activations = int8_activations and self.group == QUANT_BLOCK
+        self.int8_activations = int8_activations and (self.group == QUANT_BLOCK or hasattr(kernels, "grouped_int8_linear"))
         m_panels = None
-        if self.int8_activations and codes.shape[2] == PANEL and bool((scales[:, :, 1, :] != 0).any()):
+        if (self.int8_activations and self.group == QUANT_BLOCK and codes.shape[2] == PANEL
+                and bool((scales[:, :, 1, :] != 0).any())):
             m = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, scales.shape[1])[:out_features]  # [N, K/32]
             m_panels = pack_weight(m)
         if self.int8_activations:
@@ -274,7 +276,8 @@ class QuantizedLinear(KernelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group == GROUP:
-            return self._kernels.grouped_quantized_linear(x, self.codes, self.scales, self.out_features, self.bias)
+            kernel = self._kernels.grouped_int8_linear if self.int8_activations else self._kernels.grouped_quantized_linear
+            return kernel(x, self.codes, self.scales, self.out_features, self.bias)
         if self.int8_activations:
             y = self._kernels.int8_linear(x, self.codes, self.scales, self.out_features, self.bias)
             if self.m_panels is not None:

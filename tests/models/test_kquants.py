@@ -72,27 +72,34 @@ def test_a_row_does_not_depend_on_the_batch():
         assert torch.equal(kernels.grouped_quantized_linear(x[i:i + 1], codes, scales, 33)[0], full[i])
 
 
+INT8_CASES = ["Q4_K", "Q5_K", "Q6_K", "fused Q4_K+Q4_K+Q6_K (a Q4_K_M QKV)"]
+
+
 @pytest.mark.skipif(kernels is None or not kernels.int8_linear_supported(), reason="int8 matmul needs AVX2")
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
-def test_int8_activation_mode_stays_close(kind):
-    parts = _parts([kind], [48], seed=3)
-    dense = tc.dequantize(kind, parts[0].raw)
+@pytest.mark.parametrize("case", INT8_CASES)
+def test_int8_activation_mode_stays_close(case):
+    kinds, sizes = CASES[case]
+    parts = _parts(kinds, sizes, seed=3)
+    n = sum(sizes)
+    dense = torch.cat([tc.dequantize(p.kind, p.raw) for p in parts])
     codes, scales = pack_quantized(parts)
-    layer = QuantizedLinear(codes, scales, 48, None, kernels, int8_activations=True)
+    layer = QuantizedLinear(codes, scales, n, None, kernels, int8_activations=True)
     assert layer.int8_activations
     assert torch.equal(layer.weight, dense)
-    for rows in (1, 3, 7, 64, 200):
+    bias = torch.randn(n)
+    full = layer(torch.randn(200, K, generator=torch.Generator().manual_seed(200)))
+    for rows in (1, 2, 3, 7, 64, 200):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
         exact = x @ dense.t()
-        err = (layer(x) - exact).norm() / exact.norm()
+        got = layer(x)
+        err = (got - exact).norm() / exact.norm()
         assert err < 0.02, (rows, float(err))
-
-
-def test_grouped_layers_stay_exact_in_int8_mode():
-    """Q6_K (a scale per 16) has no int8 kernel: its layers keep the exact float32 path."""
-    parts = _parts(["Q6_K"], [20])
-    layer = QuantizedLinear(*pack_quantized(parts), 20, None, kernels, int8_activations=True)
-    assert not layer.int8_activations
+        layer.bias = bias
+        torch.testing.assert_close(layer(x), got + bias)
+        layer.bias = None
+    # A row's result does not depend on the rest of the batch.
+    x = torch.randn(200, K, generator=torch.Generator().manual_seed(200))
+    assert torch.equal(layer(x[5:6])[0], full[5]) and torch.equal(layer(x[:3])[2], full[2])
 
 
 def _kquant_checkpoint(tmp_path, arch: str = "llama", **extra):
@@ -142,3 +149,28 @@ def test_types_without_a_kernel_are_dequantized_and_logged(tmp_path, caplog):
     seqs = [list(range(3, 30))]
     ours, theirs = loaded.model.dense_logits(seqs), tc.transformers_logits(tc.transformers_model(folder), seqs)
     assert float((ours[0] - theirs[0]).abs().max()) < 1e-3
+
+
+@pytest.mark.skipif(kernels is None or not kernels.int8_linear_supported(), reason="int8 matmul needs AVX2")
+def test_q4_k_m_gguf_in_int8_mode(tmp_path):
+    """Every K-quant layer multiplies with int8 activations, stays close to the exact model,
+    and the engine's batched greedy outputs equal each prompt run alone."""
+    from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+
+    _, path, _ = _kquant_checkpoint(tmp_path)
+    exact = load_model(str(path), "fp32")
+    fast = load_model(str(path), "fp32", int8_matmul=True)
+    layer = fast.model.layers[1]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj, fast.model.lm_head):
+        assert isinstance(module, QuantizedLinear) and module.int8_activations
+    seq = list(range(3, 60))
+    a = torch.log_softmax(exact.model.dense_logits([seq])[0].double(), -1)
+    b = torch.log_softmax(fast.model.dense_logits([seq])[0].double(), -1)
+    assert (a.exp() * (a - b)).sum(-1).mean().item() < 0.02
+    prompts = [[5, 6, 7, 8, 9], list(range(30, 52)), [200, 3]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    batched = LLMEngine(fast, EngineConfig(num_blocks=32, block_size=4)).generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, batched):
+        alone = LLMEngine(fast, EngineConfig(num_blocks=32, block_size=4)).generate([prompt], params, use_tqdm=False)[0]
+        assert alone.token_ids == out.token_ids
