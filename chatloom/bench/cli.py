@@ -67,6 +67,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=_perplexity)
 
+    p = sub.add_parser("kquant-matmul", help="quantized matmul kernels per GGUF type vs the float32 kernel")
+    p.add_argument("--kinds", nargs="+", default=["Q4_K", "Q5_K", "Q6_K"],
+                   choices=["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"])
+    p.add_argument("--k", type=positive_int, default=2048, help="input features (a multiple of 256)")
+    p.add_argument("--n", type=positive_int, default=2048, help="output features")
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_kquant_matmul)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -136,6 +147,16 @@ def _throughput(args) -> int:
         "continuous_vs_sequential": round(rate["continuous"] / rate["sequential"], 2),
     }
     return _emit(result, args.table)
+
+
+def _kquant_matmul(args) -> int:
+    import torch
+
+    from chatloom.bench.kquant_matmul import run_kquant_matmul
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_kquant_matmul(args.kinds, args.k, args.n, args.rows, args.seconds), args.table)
 
 
 def _perplexity(args) -> int:

@@ -279,28 +279,10 @@ def transformers_logits(model, seqs: list[list[int]]) -> list[torch.Tensor]:
 
 
 def random_kquant_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Raw GGUF K-quant blocks [rows, cols / 256 * block bytes]: random codes and 6/8-bit
-    scales, finite fp16 super-block scales (gguf's Python package can dequantize K-quants
-    but not make them)."""
-    rng = np.random.default_rng(seed)
-    nb = cols // 256
+    """Raw GGUF K-quant blocks [rows, cols / 256 * block bytes]: random codes and scales."""
+    from chatloom.bench.kquant_matmul import random_blocks
 
-    def f16(lo: float, hi: float) -> np.ndarray:
-        return rng.uniform(lo, hi, (rows, nb, 1)).astype(np.float16).view(np.uint8)
-
-    def raw(n: int) -> np.ndarray:
-        return rng.integers(0, 256, (rows, nb, n), dtype=np.uint8)
-
-    if kind == "Q4_K":
-        parts = [f16(0.00005, 0.0002), f16(0.0, 0.0001), raw(12), raw(128)]
-    elif kind == "Q5_K":
-        parts = [f16(0.00003, 0.0001), f16(0.0, 0.0001), raw(12), raw(32), raw(128)]
-    elif kind == "Q6_K":
-        scales = rng.integers(-128, 128, (rows, nb, 16), dtype=np.int8).view(np.uint8)
-        parts = [raw(128), raw(64), scales, f16(-0.00003, 0.00003)]
-    else:
-        raise ValueError(kind)
-    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+    return random_blocks(kind, rows, cols, seed)
 
 
 def dequantize(kind: str, blocks: np.ndarray) -> torch.Tensor:

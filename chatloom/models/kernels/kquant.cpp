@@ -134,10 +134,12 @@ void rows_from_codes(const float* x, int64_t k_dim, const int8_t* codes, const f
 void rows(const float* x, int64_t k_dim, const float* panel, const float* bias, float* out, int64_t ldo,
           int64_t ncols, int64_t m0, int64_t m1) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) tile<4>(x + m * k_dim, k_dim, panel, bias, out + m * ldo, ldo, ncols);
+  for (; m + 6 <= m1; m += 6) tile<6>(x + m * k_dim, k_dim, panel, bias, out + m * ldo, ldo, ncols);
   const float* xs = x + m * k_dim;
   float* os = out + m * ldo;
   switch (m1 - m) {
+    case 5: tile<5>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+    case 4: tile<4>(xs, k_dim, panel, bias, os, ldo, ncols); break;
     case 3: tile<3>(xs, k_dim, panel, bias, os, ldo, ncols); break;
     case 2: tile<2>(xs, k_dim, panel, bias, os, ldo, ncols); break;
     case 1: tile<1>(xs, k_dim, panel, bias, os, ldo, ncols); break;

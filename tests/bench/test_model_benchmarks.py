@@ -1,4 +1,4 @@
-"""`chatloom bench perplexity`: scores the shipped public-domain text in each mode."""
+"""`chatloom bench perplexity` (the shipped public-domain text, per mode) and `bench kquant-matmul`."""
 from __future__ import annotations
 
 import json
@@ -43,3 +43,13 @@ def test_tiny_model_modes(capsys):
     assert abs(result["perplexity_ratio"]["bf16/exact"] - 1) < 0.05
     assert main(["bench", "perplexity", "--model", "tiny-random", "--modes", "exact", "--max-tokens", "50"]) == 0
     assert json.loads(capsys.readouterr().out)["modes"]["exact"]["tokens_scored"] == 49
+
+
+def test_kquant_matmul_bench(capsys):
+    assert main(["bench", "kquant-matmul", "--kinds", "Q4_K", "Q6_K", "--k", "256", "--n", "32",
+                 "--rows", "1", "3", "--seconds", "0.01"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["kinds"]) == {"Q4_K", "Q6_K"}
+    assert out["kinds"]["Q4_K"]["bytes_per_weight"] == 0.75
+    assert out["kinds"]["Q6_K"]["bytes_per_weight"] == 1.5
+    assert out["kinds"]["Q6_K"]["by_rows"]["3"]["float32_ms"] > 0
