@@ -68,6 +68,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="PyTorch intra-op threads (default: PyTorch's choice; 1 on a busy shared machine)")
     p.set_defaults(func=_spec)
 
+    p = sub.add_parser("perplexity", help="perplexity on a shipped public-domain text, per matmul mode")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
+    p.add_argument("--modes", nargs="+", choices=["exact", "int8", "bf16"], default=["exact", "int8", "bf16"],
+                   help="exact: float32 (quantized weights expanded exactly); int8: int8 activations; "
+                        "bf16: bfloat16 weights (default: all three)")
+    p.add_argument("--window", type=positive_int, default=512, help="tokens per scored window (default %(default)s)")
+    p.add_argument("--text", default=None, help="another UTF-8 text file to score instead of the shipped one")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_perplexity)
+
+    p = sub.add_parser("kquant-matmul", help="quantized matmul kernels per GGUF type vs the float32 kernel")
+    p.add_argument("--kinds", nargs="+", default=["Q4_K", "Q5_K", "Q6_K"],
+                   choices=["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"])
+    p.add_argument("--k", type=positive_int, default=2048, help="input features (a multiple of 256)")
+    p.add_argument("--n", type=positive_int, default=2048, help="output features")
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_kquant_matmul)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -168,6 +190,27 @@ def _throughput(args) -> int:
     return _emit(result, args.table)
 
 
+def _kquant_matmul(args) -> int:
+    import torch
+
+    from chatloom.bench.kquant_matmul import run_kquant_matmul
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_kquant_matmul(args.kinds, args.k, args.n, args.rows, args.seconds), args.table)
+
+
+def _perplexity(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.perplexity import TEXT, run_perplexity
+
+    text = Path(args.text) if args.text else TEXT
+    if not text.is_file():
+        raise ValueError(f"text file not found: {text}")
+    return _emit(run_perplexity(args.model, args.modes, args.window, text, args.max_tokens), args.table)
+
+
 def _prefix(args) -> int:
     from chatloom.bench.prefix import run_prefix
 
@@ -197,7 +240,7 @@ def _spec(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return _emit(run_spec(_load(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
+    return _emit(run_spec(load_from_args(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
                           args.repeats, args.num_speculative_tokens, args.speculative_model,
                           not args.no_adaptive), args.table)
 
@@ -219,7 +262,7 @@ def _serve(args) -> int:
 def _calibrate(args) -> int:
     from chatloom.bench.calibrate import run_calibrate
 
-    model, summary = run_calibrate(_load(args), args.seed, args.max_num_batched_tokens, rounds=args.rounds)
+    model, summary = run_calibrate(load_from_args(args), args.seed, args.max_num_batched_tokens, rounds=args.rounds)
     model.save(args.output)
     summary["output"] = args.output
     return _emit(summary, args.table)
@@ -230,7 +273,7 @@ def _sim_validate(args) -> int:
 
     if args.rates and any(r <= 0 for r in args.rates):
         raise ValueError("--rates must be positive")
-    return _emit(run_sim_validate(_load(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
+    return _emit(run_sim_validate(load_from_args(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
                                   args.step_time), args.table)
 
 def _router(args) -> int:
