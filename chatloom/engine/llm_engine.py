@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 
@@ -10,6 +11,7 @@ import torch
 from chatloom.engine.block_manager import BlockManager
 from chatloom.engine.config import EngineConfig
 from chatloom.engine.detokenizer import IncrementalDetokenizer
+from chatloom.engine.isolation import execute_isolated
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.outputs import RequestOutput
 from chatloom.engine.sampler import Sampler
@@ -18,6 +20,8 @@ from chatloom.engine.scheduler import Scheduler, SchedulerConfig
 from chatloom.engine.sequence import Sequence, SequenceStatus
 from chatloom.engine.stats import EngineStats
 from chatloom.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 class _RequestState:
@@ -80,6 +84,8 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequest("prompt token ids must be within the vocabulary")
+        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be within the vocabulary")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -112,22 +118,34 @@ class LLMEngine:
         for seq in scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        logits, argmax, sampled = self.runner.execute(batch)
-        new_tokens = self.sampler(logits, sampled, self.eos_ids, argmax) if sampled else []
+        # A failure is attributed to the sequences it belongs to; the rest of the batch carries on.
+        fwd = execute_isolated(self.runner, batch)
+        outputs += [o for seq, exc in fwd.failed.items() if (o := self._fail(seq, f"the forward pass failed: {exc!r}"))]
+        sampled = fwd.sampled
+        new_tokens, failures = (self.sampler.sample(fwd.logits, sampled, self.eos_ids, fwd.argmax)
+                                if sampled else ([], {}))
 
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
         now = time.time()
-        for seq, token in zip(sampled, new_tokens):
+        for row, (seq, token) in enumerate(zip(sampled, new_tokens)):
+            if row in failures:
+                out = self._fail(seq, f"sampling failed: {failures[row]}")
+                if out is not None:
+                    outputs.append(out)
+                continue
             seq.token_ids.append(token)
             m = seq.metrics
             m.num_output_tokens = seq.num_output_tokens
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            out = self._advance(self.requests[seq.request_id], token)
+            try:
+                out = self._advance(self.requests[seq.request_id], token)
+            except Exception as exc:  # detokenizing or stop matching: this request's problem alone
+                out = self._fail(seq, f"decoding the output failed: {exc!r}")
             if out is not None:
                 outputs.append(out)
         for seq in scheduled:
@@ -166,6 +184,17 @@ class LLMEngine:
         return RequestOutput(seq.request_id, delta, [token], state.detok.text[:safe],
                              num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens)
 
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput | None:
+        """Finish one request with finish_reason 'error'; its blocks are freed, nothing else is touched."""
+        state = self.requests.get(seq.request_id)
+        if state is None:  # already finished (aborted meanwhile)
+            return None
+        log.warning("request %s failed: %s", seq.request_id, message)
+        self.stats.failed += 1
+        out = self._finish(state, "error", emit=False)
+        out.error = message
+        return out
+
     def _finish(self, state: _RequestState, reason: str, emit: bool = True) -> RequestOutput:
         seq = state.seq
         self.scheduler.remove(seq)
@@ -173,7 +202,7 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()
         del self.requests[seq.request_id]
-        if not state.stopped_by_string:
+        if not state.stopped_by_string and reason != "error":
             state.detok.flush()
         text = state.detok.text
         delta = text[state.emitted:]

@@ -11,6 +11,7 @@ class EngineStats:
     tokens_computed: int = 0
     generated_tokens: int = 0
     aborted: int = 0
+    failed: int = 0  # requests ended by an error attributed to them alone
     window_seconds: float = 10.0
     _recent: deque = field(default_factory=deque)  # (time, generated tokens)
 
@@ -30,4 +31,5 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "generated_tokens": self.generated_tokens,
-                "aborted_requests": self.aborted, "generation_tokens_per_s": round(self.tokens_per_s(), 2)}
+                "aborted_requests": self.aborted, "failed_requests": self.failed,
+                "generation_tokens_per_s": round(self.tokens_per_s(), 2)}

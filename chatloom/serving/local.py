@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from chatloom.engine import EngineConfig, InvalidRequest, SamplingParams
-from chatloom.engine.async_engine import AsyncEngine, EngineDeadError
+from chatloom.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from chatloom.models import LoadedModel, ModelError, load_model
 from chatloom.models.chat_template import render_chat
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
@@ -139,7 +139,7 @@ class LocalBackend(Backend):
                             out.num_output_tokens, out.num_cached_tokens, metrics)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
-        except EngineDeadError as exc:
+        except (EngineDeadError, RequestFailedError) as exc:
             raise BackendError(str(exc)) from exc
 
     def abort(self, request_id: str) -> None:
