@@ -26,8 +26,9 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class RequestFailedError(RuntimeError):
-    """This request (and only this one) failed inside the engine; the message says why."""
+class RequestFailedError(EngineDeadError):
+    """This request (and only this one) failed inside the engine; the message says why.
+    (An EngineDeadError for callers that only tell 'the engine failed me' from a good answer.)"""
 
 
 class AsyncEngine:
