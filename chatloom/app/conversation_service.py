@@ -24,6 +24,7 @@ from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messa
 from chatloom.app.quotas import Reservation
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
+from chatloom.app.validation import check_fits, off_loop
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, GenerationRequest
 from chatloom.store import Conversation, Conversations, Database, Messages, User
 
@@ -145,6 +146,7 @@ class ConversationService:
             raise ApiError(400, f"the message is too long: it takes {text_tokens} tokens, and with max_tokens="
                            f"{max_tokens} only {max(0, room - (needed - text_tokens))} fit in the "
                            f"{self.context_window}-token context window", "context_length_exceeded", "text")
+        check_fits(needed, max_tokens, self.context_window, self.backend.kv_pool_tokens, "text")
 
     # -- starting generations ----------------------------------------------------------
     def running(self, conversation_id: str) -> Generation | None:
@@ -176,8 +178,8 @@ class ConversationService:
                 raise ApiError(400, f"the message is too long: {len(text)} characters, at most "
                                f"{self.settings.max_message_chars} allowed", "message_too_long", "text")
             if self.traffic is not None:  # before any model work or anything saved
-                self.traffic.check_input(text)
-            text_tokens = self.backend.count_tokens(text)
+                await off_loop(self.traffic.check_input, text, size=len(text))
+            text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))
             self._check_fits(text_tokens, max_tokens)
             tree = Tree(await Messages(session).all_in(conv.id))
             if parent_id is UNSET:

@@ -16,6 +16,7 @@ from chatloom.app.events import MemoryEventLogStore
 from chatloom.app.routes import auth, conversations, health, openai, web
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import build_traffic, install as install_traffic
+from chatloom.app.validation import EdgeGuard
 from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend
 from chatloom.store import Database
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.ctx = ctx
     install_error_handlers(app)
     install_traffic(app)
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.max_body_bytes)  # outermost: before any parsing
     for module in (health, auth, conversations, openai, web):
         app.include_router(module.router)
     return app

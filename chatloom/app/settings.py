@@ -62,6 +62,9 @@ class Settings:
     moderation_holdback_tokens: int = 4  # pieces of output held back for the output check
     metrics_public: bool = True  # GET /metrics without a token (as vLLM serves it)
 
+    # Robustness: edge limits, crash recovery, shutdown (see chatloom/app/validation.py, recovery.py).
+    max_body_bytes: int = 1_000_000  # larger request bodies: 413 before parsing
+
     log_level: str = "info"
 
     @property

@@ -107,6 +107,11 @@ class Backend(abc.ABC):
     def context_window(self) -> int:
         """Tokens of prompt plus answer one request may use."""
 
+    @property
+    def kv_pool_tokens(self) -> int | None:
+        """Tokens the whole KV pool holds, where the backend knows (a request needing more can never run)."""
+        return None
+
     # -- tokens -------------------------------------------------------------------
     @property
     def tokenizer(self) -> object | None:

@@ -86,6 +86,10 @@ class LocalBackend(Backend):
             return self._config.max_model_len or min(self._loaded.config.max_position, 8192)
         return self._config.max_model_len or 0
 
+    @property
+    def kv_pool_tokens(self) -> int | None:
+        return self._engine.engine.pool_tokens if self._engine is not None else None
+
     # -- tokens -------------------------------------------------------------------
     @property
     def tokenizer(self):

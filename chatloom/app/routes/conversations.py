@@ -13,6 +13,7 @@ from chatloom.app.errors import ApiError, not_found
 from chatloom.app.schemas import (ConversationIn, GenerationIn, MessageIn, RenameIn, conversation_summary,
                                   message_out)
 from chatloom.app.sse import HEARTBEAT, SSE_HEADERS, frame_event
+from chatloom.app.validation import Offset
 from chatloom.store import Conversation, Conversations, Messages, User
 
 router = APIRouter(prefix="/conversations", tags=["conversations"])
@@ -41,7 +42,7 @@ def stream_response(gen: Generation) -> StreamingResponse:
 
 
 @router.get("")
-async def list_conversations(limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0),
+async def list_conversations(limit: int = Query(20, ge=1, le=100), offset: Offset = 0,
                              user: User = Depends(current_user),
                              session: AsyncSession = Depends(get_session)) -> list:
     """Newest first."""

@@ -20,6 +20,7 @@ from chatloom.app.auth import current_user
 from chatloom.app.deps import get_context, get_session
 from chatloom.app.errors import ApiError, error_body
 from chatloom.app.sse import SSE_HEADERS, frame
+from chatloom.app.validation import Seed, check_fits, off_loop
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, Delta, GenerationRequest
 from chatloom.store import User
 
@@ -72,7 +73,7 @@ class ChatCompletionIn(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     n: int | None = Field(default=None, ge=1)
     user: str | None = Field(default=None, max_length=256)
     # OpenAI's parameter for reasoning models: the thinking streams as delta.reasoning_content (as vLLM does).
@@ -135,6 +136,7 @@ class _Traffic:
             req.max_tokens += reasoning.BUDGET_TOKENS[self.effort]
         req.priority = -self.tier.priority  # the engine runs low numbers first
         self.prompt_tokens = self.backend.count_prompt_tokens(req.messages)
+        check_fits(self.prompt_tokens, req.max_tokens, self.backend.context_window, self.backend.kv_pool_tokens)
         self.reservation = self.traffic.reserve(user, self.tier, self.prompt_tokens + req.max_tokens)
         self.slot = None
         self.guard = self.traffic.output_guard()
@@ -198,7 +200,8 @@ async def chat_completions(body: ChatCompletionIn, request: Request, user: User 
     ctx = get_context(request)
     backend = ctx.backend
     req = _to_request(body, backend, ctx.settings.default_max_tokens)
-    control = _Traffic(request, user, body, req)
+    # Tokenizing and moderating a large input takes a while: not on the event loop.
+    control = await off_loop(_Traffic, request, user, body, req, size=sum(len(m["content"]) for m in req.messages))
     # Authentication is done with the database: hand its connection back before a possibly long
     # wait in the queue, or a burst of waiting requests would drain the connection pool.
     await session.close()
