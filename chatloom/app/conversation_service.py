@@ -22,6 +22,7 @@ from chatloom.app import reasoning
 from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messages, chunk_turns, plan_prompt,
                                  summarizer_messages)
 from chatloom.app.quotas import Reservation
+from chatloom.app.recovery import start_checkpointer
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
 from chatloom.app.validation import check_fits, off_loop
@@ -67,6 +68,7 @@ class Generation:
     summary_tokens: list[int] = field(default_factory=lambda: [0, 0])  # [prompt, completion] spent summarizing
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    prefix: str = ""  # i12 recovery: the saved text this answer continues from (see app/recovery.py)
 
 
 class _Stopped(Exception):
@@ -253,15 +255,17 @@ class ConversationService:
 
     async def _start(self, conversation_id: str, question_id: str, answer_id: str, model: str,
                      max_tokens: int, temperature: float, options: GenerationOptions | None = None,
-                     reservation: Reservation | None = None) -> Generation:
+                     reservation: Reservation | None = None, prefix: str = "") -> Generation:
         options = options or GenerationOptions()
         gen = Generation(conversation_id, question_id, answer_id, model, max_tokens, temperature,
                          await self.logs.create(answer_id), request_id=answer_id, user=options.user,
                          tier=self._tier(options), reservation=reservation,
-                         effort=self.traffic.effort(options.reasoning_effort) if self.traffic else None)
+                         effort=self.traffic.effort(options.reasoning_effort) if self.traffic else None,
+                         prefix=prefix)
         await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
         self._running[conversation_id] = gen
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
+        start_checkpointer(self, gen)  # i12 recovery: the text so far reaches the database every interval
         return gen
 
     # -- stopping --------------------------------------------------------------------
@@ -286,6 +290,8 @@ class ConversationService:
     # -- the job ---------------------------------------------------------------------------
     async def _run(self, gen: Generation) -> None:
         parts: list[str] = []  # the answer as shown (thinking and held-back text excluded)
+        if gen.prefix:  # i12 recovery: a continued answer starts with its saved text (readers see it whole)
+            await self._emit_answer(gen, [gen.prefix], parts)
         outcome: dict = {}
         seen = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}  # counts so far, for settling
         error: Exception | None = None
@@ -296,6 +302,8 @@ class ConversationService:
                 raise _Stopped
             if gen.effort is not None:
                 messages = reasoning.with_instructions(messages, gen.effort)
+            if gen.prefix:  # i12 recovery: the saved text opens the assistant's turn; the model goes on from it
+                messages = messages + [{"role": "assistant", "content": gen.prefix}]
             slot = await self._admit(gen, messages)
             if gen.stop_requested:
                 raise _Stopped
@@ -303,7 +311,8 @@ class ConversationService:
             # The engine runs low priority numbers first; higher tiers get lower numbers.
             request = GenerationRequest(messages=messages, model=gen.model, max_tokens=gen.max_tokens,
                                         temperature=gen.temperature, top_p=self.settings.default_top_p,
-                                        request_id=gen.request_id, priority=-gen.tier.priority if gen.tier else 0)
+                                        request_id=gen.request_id, priority=-gen.tier.priority if gen.tier else 0,
+                                        continue_final=bool(gen.prefix))  # i12 recovery
             guard = self.traffic.output_guard() if self.traffic is not None else None
             splitter = reasoning.ThinkingSplitter() if gen.effort is not None else None
             aborted = False

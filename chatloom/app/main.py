@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -13,7 +14,8 @@ from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
 from chatloom.app.events import MemoryEventLogStore
-from chatloom.app.routes import auth, conversations, health, openai, web
+from chatloom.app.recovery import Sweeper, drain
+from chatloom.app.routes import auth, conversations, health, openai, recovery, web
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import build_traffic, install as install_traffic
 from chatloom.app.validation import EdgeGuard
@@ -51,12 +53,18 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await db.migrate()
+        sweeper = Sweeper(ctx.conversations)  # answers left running by a dead process: interrupted
+        await sweeper.start()
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend), name="backend-start")
         try:
             yield
         finally:
-            await ctx.conversations.shutdown()
+            await sweeper.stop()
+            # Running answers get until the drain deadline (counted from SIGTERM where the CLI saw it).
+            started = getattr(app.state, "shutdown_started", None)
+            spent = time.monotonic() - started if started is not None else 0.0
+            await drain(ctx.conversations, max(0.0, settings.shutdown_drain_s - spent))
             if not loading.done():
                 loading.cancel()
             if owns_backend:
@@ -68,7 +76,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     install_error_handlers(app)
     install_traffic(app)
     app.add_middleware(EdgeGuard, max_body_bytes=settings.max_body_bytes)  # outermost: before any parsing
-    for module in (health, auth, conversations, openai, web):
+    for module in (health, auth, conversations, recovery, openai, web):
         app.include_router(module.router)
     return app
 

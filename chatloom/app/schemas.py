@@ -92,6 +92,8 @@ def message_out(m: Message, siblings: list[Message]) -> dict:
            "sibling_ids": ids, "sibling_index": ids.index(m.id)}
     if m.error:
         out["error"] = m.error
+    if m.interrupted_reason:  # status 'interrupted': why (the answer can be continued or regenerated)
+        out["interrupted_reason"] = m.interrupted_reason
     return out
 
 

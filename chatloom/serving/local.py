@@ -98,11 +98,18 @@ class LocalBackend(Backend):
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special=False))
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], continue_final: bool = False) -> list[int]:
         tok = self.tokenizer
+        partial = ""
+        if continue_final:
+            if not messages or messages[-1].get("role") != "assistant":
+                raise BadGenerationRequest("continuing needs an assistant message last", "invalid_messages",
+                                           "messages")
+            messages, partial = messages[:-1], messages[-1].get("content") or ""
         try:
+            # The assistant's turn is opened by the generation prompt; a continued one goes on from its text.
             text = render_chat(tok.chat_template, messages, add_generation_prompt=True,
-                               bos_token=tok.bos_token, eos_token=tok.eos_token)
+                               bos_token=tok.bos_token, eos_token=tok.eos_token) + partial
         except ModelError as exc:
             raise BadGenerationRequest(str(exc), "invalid_messages", "messages") from None
         # A template that writes the BOS text itself must not get a second BOS from the encoder.
@@ -115,7 +122,7 @@ class LocalBackend(Backend):
     def _prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
         self.resolve_model(request.model)
         if request.messages is not None:
-            ids = self.encode_messages(request.messages)
+            ids = self.encode_messages(request.messages, request.continue_final)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         else:
