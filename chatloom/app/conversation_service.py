@@ -23,6 +23,7 @@ from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messa
                                  summarizer_messages)
 from chatloom.app.quotas import Reservation
 from chatloom.app.recovery import start_checkpointer
+from chatloom.app.summary_admission import admitted_summary
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
 from chatloom.app.validation import check_fits, off_loop
@@ -68,6 +69,7 @@ class Generation:
     summary_tokens: list[int] = field(default_factory=lambda: [0, 0])  # [prompt, completion] spent summarizing
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    summary_reserved: int = 0  # i12: quota reserved for summaries, on top of the answer's own
     prefix: str = ""  # i12 recovery: the saved text this answer continues from (see app/recovery.py)
 
 
@@ -373,7 +375,7 @@ class ConversationService:
             return _NoSlot()
         prompt_tokens = self.backend.count_prompt_tokens(messages)
         if gen.reservation is not None and gen.tier is not None:
-            self.traffic.extend(gen.reservation, gen.tier, prompt_tokens + gen.max_tokens)
+            self.traffic.extend(gen.reservation, gen.tier, prompt_tokens + gen.max_tokens + gen.summary_reserved)  # i12
 
         async def position(n: int) -> None:
             if not gen.log.closed:
@@ -527,7 +529,10 @@ class ConversationService:
             request = GenerationRequest(messages=summarizer_messages(summary, chunk), model=gen.model,
                                         max_tokens=max_tokens, temperature=0.0, request_id=gen.request_id)
             try:
-                result = await self.backend.complete(request)
+                async with admitted_summary(self, gen, request) as admitted:  # i12: quota and queue, like answers
+                    if not admitted:  # no quota or no room: no summary; the oldest turns are dropped
+                        return None
+                    result = await self.backend.complete(request)
             except BadGenerationRequest as exc:
                 log.warning("summary of %s skipped: %s", gen.conversation_id, exc)
                 return summary
