@@ -167,10 +167,10 @@ async def drain(service: ConversationService, deadline_s: float) -> None:
 
 async def continue_answer(service: ConversationService, session, conv, message_id: str, options) -> Generation:
     """Resume an interrupted (or stopped, or cut-off) answer from its saved text, in the same message."""
-    reservation = None
-    service._reserve(conv.id)
+    service._claim(conv.id)
+    run = None
     try:
-        model, max_tokens, temperature = service._resolve_options(options)
+        run = await service.pipeline.open(options.ask(""))
         target = await Messages(session).get(conv.id, message_id)
         if target is None:
             raise not_found("message")
@@ -181,14 +181,14 @@ async def continue_answer(service: ConversationService, session, conv, message_i
             raise ApiError(409, "this answer has no text to continue from; regenerate it instead", "not_continuable")
         tree = Tree(await Messages(session).all_in(conv.id))
         turns = [m.tokens for m in tree.path_to(target.parent_id)] + [target.tokens]
-        reservation = service._reserve_quota(options, turns, max_tokens)
+        run.reserve(service.prompts.estimate(turns, run.max_tokens))
         await session.execute(update(Message).where(Message.id == target.id).values(
             status="incomplete", finish_reason=None, interrupted_reason=None, error=None, heartbeat=utcnow()))
         await Conversations(session).touch(conv.id, current_leaf_id=target.id)
         await session.commit()
-        return await service._start(conv.id, target.parent_id, target.id, target.model or model, max_tokens,
-                                    temperature, options, reservation, prefix=target.text)
+        return await service._start(conv.id, target.parent_id, target.id, run, prefix=target.text)
     except BaseException:
-        service._release(conv.id)
-        service._settle(reservation, 0)
+        service._unclaim(conv.id)
+        if run is not None:
+            await run.close()
         raise

@@ -21,28 +21,24 @@ log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
-async def admitted_summary(service: Any, gen: Any, request: GenerationRequest) -> AsyncIterator[bool]:
+async def admitted_summary(run: Any, request: GenerationRequest) -> AsyncIterator[bool]:
     """Yields True once the summary request is reserved and admitted, False when it must be skipped.
-    `service` is the ConversationService, `gen` its Generation (passed in: they import this module)."""
-    traffic = service.traffic
-    if traffic is None:  # no traffic control: nothing to reserve or queue for
-        yield True
-        return
-    prompt = service.backend.count_prompt_tokens(request.messages)
+    `run` is the answer's pipeline Run (its user, tier and reservation); passed in, not imported."""
+    traffic = run.traffic
+    prompt = run.pipeline.backend.count_prompt_tokens(request.messages)
     need = prompt + request.max_tokens
-    if gen.reservation is not None and gen.tier is not None:
+    if run._reservation is not None:
         try:
-            traffic.extend(gen.reservation, gen.tier, gen.reservation.tokens + need)
+            traffic.extend(run._reservation, run.limits.tier, run._reservation.tokens + need)
         except ApiError as exc:
-            log.info("summary of %s skipped: %s", gen.conversation_id, exc.message)
+            log.info("summary skipped: %s", exc.message)
             yield False
             return
-        gen.summary_reserved += need  # the answer's own top-up comes on top of this
-    tier = gen.tier or traffic.tiers.for_user(None)
+        run.summary_reserved += need  # the answer's own top-up comes on top of this
     try:
-        slot = await traffic.admit(tier, prompt, INTERACTIVE)
+        slot = await traffic.admit(run.limits.tier, prompt, INTERACTIVE)
     except ApiError as exc:
-        log.info("summary of %s skipped: %s", gen.conversation_id, exc.message)
+        log.info("summary skipped: %s", exc.message)
         yield False
         return
     try:

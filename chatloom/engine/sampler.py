@@ -34,6 +34,15 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def draw_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` [vocab] by inverse CDF of a single uniform draw. One draw
+    per token keeps a seeded request's stream aligned however its tokens are produced
+    (speculative decoding checks proposals against this same draw)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator()
@@ -103,7 +112,8 @@ class Sampler:
                 continue
             # A seeded request draws from its own generator: same seed, same text, whatever the batch.
             gen = seqs[i].generator or self.generator
-            try:
-                out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
-            except RuntimeError as exc:  # an all -inf row (every token banned), or worse
-                failures[i] = SamplingError(f"no token can be sampled: {exc}")
+            row = probs[j]
+            if not bool(torch.isfinite(row).all()) or float(row.sum()) <= 0:  # every token banned, or worse
+                failures[i] = SamplingError("no token can be sampled: the probabilities are not finite")
+                continue
+            out[i] = draw_token(row, gen)

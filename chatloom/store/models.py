@@ -105,6 +105,7 @@ class Message(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
+    reasoning: Mapped[str | None] = mapped_column(Text)  # the thinking before the answer (reasoning requests)
     # While an answer is written: when its text was last saved (a stale one was left by a dead process).
     heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     interrupted_reason: Mapped[str | None] = mapped_column(Text)

@@ -1,4 +1,4 @@
-"""messages: heartbeat of answers being written, and why an answer was interrupted
+"""the thinking of reasoning answers, kept with the message
 
 Revision ID: 0003
 Revises: 0002
@@ -16,11 +16,9 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table("messages") as batch:
-        batch.add_column(sa.Column("heartbeat", sa.DateTime(timezone=True), nullable=True))
-        batch.add_column(sa.Column("interrupted_reason", sa.Text(), nullable=True))
+        batch.add_column(sa.Column("reasoning", sa.Text(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("messages") as batch:
-        batch.drop_column("interrupted_reason")
-        batch.drop_column("heartbeat")
+        batch.drop_column("reasoning")
