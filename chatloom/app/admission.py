@@ -7,6 +7,13 @@ that share of recent admissions, so the free tier slows under load and never sta
 requests (long hidden thinking) may hold at most `reasoning_share` of the running slots, so they
 cannot crowd out interactive chat. A request that waits longer than `max_wait_s` leaves with
 QueueTimeout (a 503) having cost no model work.
+
+The queue is bounded by what it can serve in time. Each generation's run time is measured when it
+ends; the service rate is the running slots over the mean run time. An arriving request whose
+expected wait (the requests ahead of it in its tier's order, or its tier's reserved share of the
+admissions, whichever is sooner) exceeds `max_wait_s` is refused at once with QueueFull (a 503 with
+Retry-After) instead of waiting out the timeout. Until a few runs are measured nothing is refused
+early: a guess at the rate would refuse work a fast engine could do.
 """
 from __future__ import annotations
 
@@ -25,11 +32,28 @@ REASONING = "reasoning"
 
 
 class QueueTimeout(Exception):
-    def __init__(self, waited_s: float, retry_after: int) -> None:
-        super().__init__(f"the server is busy: no room for this request after {waited_s:.0f} s in the queue; "
-                         f"retry in {retry_after} s")
+    code = "queue_timeout"
+
+    def __init__(self, waited_s: float, retry_after: int, message: str | None = None) -> None:
+        super().__init__(message or f"the server is busy: no room for this request after {waited_s:.0f} s in "
+                         f"the queue; retry in {retry_after} s")
         self.waited_s = waited_s
         self.retry_after = retry_after
+
+
+class QueueFull(QueueTimeout):
+    """Refused on arrival: at the measured pace the request would not get in before max_wait_s."""
+
+    code = "queue_full"
+
+    def __init__(self, expected_wait_s: float, max_wait_s: float, retry_after: int) -> None:
+        super().__init__(0.0, retry_after, f"the server is busy: this request would wait about "
+                         f"{expected_wait_s:.0f} s for room (at most {max_wait_s:.0f} s allowed); retry in "
+                         f"{retry_after} s")
+        self.expected_wait_s = expected_wait_s
+
+
+MIN_MEASURED_RUNS = 3  # runs measured before the queue refuses early
 
 
 @dataclass(eq=False)
@@ -53,6 +77,7 @@ class Slot:
         self.waited_s = waited_s
         self.pending = True  # granted, but the engine has not produced anything for it yet
         self.released = False
+        self.ran = False
         self.started_at = time.monotonic()
 
     def started(self) -> None:
@@ -65,6 +90,7 @@ class Slot:
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.ran = not self.pending  # the engine produced something for it
             self.started()
             self._queue._release(self)
 
@@ -93,6 +119,7 @@ class AdmissionQueue:
         self._poller: asyncio.Task | None = None
         self._announcer: asyncio.Task | None = None
         self._avg_run_s = 5.0
+        self._run_times: deque[float] = deque(maxlen=50)  # seconds each recent generation held its slot
 
     # -- figures ------------------------------------------------------------------
     @property
@@ -118,6 +145,13 @@ class AdmissionQueue:
         self._waiting.append(ticket)
         self._dispatch()
         if not ticket.future.done():
+            expected = self.expected_wait(ticket)
+            if expected is not None and expected > self.max_wait_s:
+                self._leave(ticket)
+                if self.on_wait:
+                    self.on_wait(ticket, 0.0, False)
+                retry = int(min(60, max(1, math.ceil(expected - self.max_wait_s))))
+                raise QueueFull(expected, self.max_wait_s, retry)
             self._ensure_poller()
             await self._announce()
         try:
@@ -141,6 +175,28 @@ class AdmissionQueue:
             self.on_wait(ticket, slot.waited_s, True)
         return slot
 
+    def mean_run_s(self) -> float | None:
+        """The mean time a generation holds its slot, once enough runs are measured."""
+        if len(self._run_times) < MIN_MEASURED_RUNS:
+            return None
+        return sum(self._run_times) / len(self._run_times)
+
+    def expected_wait(self, ticket: Ticket) -> float | None:
+        """Seconds until `ticket` is admitted at the measured pace (None while unmeasured)."""
+        mean = self.mean_run_s()
+        if mean is None:
+            return None
+        slots = self.reasoning_slots() if ticket.kind == REASONING else self.max_running
+        rate = slots / mean  # admissions per second while every slot is busy
+        order = self._order()
+        ahead = order.index(ticket) if ticket in order else len(self._waiting) - 1
+        wait = (ahead + 1) / rate
+        share = ticket.tier.reserved_share
+        if share > 0:  # its tier is guaranteed this share of admissions, however many outrank it
+            same = sum(1 for t in self._waiting if t.tier.name == ticket.tier.name and t.seq < ticket.seq)
+            wait = min(wait, (same + 1) / (rate * share))
+        return wait
+
     def retry_after(self) -> int:
         """A guess at when a retry would get in: the queue ahead, drained at the recent pace."""
         estimate = self._avg_run_s * (len(self._waiting) + 1) / self.max_running
@@ -158,6 +214,8 @@ class AdmissionQueue:
         self._running[kind] = max(0, self._running[kind] - 1)
         run_s = time.monotonic() - slot.started_at
         self._avg_run_s = 0.8 * self._avg_run_s + 0.2 * run_s
+        if slot.ran:  # it really ran (a slot handed back before starting says nothing of the pace)
+            self._run_times.append(run_s)
         self._kick()
 
     def _kick(self) -> None:

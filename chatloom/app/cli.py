@@ -43,8 +43,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(settings)
         print(f"chatloom: serving {settings.model} on http://{settings.host}:{settings.port} "
               f"(database {settings.database_url})", file=sys.stderr)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        _Server(app, uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                    timeout_graceful_shutdown=max(1, round(settings.shutdown_drain_s)))).run()
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn that notes when SIGTERM/SIGINT came, so the app's drain deadline counts from then."""
+
+        def __init__(self, app, config) -> None:
+            super().__init__(config)
+            self._app = app
+
+        def handle_exit(self, sig, frame) -> None:
+            import time
+            if getattr(self._app.state, "shutdown_started", None) is None:
+                self._app.state.shutdown_started = time.monotonic()
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
+def _Server(app, config):
+    return _server_class()(app, config)
 
 
 async def _create_key(settings, username: str, name: str, create_user: bool) -> str:

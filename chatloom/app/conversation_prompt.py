@@ -66,7 +66,8 @@ class PromptAssembler:
 
     # -- in the background job ---------------------------------------------------------------
     async def assemble(self, conversation_id: str, question_id: str, model: str, max_tokens: int,
-                       summary_request: Callable[[], str], charge: Callable[[Usage], None]) -> list[dict]:
+                       summary_request: Callable[[], str], charge: Callable[[Usage], None],
+                       admit_summary: Callable | None = None) -> list[dict]:
         """The messages for the answer to `question_id`, within the window minus max_tokens.
         Summaries are requested under ids from `summary_request()` and their tokens passed to `charge`."""
         async with self.db.session() as session:
@@ -93,7 +94,8 @@ class PromptAssembler:
         if not plan.use_summary:
             summary = None
         elif plan.to_summarize:
-            new_summary = await self._summarize(summary, plan.to_summarize, model, summary_request, charge)
+            new_summary = await self._summarize(summary, plan.to_summarize, model, summary_request, charge,
+                                                admit_summary)
             if new_summary:
                 summary = new_summary
                 async with self.db.session() as session:
@@ -111,7 +113,8 @@ class PromptAssembler:
         return messages
 
     async def _summarize(self, previous: str | None, turns: list[Turn], model: str,
-                         summary_request: Callable[[], str], charge: Callable[[Usage], None]) -> str | None:
+                         summary_request: Callable[[], str], charge: Callable[[Usage], None],
+                         admit_summary: Callable | None = None) -> str | None:
         """Fold `turns` into the running summary, one context-sized chunk at a time."""
         max_tokens = self.summary_max_tokens()
         count = self.backend.count_tokens
@@ -127,7 +130,13 @@ class PromptAssembler:
             request = GenerationRequest(messages=summarizer_messages(summary, chunk), model=model,
                                         max_tokens=max_tokens, temperature=0.0, request_id=summary_request())
             try:
-                result = await self.backend.complete(request)
+                if admit_summary is None:
+                    result = await self.backend.complete(request)
+                else:  # i12: reserved against the quota and admitted through the queue, like an answer
+                    async with admit_summary(request) as admitted:
+                        if not admitted:  # no quota or no room: no summary; the oldest turns are dropped
+                            return None
+                        result = await self.backend.complete(request)
             except BadGenerationRequest as exc:
                 log.warning("summary skipped: %s", exc)
                 return summary

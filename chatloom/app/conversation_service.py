@@ -22,7 +22,10 @@ from chatloom.app.conversation_prompt import ConversationDeleted, PromptAssemble
 from chatloom.app.errors import ApiError, error_event, not_found
 from chatloom.app.events import EventLog, EventLogStore
 from chatloom.app.pipeline import AnswerText, Ask, ChatPrompt, Finished, GenerationStopped, Pipeline, Run, Thinking
+from chatloom.app.recovery import start_checkpointer
 from chatloom.app.settings import Settings
+from chatloom.app.summary_admission import admitted_summary
+from chatloom.app.validation import off_loop
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 from chatloom.store import Conversation, Conversations, Database, Messages, User
 
@@ -58,6 +61,7 @@ class Generation:
     stop_requested: bool = False
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    prefix: str = ""  # i12 recovery: the saved text this answer continues from (see app/recovery.py)
 
     def next_summary_id(self) -> str:
         self.summary_ids += 1
@@ -112,7 +116,7 @@ class ConversationService:
             tree = Tree(await Messages(session).all_in(conv.id))
             parent = self._parent(tree, conv, parent_id)
             run = await self.pipeline.open(options.ask(""), moderate=text)  # before any model work or saving
-            text_tokens = self.backend.count_tokens(text)
+            text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # i12: large input
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history = [m.tokens for m in tree.path_to(parent)] if parent is not None else []
             run.reserve(self.prompts.estimate(history + [text_tokens], run.max_tokens))
@@ -172,12 +176,15 @@ class ConversationService:
                 await run.close()
             raise
 
-    async def _start(self, conversation_id: str, question_id: str, answer_id: str, run: Run) -> Generation:
+    async def _start(self, conversation_id: str, question_id: str, answer_id: str, run: Run,
+                     prefix: str = "") -> Generation:
         run.request_id = answer_id  # stop() and the engine know the answer by its message id
-        gen = Generation(conversation_id, question_id, answer_id, run, await self.logs.create(answer_id))
+        gen = Generation(conversation_id, question_id, answer_id, run, await self.logs.create(answer_id),
+                         prefix=prefix)
         await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
         self._running[conversation_id] = gen
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
+        start_checkpointer(self, gen)  # i12 recovery: the text so far reaches the database every interval
         return gen
 
     # -- stopping --------------------------------------------------------------------
@@ -205,15 +212,19 @@ class ConversationService:
         run = gen.run
         try:
             messages = await self.prompts.assemble(gen.conversation_id, gen.user_message_id, run.limits.model,
-                                                   run.max_tokens, gen.next_summary_id, run.charge)
+                                                   run.max_tokens, gen.next_summary_id, run.charge,
+                                                   lambda request: admitted_summary(run, request))  # i12
             if gen.stop_requested:
                 raise GenerationStopped
+            if gen.prefix:  # i12 recovery: the saved text opens the assistant's turn; readers see it whole
+                await self._write(gen, AnswerText(gen.prefix), out)
+                messages = messages + [{"role": "assistant", "content": gen.prefix}]
 
             async def position(n: int) -> None:
                 if not gen.log.closed:
                     await gen.log.append({"queue_position": n})
 
-            await run.admit(ChatPrompt(messages), position)
+            await run.admit(ChatPrompt(messages, continue_final=bool(gen.prefix)), position)
             async for piece in run.stream():
                 await self._write(gen, piece, out)
         except (GenerationStopped, ConversationDeleted, SummaryAborted):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -14,9 +15,11 @@ from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
 from chatloom.app.events import MemoryEventLogStore
 from chatloom.app.pipeline import Pipeline
-from chatloom.app.routes import admin, auth, conversations, health, openai, usage, web
+from chatloom.app.recovery import Sweeper, drain
+from chatloom.app.routes import admin, auth, conversations, health, openai, recovery, usage, web
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import RateLimitHeaders, build_traffic
+from chatloom.app.validation import EdgeGuard
 from chatloom.model_args import int8_matmul
 from chatloom.serving import Backend, BackendError, LocalBackend
 from chatloom.store import Database
@@ -58,12 +61,18 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await db.migrate()
+        sweeper = Sweeper(ctx.conversations)  # answers left running by a dead process: interrupted
+        await sweeper.start()
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend), name="backend-start")
         try:
             yield
         finally:
-            await ctx.conversations.shutdown()
+            await sweeper.stop()
+            # Running answers get until the drain deadline (counted from SIGTERM where the CLI saw it).
+            started = getattr(app.state, "shutdown_started", None)
+            spent = time.monotonic() - started if started is not None else 0.0
+            await drain(ctx.conversations, max(0.0, settings.shutdown_drain_s - spent))
             if not loading.done():
                 loading.cancel()
             if owns_backend:
@@ -75,7 +84,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
-    for module in (health, auth, conversations, usage, admin, openai, web):
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.max_body_bytes)  # outermost: before any parsing
+    for module in (health, auth, conversations, recovery, usage, admin, openai, web):
         app.include_router(module.router)
     return app
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chatloom.app.errors import ApiError
 from chatloom.app.pipeline import Ask, ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from chatloom.app.validation import Seed
 from chatloom.store import User
 
 LENIENT = ConfigDict(extra="ignore")
@@ -59,7 +60,7 @@ class SamplingIn(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None  # signed 64-bit (validation.Seed)
     n: int | None = Field(default=None, ge=1)
     user: str | None = Field(default=None, max_length=256)
 

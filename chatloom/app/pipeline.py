@@ -37,6 +37,7 @@ from chatloom.app.errors import ApiError
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
 from chatloom.app.traffic import Traffic
+from chatloom.app.validation import check_fits
 from chatloom.serving import Backend, GenerationRequest, Timings, Usage
 from chatloom.store import User
 
@@ -76,6 +77,8 @@ class Limits:
 @dataclass(frozen=True)
 class ChatPrompt:
     messages: list[dict]  # [{"role", "content"}]
+    # i12: the last message is an unfinished assistant turn to go on from (an interrupted answer resuming)
+    continue_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ class Run:
         self.timings: Timings | None = None
         self.stopped = False
         self._extra = Usage()
+        self.summary_reserved = 0  # i12: quota reserved for this run's summaries (summary_admission.py)
         self._reservation = None
         self._slot: Slot | None = None
         self._queued: asyncio.Future | None = None
@@ -198,7 +202,8 @@ class Run:
             if isinstance(prompt, ChatPrompt):
                 sent = prompt
                 if self.limits.effort is not None:
-                    sent = ChatPrompt(reasoning.with_instructions(prompt.messages, self.limits.effort))
+                    sent = ChatPrompt(reasoning.with_instructions(prompt.messages, self.limits.effort),
+                                      prompt.continue_final)
                 tokens = backend.count_prompt_tokens(sent.messages)
             elif isinstance(prompt, TextPrompt):
                 sent, tokens = prompt, backend.count_tokens(prompt.text)
@@ -213,6 +218,8 @@ class Run:
             raise ApiError(400, f"the prompt takes {prompt_tokens} tokens; the context window is {window} tokens "
                            "and the answer needs room too", "context_length_exceeded", self.ask.param)
         self.max_tokens = min(self.max_tokens, window - prompt_tokens)
+        # i12: nor more KV cache than the engine's whole pool (it would wait in the queue forever).
+        check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
 
     def reserve(self, prompt: Prompt | int) -> None:
         """Refuse a prompt that can never fit, then reserve its tokens plus max_tokens from the quota.
@@ -229,7 +236,7 @@ class Run:
         if self._reservation is None:
             self._reservation = self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
         else:
-            self.traffic.extend(self._reservation, self.limits.tier, tokens + self.max_tokens)
+            self.traffic.extend(self._reservation, self.limits.tier, tokens + self.max_tokens + self.summary_reserved)
         if self.stopped:
             raise GenerationStopped
         kind = REASONING if self.limits.effort is not None else INTERACTIVE
@@ -255,6 +262,7 @@ class Run:
                                 request_id=self.request_id, priority=-limits.tier.priority)  # low numbers run first
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
+            req.continue_final = sent.continue_final
         elif isinstance(sent, TextPrompt):
             req.prompt = sent.text
         else:

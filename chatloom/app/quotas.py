@@ -12,7 +12,9 @@ per-day key, inside one Lua script so the check-and-reserve stays atomic across 
 from __future__ import annotations
 
 import abc
+import functools
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -111,13 +113,23 @@ def _seconds_to_midnight(now: float) -> float:
     return (midnight - t).total_seconds()
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class MemoryQuotaStore(QuotaStore):
     """Sliding one-minute windows and a UTC-day counter per user, in this process.
-    Calls never await, so on one event loop each check-and-reserve is atomic."""
+    Calls never await, so on one event loop each check-and-reserve is atomic; a lock keeps them
+    atomic when a large request is checked in a worker thread (validation.off_loop)."""
 
     def __init__(self, clock=time.time) -> None:
         self.clock = clock
         self._users: dict[str, _UserCounters] = {}
+        self._lock = threading.RLock()
 
     def _counters(self, user_id: str, now: float) -> _UserCounters:
         c = self._users.setdefault(user_id, _UserCounters())
@@ -167,6 +179,7 @@ class MemoryQuotaStore(QuotaStore):
                                 f"use, this request needs {tokens}", "rate_limit_exceeded",
                                 self._wait_for(c, now, tokens, tier.tokens_per_minute), self._state(c, tier, now))
 
+    @_locked
     def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
         now = self.clock()
         c = self._counters(user_id, now)
@@ -178,6 +191,7 @@ class MemoryQuotaStore(QuotaStore):
         c.active += 1
         return Reservation(user_id, tokens, now, c.day, _entry=entry)
 
+    @_locked
     def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
         extra = tokens - reservation.tokens
         if extra <= 0 or reservation.settled:
@@ -189,6 +203,7 @@ class MemoryQuotaStore(QuotaStore):
         c.day_tokens += extra
         reservation.tokens = tokens
 
+    @_locked
     def settle(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.settled:
             return
@@ -210,10 +225,12 @@ class MemoryQuotaStore(QuotaStore):
         return QuotaState(tier.requests_per_minute, tier.requests_per_minute - len(c.requests), reset_requests,
                           tier.tokens_per_minute, remaining_tokens, reset_tokens)
 
+    @_locked
     def state(self, user_id: str, tier: Tier) -> QuotaState:
         now = self.clock()
         return self._state(self._counters(user_id, now), tier, now)
 
+    @_locked
     def day_used(self, user_id: str) -> int:
         now = self.clock()
         return self._counters(user_id, now).day_tokens

@@ -141,6 +141,8 @@ class MessageOut(BaseModel):
     sibling_index: int
     feedback: Literal["up", "down"] | None = None  # the caller's rating of this answer
     error: str | None = None
+    # status 'interrupted': the server stopped while writing it; it can be continued or regenerated.
+    interrupted_reason: str | None = None
 
     @classmethod
     def of(cls, m: Message, siblings: list[Message], feedback: str | None = None) -> "MessageOut":
@@ -148,7 +150,7 @@ class MessageOut(BaseModel):
         return cls(id=m.id, parent_id=m.parent_id, role=m.role, text=m.text, reasoning=m.reasoning,
                    tokens=m.tokens, model=m.model, status=m.status, finish_reason=m.finish_reason,
                    created=iso(m.created), sibling_ids=ids, sibling_index=ids.index(m.id), feedback=feedback,
-                   error=m.error or None)
+                   error=m.error or None, interrupted_reason=m.interrupted_reason)
 
 
 class ConversationDetail(ConversationOut):

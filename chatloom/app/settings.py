@@ -81,6 +81,12 @@ class Settings:
     router_policy: str = "prefix_aware"  # round_robin | least_load | prefix_aware
     router_weights: dict | None = None  # { prefix, kv_usage, waiting, min_prefix_fraction }
 
+    # Robustness: edge limits, crash recovery, shutdown (see chatloom/app/validation.py, recovery.py).
+    max_body_bytes: int = 1_000_000  # larger request bodies: 413 before parsing
+    checkpoint_interval_s: float = 0.5  # an answer's text so far is saved this often while it streams
+    recovery_stale_s: float = 5.0  # an answer not saved for this long was left by a dead process: interrupted
+    shutdown_drain_s: float = 20.0  # on SIGTERM, running answers get this long to finish, then are interrupted
+
     log_level: str = "info"
 
     def __post_init__(self) -> None:

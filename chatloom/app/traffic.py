@@ -99,7 +99,7 @@ class Traffic:
             return await self.admission.admit(tier, prompt_tokens, kind, on_position)
         except QueueTimeout as exc:
             self.metrics.queue_timeouts.inc()
-            raise ApiError(503, str(exc), "queue_timeout", headers={"Retry-After": str(exc.retry_after)}) from None
+            raise ApiError(503, str(exc), exc.code, headers={"Retry-After": str(exc.retry_after)}) from None
 
 
 def build_moderator(settings: Settings) -> Moderator:

@@ -27,6 +27,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(EngineDeadError):
+    """This request (and only this one) failed inside the engine; the message says why.
+    (An EngineDeadError for callers that only tell 'the engine failed me' from a good answer.)"""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -83,12 +88,15 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a failed step fails the requests in it, not the engine
+            except Exception as exc:  # not attributable to any one request (the engine isolates those)
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
             for out in outputs:
-                self._deliver(out.request_id, out)
+                if out.finish_reason == "error":
+                    self._deliver(out.request_id, RequestFailedError(f"generation failed: {out.error}"))
+                else:
+                    self._deliver(out.request_id, out)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.requests):

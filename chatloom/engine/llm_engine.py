@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 
@@ -11,6 +12,7 @@ import torch
 from chatloom.engine.block_manager import BlockManager
 from chatloom.engine.config import EngineConfig
 from chatloom.engine.detokenizer import IncrementalDetokenizer
+from chatloom.engine.isolation import execute_isolated
 from chatloom.engine.kv_events import KVEventLog
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.outputs import RequestOutput
@@ -22,6 +24,8 @@ from chatloom.engine.spec_decode import build_speculative_decoder
 from chatloom.engine.spec_decode.calibrate import calibrate_decoder
 from chatloom.engine.stats import EngineSnapshot, EngineStats
 from chatloom.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 class _RequestState:
@@ -96,6 +100,8 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequest("prompt token ids must be within the vocabulary")
+        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be within the vocabulary")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -131,13 +137,18 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         t0 = time.perf_counter()
-        logits, argmax, sampled = self.runner.execute(batch)
+        # A failure is attributed to the sequences it belongs to; the rest of the batch carries on.
+        fwd = execute_isolated(self.runner, batch)
+        outputs += [o for seq, exc in fwd.failed.items() if (o := self._fail(seq, f"the forward pass failed: {exc!r}"))]
+        logits, argmax, sampled = fwd.logits, fwd.argmax, fwd.sampled
+        failures: dict = {}
         if self.spec is not None:
-            if not batch.prefills:
+            if not batch.prefills and not fwd.failed:
                 self.spec.observe_step(batch.num_tokens, time.perf_counter() - t0)
             new_tokens = self.spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids) if sampled else []
         else:
-            new_tokens = [[t] for t in self.sampler(logits, sampled, self.eos_ids, argmax)] if sampled else []
+            drawn, failures = self.sampler.sample(logits, sampled, self.eos_ids, argmax) if sampled else ([], {})
+            new_tokens = [[t] for t in drawn]
 
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
@@ -145,7 +156,12 @@ class LLMEngine:
             seq.num_computed_tokens += n
         now = time.time()
         num_new = 0
-        for seq, tokens in zip(sampled, new_tokens):
+        for row, (seq, tokens) in enumerate(zip(sampled, new_tokens)):
+            if row in failures:  # this row alone could not be sampled
+                out = self._fail(seq, f"sampling failed: {failures[row]}")
+                if out is not None:
+                    outputs.append(out)
+                continue
             # Kept proposals are computed already: their K/V went in with this step's forward.
             seq.num_computed_tokens += len(tokens) - 1
             had_proposals = bool(seq.spec_token_ids)
@@ -160,7 +176,14 @@ class LLMEngine:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
-                out = self._advance(state, token)
+                try:
+                    out = self._advance(state, token)
+                except Exception as exc:  # detokenizing or stop matching: this request's problem alone
+                    out = self._fail(seq, f"decoding the output failed: {exc!r}")
+                    merged = None
+                    if out is not None:
+                        outputs.append(out)
+                    break
                 merged = out if merged is None else _merge(merged, out)
                 if seq.is_finished:
                     break
@@ -206,6 +229,17 @@ class LLMEngine:
         return RequestOutput(seq.request_id, delta, [token], state.detok.text[:safe],
                              num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens)
 
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput | None:
+        """Finish one request with finish_reason 'error'; its blocks are freed, nothing else is touched."""
+        state = self.requests.get(seq.request_id)
+        if state is None:  # already finished (aborted meanwhile)
+            return None
+        log.warning("request %s failed: %s", seq.request_id, message)
+        self.stats.failed += 1
+        out = self._finish(state, "error", emit=False)
+        out.error = message
+        return out
+
     def _finish(self, state: _RequestState, reason: str, emit: bool = True) -> RequestOutput:
         seq = state.seq
         self.scheduler.remove(seq)
@@ -215,7 +249,7 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()
         del self.requests[seq.request_id]
-        if not state.stopped_by_string:
+        if not state.stopped_by_string and reason != "error":
             state.detok.flush()
         text = state.detok.text
         delta = text[state.emitted:]
@@ -260,6 +294,7 @@ class LLMEngine:
             prefix_cache_hit_rate=bm.hit_rate, prefix_cache_evictions=bm.evictions,
             num_preemptions=self.scheduler.num_preemptions, steps=st.steps, generated_tokens=st.generated_tokens,
             aborted_requests=st.aborted, generation_tokens_per_s=round(st.tokens_per_s(), 2),
+            failed_requests=st.failed,
             spec_decode=dataclasses.replace(self.spec.stats) if self.spec is not None else None)
 
     def get_stats(self) -> dict:

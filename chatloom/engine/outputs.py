@@ -13,9 +13,10 @@ class RequestOutput:
     delta_token_ids: list[int]
     text: str  # all text so far
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     token_ids: list[int] = field(default_factory=list)  # all output tokens, on the final output
+    error: str | None = None  # with finish_reason 'error': why this request (alone) failed

@@ -1,9 +1,20 @@
-"""Pick the next token of each sequence from its logits."""
+"""Pick the next token of each sequence from its logits.
+
+Numerically safe for every value SamplingParams accepts: temperatures and nucleus sizes below
+their floors are greedy, the arithmetic is float32 with the top token always kept, and a row that
+still cannot be sampled (the model produced NaN logits, say) fails only its own request: the
+failure is reported per row, never raised for the whole batch.
+"""
 from __future__ import annotations
 
 import torch
 
+from chatloom.engine.sampling_params import TEMPERATURE_FLOOR
 from chatloom.engine.sequence import Sequence
+
+
+class SamplingError(RuntimeError):
+    """One sequence's token could not be drawn; the message says why."""
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -14,9 +25,11 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     ranks = torch.arange(vocab).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # Keep the smallest prefix whose mass reaches top_p. The first token always stays, even when
+    # top_p rounds to 0 in float32 or the row's probabilities are not finite.
     cum_before = probs.cumsum(dim=-1) - probs
     drop |= cum_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
@@ -40,8 +53,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int],
                  argmax: torch.Tensor | None = None) -> list[int]:
-        """logits: [N, vocab]; argmax: their row-wise argmax when the caller has it already."""
+        """logits: [N, vocab]; argmax: their row-wise argmax when the caller has it already.
+        Raises SamplingError if any row fails (use sample() to keep the other rows)."""
+        tokens, failures = self.sample(logits, seqs, eos_ids, argmax)
+        if failures:
+            raise next(iter(failures.values()))
+        return tokens  # type: ignore[return-value]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int],
+               argmax: torch.Tensor | None = None) -> tuple[list[int | None], dict[int, SamplingError]]:
+        """Each row's token (None where it failed) and the failures by row."""
         logits = logits.float()
+        failures: dict[int, SamplingError] = {}
         # min_tokens: end-of-sequence tokens are not allowed yet.
         banned_any = False
         for row, seq in enumerate(seqs):
@@ -49,24 +72,48 @@ class Sampler:
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
                 if banned:
-                    logits[row, banned] = float("-inf")
+                    try:
+                        logits[row, banned] = float("-inf")
+                    except (IndexError, RuntimeError) as exc:
+                        failures[row] = SamplingError(f"cannot ban stop tokens {banned}: {exc}")
                     banned_any = True
+        # A row with NaN logits has no meaningful token, greedy or not.
+        nan_rows = torch.isnan(logits).any(dim=-1).tolist()
+        for row, bad in enumerate(nan_rows):
+            if bad and row not in failures:
+                failures[row] = SamplingError("the model produced NaN logits for this sequence")
         if argmax is None or banned_any:
             argmax = logits.argmax(dim=-1)
-        out = argmax.tolist()
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if not rows:
-            return out
+        out: list[int | None] = argmax.tolist()
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failures]
+        if rows:
+            self._draw(logits, seqs, rows, out, failures)
+        for row in failures:
+            out[row] = None
+        return out, failures
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], out: list[int | None],
+              failures: dict[int, SamplingError]) -> None:
         sub = logits[rows]
-        temps = torch.tensor([seqs[i].params.temperature for i in rows], dtype=torch.float32)
+        # The floor keeps the division finite; params below it are greedy and never get here.
+        temps = torch.tensor([max(seqs[i].params.temperature, TEMPERATURE_FLOOR) for i in rows],
+                             dtype=torch.float32)
         sub = sub / temps.unsqueeze(1)
         top_k = torch.tensor([seqs[i].params.top_k for i in rows])
         top_p = torch.tensor([seqs[i].params.top_p for i in rows], dtype=torch.float32)
         if bool((top_k > 0).any() or (top_p < 1).any()):
             sub = _filter_top_k_top_p(sub, top_k, top_p)
+        # Logits of +inf (an overflow) would make softmax NaN: such a row takes its top token.
+        overflow = torch.isposinf(sub).any(dim=-1).tolist()
         probs = sub.softmax(dim=-1)
         for j, i in enumerate(rows):
+            if overflow[j]:
+                out[i] = int(sub[j].argmax())
+                continue
             # A seeded request draws from its own generator: same seed, same text, whatever the batch.
             gen = seqs[i].generator or self.generator
-            out[i] = draw_token(probs[j], gen)
-        return out
+            row = probs[j]
+            if not bool(torch.isfinite(row).all()) or float(row.sum()) <= 0:  # every token banned, or worse
+                failures[i] = SamplingError("no token can be sampled: the probabilities are not finite")
+                continue
+            out[i] = draw_token(row, gen)

@@ -1,7 +1,15 @@
 """What a request asks of generation: length, randomness and when to stop."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below these, sampling is greedy: dividing logits by a smaller temperature overflows float32
+# (1e-40 is a denormal, 1e-320 rounds to 0), and a smaller nucleus keeps only the top token anyway.
+TEMPERATURE_FLOOR = 1e-5
+TOP_P_FLOOR = 1e-6
+# Seeds are signed 64-bit integers (what torch and every SQL column can hold).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
 class InvalidRequest(ValueError):
@@ -28,10 +36,12 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise InvalidRequest("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest("temperature must be a finite number >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise InvalidRequest("top_p must be in (0, 1]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidRequest(f"seed must be a signed 64-bit integer ({SEED_MIN} to {SEED_MAX})")
         if self.top_k < -1:
             raise InvalidRequest("top_k must be -1, 0 (off) or positive")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
@@ -41,4 +51,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1 or self.top_p < TOP_P_FLOOR

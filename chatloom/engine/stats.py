@@ -28,6 +28,7 @@ class EngineSnapshot:
     generated_tokens: int
     aborted_requests: int
     generation_tokens_per_s: float
+    failed_requests: int = 0  # ended by an error attributed to them alone (the rest of their batch went on)
     spec_decode: "SpecDecodeStats | None" = None  # None: speculative decoding is off
 
     def as_dict(self) -> dict:
@@ -45,6 +46,7 @@ class EngineStats:
     tokens_computed: int = 0
     generated_tokens: int = 0
     aborted: int = 0
+    failed: int = 0  # requests ended by an error attributed to them alone
     window_seconds: float = 10.0
     _recent: deque = field(default_factory=deque)  # (time, generated tokens)
 

@@ -26,11 +26,13 @@ def _compile(source: str):
     return env.from_string(source)
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                continue_text: str = "") -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template, ready for the reply.
-    The one place prompts are encoded from messages (the CLI, the benchmarks, the local backend)."""
+    The one place prompts are encoded from messages (the CLI, the benchmarks, the local backend).
+    `continue_text`: the reply has begun with this text (an interrupted answer resuming)."""
     text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token) + continue_text
     # A template that writes the BOS text itself must not get a second BOS from the encoder.
     return tokenizer.encode(text, add_special=not (tokenizer.bos_token and text.startswith(tokenizer.bos_token)))
 

@@ -52,6 +52,9 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str | None = None  # lets the caller abort() it later
     priority: int = 0
+    # The last message is an unfinished assistant turn to continue (not closed, no new turn opened),
+    # as vLLM's continue_final_message: how an interrupted answer resumes from its saved text.
+    continue_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def context_window(self) -> int:
         """Tokens of prompt plus answer one request may use."""
+
+    @property
+    def kv_pool_tokens(self) -> int | None:
+        """Tokens the whole KV pool holds, where the backend knows (a request needing more can never run)."""
+        return None
 
     # -- tokens -------------------------------------------------------------------
     @property

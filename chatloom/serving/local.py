@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from chatloom.engine import EngineConfig, InvalidRequest, SamplingParams
-from chatloom.engine.async_engine import AsyncEngine, EngineDeadError
+from chatloom.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from chatloom.models import LoadedModel, ModelError, load_model
 from chatloom.models.chat_template import encode_chat
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
@@ -94,6 +94,10 @@ class LocalBackend(Backend):
             return self._config.max_model_len or min(self._loaded.config.max_position, 8192)
         return self._config.max_model_len or 0
 
+    @property
+    def kv_pool_tokens(self) -> int | None:
+        return self._engine.engine.pool_tokens if self._engine is not None else None
+
     # -- tokens -------------------------------------------------------------------
     @property
     def tokenizer(self):
@@ -102,9 +106,15 @@ class LocalBackend(Backend):
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special=False))
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        partial = ""
+        if continue_final:  # the last message is the assistant's unfinished turn: go on from its text
+            if not messages or messages[-1].get("role") != "assistant":
+                raise BadGenerationRequest("continuing needs an assistant message last", "invalid_messages",
+                                           "messages")
+            messages, partial = messages[:-1], messages[-1].get("content") or ""
         try:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, continue_text=partial)
         except ModelError as exc:
             raise BadGenerationRequest(str(exc), "invalid_messages", "messages") from None
 
@@ -115,7 +125,7 @@ class LocalBackend(Backend):
     def _prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
         self.resolve_model(request.model)
         if request.messages is not None:
-            ids = self.encode_messages(request.messages)
+            ids = self.encode_messages(request.messages, request.continue_final)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         elif request.prompt_token_ids is not None:
@@ -146,7 +156,7 @@ class LocalBackend(Backend):
                             out.num_output_tokens, out.num_cached_tokens, metrics)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
-        except EngineDeadError as exc:
+        except (EngineDeadError, RequestFailedError) as exc:
             raise BackendError(str(exc)) from exc
 
     def abort(self, request_id: str) -> None:

@@ -19,7 +19,8 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-MESSAGE_STATUSES = ("complete", "incomplete", "stopped", "error")
+# interrupted: the process writing the answer died or shut down first; the text so far is kept.
+MESSAGE_STATUSES = ("complete", "incomplete", "stopped", "error", "interrupted")
 
 _id_lock = threading.Lock()
 _last_ms = 0
@@ -105,6 +106,9 @@ class Message(Base):
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
     reasoning: Mapped[str | None] = mapped_column(Text)  # the thinking before the answer (reasoning requests)
+    # While an answer is written: when its text was last saved (a stale one was left by a dead process).
+    heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    interrupted_reason: Mapped[str | None] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

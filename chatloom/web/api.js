@@ -82,6 +82,8 @@ export const api = {
   send: (id, body, signal) => request('POST', `/conversations/${enc(id)}/messages`, { body, raw: true, signal }),
   regenerate: (id, messageId, body, signal) =>
     request('POST', `/conversations/${enc(id)}/messages/${enc(messageId)}/regenerate`, { body, raw: true, signal }),
+  continueAnswer: (id, messageId, body, signal) =>
+    request('POST', `/conversations/${enc(id)}/messages/${enc(messageId)}/continue`, { body, raw: true, signal }),
   resume: (id, messageId, lastEventId, signal) => request('GET', `/conversations/${enc(id)}/stream?message_id=${enc(messageId)}`, {
     raw: true, signal, headers: lastEventId ? { 'Last-Event-ID': String(lastEventId) } : {},
   }),

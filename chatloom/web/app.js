@@ -178,6 +178,7 @@ const messageActions = {
   showSibling: (id) => openConversation(state.convId, id),
   edit: (m, text) => generate(() => api.send(state.convId, { text, parent_id: m.parent_id ?? null, ...options() })),
   regenerate: (m) => generate(() => api.regenerate(state.convId, m.id, options())),
+  continue: (m) => generate(() => api.continueAnswer(state.convId, m.id, options())),
   copy: (text) => navigator.clipboard?.writeText(text).catch(() => {}),
   feedback: async (m, rating, button) => {
     try {

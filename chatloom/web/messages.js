@@ -5,7 +5,18 @@ import { icon } from './icons.js';
 import { renderMarkdown } from './markdown.js';
 
 const STATUS_TEXT = { stopped: 'Stopped', incomplete: 'Cut off at the length limit', error: 'Failed',
-  filtered: 'Withheld by the content filter' };
+  filtered: 'Withheld by the content filter', interrupted: 'Interrupted' };
+
+// An interrupted answer (the server stopped while writing it) says why and offers to go on from
+// its saved text or to write a new one.
+function interruptedLine(m, actions, busy) {
+  return el('div', { class: 'status-line interrupted' },
+    el('span', { class: 'reason', text: m.interrupted_reason ? `Interrupted: ${m.interrupted_reason}.` : 'Interrupted.' }),
+    m.text ? el('button', { type: 'button', class: 'continue', disabled: busy, onclick: () => actions.continue(m) },
+      'Continue') : null,
+    el('button', { type: 'button', class: 'regenerate-answer', disabled: busy, onclick: () => actions.regenerate(m) },
+      'Regenerate'));
+}
 
 // ‹ i/n › for a message that has siblings; `go(id)` shows the branch through that sibling.
 function siblingNav(message, go, busy) {
@@ -52,8 +63,9 @@ function assistantMessage(m, actions, busy) {
   const bubble = el('div', { class: 'bubble markdown' });
   bubble.innerHTML = renderMarkdown(m.text); // escaped first: see markdown.js
   const status = STATUS_TEXT[m.status];
-  const line = status ? el('div', { class: `status-line ${m.status === 'error' ? 'error' : ''}`,
-    text: m.error ? `${status}: ${m.error}` : status }) : null;
+  const line = m.status === 'interrupted' ? interruptedLine(m, actions, busy)
+    : status ? el('div', { class: `status-line ${m.status === 'error' ? 'error' : ''}`,
+      text: m.error ? `${status}: ${m.error}` : status }) : null;
   const thumb = (rating, label) => el('button', {
     type: 'button', class: `thumb thumb-${rating}`, 'aria-label': label, title: label,
     'aria-pressed': String(m.feedback === rating || m.feedback?.rating === rating),

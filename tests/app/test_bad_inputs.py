@@ -63,9 +63,11 @@ async def test_message_longer_than_the_context_window(tmp_path, tiny_backend):
 
 
 async def test_unknown_and_malformed_ids(client, alice):
-    for path in ("/conversations/conv_missing", "/conversations/x" * 3, "/conversations/%00"):
+    for path in ("/conversations/conv_missing", "/conversations/x" * 3):
         r = await client.get(path, headers=alice)
         assert r.status_code == 404, path
+    r = await client.get("/conversations/%00", headers=alice)  # a control character: 400 naming the path
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
     r = await client.get("/conversations?limit=0", headers=alice)
     assert r.status_code == 422 and r.json()["error"]["param"] == "limit"
     r = await client.get("/conversations?offset=-1", headers=alice)

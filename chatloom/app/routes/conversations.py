@@ -14,6 +14,7 @@ from chatloom.app.events import EventLog
 from chatloom.app.schemas import (ConversationDetail, ConversationIn, ConversationOut, GenerationIn, MessageIn,
                                   MessageOut, RenameIn, StopOut)
 from chatloom.app.sse import HEARTBEAT, SSE_HEADERS, frame_event
+from chatloom.app.validation import Offset
 from chatloom.store import Conversations, FeedbackRows, Message, Messages
 
 router = APIRouter(prefix="/conversations", tags=["conversations"])
@@ -37,7 +38,7 @@ def stream_response(gen: Generation) -> StreamingResponse:
 
 @router.get("", response_model=list[ConversationOut])
 async def list_conversations(user: CurrentUser, session: SessionDep, limit: int = Query(20, ge=1, le=100),
-                             offset: int = Query(0, ge=0)) -> list[ConversationOut]:
+                             offset: Offset = 0) -> list[ConversationOut]:
     """Newest first."""
     return [ConversationOut.of(c) for c in await Conversations(session).page(user.id, limit, offset)]
 

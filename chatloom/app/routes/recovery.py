@@ -1,0 +1,24 @@
+"""Continuing an interrupted answer: POST /conversations/{id}/messages/{message_id}/continue (SSE).
+
+Kept apart from the conversation routes: the recovery feature (app/recovery.py) in one place.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from chatloom.app.deps import Ctx, CurrentUser, OwnedConversation, SessionDep
+from chatloom.app.recovery import continue_answer
+from chatloom.app.routes.conversations import _options, stream_response
+from chatloom.app.schemas import GenerationIn
+
+router = APIRouter(prefix="/conversations", tags=["conversations"])
+
+
+@router.post("/{conversation_id}/messages/{message_id}/continue")
+async def continue_message(message_id: str, ctx: Ctx, conv: OwnedConversation, session: SessionDep,
+                           user: CurrentUser, body: GenerationIn | None = None) -> StreamingResponse:
+    """Resume an interrupted (or stopped, or cut-off) answer from its saved text, in the same message.
+    The stream's first token event repeats the saved text, so a reader can render it whole."""
+    gen = await continue_answer(ctx.conversations, session, conv, message_id, _options(user, body))
+    return stream_response(gen)

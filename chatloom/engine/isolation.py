@@ -1,0 +1,62 @@
+"""Run a batch's forward pass so that one request's failure stays that request's.
+
+When the whole batch's forward raises, the cause is usually one sequence (a token id the model
+cannot embed, a kernel bug on one shape). Each sequence is then run again on its own: the ones
+that pass produce their logits as if nothing happened (their K/V slots are simply written again),
+and only the ones that fail alone are reported as failed. A retry costs one forward per sequence,
+paid only on the rare step that fails.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from chatloom.engine.model_runner import ModelRunner
+from chatloom.engine.scheduler import ScheduledBatch
+from chatloom.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor  # [len(sampled), vocab]
+    argmax: torch.Tensor | None
+    sampled: list[Sequence]  # the sequences that produce a token this step, in logits order
+    failed: dict[Sequence, Exception] = field(default_factory=dict)  # sequences whose forward failed alone
+
+
+def split_batch(batch: ScheduledBatch) -> list[ScheduledBatch]:
+    """One batch per sequence, each with exactly its share of the original."""
+    return ([ScheduledBatch(decodes=[s]) for s in batch.decodes]
+            + [ScheduledBatch(prefills=[(s, n)]) for s, n in batch.prefills])
+
+
+def execute_isolated(runner: ModelRunner, batch: ScheduledBatch) -> ForwardResult:
+    """The batch's forward; if it fails, each sequence alone, failing only those that fail alone."""
+    try:
+        return ForwardResult(*runner.execute(batch))
+    except Exception as exc:
+        parts = split_batch(batch)
+        if len(parts) == 1:
+            seq = (batch.decodes or [s for s, _ in batch.prefills])[0]
+            return ForwardResult(torch.empty(0), None, [], {seq: exc})
+        log.warning("a batch of %d sequences failed (%r); running each alone", len(parts), exc)
+    logits, argmaxes, sampled, failed = [], [], [], {}
+    for part in parts:
+        seq = (part.decodes or [s for s, _ in part.prefills])[0]
+        try:
+            l, a, s = runner.execute(part)
+        except Exception as exc:
+            log.warning("request %s fails its forward pass on its own: %r", seq.request_id, exc)
+            failed[seq] = exc
+            continue
+        if s:
+            logits.append(l)
+            argmaxes.append(a if a is not None else l.argmax(dim=-1))
+            sampled.extend(s)
+    if not logits:
+        return ForwardResult(torch.empty(0), None, [], failed)
+    return ForwardResult(torch.cat(logits), torch.cat(argmaxes), sampled, failed)
