@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 from chatloom.argtypes import positive_float, positive_int
+from chatloom.model_args import add_model_args
 
 
 def _settings(args: argparse.Namespace):
@@ -100,17 +101,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the chat service (REST/SSE, OpenAI-compatible API)")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    p.add_argument("--model", default=None, metavar="ID|PATH",
-                   help="registry id, GGUF file or Hugging Face folder (default: the bundled model)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="weights dtype (default fp32)")
-    p.add_argument("--int8-matmul", action="store_true", default=None,
-                   help="multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
-                        "slightly less exact (see README)")
-    p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB (default 0.5)")
+    add_model_args(p, from_settings=True)
+    # Engine sizing: the defaults are the engine's own (chatloom/engine/config.py), not repeated here.
+    p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget per engine step (default 512)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget per engine step")
     p.add_argument("--speculative", choices=["off", "ngram", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model); default off")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=None,

@@ -18,7 +18,7 @@ from chatloom.engine.scheduler import Scheduler, SchedulerConfig
 from chatloom.engine.sequence import Sequence, SequenceStatus
 from chatloom.engine.spec_decode import build_speculative_decoder
 from chatloom.engine.spec_decode.calibrate import calibrate_decoder
-from chatloom.engine.stats import EngineStats
+from chatloom.engine.stats import EngineSnapshot, EngineStats
 from chatloom.models.loader import LoadedModel
 
 
@@ -250,20 +250,17 @@ class LLMEngine:
             bar.close()
         return [results[i] for i in ids]
 
+    def snapshot(self) -> EngineSnapshot:
+        bm, st = self.block_manager, self.stats
+        return EngineSnapshot(
+            num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage_perc=bm.usage, kv_cache_blocks=bm.num_blocks, kv_cache_free_blocks=bm.num_free_blocks,
+            block_size=bm.block_size, prefix_cache_queries=bm.query_tokens, prefix_cache_hits=bm.hit_tokens,
+            prefix_cache_hit_rate=bm.hit_rate, prefix_cache_evictions=bm.evictions,
+            num_preemptions=self.scheduler.num_preemptions, steps=st.steps, generated_tokens=st.generated_tokens,
+            aborted_requests=st.aborted, generation_tokens_per_s=round(st.tokens_per_s(), 2),
+            **(self.spec.stats.as_dict() if self.spec is not None else {}))
+
     def get_stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage_perc": bm.usage,
-            "kv_cache_blocks": bm.num_blocks,
-            "kv_cache_free_blocks": bm.num_free_blocks,
-            "block_size": bm.block_size,
-            "prefix_cache_queries": bm.query_tokens,
-            "prefix_cache_hits": bm.hit_tokens,
-            "prefix_cache_hit_rate": bm.hit_rate,
-            "prefix_cache_evictions": bm.evictions,
-            "num_preemptions": self.scheduler.num_preemptions,
-            **self.stats.as_dict(),
-            **(self.spec.stats.as_dict() if self.spec is not None else {}),
-        }
+        """The snapshot as a plain dict (for printing and JSON)."""
+        return self.snapshot().as_dict()
