@@ -178,7 +178,7 @@ def _spec(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return _emit(run_spec(_load(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
+    return _emit(run_spec(load_from_args(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
                           args.repeats, args.num_speculative_tokens, args.speculative_model,
                           not args.no_adaptive), args.table)
 
@@ -200,7 +200,7 @@ def _serve(args) -> int:
 def _calibrate(args) -> int:
     from chatloom.bench.calibrate import run_calibrate
 
-    model, summary = run_calibrate(_load(args), args.seed, args.max_num_batched_tokens, rounds=args.rounds)
+    model, summary = run_calibrate(load_from_args(args), args.seed, args.max_num_batched_tokens, rounds=args.rounds)
     model.save(args.output)
     summary["output"] = args.output
     return _emit(summary, args.table)
@@ -211,5 +211,5 @@ def _sim_validate(args) -> int:
 
     if args.rates and any(r <= 0 for r in args.rates):
         raise ValueError("--rates must be positive")
-    return _emit(run_sim_validate(_load(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
+    return _emit(run_sim_validate(load_from_args(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
                                   args.step_time), args.table)

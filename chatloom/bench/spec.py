@@ -13,7 +13,7 @@ import statistics
 import time
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
-from chatloom.models.chat_template import render_chat
+from chatloom.models.chat_template import encode_chat
 from chatloom.models.loader import LoadedModel
 
 PARAGRAPH = ("Teh quick brown fox jumpd over the lazy dog, and then it ran into the forrest to find "
@@ -53,13 +53,7 @@ WORKLOADS = {"repeating": REPEATING, "chat": CHAT}
 
 
 def _prompts(loaded: LoadedModel, convs: list[list[dict]]) -> list[list[int]]:
-    tok = loaded.tokenizer
-    out = []
-    for messages in convs:
-        text = render_chat(tok.chat_template, messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
-        has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token)
-        out.append(tok.encode(text, add_special=not has_bos))
-    return out
+    return [encode_chat(loaded.tokenizer, messages) for messages in convs]
 
 
 def _engine(loaded: LoadedModel, speculative: str, k: int, num_blocks: int, max_num_seqs: int,
