@@ -94,6 +94,10 @@ def _sampling_params(args: argparse.Namespace):
                           top_k=args.top_k, seed=args.seed)
 
 
+def _one_window_kv(args: argparse.Namespace):
+    return lambda cfg: (min(cfg.max_position, 8192) + 32) * cfg.kv_bytes_per_token(args.dtype)
+
+
 def _engine(loaded, seed: int | None):
     """An engine sized for one conversation at a time: a KV pool of one context window."""
     from chatloom.engine import EngineConfig, LLMEngine
@@ -132,7 +136,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--system needs --chat")
     from chatloom.models.chat_template import encode_chat
 
-    loaded = load_from_args(args)
+    # The KV pool _engine allocates (one context window and a block) is checked with the weights.
+    loaded = load_from_args(args, kv_cache_bytes=_one_window_kv(args))
     engine = _engine(loaded, args.seed)
     tok = loaded.tokenizer
     if args.chat:
@@ -160,7 +165,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from chatloom.models.chat_template import encode_chat
 
     interactive = sys.stdin.isatty()
-    loaded = load_from_args(args)
+    # The KV pool _engine allocates (one context window and a block) is checked with the weights.
+    loaded = load_from_args(args, kv_cache_bytes=_one_window_kv(args))
     engine = _engine(loaded, args.seed)
     tok = loaded.tokenizer
     params = _sampling_params(args)
@@ -316,9 +322,9 @@ def capacity(cfg, memory_bytes: int, context: int, dtype: str) -> dict[str, Any]
 def cmd_capacity(args: argparse.Namespace) -> int:
     spec = _capacity_spec(args.model)
     if spec.endswith(".json") and Path(spec).is_file():
-        from chatloom.models.config import ModelConfig  # a config alone: no need to import torch
+        from chatloom.models.hf_config import read_config_file  # a config alone: no need to import torch
 
-        cfg = ModelConfig.from_json_file(Path(spec))
+        cfg = read_config_file(Path(spec))
     else:
         from chatloom.models import describe_config
 
@@ -350,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     from chatloom.app import cli as app_cli
     from chatloom.bench import cli as bench_cli
     from chatloom.sim import cli as sim_cli
+    from chatloom.serving import cli as serving_cli
 
     parser = _Parser(prog=PROG, description="chatloom: a self-hostable chat service and LLM serving engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -389,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_capacity)
 
     app_cli.register(sub)
+    serving_cli.register(sub)
     bench_cli.register(sub)
     sim_cli.register(sub)
     return parser

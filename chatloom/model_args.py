@@ -33,8 +33,10 @@ def int8_matmul(choice: bool | None) -> bool:
     return os.environ.get(INT8_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def load_from_args(args: argparse.Namespace):
-    """The model the flags name, loaded."""
+def load_from_args(args: argparse.Namespace, kv_cache_bytes=0):
+    """The model the flags name, loaded; `kv_cache_bytes` (bytes, or a function of the model's config)
+    is the KV pool the caller will allocate, checked with the weights against available memory."""
     from chatloom.models import load_model
 
-    return load_model(args.model, args.dtype, int8_matmul=int8_matmul(args.int8_matmul))
+    return load_model(args.model, args.dtype, int8_matmul=int8_matmul(args.int8_matmul),
+                      kv_cache_bytes=kv_cache_bytes)

@@ -35,12 +35,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from chatloom.app.main import create_app
 
+    from chatloom.app.fleet_cli import fleet_for_serve
+
     settings = _settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
-    print(f"chatloom: serving {settings.model} on http://{settings.host}:{settings.port} "
-          f"(database {settings.database_url})", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    with fleet_for_serve(settings, args) as settings:  # replicas started/probed here; a bad one is one line
+        app = create_app(settings)
+        print(f"chatloom: serving {settings.model} on http://{settings.host}:{settings.port} "
+              f"(database {settings.database_url})", file=sys.stderr)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 
 
@@ -113,6 +116,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="most tokens proposed per sequence and step (default 4; fewer when it does not pay)")
     p.add_argument("--speculative-model", default=None, metavar="ID|PATH|self-int8|self-layers:N",
                    help="the draft model for --speculative draft (same tokenizer as --model)")
+    from chatloom.app.fleet_cli import add_fleet_args
+
+    add_fleet_args(p)
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 

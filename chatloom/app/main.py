@@ -25,7 +25,17 @@ log = logging.getLogger(__name__)
 
 
 def default_backend(settings: Settings) -> Backend:
-    return LocalBackend(settings.model, settings.dtype, settings.engine_config(),
+    if settings.models or settings.replicas:  # several models, or replicas: the fleet
+        from chatloom.app.fleet_settings import build_fleet_backend, parse_fleet
+
+        fleet = parse_fleet(settings.models, settings.replicas, settings.router_policy, settings.router_weights,
+                            settings.model)
+        return build_fleet_backend(fleet, lambda spec: local_backend(settings, spec))
+    return local_backend(settings, settings.model)
+
+
+def local_backend(settings: Settings, spec: str) -> Backend:
+    return LocalBackend(spec, settings.dtype, settings.engine_config(),
                         int8_matmul=int8_matmul(settings.int8_matmul))  # the switch resolved once, here
 
 

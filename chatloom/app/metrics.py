@@ -64,14 +64,15 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.prefix_cache_queries or 0)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits or 0)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.num_preemptions or 0)
-        if s.spec_decode_num_drafts is not None:  # speculative decoding is on
+        if s.spec_decode is not None:  # speculative decoding is on
+            sd = s.spec_decode
             for key, doc in (("num_drafts", "Sequence-steps that carried proposed tokens."),
                              ("num_draft_tokens", "Proposed tokens checked by the target model."),
                              ("num_accepted_tokens", "Proposed tokens accepted."),
                              ("num_emitted_tokens", "Tokens emitted by speculative steps (accepted plus one).")):
-                yield counter(f"vllm:spec_decode_{key}", doc, getattr(s, f"spec_decode_{key}") or 0)
+                yield counter(f"vllm:spec_decode_{key}", doc, getattr(sd, key))
             yield gauge("chatloom:spec_decode_acceptance_rate", "Accepted over proposed tokens, since start.",
-                        s.spec_decode_acceptance_rate or 0.0)
+                        sd.acceptance_rate)
         if s.generation_tokens_per_s is not None:
             yield gauge("chatloom:generation_tokens_per_s", "Generated tokens per second over the last seconds.",
                         s.generation_tokens_per_s)

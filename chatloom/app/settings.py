@@ -75,6 +75,12 @@ class Settings:
     slo_ttft_s: float | None = 2.0
     slo_tpot_s: float | None = 0.2
 
+    # The fleet (chatloom/app/fleet_settings.py): [[models]] tables, or replica URLs for `model`.
+    models: list | None = None
+    replicas: list | None = None
+    router_policy: str = "prefix_aware"  # round_robin | least_load | prefix_aware
+    router_weights: dict | None = None  # { prefix, kv_usage, waiting, min_prefix_fraction }
+
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ import sys
 from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
 from chatloom.argtypes import positive_int
 from chatloom.model_args import add_model_args, load_from_args
+from chatloom.models.registry import DEFAULT_MODEL
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -67,6 +68,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="PyTorch intra-op threads (default: PyTorch's choice; 1 on a busy shared machine)")
     p.set_defaults(func=_spec)
 
+    p = sub.add_parser("perplexity", help="perplexity on a shipped public-domain text, per matmul mode")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
+    p.add_argument("--modes", nargs="+", choices=["exact", "int8", "bf16"], default=["exact", "int8", "bf16"],
+                   help="exact: float32 (quantized weights expanded exactly); int8: int8 activations; "
+                        "bf16: bfloat16 weights (default: all three)")
+    p.add_argument("--window", type=positive_int, default=512, help="tokens per scored window (default %(default)s)")
+    p.add_argument("--text", default=None, help="another UTF-8 text file to score instead of the shipped one")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_perplexity)
+
+    p = sub.add_parser("kquant-matmul", help="quantized matmul kernels per GGUF type vs the float32 kernel")
+    p.add_argument("--kinds", nargs="+", default=["Q4_K", "Q5_K", "Q6_K"],
+                   choices=["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"])
+    p.add_argument("--k", type=positive_int, default=2048, help="input features (a multiple of 256)")
+    p.add_argument("--n", type=positive_int, default=2048, help="output features")
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_kquant_matmul)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -87,6 +110,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     p.add_argument("--rounds", type=positive_int, default=1, help="passes over the calibration phases")
     p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("router", help="multi-turn chat over N local replicas, once per routing policy")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
+    p.add_argument("--replicas", type=positive_int, default=4, help="local replica processes (default 4)")
+    p.add_argument("--replica-url", action="append", default=None, metavar="URL",
+                   help="use these running replicas instead of starting local ones (repeat)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads per replica (default 1)")
+    p.add_argument("--policies", default="round_robin,least_load,prefix_aware",
+                   help="comma-separated policies to run, in order (default: all three)")
+    p.add_argument("--users", type=positive_int, default=8, help="conversations at once (default 8)")
+    p.add_argument("--turns", type=positive_int, default=8, help="turns per conversation (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=8, help="answer length (default 8)")
+    p.add_argument("--system-words", type=positive_int, default=60, help="words in the shared system prompt")
+    p.add_argument("--message-words", type=positive_int, default=80, help="words in each user message")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of TTFT per turn for each policy")
+    p.add_argument("--table", action="store_true", help="also print a table")
+    p.set_defaults(func=_router)
 
     p = sub.add_parser("sim-validate", help="the real engine against the simulator at two request rates")
     _common(p)
@@ -147,6 +188,27 @@ def _throughput(args) -> int:
         "continuous_vs_sequential": round(rate["continuous"] / rate["sequential"], 2),
     }
     return _emit(result, args.table)
+
+
+def _kquant_matmul(args) -> int:
+    import torch
+
+    from chatloom.bench.kquant_matmul import run_kquant_matmul
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_kquant_matmul(args.kinds, args.k, args.n, args.rows, args.seconds), args.table)
+
+
+def _perplexity(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.perplexity import TEXT, run_perplexity
+
+    text = Path(args.text) if args.text else TEXT
+    if not text.is_file():
+        raise ValueError(f"text file not found: {text}")
+    return _emit(run_perplexity(args.model, args.modes, args.window, text, args.max_tokens), args.table)
 
 
 def _prefix(args) -> int:
@@ -213,3 +275,37 @@ def _sim_validate(args) -> int:
         raise ValueError("--rates must be positive")
     return _emit(run_sim_validate(load_from_args(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
                                   args.step_time), args.table)
+
+def _router(args) -> int:
+    from chatloom.bench.router import plot, run_router_bench, table
+    from chatloom.serving.local_fleet import LocalReplicas
+    from chatloom.serving.policies import POLICIES
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    local = None
+    urls = args.replica_url
+    if not urls:
+        local = LocalReplicas(args.model, args.replicas, args.threads)
+        print(f"starting {args.replicas} replicas of {args.model} ({args.threads} thread(s) each)", file=sys.stderr)
+        try:
+            urls = local.start()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+    try:
+        result = run_router_bench(args.model, urls, policies, args.users, args.turns, args.max_tokens, args.seed,
+                                  args.system_words, args.message_words)
+    finally:
+        if local is not None:
+            local.stop()
+    result["model"] = args.model
+    result["threads_per_replica"] = args.threads
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(table(result), file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0

@@ -62,6 +62,8 @@ class AsyncEngine:
             elif cmd == "abort":
                 # Frees the blocks now; the final 'abort' output comes out of the next step().
                 self.engine.abort(args)
+            elif cmd == "reset_prefix_cache":
+                self.engine.block_manager.reset_prefix_cache()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(request_id)
@@ -139,6 +141,11 @@ class AsyncEngine:
             last = out
         assert last is not None
         return last
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached blocks no running sequence holds (between benchmark runs), at the next step boundary."""
+        self._commands.put(("reset_prefix_cache", None))
+        self._wakeup.set()
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()

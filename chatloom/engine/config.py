@@ -25,3 +25,7 @@ class EngineConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         return max(1, int(self.kv_cache_gb * 1024**3) // (kv_bytes_per_token * self.block_size))
+
+    def kv_cache_bytes(self, kv_bytes_per_token: int) -> int:
+        """Bytes the KV pool will take (what the memory check before loading adds to the weights)."""
+        return self.resolve_num_blocks(kv_bytes_per_token) * self.block_size * kv_bytes_per_token

@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, step, read outputs."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -10,6 +11,7 @@ import torch
 from chatloom.engine.block_manager import BlockManager
 from chatloom.engine.config import EngineConfig
 from chatloom.engine.detokenizer import IncrementalDetokenizer
+from chatloom.engine.kv_events import KVEventLog
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.outputs import RequestOutput
 from chatloom.engine.sampler import Sampler
@@ -50,8 +52,10 @@ class LLMEngine:
         bytes_per_token = cfg.kv_bytes_per_token(dtype_name) * (2 if loaded.dtype == torch.float64 else 1)
         num_blocks = self.config.resolve_num_blocks(bytes_per_token)
         self.max_model_len = self.config.max_model_len or min(cfg.max_position, 8192)
+        # The prefix cache's stored/evicted keys, numbered: a replica publishes them to routers.
+        self.kv_events = KVEventLog(loaded.id, self.config.block_size)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, loaded.id,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
@@ -259,7 +263,7 @@ class LLMEngine:
             prefix_cache_hit_rate=bm.hit_rate, prefix_cache_evictions=bm.evictions,
             num_preemptions=self.scheduler.num_preemptions, steps=st.steps, generated_tokens=st.generated_tokens,
             aborted_requests=st.aborted, generation_tokens_per_s=round(st.tokens_per_s(), 2),
-            **(self.spec.stats.as_dict() if self.spec is not None else {}))
+            spec_decode=dataclasses.replace(self.spec.stats) if self.spec is not None else None)
 
     def get_stats(self) -> dict:
         """The snapshot as a plain dict (for printing and JSON)."""

@@ -8,6 +8,7 @@ from chatloom.engine.sequence import Sequence
 from chatloom.models.attention import AttentionBatch, PrefillSegment, chunk_mask
 from chatloom.models.kernels import load_kernels
 from chatloom.models.llama import LlamaForCausalLM
+from chatloom.models.memory_check import check_fits
 
 
 def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int
@@ -15,6 +16,9 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int
     cfg = model.config
     dtype = model.embed_tokens.weight.dtype
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    # Refuse with the sizes rather than be killed while zeroing the pool.
+    per_layer = num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    check_fits(f"a KV cache of {num_blocks} blocks", 0, 2 * cfg.num_layers * per_layer)
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
@@ -67,10 +71,11 @@ class ModelRunner:
             attn.num_decode = len(ids)
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]
+            # Key counts for the kernel, and for windowed layers' masks on either path.
+            attn.decode_kv_lens = torch.tensor(ctx_lens, dtype=torch.int32)
             if kern is not None:
                 attn.decode_block_tables = torch.tensor(padded, dtype=torch.int32)
                 attn.decode_rows = torch.tensor(rows if rows is not None else range(len(tables)), dtype=torch.int32)
-                attn.decode_kv_lens = torch.tensor(ctx_lens, dtype=torch.int32)
             else:
                 attn.decode_block_tables = torch.tensor(padded if rows is None else [padded[r] for r in rows])
                 lens = torch.tensor(ctx_lens)

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chatloom.engine.spec_decode.decoder import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -24,17 +28,15 @@ class EngineSnapshot:
     generated_tokens: int
     aborted_requests: int
     generation_tokens_per_s: float
-    # Speculative decoding (vLLM's spec_decode counters); None when it is off.
-    spec_decode_num_drafts: int | None = None
-    spec_decode_num_draft_tokens: int | None = None
-    spec_decode_num_accepted_tokens: int | None = None
-    spec_decode_num_emitted_tokens: int | None = None
-    spec_decode_acceptance_rate: float | None = None
-    spec_decode_spec_steps: int | None = None  # steps with any proposed token
-    spec_decode_plain_steps: int | None = None  # decode steps where the planner chose not to speculate
+    spec_decode: "SpecDecodeStats | None" = None  # None: speculative decoding is off
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Flat, for printing and JSON: the speculative counters under their spec_decode_* names."""
+        flat = asdict(self)
+        flat.pop("spec_decode")
+        if self.spec_decode is not None:
+            flat.update(self.spec_decode.as_dict())
+        return flat
 
 
 @dataclass

@@ -58,17 +58,80 @@ class AttentionBatch:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            causal: bool) -> torch.Tensor:
-    # q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+            causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
+    # q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D]; mask broadcasts to [B, Hq, Lq, Lk], True = visible
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    # SDPA cannot soft-cap the scores: the plain computation, as Gemma 2 defines it.
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+
+
+def _window_mask(q_pos: torch.Tensor, context_len: int, window: int | None) -> torch.Tensor:
+    """[Lq, context_len] bool: causal, and within `window` positions when given."""
+    kv = torch.arange(context_len).unsqueeze(0)
+    q_pos = q_pos.unsqueeze(1)
+    mask = kv <= q_pos
+    if window is not None:
+        mask &= kv > q_pos - window
+    return mask
+
+
+def _windowed_attention(q, k, v, k_pool, v_pool, batch: AttentionBatch, out: torch.Tensor, scale: float,
+                        window: int | None, softcap: float | None) -> torch.Tensor:
+    """Sliding-window and/or soft-capped attention, in PyTorch (the C++ kernel does neither).
+    The pool keeps every position; the window is applied by the mask."""
+    nd = batch.num_decode
+    if nd:
+        tables = batch.decode_block_tables.long()
+        lens = batch.decode_kv_lens.long()
+        bs = k_pool.shape[1]
+        first = torch.zeros_like(lens)
+        if window is not None:
+            # Gather only the blocks that can hold the window's keys: a windowed layer's decode
+            # reads O(window), not O(context).
+            span = min(tables.shape[1], -(-window // bs) + 1)
+            first = torch.clamp((lens - window).clamp(min=0) // bs, max=tables.shape[1] - span)
+            tables = tables.gather(1, first.unsqueeze(1) + torch.arange(span))
+        kd = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
+        vd = v_pool[tables].flatten(1, 2).transpose(1, 2)
+        kv = (first * bs).unsqueeze(1) + torch.arange(kd.shape[2]).unsqueeze(0)  # absolute positions
+        mask = kv < lens.unsqueeze(1)
+        if window is not None:
+            mask &= kv >= (lens - window).unsqueeze(1)
+        out[:nd] = _attend(q[:nd].unsqueeze(2), kd, vd, mask[:, None, None, :], False, scale, softcap).squeeze(2)
+    for seg in batch.prefills:
+        s, e, n = seg.q_start, seg.q_start + seg.q_len, seg.context_len
+        table = seg.block_table if seg.block_table is not None else (
+            seg.kernel_table[0].long() if seg.kernel_table is not None else None)
+        if table is None:  # the chunk is the whole context
+            ks, vs = k[s:e], v[s:e]
+        else:
+            ks, vs = k_pool[table].flatten(0, 1)[:n], v_pool[table].flatten(0, 1)[:n]
+        mask = _window_mask(torch.arange(n - seg.q_len, n), n, window)
+        res = _attend(q[s:e].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+                      vs.transpose(0, 1).unsqueeze(0), mask, False, scale, softcap)
+        out[s:e] = res.squeeze(0).transpose(0, 1)
+    return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cache: tuple[torch.Tensor, torch.Tensor] | None,
-                    batch: AttentionBatch) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]. Cache pools: [num_blocks, block_size, Hkv, D]."""
+                    batch: AttentionBatch, scale: float | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]. Cache pools: [num_blocks, block_size, Hkv, D].
+    `scale` multiplies the scores (default D ** -0.5); with `window`, a query at position p
+    sees keys p - window + 1 .. p only; with `softcap`, scores become tanh(s / cap) * cap."""
     out = torch.empty_like(q)
+    k_pool = v_pool = None
     if cache is not None:
         k_pool, v_pool = cache
         flat_k = k_pool.view(-1, k_pool.shape[2], k_pool.shape[3])
@@ -78,7 +141,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     nd = batch.num_decode
     kern = batch.kernels
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if window is not None or softcap is not None:
+        return _windowed_attention(q, k, v, k_pool, v_pool, batch, out, scale, window, softcap)
     if nd and kern is not None:
         out[:nd] = kern.paged_attention(q[:nd].contiguous(), k_pool, v_pool, batch.decode_block_tables,
                                         batch.decode_rows, batch.decode_kv_lens, scale)
@@ -87,7 +152,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kd = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
         vd = v_pool[tables].flatten(1, 2).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
-        out[:nd] = _attend(qd, kd, vd, batch.decode_mask, False).squeeze(2)
+        out[:nd] = _attend(qd, kd, vd, batch.decode_mask, False, scale).squeeze(2)
 
     for seg in batch.prefills:
         s, e = seg.q_start, seg.q_start + seg.q_len
@@ -101,12 +166,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             # The chunk is the whole context: attend to its own fresh K/V.
             ks = k[s:e].transpose(0, 1).unsqueeze(0)
             vs = v[s:e].transpose(0, 1).unsqueeze(0)
-            res = _attend(qs, ks, vs, None, True)
+            res = _attend(qs, ks, vs, None, True, scale)
         else:
             n = seg.context_len
             ks = k_pool[seg.block_table].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
             vs = v_pool[seg.block_table].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
-            res = _attend(qs, ks, vs, seg.mask, False)
+            res = _attend(qs, ks, vs, seg.mask, False, scale)
         out[s:e] = res.squeeze(0).transpose(0, 1)
     return out
 

@@ -9,14 +9,17 @@ import numpy as np
 import torch
 
 from chatloom.models.packed_linear import QUANTIZED_KINDS, QuantizedWeight
-from chatloom.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelError
+from chatloom.models.config import ModelConfig, ModelError, RopeScaling
 
 # GGUF tensor name stem -> Hugging Face name stem (per layer unless marked global).
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Families whose GGUF layout this loader reads (the others load from Hugging Face folders).
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -153,10 +156,32 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.metadata.get(key, default)
 
 
+def _rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> RopeScaling:
+    """RoPE scaling from the metadata; Llama 3.1+ files carry the llama3 frequency divisors
+    as a rope_freqs tensor instead."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if freqs.tensor_type.name != "F32" or freqs.data.size != head_dim // 2:
+            raise ModelError(f"rope_freqs must hold {head_dim // 2} float32 values")
+        return RopeScaling(type="llama3", factor=1.0, freq_factors=[float(x) for x in freqs.data])
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return RopeScaling()
+    if kind not in ("linear", "yarn"):
+        raise ModelError(f"RoPE scaling {kind!r} is not supported in GGUF files (linear, yarn, llama3)")
+    factor = field(reader, f"{arch}.rope.scaling.factor")
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    return RopeScaling(type=kind, factor=float(factor or 0.0),
+                       original_max_position=int(original) if original else None,
+                       beta_fast=float(field(reader, f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+                       beta_slow=float(field(reader, f"{arch}.rope.scaling.yarn_beta_slow") or 1.0))
+
+
 def read_config(reader: GGUFFile, name: str) -> ModelConfig:
     arch = field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelError(f"unsupported architecture {arch!r} in a GGUF file (supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}; other families load from Hugging Face folders)")
 
     def need(key: str) -> Any:
         v = field(reader, f"{arch}.{key}")
@@ -168,17 +193,15 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
     hidden = int(need("embedding_length"))
     head_dim = int(field(reader, f"{arch}.attention.key_length") or hidden // max(heads, 1))
     names = {t.name for t in reader.tensors}
-    scaling = field(reader, f"{arch}.rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in names:
-        # Llama 3.1+ files carry frequency factors (rope_freqs); others linear/yarn scaling.
-        raise ModelError(f"RoPE scaling {scaling or 'rope_freqs'!r} is not supported yet (only plain RoPE)")
     rot = field(reader, f"{arch}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
         raise ModelError(f"partial rotary embeddings ({rot} of {head_dim} dims) are not supported")
+    scaling = _rope_scaling(reader, arch, head_dim)
     # The embedding's rows are the model's vocabulary (it may be padded past the tokenizer's).
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = (embd.shape[0] if embd is not None and len(embd.shape) == 2 else None) \
         or field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
+    trained = int(need("context_length"))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -188,14 +211,17 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
-        max_position=int(need("context_length")),
+        max_position=scaling.context_length(trained),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base") or 10000.0),
+        rope_scaling=scaling,
+        rope_trained_max_position=trained,
         # llama.cpp's converter permutes Q/K of llama/mistral models for its interleaved RoPE;
-        # qwen2 keeps the half-rotation ("neox") layout.
+        # qwen2 and qwen3 keep the half-rotation ("neox") layout.
         rope_interleaved=arch in ("llama", "mistral"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         name=name,
     )
 
@@ -210,8 +236,8 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def read_quantized(reader: GGUFFile) -> dict[str, QuantizedWeight]:
-    """The tensors stored in a block format our matmul kernel reads as is (Q4_0, Q4_1,
-    Q8_0), raw, keyed by their Hugging Face name."""
+    """The tensors stored in a block format our matmul kernels read as is (Q4_0, Q4_1,
+    Q8_0, Q4_K, Q5_K, Q6_K), raw, keyed by their Hugging Face name."""
     from gguf.constants import GGML_QUANT_SIZES
 
     out = {}
@@ -225,18 +251,30 @@ def read_quantized(reader: GGUFFile) -> dict[str, QuantizedWeight]:
     return out
 
 
-def read_weights(reader: GGUFFile) -> dict[str, torch.Tensor]:
-    """Every tensor, dequantized to float32, keyed by its Hugging Face name."""
-    from gguf import quants
+class GGUFWeights:
+    """Tensors of a GGUF file by Hugging Face name, dequantized to float32 only when asked
+    for: layers that keep their quantized blocks never exist in float32 at all."""
 
-    out = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None:
-            continue
+    def __init__(self, reader: GGUFFile) -> None:
+        self._tensors = {name: t for t in reader.tensors if (name := _hf_name(t.name)) is not None}
+
+    def get(self, name: str) -> torch.Tensor | None:
+        from gguf import quants
+
+        t = self._tensors.get(name)
+        if t is None:
+            return None
         try:
             arr = quants.dequantize(t.data, t.tensor_type)
         except Exception as exc:
             raise ModelError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
-        out[name] = torch.from_numpy(np.require(arr, dtype=np.float32, requirements=["C", "W"]))
-    return out
+        return torch.from_numpy(np.require(arr, dtype=np.float32, requirements=["C", "W"]))
+
+    def kinds(self) -> dict[str, str]:
+        """Each tensor's storage type, by Hugging Face name."""
+        return {name: t.tensor_type.name for name, t in self._tensors.items()}
+
+
+def read_weights(reader: GGUFFile) -> GGUFWeights:
+    """Every tensor, dequantized to float32 on demand, keyed by its Hugging Face name."""
+    return GGUFWeights(reader)

@@ -7,13 +7,14 @@ from pathlib import Path
 import torch
 
 from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.hf_config import read_config_file
 
 
 def read_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.exists():
         raise ModelError(f"{folder} has no config.json")
-    cfg = ModelConfig.from_json_file(path)
+    cfg = read_config_file(path)
     cfg.name = folder.name
     return cfg
 

@@ -1,4 +1,11 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat token batch."""
+"""One configurable decoder for every supported family, over a flat token batch.
+
+The Llama block (RMSNorm, RoPE, GQA, SwiGLU) is the base; ModelConfig's switches add what
+the others need: query/key norms (Qwen3, Gemma 3), Gemma's sandwich norms, GELU, embedding
+scaling, soft-capping and per-layer sliding windows, and mixture-of-experts feed-forward
+layers (Mixtral, Qwen MoE). One definition keeps the fused paths (QKV, gate/up, the C++
+kernels) shared by all of them.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,9 +13,10 @@ from torch import nn
 import torch.nn.functional as F
 
 from chatloom.models.attention import AttentionBatch, paged_attention
-from chatloom.models.config import ModelConfig
+from chatloom.models.config import ModelConfig, RopeScaling
 from chatloom.models.kernels import load_kernels
 from chatloom.models.packed_linear import KernelLinear
+from chatloom.models.rope import rope_tables
 
 
 _LOGIT_SLICE = 2048
@@ -42,15 +50,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """cos/sin tables for every position the model serves (rope.py builds them for each
+    scaling type); the rotation itself is the same for all of them."""
+
+    def __init__(self, cfg: ModelConfig, theta: float | None = None, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        d = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        t = torch.arange(cfg.max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta if theta is None else theta,
+                               cfg.rope_scaling if scaling is None else scaling,
+                               cfg.rope_trained_max_position or cfg.max_position, cfg.max_position)
         self.interleaved = cfg.rope_interleaved
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         """Rotate each x: [T, H, D] at `positions` [T]."""
@@ -71,14 +81,25 @@ class RotaryEmbedding(nn.Module):
         return out
 
 
+def head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [T, H, D] (Qwen3 / Gemma 3 query-key norms)."""
+    t, h, d = x.shape
+    return norm(x.reshape(t * h, d)).view(t, h, d)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
+        self.scale = cfg.attention_scale or self.d ** -0.5
+        self.window = cfg.window(layer)
+        self.softcap = cfg.attn_softcap
         # One fused projection: one matmul per layer instead of three.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: tuple[torch.Tensor, torch.Tensor] | None, batch: AttentionBatch) -> torch.Tensor:
@@ -87,33 +108,92 @@ class Attention(nn.Module):
         q = q.view(-1, self.hq, self.d)
         k = k.view(-1, self.hkv, self.d)
         v = v.view(-1, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
         q, k = rope(positions, q, k)
-        o = paged_attention(q, k, v, cache, batch)
+        o = paged_attention(q, k, v, cache, batch, scale=self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.inter = intermediate_size
+        self.act = act
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.act == "gelu_tanh":
+            return self.down_proj(F.gelu(gate_up[:, : self.inter], approximate="tanh") * gate_up[:, self.inter:])
         kernels = fused_kernels(gate_up)
         if kernels is not None:
             return self.down_proj(kernels.silu_and_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
 
 
-class DecoderLayer(nn.Module):
+class SparseMoE(nn.Module):
+    """Mixture-of-experts feed-forward (Mixtral, Qwen MoE): a router picks each token's
+    top-k experts, and each expert runs once per step on just the tokens sent to it.
+
+    Routing follows the model's own rule: softmax over all experts in float32, top-k, then
+    (Mixtral, and Qwen when norm_topk_prob) the k weights renormalized to sum to one. A
+    token's expert outputs are added in expert order, the same whatever else is in the batch."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+                                     for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [T, k] and their weights [T, k]."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        slot_weights = weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                idx = tokens[start:start + n]
+                y = self.experts[e](x[idx]) * slot_weights[start:start + n].unsqueeze(1)
+                out.index_add_(0, idx, y)
+                start += n
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
+        # Llama: the norm before the MLP. Gemma: the norm of the attention output, with two
+        # more around the MLP.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size,
+                                                                 cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope: RotaryEmbedding, cache, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,29 +206,45 @@ class DecoderLayer(nn.Module):
         else:
             h = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rope, cache, batch)
+        if self.sandwich:
+            h = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg)
+        self.build_rope()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def build_rope(self) -> None:
+        """The RoPE tables; Gemma 3's sliding-window layers have their own base."""
+        cfg = self.config
+        self.rope = RotaryEmbedding(cfg)
+        self.rope_local = None
+        if cfg.rope_local_theta is not None:
+            self.rope_local = RotaryEmbedding(cfg, cfg.rope_local_theta, RopeScaling())
+        self.layer_ropes = [self.rope_local if self.rope_local is not None and cfg.window(i) else self.rope
+                            for i in range(cfg.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream may be updated in place
+        if self.config.embedding_scale is not None:
+            x = x * self.config.embedding_scale
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope, kv_caches[i] if kv_caches else None, batch)
+            x, residual = layer(x, residual, positions, self.layer_ropes[i],
+                                kv_caches[i] if kv_caches else None, batch)
         return self.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -162,6 +258,11 @@ class LlamaForCausalLM(nn.Module):
         Without the packed kernel, the head runs as W @ hidden^T (the faster BLAS shape
         here) in vocabulary slices that stay in cache; each slice's maximum is taken while
         it is still there, far cheaper than an argmax down the columns of [vocab, N]."""
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2: tanh soft-capping, before any argmax
+            logits = self._raw_logits(hidden)
+            logits = torch.tanh(logits / cap) * cap
+            return logits, logits.argmax(dim=-1) if want_argmax else None
         if isinstance(self.lm_head, KernelLinear):
             logits = self.lm_head(hidden)
             return logits, logits.argmax(dim=-1) if want_argmax else None
@@ -185,6 +286,12 @@ class LlamaForCausalLM(nn.Module):
                     best_idx = torch.where(better, idx + start, best_idx)
         return out.t(), best_idx
 
+    def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, KernelLinear):
+            return self.lm_head(hidden)
+        w = self.lm_head.weight
+        return F.linear(hidden.to(w.dtype), w).float()
+
     @torch.inference_mode()
     def dense_logits(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Logits for every position of each sequence, without any cache (the reference path)."""
@@ -193,3 +300,7 @@ class LlamaForCausalLM(nn.Module):
         pos = torch.cat([torch.arange(n) for n in lens])
         logits = self.compute_logits(self(ids, pos, AttentionBatch.dense(lens)))
         return list(logits.split(lens))
+
+
+# The engine and older callers know the decoder by this name.
+LlamaForCausalLM = DecoderForCausalLM

@@ -1,8 +1,10 @@
 """One entry point: a registry id or a path in, a ready model and tokenizer out."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -10,10 +12,16 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from chatloom.models import gguf_loader, hf_loader
 from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.hf_config import read_config_file
 from chatloom.models.llama import LlamaForCausalLM
+from chatloom.models.kernels import load_kernels
+from chatloom.models.memory_check import check_fits, dense_weight_bytes, gguf_weight_bytes
+from chatloom.models.packed_linear import QUANTIZED_KINDS, kernels_can_pack
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY, smollm2_path, tiny_random_config
 from chatloom.models.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from chatloom.models.weights import build_model, random_model
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp64": torch.float64, "float64": torch.float64}
@@ -54,6 +62,27 @@ def _byte_tokenizer() -> TextTokenizer:
                          eos_token="<|im_end|>", special_ids=set(ids))
 
 
+_FLOAT_KINDS = ("F32", "F16", "BF16", "F64")
+
+
+def _log_dequantized(kinds: dict[str, str], dtype: torch.dtype) -> None:
+    """Say which quantized tensors are expanded to floats at load, and why."""
+    if dtype != torch.float32:
+        lossy = sorted({k for k in kinds.values() if k not in _FLOAT_KINDS})
+        if lossy:
+            log.info("dequantizing %s weights at load: quantized matmuls run in float32 models only",
+                     ", ".join(lossy))
+        return
+    counts: dict[str, int] = {}
+    for kind in kinds.values():
+        if kind not in _FLOAT_KINDS and kind not in QUANTIZED_KINDS:
+            counts[kind] = counts.get(kind, 0) + 1
+    if counts:
+        log.warning("dequantizing %s to float32 at load: no matmul kernel for %s (kept quantized: %s)",
+                    ", ".join(f"{n} {k} tensors" for k, n in sorted(counts.items())),
+                    "this type" if len(counts) == 1 else "these types", ", ".join(QUANTIZED_KINDS))
+
+
 def describe_config(spec: str) -> ModelConfig:
     """The architecture of a model without loading its weights (for `models` and `capacity`)."""
     if spec == "tiny-random":
@@ -62,7 +91,7 @@ def describe_config(spec: str) -> ModelConfig:
         return cfg
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
     if path.suffix == ".json" and path.is_file():
-        return ModelConfig.from_json_file(path)
+        return read_config_file(path)
     if path.is_dir():
         return hf_loader.read_config(path)
     if path.is_file():
@@ -78,10 +107,13 @@ def _unknown(spec: str) -> ModelError:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
-               int8_matmul: bool = False) -> LoadedModel:
+               int8_matmul: bool = False,
+               kv_cache_bytes: int | Callable[[ModelConfig], int] = 0) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
-    quantized GGUF weights (Q4_0, Q4_1, Q8_0) with int8 activations (faster, slightly less exact; off by default;
-    commands resolve their flag and CHATLOOM_INT8_MATMUL once, in chatloom/model_args.py)."""
+    quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) with int8 activations (faster, slightly
+    less exact; off by default; commands resolve their flag and CHATLOOM_INT8_MATMUL once, in
+    chatloom/model_args.py). Before any weight is read, the weights plus `kv_cache_bytes` (or what it
+    returns for the model's config) are checked against the memory available: ModelError if they do not fit."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
     if spec == "tiny-random":
@@ -92,18 +124,44 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         return LoadedModel(spec, model, tok, cfg, time.perf_counter() - t0)
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
     quantized = None
+    norm_offset = 0.0
+    float_bytes = torch.empty(0, dtype=torch_dtype).element_size()
+
+    def check(cfg: ModelConfig, weight_bytes: int) -> None:
+        kv = kv_cache_bytes(cfg) if callable(kv_cache_bytes) else kv_cache_bytes
+        check_fits(f"model {path.name}", weight_bytes, kv)
+
     if path.is_dir():
         cfg = hf_loader.read_config(path)
+        check(cfg, dense_weight_bytes(cfg, float_bytes))
+        # Gemma norms multiply by 1 + w; llama.cpp's converter adds the 1 in GGUF files.
+        norm_offset = 1.0 if cfg.sandwich_norms else 0.0
         tok = from_hf_folder(path, hf_loader.generation_eos(path))
         weights = hf_loader.read_weights(path)
     elif path.is_file():
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.read_config(reader, path.stem)
+        keeps = torch_dtype == torch.float32 and kernels_can_pack(load_kernels())
+        check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps))
         tok = from_gguf(reader)
         weights = gguf_loader.read_weights(reader)
         quantized = gguf_loader.read_quantized(reader)
+        _log_dequantized(weights.kinds(), torch_dtype)
     else:
         raise _unknown(spec)
-    model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul)
+    model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul, norm_offset)
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> TextTokenizer:
+    """The tokenizer (and chat template) of a model without its weights: a router or gateway
+    tokenizes prompts for a model that runs elsewhere (reading GGUF metadata is a memory map)."""
+    if spec == "tiny-random":
+        return _byte_tokenizer()
+    path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    if path.is_dir():
+        return from_hf_folder(path, hf_loader.generation_eos(path))
+    if path.is_file() and path.suffix != ".json":
+        return from_gguf(gguf_loader.open_gguf(path))
+    raise _unknown(spec)

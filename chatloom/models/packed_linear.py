@@ -72,13 +72,17 @@ class PackedLinear(KernelLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-QUANT_BLOCK = 32  # weights per GGUF quantization block along K
-QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+QUANT_BLOCK = 32  # weights per GGUF quantization block along K (Q4_0, Q4_1, Q8_0)
+GROUP = 16  # weights per scale in the grouped layout (Q6_K, and fused layers of mixed kinds)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q8_0") + K_QUANTS
+SUPER_BLOCK = 256  # K-quants: weights per super-block
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A GGUF matrix [rows, cols] as stored in the file: raw blocks, [rows, cols / 32 * block bytes]."""
+    """A GGUF matrix [rows, cols] as stored in the file: raw blocks, [rows, cols / block * block bytes]."""
 
     kind: str
     raw: np.ndarray
@@ -86,23 +90,63 @@ class QuantizedWeight:
     cols: int
 
 
-def _codes_and_scales(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Integer codes [rows, cols] and per-block d, m [rows, cols/32] with w = d * code + m,
-    computed exactly as gguf's dequantizer does."""
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales_mins(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and mins -> 8 of each per super-block.
+    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top bits of scales 4-7; bytes 4-7 the
+    same for mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high)."""
+    d, m, md = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _codes_and_scales(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Integer codes [rows, cols] and per-group d, m [rows, cols / group] with
+    w = d * code + m computed exactly as gguf's dequantizer does, and the group size."""
+    if w.kind in K_QUANTS:
+        return _k_codes_and_scales(w)
     nb = w.cols // QUANT_BLOCK
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[w.kind]
-    raw = np.ascontiguousarray(w.raw).reshape(w.rows, nb, block_bytes)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    raw = np.ascontiguousarray(w.raw).reshape(w.rows, nb, _BLOCK_BYTES[w.kind])
+    d = _f16(raw[..., 0:2])
     if w.kind == "Q8_0":
         codes = raw[..., 2:].copy().view(np.int8)
-        return codes.reshape(w.rows, w.cols), d, np.zeros_like(d)
+        return codes.reshape(w.rows, w.cols), d, np.zeros_like(d), QUANT_BLOCK
     start = 4 if w.kind == "Q4_1" else 2
     qs = raw[..., start:start + 16]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(w.rows, w.cols)
     if w.kind == "Q4_1":
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return codes, d, m
-    return codes.astype(np.int8) - np.int8(8), d, np.zeros_like(d)  # Q4_0: d * (q - 8)
+        return codes, d, _f16(raw[..., 2:4]), QUANT_BLOCK
+    return codes.astype(np.int8) - np.int8(8), d, np.zeros_like(d), QUANT_BLOCK  # Q4_0: d * (q - 8)
+
+
+def _k_codes_and_scales(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Q4_K / Q5_K: super-blocks of 8 groups of 32, w = (d * scale) * q - dmin * min;
+    Q6_K: 16 groups of 16, w = (d * scale) * (q - 32). The products are exact in float32."""
+    nb = w.cols // SUPER_BLOCK
+    raw = np.ascontiguousarray(w.raw).reshape(w.rows, nb, _BLOCK_BYTES[w.kind])
+    shape = (w.rows, w.cols)
+    if w.kind == "Q6_K":
+        ql, qh = raw[..., 0:128], raw[..., 128:192]
+        scales = raw[..., 192:208].copy().view(np.int8).astype(np.float32)
+        d = _f16(raw[..., 208:210])[..., None] * scales  # [rows, nb, 16]
+        low = ((ql.reshape(w.rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F)
+        high = ((qh.reshape(w.rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03)
+        q = low.reshape(w.rows, nb, 8, 32) | (high.reshape(w.rows, nb, 8, 32) << 4)
+        codes = q.astype(np.int8) - np.int8(32)
+        return codes.reshape(shape), d.reshape(w.rows, -1), np.zeros((w.rows, nb * 16), np.float32), GROUP
+    d, dmin = _f16(raw[..., 0:2])[..., None], _f16(raw[..., 2:4])[..., None]
+    sc, mn = _k_scales_mins(raw[..., 4:16])
+    qs = raw[..., -128:]
+    q = ((qs.reshape(w.rows, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F)
+    q = q.reshape(w.rows, nb, 8, 32)
+    if w.kind == "Q5_K":
+        qh = raw[..., 16:48].reshape(w.rows, nb, 1, 32)
+        q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 0x01) << 4)
+    return q.reshape(shape), (d * sc).reshape(w.rows, -1), -(dmin * mn).reshape(w.rows, -1), QUANT_BLOCK
 
 
 def to_int8_layout(codes: torch.Tensor) -> torch.Tensor:
@@ -145,46 +189,72 @@ def uses_int8_matmul(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) and m.int8_activations for m in model.modules())
 
 
+def quantized_layout(parts: list[QuantizedWeight]) -> str:
+    """How a layer made of `parts` is kept: "nibbles" (4-bit codes, a d and m per 32: Q4_1,
+    Q4_K), "int8" (8-bit codes, a d and m per 32: Q8_0, Q4_0, Q5_K) or "grouped" (8-bit
+    codes, a d and m per 16: Q6_K, and fused layers whose parts differ in kind)."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) > 1 or kinds == {"Q6_K"}:
+        return "grouped"
+    return "nibbles" if kinds <= {"Q4_1", "Q4_K"} else "int8"
+
+
 def pack_quantized(parts: list[QuantizedWeight]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of `parts` stacked (a fused QKV or gate/up), as the kernel's panels:
-    codes [P, K, 8] uint8 (Q4_1: two rows per byte) or [P, K, 16] int8, and scales
-    [P, K/32, 2, 16] float32 (d, then m)."""
-    kind, cols = parts[0].kind, parts[0].cols
+    """Rows of `parts` stacked (a fused QKV or gate/up), as the kernel's panels: codes
+    [P, K, 8] uint8 (nibbles: two rows per byte) or [P, K, 16] int8, and scales
+    [P, K / group, 2, 16] float32 (d, then m), the group being 32, or 16 when grouped."""
+    layout = quantized_layout(parts)
     decoded = [_codes_and_scales(p) for p in parts]
-    codes = np.concatenate([c for c, _, _ in decoded])
-    d = np.concatenate([x for _, x, _ in decoded])
-    m = np.concatenate([x for _, _, x in decoded])
+    group = GROUP if layout == "grouped" else QUANT_BLOCK
+    codes = np.concatenate([c.astype(np.int16) for c, *_ in decoded]) if layout == "grouped" \
+        else np.concatenate([c for c, *_ in decoded])
+    # Per-32 scales repeat over both halves in the grouped layout (same values, finer grid).
+    d = np.concatenate([np.repeat(x, g // group, axis=1) for _, x, _, g in decoded])
+    m = np.concatenate([np.repeat(x, g // group, axis=1) for _, _, x, g in decoded])
+    cols = codes.shape[1]
     rows = codes.shape[0]
     panels = -(-rows // PANEL)
     pad = panels * PANEL - rows
     codes = np.pad(codes, ((0, pad), (0, 0)))
     d, m = np.pad(d, ((0, pad), (0, 0))), np.pad(m, ((0, pad), (0, 0)))
     codes = codes.reshape(panels, PANEL, cols).transpose(0, 2, 1)  # [P, K, 16]
-    if kind == "Q4_1":
+    if layout == "nibbles":
         codes = (codes[..., :8] | (codes[..., 8:] << 4)).astype(np.uint8)
+    elif layout == "grouped" or codes.dtype != np.int8:
+        codes = codes.astype(np.int8)  # Q5_K codes 0..31, Q4_K 0..15, Q6_K -32..31: all fit
     scales = np.stack([d.reshape(panels, PANEL, -1), m.reshape(panels, PANEL, -1)], axis=1)  # [P, 2, 16, nb]
     scales = scales.transpose(0, 3, 1, 2)  # [P, nb, 2, 16]
     return torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(scales))
 
 
 class QuantizedLinear(KernelLinear):
-    """y = x @ W^T + b with W kept as GGUF Q4_0/Q4_1/Q8_0 panels.
+    """y = x @ W^T + b with W kept as GGUF-quantized panels (see quantized_layout).
 
     By default the arithmetic is float32 on the exactly dequantized weights. With
-    `int8_activations` (Q4_1, Q8_0, or Q4_0 through q4_0_as_q4_1), each row of x is
-    quantized to int8 per block of 32 and multiplied in integers, as llama.cpp does: about
-    twice the speed, at the cost of rounding the activations to 8 bits."""
+    `int8_activations` (nibbles and int8 layouts; Q4_0 through q4_0_as_q4_1), each row of x
+    is quantized to int8 per block of 32 and multiplied in integers, as llama.cpp does: about
+    twice the speed, at the cost of rounding the activations to 8 bits. The int8 kernel's
+    8-bit path has no m term, so a Q5_K layer adds it here: (block sums of x) @ m^T, a
+    float32 matmul 32 times smaller than the layer's. The grouped layout (Q6_K, mixed kinds)
+    has its own int8 kernel, quantizing x per 16 (kquant.cpp)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None, kernels, int8_activations: bool = False) -> None:
         super().__init__()
         self.in_features = codes.shape[1]
         self.out_features = out_features
-        self.int8_activations = int8_activations
+        self.group = self.in_features // scales.shape[1]
+        self.int8_activations = int8_activations and (self.group == QUANT_BLOCK or hasattr(kernels, "grouped_int8_linear"))
+        m_panels = None
+        if (self.int8_activations and self.group == QUANT_BLOCK and codes.shape[2] == PANEL
+                and bool((scales[:, :, 1, :] != 0).any())):
+            m = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, scales.shape[1])[:out_features]  # [N, K/32]
+            m_panels = pack_weight(m)
         if self.int8_activations:
             codes = to_int8_layout(codes)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
+        self.register_buffer("m_panels", m_panels)
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
         self._kernels = kernels
 
@@ -194,33 +264,41 @@ class QuantizedLinear(KernelLinear):
         codes = from_int8_layout(self.codes) if self.int8_activations else self.codes
         if codes.shape[2] == 8:  # two 4-bit rows per byte
             codes = torch.cat([codes & 0x0F, codes >> 4], dim=2)
-        c = codes.float().view(codes.shape[0], -1, QUANT_BLOCK, PANEL)  # [P, nb, 32, 16]
-        w = c * self.scales[:, :, 0:1, :] + self.scales[:, :, 1:2, :]
+        c = codes.float().view(codes.shape[0], -1, self.group, PANEL)  # [P, groups, group, 16]
+        w = torch.addcmul(self.scales[:, :, 1:2, :], c, self.scales[:, :, 0:1, :])
         return unpack_weight(w.reshape(codes.shape[0], -1, PANEL), self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group == GROUP:
+            kernel = self._kernels.grouped_int8_linear if self.int8_activations else self._kernels.grouped_quantized_linear
+            return kernel(x, self.codes, self.scales, self.out_features, self.bias)
         if self.int8_activations:
-            return self._kernels.int8_linear(x, self.codes, self.scales, self.out_features, self.bias)
+            y = self._kernels.int8_linear(x, self.codes, self.scales, self.out_features, self.bias)
+            if self.m_panels is not None:
+                sums = x.reshape(x.shape[0], -1, QUANT_BLOCK).sum(dim=2)
+                y += self._kernels.packed_linear(sums, self.m_panels, self.out_features)
+            return y
         return self._kernels.quantized_linear(x, self.codes, self.scales, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         kind = "4-bit" if self.codes.shape[2] in (8, 32) else "8-bit"
+        group = f", a scale per {self.group}"
         int8 = ", int8 activations" if self.int8_activations else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{int8}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{group}{int8}"
 
 
 def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]] | None = None,
                  int8_activations: bool = False) -> bool:
     """Replace every float32 nn.Linear in `model` by a PackedLinear, or by a QuantizedLinear
     where `quantized` gives the layer's weight as stored in a GGUF file (by module name;
-    several parts for a fused layer, all of one kind). Returns False (and changes nothing)
-    when the kernels are unavailable or the model is not float32. With `int8_activations`
-    (decided by the caller: the flag or environment is read once, in chatloom/model_args.py), quantized layers multiply with int8 activations where
-    the CPU allows it.
+    several parts for a fused layer). Returns False (and changes nothing) when the kernels
+    are unavailable or the model is not float32. With `int8_activations` (decided by the caller:
+    the flag or environment is read once, in chatloom/model_args.py), quantized layers multiply
+    with int8 activations where the CPU and their layout allow it.
 
     A head tied to the embedding gets its own packed copy; the embedding keeps its table."""
     kernels = load_kernels()
-    if kernels is None or not hasattr(kernels, "packed_linear"):
+    if not kernels_can_pack(kernels):
         return False
     quantized = quantized or {}
     int8_activations = int8_activations and int8_matmul_supported(kernels)
@@ -231,9 +309,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
         return False
     for parent, path, name, child in linears:
         parts = quantized.get(path)
-        if parts and _quantizable(parts, child):
+        if parts and quantizable(parts, child.in_features, child.out_features):
             codes, scales = pack_quantized(parts)
-            if int8_activations and parts[0].kind == "Q4_0":
+            if int8_activations and parts[0].kind == "Q4_0" and quantized_layout(parts) == "int8":
                 codes, scales = q4_0_as_q4_1(codes, scales)
             layer = QuantizedLinear(codes, scales, child.out_features, child.bias, kernels, int8_activations)
         else:
@@ -242,8 +320,13 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     return True
 
 
-def _quantizable(parts: list[QuantizedWeight], layer: nn.Linear) -> bool:
-    kinds = {p.kind for p in parts}
-    return (len(kinds) == 1 and kinds <= set(QUANTIZED_KINDS) and layer.in_features % QUANT_BLOCK == 0
-            and all(p.cols == layer.in_features for p in parts)
-            and sum(p.rows for p in parts) == layer.out_features)
+def kernels_can_pack(kernels) -> bool:
+    """Whether the kernels hold every matmul pack_linears may use."""
+    return kernels is not None and all(hasattr(kernels, n) for n in ("packed_linear", "grouped_quantized_linear"))
+
+
+def quantizable(parts: list[QuantizedWeight], in_features: int, out_features: int) -> bool:
+    """Whether a layer [out_features, in_features] can keep `parts` quantized."""
+    return (all(p.kind in QUANTIZED_KINDS for p in parts) and in_features % QUANT_BLOCK == 0
+            and all(p.cols == in_features for p in parts)
+            and sum(p.rows for p in parts) == out_features)

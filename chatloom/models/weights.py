@@ -1,4 +1,4 @@
-"""Turn per-tensor weights (in Hugging Face naming) into a ready LlamaForCausalLM."""
+"""Turn per-tensor weights (in Hugging Face naming) into a ready decoder, for every family."""
 from __future__ import annotations
 
 import contextlib
@@ -6,7 +6,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from chatloom.models.packed_linear import QuantizedWeight, pack_linears
+from chatloom.models.kernels import load_kernels
+from chatloom.models.packed_linear import QuantizedWeight, kernels_can_pack, pack_linears, quantizable
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.llama import LlamaForCausalLM
 
@@ -32,100 +33,119 @@ def _no_init() -> Iterator[None]:
             setattr(torch.nn.init, n, fn)
 
 
-def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
-    """The shape a Hugging Face-named weight must have under `cfg` (None: not checked here)."""
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    stem = ".".join(name.split(".")[-2:])  # e.g. "q_proj.weight"
-    return {
-        "embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "norm.weight": (h,),
-        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
-        "o_proj.weight": (h, q), "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
-        "gate_proj.weight": (i, h), "up_proj.weight": (i, h), "down_proj.weight": (h, i),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-    }.get(stem)
-
-
-def linear_sources(cfg: ModelConfig, has_head: bool) -> dict[str, list[str]]:
-    """Each linear layer of the model (by module name) and the Hugging Face weights it
-    is made of, in order (QKV and gate/up are fused)."""
-    out = {"lm_head": ["lm_head.weight" if has_head else "model.embed_tokens.weight"]}
+def _weight_sources(cfg: ModelConfig) -> dict[str, list[list[str]]]:
+    """Each parameter of our model and the Hugging Face weights it is made of: a list of
+    alternatives (the first whose weights are all present wins), each a list of weights
+    concatenated along the output rows (QKV and gate/up are fused; Phi-3 ships them fused)."""
+    out: dict[str, list[list[str]]] = {
+        "embed_tokens.weight": [["model.embed_tokens.weight"]], "norm.weight": [["model.norm.weight"]]}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out[f"layers.{i}.self_attn.qkv_proj"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
-        out[f"layers.{i}.self_attn.o_proj"] = [p + "self_attn.o_proj.weight"]
-        out[f"layers.{i}.mlp.gate_up_proj"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        out[f"layers.{i}.mlp.down_proj"] = [p + "mlp.down_proj.weight"]
+        p, me = f"model.layers.{i}.", f"layers.{i}."
+        att = p + "self_attn."
+        out[me + "self_attn.qkv_proj.weight"] = [[att + f"{n}_proj.weight" for n in "qkv"], [att + "qkv_proj.weight"]]
+        if cfg.attention_bias:
+            out[me + "self_attn.qkv_proj.bias"] = [[att + f"{n}_proj.bias" for n in "qkv"], [att + "qkv_proj.bias"]]
+        out[me + "self_attn.o_proj.weight"] = [[att + "o_proj.weight"]]
+        if cfg.qk_norm:
+            out[me + "self_attn.q_norm.weight"] = [[att + "q_norm.weight"]]
+            out[me + "self_attn.k_norm.weight"] = [[att + "k_norm.weight"]]
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if cfg.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for n in norms:
+            out[me + n + ".weight"] = [[p + n + ".weight"]]
+        if not cfg.is_moe(i):
+            out[me + "mlp.gate_up_proj.weight"] = [[p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                                                   [p + "mlp.gate_up_proj.weight"]]
+            out[me + "mlp.down_proj.weight"] = [[p + "mlp.down_proj.weight"]]
+            continue
+        mixtral = cfg.architecture == "mixtral"
+        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+        out[me + "mlp.gate.weight"] = [[moe + "gate.weight"]]
+        for e in range(cfg.num_experts):
+            ex = f"{moe}experts.{e}."
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            out[f"{me}mlp.experts.{e}.gate_up_proj.weight"] = [[ex + gate + ".weight", ex + up + ".weight"]]
+            out[f"{me}mlp.experts.{e}.down_proj.weight"] = [[ex + down + ".weight"]]
+        if cfg.shared_expert_intermediate_size:
+            sh = moe + "shared_expert."
+            out[me + "mlp.shared_expert.gate_up_proj.weight"] = [[sh + "gate_proj.weight", sh + "up_proj.weight"]]
+            out[me + "mlp.shared_expert.down_proj.weight"] = [[sh + "down_proj.weight"]]
+            out[me + "mlp.shared_expert_gate.weight"] = [[moe + "shared_expert_gate.weight"]]
     return out
 
 
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
                 quantized: Mapping[str, QuantizedWeight] | None = None,
-                int8_matmul: bool = False) -> LlamaForCausalLM:
+                int8_matmul: bool = False, norm_offset: float = 0.0) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
 
     `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a
     float32 model, layers whose weights are all there keep them quantized, and multiply with
-    int8 activations when `int8_matmul` (see pack_linears)."""
+    int8 activations when `int8_matmul` (see pack_linears). `norm_offset` is added to every
+    RMSNorm weight (Gemma's checkpoints store w for a norm that multiplies by 1 + w)."""
     with _no_init():
         model = LlamaForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
-    def need(name: str) -> torch.Tensor:
-        t = get(name)
-        if t is None:
-            raise ModelError(f"weight {name!r} is missing from the model file")
-        want = _expected_shape(cfg, name)
-        if want is not None and tuple(t.shape) != want:
+    def fill(key: str, options: list[list[str]]) -> list[str] | None:
+        names = next((o for o in options if all(get(n) is not None for n in o)), None)
+        if names is None:
+            return None
+        want = shapes[key]
+        parts = [get(n) for n in names]
+        for n, t in zip(names, parts):
             # Checked before fusing: torch.cat would fail with a bare RuntimeError.
-            raise ModelError(f"weight {name} has shape {tuple(t.shape)}, expected {want} "
+            if t.dim() != len(want) or tuple(t.shape[1:]) != want[1:]:
+                raise ModelError(f"weight {n} has shape {tuple(t.shape)}, expected (*, {', '.join(map(str, want[1:]))}) "
+                                 "(the weights do not match the model's config)")
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if tuple(tensor.shape) != want:
+            raise ModelError(f"weight {' + '.join(names)} has shape {tuple(tensor.shape)}, expected {want} "
                              "(the weights do not match the model's config)")
-        return t
+        if norm_offset and key.endswith("norm.weight"):
+            tensor = tensor.float() + norm_offset
+        state[key] = tensor.to(dtype)  # at once: a bf16 load never holds every weight in float32
+        return names
 
-    state: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": need("model.embed_tokens.weight"),
-        "norm.weight": need("model.norm.weight"),
-    }
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        att = p + "self_attn."
-        state[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-            [need(att + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.attention_bias:
-            state[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                [need(att + f"{n}_proj.bias") for n in "qkv"])
-        state[f"layers.{i}.self_attn.o_proj.weight"] = need(att + "o_proj.weight")
-        state[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-            [need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])
-        state[f"layers.{i}.mlp.down_proj.weight"] = need(p + "mlp.down_proj.weight")
-        state[f"layers.{i}.input_layernorm.weight"] = need(p + "input_layernorm.weight")
-        state[f"layers.{i}.post_attention_layernorm.weight"] = need(p + "post_attention_layernorm.weight")
+    state: dict[str, torch.Tensor] = {}
+    chosen: dict[str, list[str]] = {}
+    # Linear layers whose GGUF blocks the kernels will read as they are: their float32
+    # weights are never built (the parameter stays uncommitted memory until replaced).
+    quantized = (quantized or {}) if dtype == torch.float32 and kernels_can_pack(load_kernels()) else {}
+    linear_keys = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for key, options in _weight_sources(cfg).items():
+        if key in linear_keys:
+            kept = next((o for o in options if all(n in quantized for n in o)), None)
+            if kept and quantizable([quantized[n] for n in kept], shapes[key][1], shapes[key][0]):
+                chosen[key] = kept
+                continue
+        names = fill(key, options)
+        if names is None:
+            raise ModelError(f"weight {options[0][0]!r} is missing from the model file")
+        chosen[key] = names
     if not cfg.tie_word_embeddings:
-        head = get("lm_head.weight")
-        state["lm_head.weight"] = head if head is not None else state["embed_tokens.weight"]
-
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    expected = {k for k in shapes if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    for name, tensor in state.items():
-        want = shapes[name]
-        if tuple(tensor.shape) != tuple(want):
-            raise ModelError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
-    missing = expected - set(state)
-    if missing:
-        raise ModelError(f"weights missing: {sorted(missing)[:3]}")
+        head = shapes["lm_head.weight"]
+        kept = ["lm_head.weight"] if "lm_head.weight" in quantized else (
+            ["model.embed_tokens.weight"] if "model.embed_tokens.weight" in quantized
+            and get("lm_head.weight") is None else None)
+        if kept and quantizable([quantized[kept[0]]], head[1], head[0]):
+            chosen["lm_head.weight"] = kept
+        else:
+            chosen["lm_head.weight"] = fill("lm_head.weight", [["lm_head.weight"], ["model.embed_tokens.weight"]])
 
     model = model.to_empty(device="cpu")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    # Buffers (RoPE tables) were created on meta: rebuild them for real.
-    from chatloom.models.llama import RotaryEmbedding
-    model.rope = RotaryEmbedding(cfg)
+        chosen["lm_head.weight"] = ["model.embed_tokens.weight"]
+    model.build_rope()  # buffers were left uninitialized: build them for real
     model = model.eval().requires_grad_(False)
     if dtype == torch.float32:  # the C++ matmul, where it could be built
-        quantized = quantized or {}
-        sources = linear_sources(cfg, has_head=get("lm_head.weight") is not None)
-        pack_linears(model, {module: [quantized[n] for n in names] for module, names in sources.items()
-                             if all(n in quantized for n in names)}, int8_activations=int8_matmul)
+        pack_linears(model, {key[: -len(".weight")]: [quantized[n] for n in names]
+                             for key, names in chosen.items()
+                             if key.endswith(".weight") and all(n in quantized for n in names)},
+                     int8_activations=int8_matmul)
     return model
 
 

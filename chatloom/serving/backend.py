@@ -10,6 +10,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from chatloom.engine.spec_decode.decoder import SpecDecodeStats
+
 
 class BackendError(Exception):
     """The backend failed while serving a request (crashed engine, lost connection)."""
@@ -91,6 +93,7 @@ class Delta:
     cached_tokens: int = 0
     # On the last delta, where the backend measures them.
     metrics: Timings | None = None
+    failovers: int = 0  # on the last delta from a router: replicas the answer moved off mid-way
 
     @property
     def usage(self) -> Usage:
@@ -115,12 +118,27 @@ class BackendStats:
     prefix_cache_hits: int | None = None
     num_preemptions: int | None = None
     generation_tokens_per_s: float | None = None
-    # Speculative decoding, when the backend does it (vLLM's spec_decode counters).
-    spec_decode_num_drafts: int | None = None
-    spec_decode_num_draft_tokens: int | None = None
-    spec_decode_num_accepted_tokens: int | None = None
-    spec_decode_num_emitted_tokens: int | None = None
-    spec_decode_acceptance_rate: float | None = None
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, where it is on
+    # A router's view of its replicas, and a multi-model backend's figures per model.
+    policy: str | None = None
+    failovers: int | None = None
+    replicas: list[ReplicaStatus] | None = None
+    models: dict[str, BackendStats] | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as its router sees it."""
+
+    url: str
+    healthy: bool
+    draining: bool
+    inflight: int
+    served: int
+    exact_prefix_feed: bool  # the replica publishes its prefix-cache events
+    cached_blocks: int  # blocks the router believes the replica holds
+    error: str | None = None
+    load: BackendStats | None = None  # last figures read from its /metrics
 
 
 class Backend(abc.ABC):

@@ -36,6 +36,11 @@ class LocalBackend(Backend):
         self._error: str | None = None
         self._start_lock = asyncio.Lock()
 
+    def _kv_cache_bytes(self, cfg) -> int:
+        """The KV pool the engine will allocate for a model config (checked with the weights)."""
+        per_token = cfg.kv_bytes_per_token("bf16" if self._dtype == "bf16" else "fp32")
+        return self._config.resolve_num_blocks(per_token) * self._config.block_size * per_token
+
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
         async with self._start_lock:
@@ -44,7 +49,8 @@ class LocalBackend(Backend):
             try:
                 if self._loaded is None:
                     log.info("loading model %s", self._spec)
-                    self._loaded = await asyncio.to_thread(load_model, self._spec, self._dtype, self._int8_matmul)
+                    self._loaded = await asyncio.to_thread(load_model, self._spec, self._dtype, self._int8_matmul,
+                                                           self._kv_cache_bytes)
                 # Allocating the KV pool takes a moment for big pools; keep the event loop free.
                 self._engine = await asyncio.to_thread(AsyncEngine.from_model, self._loaded, self._config)
                 self._error = None
@@ -166,7 +172,4 @@ class LocalBackend(Backend):
             kv_cache_free_blocks=s.kv_cache_free_blocks, block_size=s.block_size,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, generation_tokens_per_s=s.generation_tokens_per_s,
-            spec_decode_num_drafts=s.spec_decode_num_drafts, spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
-            spec_decode_num_emitted_tokens=s.spec_decode_num_emitted_tokens,
-            spec_decode_acceptance_rate=s.spec_decode_acceptance_rate)
+            spec_decode=s.spec_decode)

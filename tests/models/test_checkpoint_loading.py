@@ -203,9 +203,10 @@ def test_corrupt_or_mismatched_safetensors(tmp_path, llama_files):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "RoPE scaling 'llama3'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "RoPE scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 32.0}}, "RoPE scaling 'longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "RoPE scaling 'yarn' needs a positive factor"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
+    ({"model_type": "gemma3", "text_config": {}}, "vision-language"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
     ({"num_hidden_layers": 0}, "invalid num_layers"),
@@ -219,33 +220,11 @@ def test_unsupported_hf_configs_are_refused(tmp_path, change, message):
         describe_config(str(tmp_path))
 
 
-def test_sliding_window_caps_the_context(tmp_path):
+def test_sliding_window_is_kept_per_layer(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(tc.hf_config("mistral", sliding_window=64)))
-    assert describe_config(str(tmp_path)).max_position == 64
+    cfg = describe_config(str(tmp_path))
+    assert (cfg.max_position, cfg.layer_windows) == (128, [64, 64])
     (tmp_path / "config.json").write_text(json.dumps(tc.hf_config("qwen2", sliding_window=64)))
-    assert describe_config(str(tmp_path)).max_position == 128  # use_sliding_window is false
-
-
-def test_gguf_with_rope_scaling_is_refused(tmp_path):
-    import gguf
-    import numpy as np
-
-    cfg = VARIANTS["llama"]
-    path = tc.write_gguf(tmp_path / "scaled.gguf", cfg, tc.random_weights(cfg))
-    # Rewrite with a rope_freqs tensor, as llama.cpp writes for Llama 3.1+.
-    reader_free = tmp_path / "freqs.gguf"
-    w = gguf.GGUFWriter(str(reader_free), "llama")
-    for key, value in [("llama.context_length", 128), ("llama.embedding_length", 32), ("llama.block_count", 2),
-                       ("llama.feed_forward_length", 64), ("llama.attention.head_count", 4),
-                       ("llama.attention.layer_norm_rms_epsilon", 1e-6)]:
-        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-    w.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ModelError, match="RoPE scaling"):
-        describe_config(str(reader_free))
-    assert describe_config(str(path)).rope_theta == 10000.0
+    assert describe_config(str(tmp_path)).layer_windows is None  # use_sliding_window is false

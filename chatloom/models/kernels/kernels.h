@@ -25,3 +25,9 @@ bool int8_linear_supported();
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
                           c10::optional<torch::Tensor> bias);
+
+torch::Tensor grouped_quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                       int64_t out_features, c10::optional<torch::Tensor> bias);
+
+torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
+                                  c10::optional<torch::Tensor> bias);

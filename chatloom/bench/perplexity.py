@@ -1,0 +1,78 @@
+"""Perplexity of a model on a short public-domain text shipped with chatloom.
+
+What a quantization type or a matmul mode costs in quality, measured the same way for each:
+the text (texts/public_domain.txt: Lincoln's Gettysburg Address, the opening of the
+Declaration of Independence and of Pride and Prejudice, about 4 KB) is cut into windows
+of consecutive tokens; each token after the first of its window is scored by the model given
+the tokens before it in the window; perplexity is exp of the mean negative log-likelihood.
+Modes are run one after another on the same tokens, in one process, so their figures compare:
+exact (float32, quantized weights expanded exactly), int8 (int8 activations against the
+quantized weights) and bf16 (bfloat16 weights and activations).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+TEXT = Path(__file__).parent / "texts" / "public_domain.txt"
+MODES = ("exact", "int8", "bf16")
+
+
+def windows(ids: list[int], size: int) -> list[list[int]]:
+    """Consecutive windows of `size` tokens (the last may be shorter), one-token windows dropped."""
+    return [w for w in (ids[i:i + size] for i in range(0, len(ids), size)) if len(w) > 1]
+
+
+@torch.inference_mode()
+def negative_log_likelihood(model, chunks: list[list[int]]) -> tuple[float, int]:
+    """Sum of -log p(token | earlier tokens of its window) and the number of tokens scored."""
+    total, count = 0.0, 0
+    for chunk in chunks:
+        logits = model.dense_logits([chunk])[0][:-1].double()
+        targets = torch.tensor(chunk[1:])
+        total -= float(torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).sum())
+        count += len(chunk) - 1
+    return total, count
+
+
+def _load(spec: str, mode: str):
+    from chatloom.models import load_model
+
+    if mode == "bf16":
+        return load_model(spec, "bf16", int8_matmul=False)
+    return load_model(spec, "fp32", int8_matmul=mode == "int8")
+
+
+def run_perplexity(spec: str, modes: list[str], window: int | None = None, text_path: Path = TEXT,
+                   max_tokens: int | None = None) -> dict:
+    from chatloom.models.packed_linear import uses_int8_matmul
+
+    text = Path(text_path).read_text(encoding="utf-8")
+    results: dict[str, dict] = {}
+    ids: list[int] | None = None
+    size = window
+    for mode in modes:
+        t0 = time.perf_counter()
+        loaded = _load(spec, mode)
+        load_s = time.perf_counter() - t0
+        if mode == "int8" and not uses_int8_matmul(loaded.model):
+            results[mode] = {"skipped": "no layer of this model multiplies with int8 activations "
+                                        "(no GGUF-quantized weights with an int8 kernel, or no AVX2)"}
+            continue
+        if ids is None:  # the same tokens for every mode
+            ids = loaded.tokenizer.encode(text)[:max_tokens]
+            size = min(window or 512, loaded.config.max_position)
+        t0 = time.perf_counter()
+        nll, count = negative_log_likelihood(loaded.model, windows(ids, size))
+        results[mode] = {"perplexity": round(math.exp(nll / count), 4), "mean_nll": round(nll / count, 5),
+                         "tokens_scored": count, "seconds": round(time.perf_counter() - t0, 2),
+                         "load_seconds": round(load_s, 2)}
+        del loaded
+    base = results.get("exact", {}).get("perplexity")
+    ratios = {f"{m}/exact": round(r["perplexity"] / base, 4) for m, r in results.items()
+              if m != "exact" and base and "perplexity" in r}
+    return {"benchmark": "perplexity", "model": spec, "text": Path(text_path).name, "tokens": len(ids or []),
+            "window": size, "modes": results, "perplexity_ratio": ratios}

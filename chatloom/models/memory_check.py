@@ -1,0 +1,96 @@
+"""Will a model fit? Weights plus the KV cache asked for, against the memory available.
+
+Checked before any weight is read, so a model too big for the machine is refused with one
+line naming the sizes instead of being killed by the kernel's out-of-memory handler half-way
+through loading. The weight estimate follows what the loader keeps: GGUF blocks that a
+kernel reads stay at their panel layout's size (see packed_linear.quantized_layout), every
+other tensor becomes float32 (or the chosen dtype).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from chatloom.models.config import ModelConfig, ModelError
+
+# Bytes per weight once packed for the kernels: codes plus a float32 (d, m) per 32 or per 16.
+_KEPT_BYTES_PER_WEIGHT = {"Q4_1": 0.75, "Q4_K": 0.75, "Q4_0": 1.25, "Q8_0": 1.25, "Q5_K": 1.25, "Q6_K": 1.5}
+_FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still take: MemAvailable, or less under a cgroup limit
+    (containers); None where neither can be read."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool) -> int:
+    """Resident bytes of a GGUF file's tensors (gguf_loader.GGUFTensor list) once loaded."""
+    total = 0
+    for t in tensors:
+        kind = t.tensor_type.name
+        n = _numel(t)
+        if t.name == "token_embd.weight":
+            total += n * float_bytes  # the embedding table is looked up in floats
+            if kind in _KEPT_BYTES_PER_WEIGHT and keeps_quantized and not any(
+                    u.name == "output.weight" for u in tensors):
+                total += int(n * _KEPT_BYTES_PER_WEIGHT[kind])  # and packed again as the tied head
+        elif keeps_quantized and kind in _KEPT_BYTES_PER_WEIGHT and len(t.shape) == 2:
+            total += int(n * _KEPT_BYTES_PER_WEIGHT[kind])
+        else:
+            total += n * float_bytes
+    return total
+
+
+def _numel(t) -> int:
+    """Elements of a GGUF tensor (its data is raw bytes per row for quantized types)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+    count = 1
+    for d in t.shape[:-1]:
+        count *= d
+    last = t.shape[-1] if t.tensor_type.name in _FLOAT_BYTES or t.tensor_type.name.startswith("I") \
+        else t.shape[-1] // type_size * block
+    return count * last
+
+
+def dense_weight_bytes(cfg: ModelConfig, float_bytes: int) -> int:
+    return cfg.num_parameters() * float_bytes
+
+
+def format_bytes(n: float) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def check_fits(what: str, weight_bytes: int, kv_bytes: int, available: int | None = None) -> None:
+    """Raise ModelError (one line, the sizes named) when weights + KV cache exceed memory.
+    CHATLOOM_SKIP_MEMORY_CHECK=1 turns the check off (swap, or memory freed later)."""
+    if os.environ.get("CHATLOOM_SKIP_MEMORY_CHECK", "0") not in ("", "0"):
+        return
+    available = available_memory_bytes() if available is None else available
+    if available is None or weight_bytes + kv_bytes <= available:
+        return
+    if weight_bytes:
+        sizes = (f"weights {format_bytes(weight_bytes)} + KV cache {format_bytes(kv_bytes)} = "
+                 f"{format_bytes(weight_bytes + kv_bytes)}")
+    else:
+        sizes = f"it needs {format_bytes(kv_bytes)}"
+    raise ModelError(f"{what} does not fit in memory: {sizes}, but only {format_bytes(available)} is "
+                     "available (use a smaller quantization or a smaller KV cache)")

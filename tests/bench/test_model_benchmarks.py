@@ -1,0 +1,55 @@
+"""`chatloom bench perplexity` (the shipped public-domain text, per mode) and `bench kquant-matmul`."""
+from __future__ import annotations
+
+import json
+import math
+
+from chatloom.bench.perplexity import TEXT, negative_log_likelihood, run_perplexity, windows
+from chatloom.cli import main
+
+
+def test_the_text_ships_and_is_a_few_kilobytes():
+    assert 2000 < len(TEXT.read_bytes()) < 10000
+
+
+def test_windows_cover_every_token_once():
+    ids = list(range(23))
+    ws = windows(ids, 5)
+    assert [t for w in ws for t in w] == ids  # 23 = 4 windows of 5 and one of 3
+    assert all(len(w) > 1 for w in ws)
+
+
+def test_perfect_prediction_has_perplexity_one():
+    import torch
+
+    class Oracle:  # puts all its mass on the next token of the window
+        def dense_logits(self, seqs):
+            (s,) = seqs
+            out = torch.full((len(s), 50), -1e9)
+            for i in range(len(s) - 1):
+                out[i, s[i + 1]] = 0.0
+            return [out]
+
+    nll, n = negative_log_likelihood(Oracle(), windows(list(range(40)), 7))
+    assert n == 40 - 6 and abs(nll) < 1e-6
+
+
+def test_tiny_model_modes(capsys):
+    result = run_perplexity("tiny-random", ["exact", "int8", "bf16"], window=64, max_tokens=200)
+    assert result["tokens"] == 200
+    exact = result["modes"]["exact"]["perplexity"]
+    assert math.isfinite(exact) and exact > 1
+    assert "skipped" in result["modes"]["int8"]  # no quantized layers in the random model
+    assert abs(result["perplexity_ratio"]["bf16/exact"] - 1) < 0.05
+    assert main(["bench", "perplexity", "--model", "tiny-random", "--modes", "exact", "--max-tokens", "50"]) == 0
+    assert json.loads(capsys.readouterr().out)["modes"]["exact"]["tokens_scored"] == 49
+
+
+def test_kquant_matmul_bench(capsys):
+    assert main(["bench", "kquant-matmul", "--kinds", "Q4_K", "Q6_K", "--k", "256", "--n", "32",
+                 "--rows", "1", "3", "--seconds", "0.01"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["kinds"]) == {"Q4_K", "Q6_K"}
+    assert out["kinds"]["Q4_K"]["bytes_per_weight"] == 0.75
+    assert out["kinds"]["Q6_K"]["bytes_per_weight"] == 1.5
+    assert out["kinds"]["Q6_K"]["by_rows"]["3"]["float32_ms"] > 0

@@ -1,0 +1,176 @@
+"""GGUF K-quants (Q4_K, Q5_K, Q6_K) kept quantized and expanded inside the matmul kernels.
+
+The exact mode must give the very bits of gguf's dequantizer followed by the float32 matmul,
+at every row count a step can have; the int8-activation mode must stay close to it; and a
+Q4_K_M-style GGUF file must load with its matrices kept quantized and match transformers.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from chatloom.models import load_model
+from chatloom.models.kernels import load_kernels
+from chatloom.models.packed_linear import (QuantizedLinear, QuantizedWeight, pack_quantized, pack_weight,
+                                           quantized_layout)
+
+import tiny_checkpoints as tc
+
+kernels = load_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
+
+ROWS = [1, 2, 3, 4, 5, 6, 7, 12, 13, 31, 64, 97, 200]
+K = 512
+
+
+def _parts(kinds: list[str], sizes: list[int], seed: int = 0) -> list[QuantizedWeight]:
+    return [QuantizedWeight(k, tc.random_kquant_blocks(k, n, K, seed + i), n, K)
+            for i, (k, n) in enumerate(zip(kinds, sizes))]
+
+
+CASES = {
+    "Q4_K": (["Q4_K"], [40]),
+    "Q5_K": (["Q5_K"], [40]),
+    "Q6_K": (["Q6_K"], [40]),
+    "fused Q4_K+Q4_K+Q6_K (a Q4_K_M QKV)": (["Q4_K", "Q4_K", "Q6_K"], [32, 16, 17]),
+    "fused Q5_K+Q4_K": (["Q5_K", "Q4_K"], [20, 13]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exact_mode_is_bit_identical_to_gguf_dequantize_then_float32(case):
+    kinds, sizes = CASES[case]
+    parts = _parts(kinds, sizes, seed=len(case))
+    dense = torch.cat([tc.dequantize(p.kind, p.raw) for p in parts])
+    n = dense.shape[0]
+    codes, scales = pack_quantized(parts)
+    layer = QuantizedLinear(codes, scales, n, None, kernels)
+    assert torch.equal(layer.weight, dense)
+    expected_bytes = {"nibbles": K // 2, "int8": K, "grouped": K}[quantized_layout(parts)]
+    assert codes[0].numel() * codes.element_size() == expected_bytes * 16  # codes stay 4 or 8 bits
+    bias = torch.randn(n)
+    panels = pack_weight(dense)
+    for rows in ROWS:
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        got = layer(x)
+        assert torch.equal(got, kernels.packed_linear(x, panels, n)), rows
+        layer.bias = bias
+        assert torch.equal(layer(x), kernels.packed_linear(x, panels, n, bias)), rows
+        layer.bias = None
+        torch.testing.assert_close(got, x @ dense.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_does_not_depend_on_the_batch():
+    parts = _parts(["Q6_K"], [33])
+    codes, scales = pack_quantized(parts)
+    x = torch.randn(50, K, generator=torch.Generator().manual_seed(1))
+    full = kernels.grouped_quantized_linear(x, codes, scales, 33)
+    for i in (0, 3, 4, 49):
+        assert torch.equal(kernels.grouped_quantized_linear(x[i:i + 1], codes, scales, 33)[0], full[i])
+
+
+INT8_CASES = ["Q4_K", "Q5_K", "Q6_K", "fused Q4_K+Q4_K+Q6_K (a Q4_K_M QKV)"]
+
+
+@pytest.mark.skipif(kernels is None or not kernels.int8_linear_supported(), reason="int8 matmul needs AVX2")
+@pytest.mark.parametrize("case", INT8_CASES)
+def test_int8_activation_mode_stays_close(case):
+    kinds, sizes = CASES[case]
+    parts = _parts(kinds, sizes, seed=3)
+    n = sum(sizes)
+    dense = torch.cat([tc.dequantize(p.kind, p.raw) for p in parts])
+    codes, scales = pack_quantized(parts)
+    layer = QuantizedLinear(codes, scales, n, None, kernels, int8_activations=True)
+    assert layer.int8_activations
+    assert torch.equal(layer.weight, dense)
+    bias = torch.randn(n)
+    full = layer(torch.randn(200, K, generator=torch.Generator().manual_seed(200)))
+    for rows in (1, 2, 3, 7, 64, 200):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        exact = x @ dense.t()
+        got = layer(x)
+        err = (got - exact).norm() / exact.norm()
+        assert err < 0.02, (rows, float(err))
+        layer.bias = bias
+        torch.testing.assert_close(layer(x), got + bias)
+        layer.bias = None
+    # A row's result does not depend on the rest of the batch.
+    x = torch.randn(200, K, generator=torch.Generator().manual_seed(200))
+    assert torch.equal(layer(x[5:6])[0], full[5]) and torch.equal(layer(x[:3])[2], full[2])
+
+
+def _kquant_checkpoint(tmp_path, arch: str = "llama", **extra):
+    cfg = tc.hf_config(arch, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, **extra)
+    path = tmp_path / "kq.gguf"
+    ref = tc.write_kquant_gguf(path, cfg, seed=2)
+    folder = tc.write_hf_folder(tmp_path / "hf", cfg, ref)
+    return cfg, path, folder
+
+
+def test_q4_k_m_gguf_keeps_its_blocks_and_matches_transformers(tmp_path, caplog):
+    cfg, path, folder = _kquant_checkpoint(tmp_path, max_position_embeddings=64, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})
+    with caplog.at_level(logging.INFO):
+        loaded = load_model(str(path), "fp32")
+    assert "dequantizing" not in caplog.text  # every type here has a kernel
+    layer = loaded.model.layers[0]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj, loaded.model.lm_head):
+        assert isinstance(module, QuantizedLinear)
+    assert layer.self_attn.qkv_proj.group == 16  # Q4_K + Q6_K parts: the grouped layout
+    assert layer.mlp.gate_up_proj.codes.shape[2] == 8  # Q4_K: 4-bit codes
+    seqs = [list(range(3, 43)), [7, 8, 9]]
+    ours = loaded.model.dense_logits(seqs)
+    theirs = tc.transformers_logits(tc.transformers_model(folder), seqs)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) < 1e-3
+    # The float32 model on gguf's dequantized weights gives the same bits.
+    dense = load_model(str(folder), "fp32").model.dense_logits(seqs)
+    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(ours, dense))
+
+
+def test_types_without_a_kernel_are_dequantized_and_logged(tmp_path, caplog):
+    cfg = tc.hf_config("qwen2", hidden_size=256, intermediate_size=256, head_dim=64)
+    weights = tc.random_weights(cfg, seed=1)
+    # Q3_K has no kernel here: random blocks (110 bytes per 256 weights, fp16 d last).
+    q3 = np.random.default_rng(0).integers(0, 256, (256, 110), dtype=np.uint8)
+    q3[:, 108:110] = np.full((256, 1), 0.001, np.float16).view(np.uint8)
+    weights["model.layers.0.self_attn.q_proj.weight"] = tc.dequantize("Q3_K", q3)
+    path = tc.write_gguf(tmp_path / "q3.gguf", cfg, weights, raw_blocks={"blk.0.attn_q.weight": ("Q3_K", q3)})
+    with caplog.at_level(logging.INFO):
+        loaded = load_model(str(path), "fp32")
+    assert "dequantizing 1 Q3_K tensors to float32 at load: no matmul kernel" in caplog.text
+    assert not isinstance(loaded.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    folder = tc.write_hf_folder(tmp_path / "hf", cfg, weights)
+    seqs = [list(range(3, 30))]
+    ours, theirs = loaded.model.dense_logits(seqs), tc.transformers_logits(tc.transformers_model(folder), seqs)
+    assert float((ours[0] - theirs[0]).abs().max()) < 1e-3
+
+
+@pytest.mark.skipif(kernels is None or not kernels.int8_linear_supported(), reason="int8 matmul needs AVX2")
+def test_q4_k_m_gguf_in_int8_mode(tmp_path):
+    """Every K-quant layer multiplies with int8 activations, stays close to the exact model,
+    and the engine's batched greedy outputs equal each prompt run alone."""
+    from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+
+    _, path, _ = _kquant_checkpoint(tmp_path)
+    exact = load_model(str(path), "fp32")
+    fast = load_model(str(path), "fp32", int8_matmul=True)
+    layer = fast.model.layers[1]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj, fast.model.lm_head):
+        assert isinstance(module, QuantizedLinear) and module.int8_activations
+    seq = list(range(3, 60))
+    a = torch.log_softmax(exact.model.dense_logits([seq])[0].double(), -1)
+    b = torch.log_softmax(fast.model.dense_logits([seq])[0].double(), -1)
+    assert (a.exp() * (a - b)).sum(-1).mean().item() < 0.02
+    prompts = [[5, 6, 7, 8, 9], list(range(30, 52)), [200, 3]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    batched = LLMEngine(fast, EngineConfig(num_blocks=32, block_size=4)).generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, batched):
+        alone = LLMEngine(fast, EngineConfig(num_blocks=32, block_size=4)).generate([prompt], params, use_tqdm=False)[0]
+        assert alone.token_ids == out.token_ids
