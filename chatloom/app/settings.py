@@ -32,8 +32,8 @@ class Settings:
     max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens  # per step: decodes, then prefill chunks
     context_window: int | None = None  # cap below the model's own window (tests use a tiny one)
     # Speculative decoding: off | ngram (prompt lookup) | draft (speculative_model proposes).
-    speculative: str = "off"
-    num_speculative_tokens: int = 4
+    speculative: str = ENGINE_DEFAULTS.speculative
+    num_speculative_tokens: int = ENGINE_DEFAULTS.num_speculative_tokens
     speculative_model: str | None = None  # registry id, path, or self-int8 / self-layers:N
 
     # Accounts.

@@ -4,7 +4,7 @@ Two workloads: `repeating`, where the answer repeats the prompt (rewrite or fix 
 paragraph or code, a multi-turn chat quoting an earlier turn), which is where proposals
 are kept; and `chat`, plain questions, where they mostly are not and the planner should
 switch speculation off. Both engines are built once and the rounds alternate which goes
-first, so a busy neighbour on a shared machine slows both alike. Prefix caching is off:
+first group by group, so a busy neighbour on a shared machine slows both alike. Prefix caching is off:
 a repeated round must cost what the first did.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import statistics
 import time
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
-from chatloom.models.chat_template import render_chat
+from chatloom.models.chat_template import encode_chat
 from chatloom.models.loader import LoadedModel
 
 PARAGRAPH = ("Teh quick brown fox jumpd over the lazy dog, and then it ran into the forrest to find "
@@ -53,13 +53,7 @@ WORKLOADS = {"repeating": REPEATING, "chat": CHAT}
 
 
 def _prompts(loaded: LoadedModel, convs: list[list[dict]]) -> list[list[int]]:
-    tok = loaded.tokenizer
-    out = []
-    for messages in convs:
-        text = render_chat(tok.chat_template, messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
-        has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token)
-        out.append(tok.encode(text, add_special=not has_bos))
-    return out
+    return [encode_chat(loaded.tokenizer, messages) for messages in convs]
 
 
 def _engine(loaded: LoadedModel, speculative: str, k: int, num_blocks: int, max_num_seqs: int,
@@ -69,14 +63,26 @@ def _engine(loaded: LoadedModel, speculative: str, k: int, num_blocks: int, max_
                                           speculative_model=draft, speculative_adaptive=adaptive))
 
 
-def _timed_run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
-    """Prompts in groups of `batch`, each group run to completion; seconds and outputs."""
+def _timed_rounds(engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int, max_tokens: int,
+                  repeats: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Prompts in groups of `batch`, each group run to completion by every engine in turn
+    (the order alternating group by group), so a noisy neighbour's bursts land on every
+    mode alike. Seconds per mode and round, and each mode's outputs."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    outputs: list[list[int]] = []
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        outputs += [o.token_ids for o in engine.generate(prompts[i:i + batch], params, use_tqdm=False)]
-    return time.perf_counter() - t0, outputs
+    seconds = {m: [0.0] * repeats for m in engines}
+    outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
+    turn = 0
+    for r in range(repeats):
+        for i in range(0, len(prompts), batch):
+            order = list(engines) if turn % 2 == 0 else list(reversed(engines))
+            turn += 1
+            for mode in order:
+                t0 = time.perf_counter()
+                outs = engines[mode].generate(prompts[i:i + batch], params, use_tqdm=False)
+                seconds[mode][r] += time.perf_counter() - t0
+                if r == 0:
+                    outputs[mode] += [o.token_ids for o in outs]
+    return seconds, outputs
 
 
 def _spec_summary(before: dict, after: dict) -> dict:
@@ -102,16 +108,9 @@ def run_spec(loaded: LoadedModel, batch_sizes: tuple[int, ...] = (1, 8), max_tok
     for name, convs in WORKLOADS.items():
         prompts = _prompts(loaded, convs[:num_prompts])
         for batch in batch_sizes:
-            seconds: dict[str, list[float]] = {m: [] for m in engines}
-            tokens: dict[str, int] = {}
-            outs: dict[str, list[list[int]]] = {}
             before = {m: engines[m].spec.stats.as_dict() for m in spec_modes}
-            for r in range(repeats):
-                order = list(engines) if r % 2 == 0 else list(reversed(engines))
-                for mode in order:
-                    s, o = _timed_run(engines[mode], prompts, batch, max_tokens)
-                    seconds[mode].append(s)
-                    tokens[mode], outs[mode] = sum(len(x) for x in o), o
+            seconds, outs = _timed_rounds(engines, prompts, batch, max_tokens, repeats)
+            tokens = {m: sum(len(x) for x in o) for m, o in outs.items()}
             rate = {m: tokens[m] / statistics.median(seconds[m]) for m in seconds}
             row = {"workload": name, "batch": batch, "prompts": len(prompts), "output_tokens": tokens,
                    "seconds": {m: [round(x, 3) for x in v] for m, v in seconds.items()},

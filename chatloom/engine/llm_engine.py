@@ -168,9 +168,10 @@ class LLMEngine:
             seq.spec_token_ids = []
             state = self.requests[seq.request_id]
             merged: RequestOutput | None = None
+            appended = 0
             for token in tokens:
                 seq.token_ids.append(token)
-                num_new += 1
+                appended += 1
                 m = seq.metrics
                 m.num_output_tokens = seq.num_output_tokens
                 if m.first_token_time is None:
@@ -187,12 +188,14 @@ class LLMEngine:
                 merged = out if merged is None else _merge(merged, out)
                 if seq.is_finished:
                     break
+            num_new += appended
             if merged is not None:
                 outputs.append(merged)
-            if had_proposals and not seq.is_finished:
-                # Roll back the blocks that only held rejected proposals.
-                self.block_manager.trim(seq, len(seq))
-                self.spec.verified(seq, len(tokens))
+            if had_proposals:
+                if not seq.is_finished:
+                    # Roll back the blocks that only held rejected proposals.
+                    self.block_manager.trim(seq, len(seq))
+                self.spec.verified(seq, appended)
         for seq in scheduled:
             if not seq.is_finished:
                 self.block_manager.register_full_blocks(seq)

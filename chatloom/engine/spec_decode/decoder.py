@@ -142,7 +142,6 @@ class SpeculativeDecoder:
             st.num_drafts += 1
             st.num_draft_tokens += len(proposed)
             st.num_accepted_tokens += kept
-            st.num_emitted_tokens += len(tokens)
         if any_spec:
             self.stats.num_spec_steps += 1
         return out
@@ -152,9 +151,11 @@ class SpeculativeDecoder:
         self.cost.observe(num_tokens, seconds)
 
     def verified(self, seq: Sequence, emitted: int) -> None:
-        """The engine appended `emitted` tokens to a still-running `seq`; overshoot
-        (emitted tokens past a stop) never reaches here."""
-        self.proposer.verified(seq)
+        """The engine appended `emitted` of the checked run's tokens to `seq` (fewer than
+        verify returned when a stop fell inside the run)."""
+        self.stats.num_emitted_tokens += emitted
+        if not seq.is_finished:
+            self.proposer.verified(seq)
 
     def forget(self, seq: Sequence) -> None:
         self.acceptance.forget(seq.request_id)
