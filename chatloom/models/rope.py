@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from chatloom.models.config import RopeScaling
+from chatloom.models.config import ModelError, RopeScaling
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -38,7 +39,7 @@ def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling, trained_ma
         if scaling.freq_factors is not None:  # GGUF: the converter's divisors, per frequency
             factors = torch.tensor(scaling.freq_factors, dtype=torch.float64)
             if factors.numel() != inv.numel():
-                raise RopeError(f"rope_freqs has {factors.numel()} values, expected {inv.numel()}")
+                raise ModelError(f"rope_freqs has {factors.numel()} values, expected {inv.numel()}")
             return inv / factors, 1.0
         low_wavelen = original / scaling.low_freq_factor
         high_wavelen = original / scaling.high_freq_factor
