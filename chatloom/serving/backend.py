@@ -48,6 +48,11 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str | None = None  # lets the caller abort() it later
     priority: int = 0
+    # Continue an answer another process began (a dead gateway's or replica's): the token ids it
+    # produced and the text the user already has. The backend generates only the rest (what is left of
+    # max_tokens) and streams only new text; the final counts cover the whole answer.
+    resume_token_ids: list[int] = field(default_factory=list)
+    resume_text: str = ""
 
 
 @dataclass
@@ -62,6 +67,9 @@ class Delta:
     cached_tokens: int = 0
     # On the last delta, where the backend measures them: queue_time, ttft, tpot, e2e (seconds).
     metrics: dict | None = None
+    # The answer's token ids new in this delta, where the backend knows them (a stream log keeps them
+    # so that another process can resume the answer; see resume_token_ids).
+    token_ids: list[int] | None = None
 
 
 class Backend(abc.ABC):

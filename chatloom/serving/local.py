@@ -131,12 +131,51 @@ class LocalBackend(Backend):
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         ids, params = self._prepare(request)
+        if request.resume_token_ids:
+            async for delta in self._resume(request, ids, params):
+                yield delta
+            return
+        sent = 0  # output token ids handed out so far (the finishing token arrives only on the last output)
         try:
             async for out in self.engine.stream(ids, params, request_id=request.request_id,
                                                 priority=request.priority):
                 metrics = out.metrics.as_dict() if out.finished and out.metrics is not None else None
+                new_ids = out.token_ids[sent:] if out.finished else out.delta_token_ids
+                sent += len(new_ids)
                 yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
-                            out.num_output_tokens, out.num_cached_tokens, metrics)
+                            out.num_output_tokens, out.num_cached_tokens, metrics, list(new_ids))
+        except InvalidRequest as exc:
+            raise BadGenerationRequest(str(exc)) from None
+        except EngineDeadError as exc:
+            raise BackendError(str(exc)) from exc
+
+    async def _resume(self, request: GenerationRequest, ids: list[int], params: SamplingParams):
+        """The rest of an answer begun elsewhere: prompt + its tokens as the prompt, the text decoded
+        from the whole answer (continuation.py), so the user's text goes on with no gap or repeat."""
+        from chatloom.serving.continuation import AnswerText
+
+        answer = AnswerText.resumed(params, self.tokenizer, request.resume_token_ids, request.resume_text)
+        rest = answer.remaining_params()
+        if rest is None:
+            yield answer.finish(answer.natural_finish(), len(ids), 0, None)
+            return
+        sent = 0
+        try:
+            async for out in self.engine.stream(ids + answer.token_ids, rest, request_id=request.request_id,
+                                                priority=request.priority):
+                new_ids = out.token_ids[sent:] if out.finished else out.delta_token_ids
+                sent += len(new_ids)
+                text = answer.add(list(new_ids), out.delta_text, out.finished)
+                if answer.stopped or out.finished:
+                    if answer.stopped and not out.finished:
+                        self.abort(out.request_id)
+                    metrics = out.metrics.as_dict() if out.finished and out.metrics is not None else None
+                    final = answer.finish("stop" if answer.stopped else out.finish_reason, len(ids),
+                                          out.num_cached_tokens, metrics, text)
+                    final.token_ids = list(new_ids)
+                    yield final
+                    return
+                yield Delta(text, token_ids=list(new_ids))
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         except EngineDeadError as exc:

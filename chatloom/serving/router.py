@@ -29,8 +29,8 @@ from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, Ba
 from chatloom.serving.continuation import AnswerText
 from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
-from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, encode_chat,
-                                     estimate_tokens, sampling_params)
+from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout,
+                                     encode_chat, estimate_tokens, sampling_params)
 from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -310,7 +310,8 @@ class Router(Backend):
                                        f"{self.context_window} tokens and the answer needs room too",
                                        "context_length_exceeded", "messages")
         rid = request.request_id or f"route-{next(self._ids)}"
-        answer = AnswerText(params, self._tokenizer)
+        answer = (AnswerText.resumed(params, self._tokenizer, request.resume_token_ids, request.resume_text)
+                  if request.resume_token_ids else AnswerText(params, self._tokenizer))
         t0 = time.monotonic()
         first_token: float | None = None
         tried: set[str] = set()
@@ -348,11 +349,13 @@ class Router(Backend):
                             if attempt == 0 and piece.usage:
                                 cached_tokens = (piece.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                             replica.served += 1
-                            yield answer.finish(piece.finish_reason, len(ids), cached_tokens,
-                                                self._metrics(t0, first_token, answer), text)
+                            final = answer.finish(piece.finish_reason, len(ids), cached_tokens,
+                                                  self._metrics(t0, first_token, answer), text)
+                            final.token_ids = piece.token_ids
+                            yield final
                             return
-                        if text:
-                            yield Delta(text)
+                        if text or piece.token_ids:
+                            yield Delta(text, token_ids=piece.token_ids)
                     if rid in self._aborted:
                         yield answer.finish("abort", len(ids), cached_tokens, self._metrics(t0, first_token, answer))
                         return
@@ -361,7 +364,10 @@ class Router(Backend):
                         yield answer.finish("abort", len(ids), cached_tokens, self._metrics(t0, first_token, answer))
                         return
                     tried.add(replica.name)
-                    self._eject(replica, str(exc))
+                    if isinstance(exc, ReplicaTimeout):  # busy or hung: health checks decide
+                        replica.failures += 1
+                    else:  # refused, reset, garbage: it is gone
+                        self._eject(replica, str(exc))
                     if isinstance(exc, ReplicaModelMismatch):
                         log.error("replica %s: %s", replica.name, exc)
                     self.failovers += 1
