@@ -16,6 +16,7 @@ import time
 import httpx
 
 from chatloom.serving.backend import GenerationRequest
+from chatloom.serving.remote import Timeouts
 from chatloom.serving.router import Router, RouterConfig
 
 WORDS = ("cache block replica router prefix token answer question system engine queue memory model batch "
@@ -48,7 +49,11 @@ async def _run_policy(model: str, urls: list[str], policy: str, tokenizer, syste
     async with httpx.AsyncClient(timeout=30) as http:
         for url in urls:  # every policy starts from cold caches
             (await http.post(url + "/reset_prefix_cache")).raise_for_status()
-    router = Router(model, urls, RouterConfig(policy=policy, health_interval=0.5), tokenizer)
+    # A benchmark measures placement, not failover: generous timeouts, so that a machine busy with other
+    # work slows the run down instead of ejecting replicas.
+    slow_ok = Timeouts(connect=30.0, probe=30.0, stream_connect=60.0, between_chunks=600.0)
+    router = Router(model, urls, RouterConfig(policy=policy, health_interval=0.5, eject_after=10, timeouts=slow_ok),
+                    tokenizer)
     await router.start()
     records: list[dict] = []
     try:

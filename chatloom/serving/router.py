@@ -29,7 +29,7 @@ from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, Ba
 from chatloom.serving.continuation import AnswerText
 from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
-from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout,
+from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts,
                                      encode_chat, estimate_tokens, sampling_params)
 from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
 
@@ -47,6 +47,7 @@ class RouterConfig:
     follow_feeds: bool = True  # follow replicas' prefix-cache feeds where they have one
     approx_block_size: int = 16  # block size assumed for replicas without a feed
     approx_capacity_blocks: int = 65536  # how many blocks an approximate index remembers per replica
+    timeouts: Timeouts = field(default_factory=Timeouts)  # per replica: probes, connects, silence mid-answer
 
 
 @dataclass
@@ -89,7 +90,8 @@ class Router(Backend):
         self._tokenizer = tokenizer
         self.replicas: list[Replica] = []
         for i, r in enumerate(replicas):
-            client = r if isinstance(r, RemoteBackend) else RemoteBackend(r, model, api_key, tokenizer)
+            client = r if isinstance(r, RemoteBackend) else RemoteBackend(r, model, api_key, tokenizer,
+                                                                          self.config.timeouts)
             self.replicas.append(Replica(client.base_url, client, index=PrefixIndex(self.config.approx_capacity_blocks)))
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError(f"model {model!r} lists the same replica URL twice")
