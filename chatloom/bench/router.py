@@ -100,6 +100,14 @@ async def _run_policy(model: str, urls: list[str], policy: str, tokenizer, syste
     }
 
 
+async def _warm_up(urls: list[str], text: str) -> None:
+    """One short request per replica, so a fresh process's first-request costs (lazy allocations, pages
+    swapped in) fall on no policy's figures."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        await asyncio.gather(*(http.post(u + "/v1/completions", json={"prompt": text, "max_tokens": 2})
+                               for u in urls))
+
+
 def run_router_bench(model: str, urls: list[str], policies: list[str], users: int, turns: int, max_tokens: int,
                      seed: int = 0, system_words: int = 120, user_words: int = 40) -> dict:
     """Run the workload once per policy against the replicas at `urls`; JSON-ready results."""
@@ -107,6 +115,7 @@ def run_router_bench(model: str, urls: list[str], policies: list[str], users: in
 
     tokenizer = load_tokenizer(model)
     system, convs = conversations(users, turns, seed, system_words, user_words)
+    asyncio.run(_warm_up(urls, system))
     results = {p: asyncio.run(_run_policy(model, urls, p, tokenizer, system, convs, max_tokens)) for p in policies}
     out: dict = {"workload": {"users": users, "turns": turns, "max_tokens": max_tokens, "replicas": len(urls),
                               "system_prompt_tokens": len(tokenizer.encode(system)), "seed": seed},

@@ -229,6 +229,8 @@ class RemoteBackend(Backend):
             raise ReplicaTimeout(f"{where}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise ReplicaError(f"{where}: {_describe(exc)}") from None
+        except httpx.StreamError as exc:  # abort() closed the response under the reader
+            raise ReplicaError(f"{where}: the stream was closed ({type(exc).__name__})") from None
 
     async def stream_tokens(self, prompt_ids: list[int], params: SamplingParams,
                             request_id: str | None = None) -> AsyncIterator[TokenChunk]:
