@@ -151,6 +151,7 @@ def plot(result: dict, path: str) -> None:
         ys = r["ttft_mean_by_turn_s"]
         ax.plot(range(1, len(ys) + 1), [y * 1000 for y in ys], marker="o", label=p)
     w = result["workload"]
+    ax.set_xticks(range(1, w["turns"] + 1))
     ax.set_xlabel("turn of the conversation")
     ax.set_ylabel("mean time to first token (ms)")
     ax.set_title(f"{w['users']} users x {w['turns']} turns on {w['replicas']} replicas")
