@@ -31,8 +31,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[object]:
     """The settings to serve with: local replicas started, replica URLs probed."""
+    import logging
+
     from chatloom.app.fleet_settings import parse_fleet
 
+    # The router checks every replica each second; one httpx line per check would drown the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     changes: dict = {}
     if args.router_policy:
         changes["router_policy"] = args.router_policy

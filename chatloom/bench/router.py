@@ -16,6 +16,7 @@ import time
 import httpx
 
 from chatloom.serving.backend import GenerationRequest
+from chatloom.serving.remote import Timeouts
 from chatloom.serving.router import Router, RouterConfig
 
 WORDS = ("cache block replica router prefix token answer question system engine queue memory model batch "
@@ -48,7 +49,11 @@ async def _run_policy(model: str, urls: list[str], policy: str, tokenizer, syste
     async with httpx.AsyncClient(timeout=30) as http:
         for url in urls:  # every policy starts from cold caches
             (await http.post(url + "/reset_prefix_cache")).raise_for_status()
-    router = Router(model, urls, RouterConfig(policy=policy, health_interval=0.5), tokenizer)
+    # A benchmark measures placement, not failover: generous timeouts, so that a machine busy with other
+    # work slows the run down instead of ejecting replicas.
+    slow_ok = Timeouts(connect=30.0, probe=30.0, stream_connect=60.0, between_chunks=600.0)
+    router = Router(model, urls, RouterConfig(policy=policy, health_interval=0.5, eject_after=10, timeouts=slow_ok),
+                    tokenizer)
     await router.start()
     records: list[dict] = []
     try:
@@ -95,6 +100,14 @@ async def _run_policy(model: str, urls: list[str], policy: str, tokenizer, syste
     }
 
 
+async def _warm_up(urls: list[str], text: str) -> None:
+    """One short request per replica, so a fresh process's first-request costs (lazy allocations, pages
+    swapped in) fall on no policy's figures."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        await asyncio.gather(*(http.post(u + "/v1/completions", json={"prompt": text, "max_tokens": 2})
+                               for u in urls))
+
+
 def run_router_bench(model: str, urls: list[str], policies: list[str], users: int, turns: int, max_tokens: int,
                      seed: int = 0, system_words: int = 120, user_words: int = 40) -> dict:
     """Run the workload once per policy against the replicas at `urls`; JSON-ready results."""
@@ -102,6 +115,7 @@ def run_router_bench(model: str, urls: list[str], policies: list[str], users: in
 
     tokenizer = load_tokenizer(model)
     system, convs = conversations(users, turns, seed, system_words, user_words)
+    asyncio.run(_warm_up(urls, system))
     results = {p: asyncio.run(_run_policy(model, urls, p, tokenizer, system, convs, max_tokens)) for p in policies}
     out: dict = {"workload": {"users": users, "turns": turns, "max_tokens": max_tokens, "replicas": len(urls),
                               "system_prompt_tokens": len(tokenizer.encode(system)), "seed": seed},
@@ -137,6 +151,7 @@ def plot(result: dict, path: str) -> None:
         ys = r["ttft_mean_by_turn_s"]
         ax.plot(range(1, len(ys) + 1), [y * 1000 for y in ys], marker="o", label=p)
     w = result["workload"]
+    ax.set_xticks(range(1, w["turns"] + 1))
     ax.set_xlabel("turn of the conversation")
     ax.set_ylabel("mean time to first token (ms)")
     ax.set_title(f"{w['users']} users x {w['turns']} turns on {w['replicas']} replicas")

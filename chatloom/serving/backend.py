@@ -56,6 +56,12 @@ class GenerationRequest:
     # as vLLM's continue_final_message: how an interrupted answer resumes from its saved text.
     continue_final: bool = False
 
+    # Continue an answer another process began (a dead gateway's or replica's): the token ids it
+    # produced and the text the user already has. The backend generates only the rest (what is left of
+    # max_tokens) and streams only new text; the final counts cover the whole answer.
+    resume_token_ids: list[int] = field(default_factory=list)
+    resume_text: str = ""
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -96,6 +102,9 @@ class Delta:
     cached_tokens: int = 0
     # On the last delta, where the backend measures them.
     metrics: Timings | None = None
+    # The answer's token ids new in this delta, where the backend knows them (a stream log keeps them
+    # so that another process can resume the answer; see resume_token_ids).
+    token_ids: list[int] | None = None
     failovers: int = 0  # on the last delta from a router: replicas the answer moved off mid-way
 
     @property

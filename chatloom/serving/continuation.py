@@ -38,6 +38,15 @@ class AnswerText:
         self._eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | set(params.stop_token_ids)
         self._max_stop = max((len(s) for s in params.stop), default=0)
 
+    @classmethod
+    def resumed(cls, params: SamplingParams, tokenizer, token_ids: list[int], sent_text: str) -> "AnswerText":
+        """An answer begun elsewhere: its token ids and the text its user already has."""
+        answer = cls(params, tokenizer)
+        answer.token_ids = list(token_ids)
+        answer.emitted = sent_text
+        answer.failed_over()
+        return answer
+
     # -- budget --------------------------------------------------------------------------
     def _ended_by_eos(self) -> bool:
         return (bool(self.token_ids) and self.token_ids[-1] in self._eos and not self.params.ignore_eos
@@ -98,4 +107,5 @@ class AnswerText:
     def finish(self, reason: str, prompt_tokens: int, cached_tokens: int, metrics: Timings | None,
                text: str = "") -> Delta:
         """The last delta: counts are what was really generated, on every replica together."""
-        return Delta(text, True, reason, prompt_tokens, len(self.token_ids), cached_tokens, metrics, self.failovers)
+        return Delta(text, True, reason, prompt_tokens, len(self.token_ids), cached_tokens, metrics,
+                     failovers=self.failovers)

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import AsyncIterator
 
-from chatloom.engine import EngineConfig, InvalidRequest, SamplingParams
+from chatloom.engine import EngineConfig, InvalidRequest, RequestOutput, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from chatloom.models import LoadedModel, ModelError, load_model
 from chatloom.models.chat_template import encode_chat
@@ -147,13 +147,51 @@ class LocalBackend(Backend):
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         ids, params = self._prepare(request)
+        if request.resume_token_ids:
+            async for delta in self._resume(request, ids, params):
+                yield delta
+            return
+        sent = 0  # output token ids handed out so far (the finishing token arrives only on the last output)
         try:
             async for out in self.engine.stream(ids, params, request_id=request.request_id,
                                                 priority=request.priority):
-                m = out.metrics if out.finished else None
-                metrics = Timings(m.queue_time, m.ttft, m.tpot, m.e2e) if m is not None else None
+                metrics = _timings(out)
+                new_ids = out.token_ids[sent:] if out.finished else out.delta_token_ids
+                sent += len(new_ids)
                 yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
-                            out.num_output_tokens, out.num_cached_tokens, metrics)
+                            out.num_output_tokens, out.num_cached_tokens, metrics, list(new_ids))
+        except InvalidRequest as exc:
+            raise BadGenerationRequest(str(exc)) from None
+        except EngineDeadError as exc:
+            raise BackendError(str(exc)) from exc
+
+    async def _resume(self, request: GenerationRequest, ids: list[int], params: SamplingParams):
+        """The rest of an answer begun elsewhere: prompt + its tokens as the prompt, the text decoded
+        from the whole answer (continuation.py), so the user's text goes on with no gap or repeat."""
+        from chatloom.serving.continuation import AnswerText
+
+        answer = AnswerText.resumed(params, self.tokenizer, request.resume_token_ids, request.resume_text)
+        rest = answer.remaining_params()
+        if rest is None:
+            yield answer.finish(answer.natural_finish(), len(ids), 0, None)
+            return
+        sent = 0
+        try:
+            async for out in self.engine.stream(ids + answer.token_ids, rest, request_id=request.request_id,
+                                                priority=request.priority):
+                new_ids = out.token_ids[sent:] if out.finished else out.delta_token_ids
+                sent += len(new_ids)
+                text = answer.add(list(new_ids), out.delta_text, out.finished)
+                if answer.stopped or out.finished:
+                    if answer.stopped and not out.finished:
+                        self.abort(out.request_id)
+                    metrics = _timings(out)
+                    final = answer.finish("stop" if answer.stopped else out.finish_reason, len(ids),
+                                          out.num_cached_tokens, metrics, text)
+                    final.token_ids = list(new_ids)
+                    yield final
+                    return
+                yield Delta(text, token_ids=list(new_ids))
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         except (EngineDeadError, RequestFailedError) as exc:
@@ -183,3 +221,9 @@ class LocalBackend(Backend):
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, generation_tokens_per_s=s.generation_tokens_per_s,
             spec_decode=s.spec_decode)
+
+
+def _timings(out: RequestOutput) -> Timings | None:
+    """The engine's latencies for a finished request, as the backend interface reports them."""
+    m = out.metrics if out.finished else None
+    return Timings(m.queue_time, m.ttft, m.tpot, m.e2e) if m is not None else None

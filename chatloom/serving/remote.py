@@ -34,6 +34,10 @@ class ReplicaError(BackendError):
     """The server failed (unreachable, timed out, crashed, answered garbage): another may serve it."""
 
 
+class ReplicaTimeout(ReplicaError):
+    """The server did not answer in time: busy or hung. Worth trying elsewhere; health checks decide ejection."""
+
+
 class ReplicaModelMismatch(ReplicaError):
     """The server is up but does not serve the model it was configured for."""
 
@@ -58,8 +62,9 @@ class ServerInfo:
 
 @dataclass
 class Timeouts:
-    connect: float = 2.0
+    connect: float = 3.0  # probes; a server this slow to accept is as good as down
     probe: float = 5.0  # /health, /v1/models, /metrics, /tokenize
+    stream_connect: float = 15.0  # a busy server's event loop may be slow to accept; do not give up early
     between_chunks: float = 60.0  # a stream silent this long is a dead replica
 
 
@@ -192,7 +197,7 @@ class RemoteBackend(Backend):
     # -- streaming ------------------------------------------------------------------------
     async def _stream(self, path: str, body: dict, request_id: str | None) -> AsyncIterator[dict]:
         """The JSON chunks of an SSE answer. 4xx: BadGenerationRequest; anything broken: ReplicaError."""
-        timeout = httpx.Timeout(self.timeouts.between_chunks, connect=self.timeouts.connect)
+        timeout = httpx.Timeout(self.timeouts.between_chunks, connect=self.timeouts.stream_connect)
         where = f"{self.base_url}{path}"
         try:
             async with self._client.stream("POST", path, json=body, timeout=timeout) as r:
@@ -223,8 +228,12 @@ class RemoteBackend(Backend):
                         self._responses.pop(request_id, None)
                 if not done:
                     raise ReplicaError(f"{where}: the stream ended without [DONE] (server died?)")
+        except httpx.TimeoutException as exc:
+            raise ReplicaTimeout(f"{where}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise ReplicaError(f"{where}: {_describe(exc)}") from None
+        except httpx.StreamError as exc:  # abort() closed the response under the reader
+            raise ReplicaError(f"{where}: the stream was closed ({type(exc).__name__})") from None
 
     async def stream_tokens(self, prompt_ids: list[int], params: SamplingParams,
                             request_id: str | None = None) -> AsyncIterator[TokenChunk]:

@@ -29,8 +29,8 @@ from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, Ba
 from chatloom.serving.continuation import AnswerText
 from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
-from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, encode_chat,
-                                     estimate_tokens, sampling_params)
+from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts,
+                                     encode_chat, estimate_tokens, sampling_params)
 from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class RouterConfig:
     follow_feeds: bool = True  # follow replicas' prefix-cache feeds where they have one
     approx_block_size: int = 16  # block size assumed for replicas without a feed
     approx_capacity_blocks: int = 65536  # how many blocks an approximate index remembers per replica
+    timeouts: Timeouts = field(default_factory=Timeouts)  # per replica: probes, connects, silence mid-answer
 
 
 @dataclass
@@ -89,7 +90,8 @@ class Router(Backend):
         self._tokenizer = tokenizer
         self.replicas: list[Replica] = []
         for i, r in enumerate(replicas):
-            client = r if isinstance(r, RemoteBackend) else RemoteBackend(r, model, api_key, tokenizer)
+            client = r if isinstance(r, RemoteBackend) else RemoteBackend(r, model, api_key, tokenizer,
+                                                                          self.config.timeouts)
             self.replicas.append(Replica(client.base_url, client, index=PrefixIndex(self.config.approx_capacity_blocks)))
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError(f"model {model!r} lists the same replica URL twice")
@@ -311,7 +313,8 @@ class Router(Backend):
                                        f"{self.context_window} tokens and the answer needs room too",
                                        "context_length_exceeded", "messages")
         rid = request.request_id or f"route-{next(self._ids)}"
-        answer = AnswerText(params, self._tokenizer)
+        answer = (AnswerText.resumed(params, self._tokenizer, request.resume_token_ids, request.resume_text)
+                  if request.resume_token_ids else AnswerText(params, self._tokenizer))
         t0 = time.monotonic()
         first_token: float | None = None
         tried: set[str] = set()
@@ -349,11 +352,13 @@ class Router(Backend):
                             if attempt == 0 and piece.usage:
                                 cached_tokens = (piece.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                             replica.served += 1
-                            yield answer.finish(piece.finish_reason, len(ids), cached_tokens,
-                                                self._metrics(t0, first_token, answer), text)
+                            final = answer.finish(piece.finish_reason, len(ids), cached_tokens,
+                                                  self._metrics(t0, first_token, answer), text)
+                            final.token_ids = piece.token_ids
+                            yield final
                             return
-                        if text:
-                            yield Delta(text)
+                        if text or piece.token_ids:
+                            yield Delta(text, token_ids=piece.token_ids)
                     if rid in self._aborted:
                         yield answer.finish("abort", len(ids), cached_tokens, self._metrics(t0, first_token, answer))
                         return
@@ -362,7 +367,10 @@ class Router(Backend):
                         yield answer.finish("abort", len(ids), cached_tokens, self._metrics(t0, first_token, answer))
                         return
                     tried.add(replica.name)
-                    self._eject(replica, str(exc))
+                    if isinstance(exc, ReplicaTimeout):  # busy or hung: health checks decide
+                        replica.failures += 1
+                    else:  # refused, reset, garbage: it is gone
+                        self._eject(replica, str(exc))
                     if isinstance(exc, ReplicaModelMismatch):
                         log.error("replica %s: %s", replica.name, exc)
                     self.failovers += 1

@@ -49,3 +49,29 @@ def test_remaining_budget_and_a_finished_answer(tiny_tokenizer):
     b = AnswerText(SamplingParams(max_tokens=2), tiny_tokenizer)
     b.add([1, 2], "", False)
     assert b.remaining_params() is None and b.natural_finish() == "length"
+
+
+async def test_local_backend_resumes_an_answer_begun_elsewhere(tiny_model_fp32):
+    """What a gateway taking over a dead one's job does: the rest of the answer, text and counts whole."""
+    from chatloom.engine import EngineConfig
+    from chatloom.serving import GenerationRequest, LocalBackend
+
+    backend = LocalBackend(tiny_model_fp32, engine_config=EngineConfig(num_blocks=128))
+    await backend.start()
+    try:
+        req = dict(prompt="once upon a time", max_tokens=40, temperature=0)
+        full = [d async for d in backend.stream(GenerationRequest(**req))]
+        ids = [t for d in full for t in d.token_ids]
+        assert len(ids) == 40 == full[-1].completion_tokens
+        text = "".join(d.text for d in full)
+        for cut in (1, 17, 39):
+            sent = IncrementalDetokenizer(backend.tokenizer)
+            for t in ids[:cut]:
+                sent.add(t)
+            rest = [d async for d in backend.stream(GenerationRequest(**req, resume_token_ids=ids[:cut],
+                                                                      resume_text=sent.text))]
+            assert sent.text + "".join(d.text for d in rest) == text
+            assert [t for d in rest for t in d.token_ids] == ids[cut:]
+            assert rest[-1].completion_tokens == 40 and rest[-1].finish_reason == "length"
+    finally:
+        await backend.close()
