@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from chatloom.app.recovery import SHUT_DOWN
 
@@ -126,7 +125,8 @@ def test_sigkill_mid_answer_then_restart_and_continue(tmp_path):
                                      {"text": QUESTION, "max_tokens": 1900}, stop_after_s=1.0)
         t0 = time.monotonic()
         server.send_signal(signal.SIGTERM)
-        assert server.wait(30) == 0
+        # uvicorn re-raises the signal once it has shut down cleanly: the exit status is -SIGTERM.
+        assert server.wait(30) in (0, -signal.SIGTERM)
         assert time.monotonic() - t0 < 20
         db = sqlite3.connect(tmp_path / "chatloom.db")
         status, reason, text = db.execute("SELECT status, interrupted_reason, text FROM messages WHERE "
