@@ -82,10 +82,13 @@ def test_sigkill_mid_answer_then_restart_and_continue(tmp_path):
         with httpx.Client(base_url=base, timeout=120) as c:
             token = c.post("/auth/signup", json={"username": "alice", "password": "correct horse"}).json()["token"]
             c.headers["Authorization"] = f"Bearer {token}"
-            cid = c.post("/conversations").json()["id"]
-            seen, done = _stream_until(c, "POST", f"/conversations/{cid}/messages",
-                                       {"text": QUESTION, "max_tokens": 1900}, stop_after_s=2.0)
-            assert done is None and seen, "the answer ended before the kill; make it longer"
+            for _ in range(4):  # the tiny model is fast: an answer may end before the kill; ask again
+                cid = c.post("/conversations").json()["id"]
+                seen, done = _stream_until(c, "POST", f"/conversations/{cid}/messages",
+                                           {"text": QUESTION, "max_tokens": 1900}, stop_after_s=1.3)
+                if done is None:
+                    break
+            assert done is None and seen, "every answer ended before the kill"
             server.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             server.wait(10)
