@@ -133,10 +133,16 @@ def test_sigkill_mid_answer_then_restart_and_continue(tmp_path):
         assert server.wait(30) in (0, -signal.SIGTERM)
         assert time.monotonic() - t0 < 20
         db = sqlite3.connect(tmp_path / "chatloom.db")
-        status, reason, text = db.execute("SELECT status, interrupted_reason, text FROM messages WHERE "
-                                          "conversation_id = ? AND role = 'assistant'", (cid2,)).fetchone()
+        status, finish, reason, text = db.execute(
+            "SELECT status, finish_reason, interrupted_reason, text FROM messages WHERE "
+            "conversation_id = ? AND role = 'assistant'", (cid2,)).fetchone()
         db.close()
-        assert status == "interrupted" and reason == SHUT_DOWN and text.startswith(seen2[-1][1][:20])
+        # Either it finished within the drain (the tiny model is fast), or it was interrupted with its
+        # partial text; never left looking as if it were still being written.
+        assert finish is not None and text.startswith(seen2[-1][1][:20])
+        assert (status == "interrupted" and reason == SHUT_DOWN) or (status in ("complete", "incomplete")
+                                                                     and reason is None), (status, reason)
+        print(f"sigterm: the second answer ended {status} ({finish})")
     finally:
         if server.poll() is None:
             server.kill()
