@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatloom.models.config import DTYPE_BYTES, ModelConfig
+from chatloom.models.hf_config import read_config_file
 from chatloom.sim.step_time import RooflineStepTime, StepTimeModel
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
@@ -48,7 +49,7 @@ def model_config(spec: str) -> ModelConfig:
         known = sorted(p.stem for p in EXAMPLES_DIR.glob("*.json"))
         raise ValueError(f"unknown model {spec!r}: not a config.json path nor a shipped example "
                          f"({', '.join(known)})")
-    return ModelConfig.from_json_file(path)
+    return read_config_file(path)
 
 
 @dataclass(frozen=True)
