@@ -13,10 +13,11 @@ from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
 from chatloom.app.events import MemoryEventLogStore
-from chatloom.app.routes import auth, conversations, health, openai, web
+from chatloom.app.pipeline import Pipeline
+from chatloom.app.routes import admin, auth, conversations, health, openai, usage, web
 from chatloom.app.settings import Settings
-from chatloom.app.traffic import build_traffic, install as install_traffic
-from chatloom.engine import EngineConfig
+from chatloom.app.traffic import RateLimitHeaders, build_traffic
+from chatloom.model_args import int8_matmul
 from chatloom.serving import Backend, BackendError, LocalBackend
 from chatloom.store import Database
 
@@ -24,10 +25,18 @@ log = logging.getLogger(__name__)
 
 
 def default_backend(settings: Settings) -> Backend:
-    config = EngineConfig(kv_cache_gb=settings.kv_cache_gb, num_blocks=settings.num_blocks,
-                          max_num_seqs=settings.max_num_seqs, max_model_len=settings.context_window,
-                          max_num_batched_tokens=settings.max_num_batched_tokens)
-    return LocalBackend(settings.model, settings.dtype, config, int8_matmul=settings.int8_matmul)
+    if settings.models or settings.replicas:  # several models, or replicas: the fleet
+        from chatloom.app.fleet_settings import build_fleet_backend, parse_fleet
+
+        fleet = parse_fleet(settings.models, settings.replicas, settings.router_policy, settings.router_weights,
+                            settings.model)
+        return build_fleet_backend(fleet, lambda spec: local_backend(settings, spec))
+    return local_backend(settings, settings.model)
+
+
+def local_backend(settings: Settings, spec: str) -> Backend:
+    return LocalBackend(spec, settings.dtype, settings.engine_config(),
+                        int8_matmul=int8_matmul(settings.int8_matmul))  # the switch resolved once, here
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
@@ -38,13 +47,12 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     backend = backend or default_backend(settings)
     db = Database(settings.database_url)
     traffic = build_traffic(settings, backend, db)
+    pipeline = Pipeline(backend, traffic, settings)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
-        tokens=Tokens(settings.secret(), settings.token_ttl_s),
-        conversations=ConversationService(db, backend, settings, MemoryEventLogStore(settings.event_log_retention_s),
-                                          traffic),
-        traffic=traffic,
+        tokens=Tokens(settings.secret(), settings.token_ttl_s), traffic=traffic, pipeline=pipeline,
+        conversations=ConversationService(db, pipeline, settings, MemoryEventLogStore(settings.event_log_retention_s)),
     )
 
     @asynccontextmanager
@@ -60,13 +68,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                 loading.cancel()
             if owns_backend:
                 await backend.close()
+            await traffic.moderator.close()
             await db.close()
 
     app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
-    install_traffic(app)
-    for module in (health, auth, conversations, openai, web):
+    app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
+    for module in (health, auth, conversations, usage, admin, openai, web):
         app.include_router(module.router)
     return app
 

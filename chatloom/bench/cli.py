@@ -8,14 +8,12 @@ import sys
 
 from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
 from chatloom.argtypes import positive_int
+from chatloom.model_args import add_model_args, load_from_args
 from chatloom.models.registry import DEFAULT_MODEL
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--int8-matmul", action="store_true",
-                   help="multiply quantized GGUF weights with int8 activations (see README)")
+    add_model_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 
@@ -56,6 +54,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.set_defaults(func=_roofline)
 
+    p = sub.add_parser("spec", help="speculative decoding on vs off: batch 1 and 8, repeating and plain chat")
+    _common(p)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per workload (at most 8)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
+    p.add_argument("--repeats", type=positive_int, default=1, help="rounds of on and off, alternating which goes first")
+    p.add_argument("--speculative-model", default=None, metavar="ID|PATH|self-int8|self-layers:N",
+                   help="also run the draft-model proposer with this draft")
+    p.add_argument("--no-adaptive", action="store_true", help="always propose as many tokens as allowed")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="PyTorch intra-op threads (default: PyTorch's choice; 1 on a busy shared machine)")
+    p.set_defaults(func=_spec)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -77,6 +89,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=positive_int, default=1, help="passes over the calibration phases")
     p.set_defaults(func=_calibrate)
 
+    p = sub.add_parser("router", help="multi-turn chat over N local replicas, once per routing policy")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
+    p.add_argument("--replicas", type=positive_int, default=4, help="local replica processes (default 4)")
+    p.add_argument("--replica-url", action="append", default=None, metavar="URL",
+                   help="use these running replicas instead of starting local ones (repeat)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads per replica (default 1)")
+    p.add_argument("--policies", default="round_robin,least_load,prefix_aware",
+                   help="comma-separated policies to run, in order (default: all three)")
+    p.add_argument("--users", type=positive_int, default=8, help="conversations at once (default 8)")
+    p.add_argument("--turns", type=positive_int, default=8, help="turns per conversation (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=8, help="answer length (default 8)")
+    p.add_argument("--system-words", type=positive_int, default=60, help="words in the shared system prompt")
+    p.add_argument("--message-words", type=positive_int, default=80, help="words in each user message")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of TTFT per turn for each policy")
+    p.add_argument("--table", action="store_true", help="also print a table")
+    p.set_defaults(func=_router)
+
     p = sub.add_parser("sim-validate", help="the real engine against the simulator at two request rates")
     _common(p)
     p.add_argument("--rates", type=float, nargs=2, default=None, metavar="RPS",
@@ -86,12 +116,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--step-time", default=None, help="a step-time JSON; default: calibrate first, in the same run")
     p.set_defaults(func=_sim_validate)
-
-
-def _load(args):
-    from chatloom.models import load_model
-
-    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
 
 
 def _emit(result: dict, table: bool) -> int:
@@ -118,7 +142,7 @@ def _throughput(args) -> int:
     from chatloom.models.packed_linear import uses_int8_matmul
     from chatloom.bench.workload import standard_workload
 
-    loaded = _load(args)
+    loaded = load_from_args(args)
     requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed,
                                  avoid_ids=set(loaded.tokenizer.eos_token_ids))
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -147,7 +171,7 @@ def _throughput(args) -> int:
 def _prefix(args) -> int:
     from chatloom.bench.prefix import run_prefix
 
-    return _emit(dict(run_prefix(_load(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
+    return _emit(dict(run_prefix(load_from_args(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
                  args.table)
 
 
@@ -155,7 +179,7 @@ def _memory(args) -> int:
     from chatloom.bench.memory import run_memory
     from chatloom.bench.workload import standard_workload
 
-    loaded = _load(args)
+    loaded = load_from_args(args)
     requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed)
     return _emit(dict(run_memory(loaded, requests), model=loaded.id, seed=args.seed), args.table)
 
@@ -163,7 +187,19 @@ def _memory(args) -> int:
 def _roofline(args) -> int:
     from chatloom.bench.roofline import run_roofline
 
-    return _emit(dict(run_roofline(_load(args), args.num_requests, args.seed), model=args.model), args.table)
+    return _emit(dict(run_roofline(load_from_args(args), args.num_requests, args.seed), model=args.model), args.table)
+
+
+def _spec(args) -> int:
+    import torch
+
+    from chatloom.bench.spec import run_spec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_spec(_load(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
+                          args.repeats, args.num_speculative_tokens, args.speculative_model,
+                          not args.no_adaptive), args.table)
 
 
 def _serve(args) -> int:
@@ -196,3 +232,37 @@ def _sim_validate(args) -> int:
         raise ValueError("--rates must be positive")
     return _emit(run_sim_validate(_load(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
                                   args.step_time), args.table)
+
+def _router(args) -> int:
+    from chatloom.bench.router import plot, run_router_bench, table
+    from chatloom.serving.local_fleet import LocalReplicas
+    from chatloom.serving.policies import POLICIES
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    local = None
+    urls = args.replica_url
+    if not urls:
+        local = LocalReplicas(args.model, args.replicas, args.threads)
+        print(f"starting {args.replicas} replicas of {args.model} ({args.threads} thread(s) each)", file=sys.stderr)
+        try:
+            urls = local.start()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+    try:
+        result = run_router_bench(args.model, urls, policies, args.users, args.turns, args.max_tokens, args.seed,
+                                  args.system_words, args.message_words)
+    finally:
+        if local is not None:
+            local.stop()
+    result["model"] = args.model
+    result["threads_per_replica"] = args.threads
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(table(result), file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0

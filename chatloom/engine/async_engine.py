@@ -17,6 +17,7 @@ from chatloom.engine.config import EngineConfig
 from chatloom.engine.llm_engine import LLMEngine
 from chatloom.engine.outputs import RequestOutput
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
+from chatloom.engine.stats import EngineSnapshot
 from chatloom.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class AsyncEngine:
             elif cmd == "abort":
                 # Frees the blocks now; the final 'abort' output comes out of the next step().
                 self.engine.abort(args)
+            elif cmd == "reset_prefix_cache":
+                self.engine.block_manager.reset_prefix_cache()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(request_id)
@@ -139,8 +142,16 @@ class AsyncEngine:
         assert last is not None
         return last
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached blocks no running sequence holds (between benchmark runs), at the next step boundary."""
+        self._commands.put(("reset_prefix_cache", None))
+        self._wakeup.set()
+
     def get_stats(self) -> dict:
         return self.engine.get_stats()
+
+    def snapshot(self) -> EngineSnapshot:
+        return self.engine.snapshot()
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from chatloom.engine import block_hash
+from chatloom.engine.kv_events import KVEventLog
 from chatloom.engine.sequence import Sequence
 
 
@@ -28,7 +29,7 @@ class NoFreeBlocks(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, model_key: str = "",
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, events: KVEventLog | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -43,6 +44,7 @@ class BlockManager:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
+        self.events = events  # where stored and evicted keys are published (a replica's feed)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -70,6 +72,8 @@ class BlockManager:
             if self.cached.get(block.key) == block_id:
                 del self.cached[block.key]
                 self.evictions += 1
+                if self.events is not None:
+                    self.events.removed((block.key,))
             block.key, block.token_ids = None, ()
         block.ref_count = 1
         return block
@@ -130,20 +134,38 @@ class BlockManager:
         for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block().block_id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (speculative tokens that
+        were rejected). Those blocks were never registered (registration stops at the
+        computed tokens), so they go to the front of the free list, reused first."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, "negative refcount"
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+                if block.key is None:
+                    self.free.move_to_end(block.block_id, last=False)
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish every computed, full block of `seq` in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].key if seq.num_hashed_blocks else self.root_key
+        new_keys: list[int] = []
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
             block = self.blocks[seq.block_table[i]]
             if block.key is None:
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 block.key, block.token_ids = self.block_key(parent, tokens), tokens
-                self.cached.setdefault(block.key, block.block_id)
+                if self.cached.setdefault(block.key, block.block_id) == block.block_id:
+                    new_keys.append(block.key)
             parent = block.key
             seq.num_hashed_blocks = i + 1
+        if new_keys and self.events is not None:
+            self.events.stored(new_keys)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop `seq`'s references; its tail blocks are evicted first."""
@@ -158,10 +180,13 @@ class BlockManager:
         seq.num_hashed_blocks = 0
 
     def reset_prefix_cache(self) -> None:
+        dropped = [k for k, b in self.cached.items() if self.blocks[b].ref_count == 0]
         for block in self.blocks:
             if block.ref_count == 0:
                 block.key, block.token_ids = None, ()
         self.cached = {k: b for k, b in self.cached.items() if self.blocks[b].ref_count > 0}
+        if self.events is not None:
+            self.events.removed(dropped)
 
     @property
     def hit_rate(self) -> float:

@@ -78,10 +78,10 @@ def _unknown(spec: str) -> ModelError:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
-               int8_matmul: bool | None = None) -> LoadedModel:
+               int8_matmul: bool = False) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
-    quantized GGUF weights (Q4_0, Q4_1, Q8_0) with int8 activations (faster, slightly less exact; None: the
-    CHATLOOM_INT8_MATMUL environment variable decides, off by default)."""
+    quantized GGUF weights (Q4_0, Q4_1, Q8_0) with int8 activations (faster, slightly less exact; off by default;
+    commands resolve their flag and CHATLOOM_INT8_MATMUL once, in chatloom/model_args.py)."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
     if spec == "tiny-random":
@@ -107,3 +107,16 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
     model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul)
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> TextTokenizer:
+    """The tokenizer (and chat template) of a model without its weights: a router or gateway
+    tokenizes prompts for a model that runs elsewhere (reading GGUF metadata is a memory map)."""
+    if spec == "tiny-random":
+        return _byte_tokenizer()
+    path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    if path.is_dir():
+        return from_hf_folder(path, hf_loader.generation_eos(path))
+    if path.is_file() and path.suffix != ".json":
+        return from_gguf(gguf_loader.open_gguf(path))
+    raise _unknown(spec)

@@ -1,8 +1,13 @@
-"""Backends the product talks to: the in-process engine now; remote servers and routers later.
-May import engine and models, never app."""
-from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BadGenerationRequest, Delta,
-                                      GenerationRequest, UnknownModel)
+"""Backends the product talks to: the in-process engine, a remote OpenAI-compatible server, the router
+over several replicas (policies, health, failover), several models behind one backend, and the
+replica's own HTTP face (replica_server.py). May import engine and models, never app."""
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
+                                      Delta, GenerationRequest, Timings, UnknownModel, Usage)
 from chatloom.serving.local import LocalBackend
+from chatloom.serving.multi_model import MultiModelBackend
+from chatloom.serving.remote import RemoteBackend, ReplicaError
+from chatloom.serving.router import Router, RouterConfig
 
-__all__ = ["Backend", "BackendError", "BackendNotReady", "BadGenerationRequest", "Delta", "GenerationRequest",
-           "UnknownModel", "LocalBackend"]
+__all__ = ["Backend", "BackendError", "BackendNotReady", "BackendStats", "BadGenerationRequest", "Delta",
+           "GenerationRequest", "Timings", "UnknownModel", "Usage", "LocalBackend", "MultiModelBackend",
+           "RemoteBackend", "ReplicaError", "Router", "RouterConfig"]

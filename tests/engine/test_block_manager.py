@@ -4,6 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from chatloom.engine.block_manager import BlockManager
+from chatloom.engine.kv_events import KVEventLog
 from chatloom.engine.sampling_params import SamplingParams
 from chatloom.engine.sequence import Sequence
 
@@ -20,6 +21,12 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         assert in_free == (block.ref_count == 0), "a block is either free or in use, never both"
     for key, block_id in bm.cached.items():
         assert bm.blocks[block_id].key == key
+    if bm.events is not None:
+        # Replaying the published feed from the start gives exactly the keys the cache holds.
+        replayed: set[int] = set()
+        for e in bm.events.since(0).events:
+            replayed = replayed | set(e.keys) if e.kind == "stored" else replayed - set(e.keys)
+        assert replayed == set(bm.cached)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 10_000)), max_size=60)
@@ -28,7 +35,7 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24))
 def test_block_manager_invariants(ops, block_size, num_blocks):
-    bm = BlockManager(num_blocks, block_size)
+    bm = BlockManager(num_blocks, block_size, events=KVEventLog("", block_size))
     live: list[Sequence] = []
     for i, (op, arg) in enumerate(ops):
         if op == "add":
@@ -87,3 +94,15 @@ def test_whole_prompt_cached_still_leaves_a_token_to_compute():
     b = Sequence("b", list(range(8)), SamplingParams(max_tokens=1))
     bm.allocate(b)
     assert b.num_computed_tokens == 4  # the last block is recomputed for its logits
+
+
+def test_event_log_gives_a_snapshot_to_a_reader_too_far_behind_or_ahead():
+    log = KVEventLog("m", 4, window=3)
+    for k in range(5):
+        log.stored([k])
+    log.removed([0])
+    recent = log.since(4)
+    assert [e.seq for e in recent.events] == [5, 6] and not recent.reset
+    behind = log.since(1)  # events 2.. are no longer all in the window
+    assert behind.reset and set(behind.snapshot) == {1, 2, 3, 4} and behind.last_seq == 6
+    assert log.since(99).reset  # a reader ahead of the log: the replica restarted

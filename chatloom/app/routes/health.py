@@ -1,13 +1,11 @@
-"""Liveness, readiness and (for admins) engine figures."""
+"""Liveness, readiness, and the Prometheus metrics."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from chatloom.app.auth import current_user
-from chatloom.app.deps import get_context
-from chatloom.app.errors import ApiError
-from chatloom.store import User
+from chatloom.app.deps import Ctx, current_user, get_context, get_session, require_admin
+from chatloom.app.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["health"])
 
@@ -19,9 +17,9 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(request: Request) -> JSONResponse:
+async def readyz(ctx: Ctx) -> JSONResponse:
     """Ready once the model is loaded; 503 before (or if loading failed)."""
-    backend = get_context(request).backend
+    backend = ctx.backend
     if backend.ready:
         return JSONResponse({"status": "ready", "models": backend.model_ids,
                              "context_window": backend.context_window})
@@ -29,14 +27,16 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
 
-@router.get("/admin/stats")
-async def stats(request: Request, user: User = Depends(current_user)) -> dict:
-    if not user.is_admin:
-        raise ApiError(403, "admins only", "forbidden")
-    ctx = get_context(request)
-    out = {"backend": ctx.backend.stats(), "running_generations": ctx.conversations.running_count()}
-    if ctx.traffic is not None:
-        a = ctx.traffic.admission
-        out["admission"] = {"waiting": a.waiting, "running": a.running, "max_running": a.max_running,
-                            "reasoning_running": a.running_of("reasoning"), "reasoning_slots": a.reasoning_slots()}
-    return out
+async def _metrics_access(request: Request) -> None:
+    """Open to all when metrics_public is set (as vLLM serves them); otherwise admins only."""
+    if get_context(request).settings.metrics_public:
+        return
+    async for session in get_session(request):
+        require_admin(await current_user(request, session))
+
+
+@router.get("/metrics", dependencies=[Depends(_metrics_access)])
+async def metrics(ctx: Ctx) -> Response:
+    """Prometheus text format: vLLM's engine metrics (vllm:...) and the gateway's (chatloom:...),
+    goodput under the configured SLO among them."""
+    return Response(ctx.traffic.metrics.render(), media_type=CONTENT_TYPE)

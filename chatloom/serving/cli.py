@@ -1,0 +1,63 @@
+"""`chatloom replica`: one engine behind its own OpenAI-compatible HTTP face, for a router to use.
+
+The model loads before the port opens, so a bad model path is one line and a non-zero exit, and a
+router never sees a half-ready replica on the port.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from chatloom.argtypes import positive_float, positive_int
+
+
+def cmd_replica(args: argparse.Namespace) -> int:
+    import logging
+
+    import torch
+    import uvicorn
+
+    from chatloom.engine import EngineConfig
+    from chatloom.models import load_model
+    from chatloom.serving.local import LocalBackend
+    from chatloom.serving.replica_server import create_replica_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loaded = load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
+    config = EngineConfig(kv_cache_gb=args.kv_cache_gb, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          seed=args.seed)
+    app = create_replica_app(LocalBackend(loaded, engine_config=config))
+    print(f"chatloom: replica serving {loaded.id} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    """Engine sizing flags shared by `chatloom replica` and the local replicas `chatloom serve` starts."""
+    p.add_argument("--kv-cache-gb", type=positive_float, default=0.5, help="KV pool size in GiB (default 0.5)")
+    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=32, help="sequences per engine step (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
+                   help="token budget per engine step (default 512)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context window (default: the model's, at most 8192)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the model (default: torch's)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from chatloom.models.registry import DEFAULT_MODEL
+
+    p = subparsers.add_parser("replica", help="serve one model engine over an OpenAI-compatible API for a router")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="ID|PATH",
+                   help=f"registry id, GGUF file or Hugging Face folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and KV cache dtype")
+    p.add_argument("--int8-matmul", action="store_true", help="int8-activation matmul for quantized GGUF weights")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=positive_int, default=8100, help="port (default 8100)")
+    p.add_argument("--seed", type=int, default=None, help="seed for unseeded sampled requests")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    add_replica_args(p)
+    p.set_defaults(func=cmd_replica)

@@ -1,0 +1,398 @@
+"""The Backend interface over one OpenAI-compatible server: a chatloom replica, vLLM or SGLang.
+
+Why token ids on the wire: the router continues an answer whose replica died by sending the prompt
+plus the tokens produced so far as a new prompt, so it needs those tokens exactly, not re-tokenized
+text. `stream_tokens` sends a token-id prompt to /v1/completions and asks for the output's token ids
+(`return_token_ids`, which chatloom replicas and recent vLLM servers honour). The plain `stream`
+(the Backend API) uses chat completions when no local tokenizer is at hand.
+
+Errors are mapped to ours: the server's 4xx refusals become BadGenerationRequest (the user's problem,
+not the replica's), everything else (refused or reset connections, timeouts, 5xx, answers that are not
+OpenAI-shaped JSON) becomes ReplicaError, which the router treats as "try another replica".
+Closing the stream closes the HTTP connection, which aborts the request on the server.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
+                                      Delta, GenerationRequest)
+from chatloom.serving.openai_protocol import error_message, sampling_to_body
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaError(BackendError):
+    """The server failed (unreachable, timed out, crashed, answered garbage): another may serve it."""
+
+
+class ReplicaModelMismatch(ReplicaError):
+    """The server is up but does not serve the model it was configured for."""
+
+
+@dataclass
+class TokenChunk:
+    """One streamed piece of an answer: its text, its token ids and, on the last, why it ended."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+@dataclass
+class ServerInfo:
+    """What a probe of /v1/models learned."""
+
+    models: list[str]
+    max_model_len: int | None
+
+
+@dataclass
+class Timeouts:
+    connect: float = 2.0
+    probe: float = 5.0  # /health, /v1/models, /metrics, /tokenize
+    between_chunks: float = 60.0  # a stream silent this long is a dead replica
+
+
+def estimate_tokens(text: str) -> int:
+    """A token count without a tokenizer: about 4 bytes a token (quotas settle on the server's count)."""
+    return max(1, math.ceil(len(text.encode("utf-8")) / 4))
+
+
+class RemoteBackend(Backend):
+    """One OpenAI-compatible server. `model` is the id it must serve (None: whatever it lists first)."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 tokenizer=None, timeouts: Timeouts | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"replica URL {base_url!r} must start with http:// or https://")
+        self.model = model
+        self._tokenizer = tokenizer
+        self.timeouts = timeouts or Timeouts()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(
+            self.timeouts.probe, connect=self.timeouts.connect), limits=httpx.Limits(max_connections=None,
+                                                                                    max_keepalive_connections=64))
+        self._info: ServerInfo | None = None
+        self._error: str | None = None
+        self._responses: dict[str, httpx.Response] = {}
+
+    def __repr__(self) -> str:
+        return f"RemoteBackend({self.base_url!r}, model={self.model!r})"
+
+    # -- probing ----------------------------------------------------------------------
+    async def _get_json(self, path: str, **kw) -> dict:
+        try:
+            r = await self._client.get(path, **kw)
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{self.base_url}{path}: {_describe(exc)}") from None
+        return _json_or_error(r, f"{self.base_url}{path}")
+
+    async def probe(self) -> ServerInfo:
+        """Ask /v1/models what the server serves; ReplicaError says why it cannot be used."""
+        body = await self._get_json("/v1/models")
+        data = body.get("data")
+        if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise ReplicaError(f"{self.base_url}/v1/models did not answer as an OpenAI-compatible server "
+                               f"(no list of models)")
+        models = [m["id"] for m in data]
+        if self.model is not None and self.model not in models:
+            raise ReplicaModelMismatch(f"{self.base_url} serves {', '.join(models) or 'no model'}, "
+                                       f"not {self.model!r}")
+        card = next((m for m in data if m["id"] == (self.model or models[0])), {})
+        length = card.get("max_model_len")
+        self._info = ServerInfo(models, length if isinstance(length, int) and length > 0 else None)
+        if self.model is None and models:
+            self.model = models[0]
+        return self._info
+
+    async def health(self) -> str:
+        """'ok', 'draining' or 'loading' from /health; ReplicaError when the server does not answer."""
+        try:
+            r = await self._client.get("/health")
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{self.base_url}/health: {_describe(exc)}") from None
+        if r.status_code == 200:
+            return "ok"
+        try:
+            status = r.json().get("status")
+        except (ValueError, AttributeError):
+            status = None
+        if status in ("draining", "loading"):
+            return status
+        raise ReplicaError(f"{self.base_url}/health answered {r.status_code}")
+
+    async def load(self) -> BackendStats:
+        """Load gauges from /metrics under vLLM's names (both KV-usage spellings)."""
+        try:
+            r = await self._client.get("/metrics")
+            r.raise_for_status()
+            text = r.text
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{self.base_url}/metrics: {_describe(exc)}") from None
+        wanted = {"vllm:num_requests_running": "num_requests_running",
+                  "vllm:num_requests_waiting": "num_requests_waiting",
+                  "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+                  "vllm:gpu_cache_usage_perc": "kv_cache_usage_perc"}
+        out: dict = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                key = wanted.get(family.name)
+                if key is None or key in out:
+                    continue
+                # One value per model label; sum them (a server may host several).
+                out[key] = sum(s.value for s in family.samples if s.name == family.name)
+        except ValueError:
+            raise ReplicaError(f"{self.base_url}/metrics is not Prometheus text") from None
+        running, waiting = out.get("num_requests_running"), out.get("num_requests_waiting")
+        return BackendStats(ready=True, model=self.model, kv_cache_usage_perc=out.get("kv_cache_usage_perc"),
+                            num_requests_running=None if running is None else int(running),
+                            num_requests_waiting=None if waiting is None else int(waiting))
+
+    async def kv_events(self, after: int, wait: float) -> dict | None:
+        """The server's prefix-cache feed after `after` (None: the server publishes none)."""
+        try:
+            r = await self._client.get("/v1/kv_events", params={"after": after, "timeout": wait},
+                                       timeout=httpx.Timeout(wait + self.timeouts.probe, connect=self.timeouts.connect))
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{self.base_url}/v1/kv_events: {_describe(exc)}") from None
+        if r.status_code in (404, 405):
+            return None
+        body = _json_or_error(r, f"{self.base_url}/v1/kv_events")
+        if not isinstance(body.get("events"), list) or not isinstance(body.get("last_seq"), int):
+            raise ReplicaError(f"{self.base_url}/v1/kv_events answered an unknown shape")
+        return body
+
+    async def tokenize(self, messages: list[dict] | None = None, prompt: str | None = None) -> list[int]:
+        """Token ids from the server's /tokenize (chatloom and vLLM both have one)."""
+        body: dict = {"model": self.model}
+        if messages is not None:
+            body.update(messages=messages, add_generation_prompt=True)
+        else:
+            body["prompt"] = prompt or ""
+        try:
+            r = await self._client.post("/tokenize", json=body)
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{self.base_url}/tokenize: {_describe(exc)}") from None
+        tokens = _json_or_error(r, f"{self.base_url}/tokenize").get("tokens")
+        if not isinstance(tokens, list):
+            raise ReplicaError(f"{self.base_url}/tokenize answered no token list")
+        return tokens
+
+    # -- streaming ------------------------------------------------------------------------
+    async def _stream(self, path: str, body: dict, request_id: str | None) -> AsyncIterator[dict]:
+        """The JSON chunks of an SSE answer. 4xx: BadGenerationRequest; anything broken: ReplicaError."""
+        timeout = httpx.Timeout(self.timeouts.between_chunks, connect=self.timeouts.connect)
+        where = f"{self.base_url}{path}"
+        try:
+            async with self._client.stream("POST", path, json=body, timeout=timeout) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    _json_or_error(r, where)  # raises with the server's own message
+                    raise ReplicaError(f"{where} answered {r.status_code}")
+                if request_id is not None:
+                    self._responses[request_id] = r
+                done = False
+                try:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            raise ReplicaError(f"{where} streamed something that is not JSON") from None
+                        if isinstance(chunk, dict) and "error" in chunk:
+                            raise ReplicaError(f"{where} failed mid-answer: {error_message(chunk)}")
+                        yield chunk
+                finally:
+                    if request_id is not None:
+                        self._responses.pop(request_id, None)
+                if not done:
+                    raise ReplicaError(f"{where}: the stream ended without [DONE] (server died?)")
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{where}: {_describe(exc)}") from None
+
+    async def stream_tokens(self, prompt_ids: list[int], params: SamplingParams,
+                            request_id: str | None = None) -> AsyncIterator[TokenChunk]:
+        """Generate from a token-id prompt; every chunk carries its token ids."""
+        body = {"model": self.model, "prompt": prompt_ids, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, **sampling_to_body(params)}
+        finish: TokenChunk | None = None
+        async for chunk in self._stream("/v1/completions", body, request_id):
+            choices = chunk.get("choices") or []
+            if choices:
+                c = choices[0]
+                ids = c.get("token_ids")
+                if ids is None:
+                    raise ReplicaError(f"{self.base_url} returns no token ids (chatloom replicas and vLLM "
+                                       f">= 0.10.2 do, with return_token_ids)")
+                piece = TokenChunk(c.get("text") or "", list(ids), c.get("finish_reason"))
+                if piece.finish_reason is not None:
+                    finish = piece  # usage may follow in its own chunk
+                    continue
+                yield piece
+            elif chunk.get("usage") and finish is not None:
+                finish.usage = chunk["usage"]
+        if finish is None:
+            raise ReplicaError(f"{self.base_url}: the answer ended without a finish reason")
+        yield finish
+
+    def abort(self, request_id: str) -> None:
+        """Close the request's connection; the server aborts it."""
+        r = self._responses.pop(request_id, None)
+        if r is not None:
+            import asyncio
+
+            asyncio.ensure_future(r.aclose())
+
+    # -- the Backend API ---------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            await self.probe()
+            self._error = None
+        except ReplicaError as exc:
+            self._error = str(exc)
+            raise BackendNotReady(str(exc)) from None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    @property
+    def ready(self) -> bool:
+        return self._info is not None
+
+    @property
+    def load_error(self) -> str | None:
+        return self._error
+
+    @property
+    def model_ids(self) -> list[str]:
+        return [self.model or "default"]
+
+    @property
+    def context_window(self) -> int:
+        return (self._info and self._info.max_model_len) or 2048
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def count_tokens(self, text: str) -> int:
+        if self._tokenizer is not None:
+            return len(self._tokenizer.encode(text, add_special=False))
+        return estimate_tokens(text)
+
+    def count_prompt_tokens(self, messages: list[dict]) -> int:
+        if self._tokenizer is not None:
+            return len(encode_chat(self._tokenizer, messages))
+        return sum(estimate_tokens(m.get("content") or "") + 4 for m in messages) + 2
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        self.resolve_model(request.model)
+        params = sampling_params(request)
+        if request.messages is not None and self._tokenizer is None:
+            body = {"model": self.model, "messages": request.messages, "stream": True,
+                    "stream_options": {"include_usage": True}, **sampling_to_body(params)}
+            final = None
+            async for chunk in self._stream("/v1/chat/completions", body, request.request_id):
+                for c in chunk.get("choices") or []:
+                    text = (c.get("delta") or {}).get("content") or ""
+                    if c.get("finish_reason"):
+                        final = Delta(text, True, c["finish_reason"])
+                    elif text:
+                        yield Delta(text)
+                if chunk.get("usage") and final is not None:
+                    u = chunk["usage"]
+                    final.prompt_tokens = u.get("prompt_tokens", 0)
+                    final.completion_tokens = u.get("completion_tokens", 0)
+                    final.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            if final is None:
+                raise ReplicaError(f"{self.base_url}: the answer ended without a finish reason")
+            yield final
+            return
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+        elif request.messages is not None:
+            ids = encode_chat(self._tokenizer, request.messages)
+        elif request.prompt is not None:
+            ids = (self._tokenizer.encode(request.prompt) if self._tokenizer is not None
+                   else await self.tokenize(prompt=request.prompt))
+        else:
+            raise BadGenerationRequest("a request needs messages or a prompt", param="messages")
+        async for piece in self.stream_tokens(ids, params, request.request_id):
+            if piece.finish_reason is None:
+                yield Delta(piece.text)
+            else:
+                u = piece.usage or {}
+                yield Delta(piece.text, True, piece.finish_reason, u.get("prompt_tokens", len(ids)),
+                            u.get("completion_tokens", 0),
+                            (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def sampling_params(request: GenerationRequest) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                              top_k=request.top_k, seed=request.seed, stop=list(request.stop))
+    except InvalidRequest as exc:
+        raise BadGenerationRequest(str(exc)) from None
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat prompt's token ids, exactly as a chatloom engine would build them."""
+    from chatloom.models.chat_template import render_chat
+    from chatloom.models.config import ModelError
+
+    try:
+        text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True,
+                           bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    except ModelError as exc:
+        raise BadGenerationRequest(str(exc), "invalid_messages", "messages") from None
+    return tokenizer.encode(text, add_special=not (tokenizer.bos_token and text.startswith(tokenizer.bos_token)))
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused or host unreachable"
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time"
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        return "the connection broke (server died?)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _json_or_error(r: httpx.Response, where: str) -> dict:
+    """The JSON object of a 2xx answer; the server's own message for 4xx; ReplicaError otherwise."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if 400 <= r.status_code < 500 and r.status_code not in (404, 408, 429) or (
+            r.status_code == 404 and isinstance(body, dict) and _code(body) == "model_not_found"):
+        message = error_message(body) or f"{where} refused the request ({r.status_code})"
+        if r.status_code == 404:
+            raise ReplicaModelMismatch(message)
+        raise BadGenerationRequest(message, _code(body) or "invalid_request")
+    if r.status_code >= 300:
+        raise ReplicaError(f"{where} answered {r.status_code}: {error_message(body) or 'no error message'}")
+    if not isinstance(body, dict):
+        raise ReplicaError(f"{where} did not answer JSON (is it an OpenAI-compatible server?)")
+    return body
+
+
+def _code(body) -> str | None:
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get("code") if isinstance(err, dict) and isinstance(err.get("code"), str) else None

@@ -1,0 +1,386 @@
+"""The router: one Backend over many replicas of one model, placing each request with a policy.
+
+Why it is itself a Backend: the app neither knows nor cares whether one engine or a fleet answers.
+What it adds over a load balancer:
+- placement by KV cache: each replica's prefix cache is tracked (exactly from its event feed, or
+  approximately from what the router sent there) and a policy (policies.py) weighs hits against load
+  (/metrics gauges under vLLM's names, plus the router's own count of requests in flight);
+- health: a replica that stops answering /health, or fails a request, is ejected with a log line and
+  taken back when it answers again (and still serves the right model); a draining replica gets no
+  new work while its answers finish;
+- failover: a replica that fails before the first token is replaced by another; one that dies
+  mid-answer is replaced by continuation (continuation.py): the prompt plus the tokens produced so far
+  become the new prompt, with what is left of the token budget, and the user's stream goes on with no
+  gap and no repeated text.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from chatloom.engine.block_hash import prefix_block_keys
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
+                                      Delta, GenerationRequest, ReplicaStatus, Timings)
+from chatloom.serving.continuation import AnswerText
+from chatloom.serving.policies import make_policy
+from chatloom.serving.prefix_index import PrefixIndex
+from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, encode_chat,
+                                     estimate_tokens, sampling_params)
+from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "prefix_aware"
+    weights: PolicyWeights = field(default_factory=PolicyWeights)
+    health_interval: float = 1.0  # seconds between health checks (and load scrapes)
+    eject_after: int = 2  # consecutive failed health checks that eject a replica
+    recover_after: int = 2  # consecutive good ones that take it back
+    max_attempts: int = 4  # replicas one request may try (first try included)
+    follow_feeds: bool = True  # follow replicas' prefix-cache feeds where they have one
+    approx_block_size: int = 16  # block size assumed for replicas without a feed
+    approx_capacity_blocks: int = 65536  # how many blocks an approximate index remembers per replica
+
+
+@dataclass
+class Replica:
+    """The router's view of one replica."""
+
+    name: str
+    client: RemoteBackend
+    healthy: bool = False
+    draining: bool = False
+    failures: int = 0
+    successes: int = 0
+    load: BackendStats = field(default_factory=lambda: BackendStats(ready=False))
+    inflight: int = 0
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    has_feed: bool = False
+    feed_seq: int = 0
+    model_key: str | None = None
+    block_size: int = 16
+    error: str | None = None
+    served: int = 0
+
+    def state(self, cached_blocks: int) -> ReplicaState:
+        # The router's in-flight count is fresher than a scrape up to one interval old.
+        running = max(self.inflight, self.load.num_requests_running or 0)
+        return ReplicaState(self.name, self.healthy, self.draining, self.load.kv_cache_usage_perc or 0.0,
+                            running, self.load.num_requests_waiting or 0, cached_blocks)
+
+
+class Router(Backend):
+    """Replicas of `model`, reached by URL (or given as RemoteBackend clients)."""
+
+    def __init__(self, model: str, replicas: Sequence[str | RemoteBackend], config: RouterConfig | None = None,
+                 tokenizer=None, api_key: str | None = None) -> None:
+        if not replicas:
+            raise ValueError(f"model {model!r} has no replica URLs")
+        self.model = model
+        self.config = config or RouterConfig()
+        self.policy = make_policy(self.config.policy, self.config.weights)
+        self._tokenizer = tokenizer
+        self.replicas: list[Replica] = []
+        for i, r in enumerate(replicas):
+            client = r if isinstance(r, RemoteBackend) else RemoteBackend(r, model, api_key, tokenizer)
+            self.replicas.append(Replica(client.base_url, client, index=PrefixIndex(self.config.approx_capacity_blocks)))
+        if len({r.name for r in self.replicas}) != len(self.replicas):
+            raise ValueError(f"model {model!r} lists the same replica URL twice")
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
+        self._error: str | None = None
+        self._context_window = 0
+        self._ids = itertools.count()
+        self._current: dict[str, tuple[Replica, str]] = {}  # request id -> (replica, sub-request id)
+        self._aborted: set[str] = set()
+        self.failovers = 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Probe every replica; eject (with a log line) those that cannot serve; fail if none can."""
+        await asyncio.gather(*(self._admit(r, first=True) for r in self.replicas))
+        if not any(r.healthy for r in self.replicas):
+            reasons = "; ".join(r.error or "no answer" for r in self.replicas)
+            self._error = f"no replica of {self.model!r} can serve: {reasons}"
+            raise BackendNotReady(self._error)
+        self._started = True
+        self._tasks.append(asyncio.create_task(self._health_loop(), name=f"router-health-{self.model}"))
+        if self.config.follow_feeds:
+            for r in self.replicas:
+                self._tasks.append(asyncio.create_task(self._feed_loop(r), name=f"router-feed-{r.name}"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
+
+    async def _admit(self, r: Replica, first: bool = False) -> bool:
+        """Probe /v1/models (right model?) and /health; mark healthy or say why not."""
+        try:
+            info = await r.client.probe()
+            status = await r.client.health()
+        except (ReplicaError, BadGenerationRequest) as exc:
+            if first or r.error != str(exc):
+                log.warning("replica %s ejected: %s", r.name, exc)
+            r.healthy, r.error = False, str(exc)
+            return False
+        if info.max_model_len:
+            self._context_window = min(self._context_window or info.max_model_len, info.max_model_len)
+        r.draining = status == "draining"
+        r.healthy = status in ("ok", "draining")
+        r.error = None if r.healthy else f"replica is {status}"
+        r.failures = 0
+        if r.healthy and not first:
+            log.warning("replica %s is back", r.name)
+        return r.healthy
+
+    # -- health and load ----------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            await asyncio.gather(*(self._check(r) for r in self.replicas), return_exceptions=True)
+
+    async def _check(self, r: Replica) -> None:
+        try:
+            status = await r.client.health()
+            if status == "loading":
+                raise ReplicaError("still loading its model")
+            load = await r.client.load()
+        except ReplicaError as exc:
+            r.successes = 0
+            r.failures += 1
+            if r.healthy and r.failures >= self.config.eject_after:
+                self._eject(r, str(exc))
+            return
+        r.load = load
+        r.failures = 0
+        was_draining, r.draining = r.draining, status == "draining"
+        if r.draining and not was_draining:
+            log.warning("replica %s is draining: no new requests go there", r.name)
+        if not r.healthy:
+            r.successes += 1
+            if r.successes >= self.config.recover_after:
+                r.successes = 0
+                await self._admit(r)
+
+    def _eject(self, r: Replica, reason: str) -> None:
+        if r.healthy:
+            log.warning("replica %s ejected: %s", r.name, reason)
+        r.healthy, r.error, r.successes = False, reason, 0
+
+    async def _feed_loop(self, r: Replica) -> None:
+        """Follow the replica's prefix-cache feed; catch up (or resync from a snapshot) after breaks."""
+        while True:
+            try:
+                body = await r.client.kv_events(r.feed_seq, wait=5.0 if r.has_feed else 0.0)
+            except (ReplicaError, BadGenerationRequest):
+                await asyncio.sleep(max(0.2, self.config.health_interval))
+                continue
+            if body is None:  # no feed (vLLM, SGLang): the approximate index stays in use
+                r.has_feed = False
+                return
+            if not r.has_feed:
+                r.index = PrefixIndex()  # exact from now on
+                r.has_feed = True
+            r.model_key, r.block_size = str(body.get("model_key", "")), int(body.get("block_size", 16))
+            if body.get("reset"):
+                r.index.replace(body.get("snapshot") or [])
+            for e in body["events"]:
+                if e.get("type") == "stored":
+                    r.index.add(e.get("keys") or [])
+                elif e.get("type") == "removed":
+                    r.index.remove(e.get("keys") or [])
+                elif e.get("type") == "cleared":
+                    r.index.clear()
+            r.feed_seq = body["last_seq"]
+
+    # -- the Backend API -------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._started
+
+    @property
+    def load_error(self) -> str | None:
+        return self._error
+
+    @property
+    def model_ids(self) -> list[str]:
+        return [self.model]
+
+    @property
+    def context_window(self) -> int:
+        return self._context_window or 2048
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def count_tokens(self, text: str) -> int:
+        if self._tokenizer is not None:
+            return len(self._tokenizer.encode(text, add_special=False))
+        return estimate_tokens(text)
+
+    def count_prompt_tokens(self, messages: list[dict]) -> int:
+        if self._tokenizer is not None:
+            return len(encode_chat(self._tokenizer, messages))
+        return sum(estimate_tokens(m.get("content") or "") + 4 for m in messages) + 2
+
+    def stats(self) -> BackendStats:
+        live = [r.state(0) for r in self.replicas if r.healthy]
+        return BackendStats(
+            ready=self._started, model=self.model, policy=self.policy.name, context_window=self.context_window,
+            failovers=self.failovers, num_requests_running=sum(s.num_running for s in live),
+            num_requests_waiting=sum(s.num_waiting for s in live),
+            kv_cache_usage_perc=(sum(s.kv_cache_usage for s in live) / len(live)) if live else 0.0,
+            replicas=[ReplicaStatus(r.name, r.healthy, r.draining, r.inflight, r.served, r.has_feed, len(r.index),
+                                    r.error, r.load) for r in self.replicas])
+
+    def drain(self, url: str, draining: bool = True) -> None:
+        """Send no new requests to `url` (its answers in flight finish); False undoes it."""
+        for r in self.replicas:
+            if r.name == url.rstrip("/"):
+                r.draining = draining
+                log.warning("replica %s %s by the router", r.name, "draining" if draining else "undrained")
+                return
+        raise ValueError(f"no replica {url!r} for model {self.model!r}")
+
+    def abort(self, request_id: str) -> None:
+        current = self._current.get(request_id)
+        if current is not None:
+            self._aborted.add(request_id)
+            replica, sub_id = current
+            replica.client.abort(sub_id)
+
+    # -- placement -------------------------------------------------------------------------------
+    def _block_keys(self, r: Replica, ids: list[int], cache: dict) -> list[int]:
+        key = (r.model_key or self.model, r.block_size if r.has_feed else self.config.approx_block_size)
+        if key not in cache:
+            cache[key] = prefix_block_keys(ids, key[1], key[0])
+        return cache[key]
+
+    def choose(self, ids: list[int], exclude: set[str]) -> Replica:
+        cache: dict = {}
+        candidates = [r for r in self.replicas if r.name not in exclude]
+        states = [r.state(r.index.matched(self._block_keys(r, ids, cache))) for r in candidates]
+        any_keys = tuple(next(iter(cache.values()), ()))
+        name = self.policy.choose(RouteRequest(len(ids), any_keys, self.model), states)
+        chosen = next(r for r in candidates if r.name == name)
+        if not chosen.has_feed:  # the approximate index learns from what it sends
+            chosen.index.add(self._block_keys(chosen, ids, cache))
+        self.policy.routed(RouteRequest(len(ids), any_keys, self.model), name)
+        return chosen
+
+    async def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids: with the local tokenizer, else from a healthy replica's /tokenize."""
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.messages is None and request.prompt is None:
+            raise BadGenerationRequest("a request needs messages or a prompt", param="messages")
+        if self._tokenizer is not None:
+            if request.messages is not None:
+                return encode_chat(self._tokenizer, request.messages)
+            return self._tokenizer.encode(request.prompt)
+        last: Exception | None = None
+        for r in sorted(self.replicas, key=lambda r: (not r.healthy, r.inflight)):
+            try:
+                return await r.client.tokenize(request.messages, request.prompt)
+            except ReplicaError as exc:
+                last = exc
+        raise BackendError(f"no replica of {self.model!r} could tokenize the prompt: {last}")
+
+    # -- generation ----------------------------------------------------------------------------------
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if not self._started:
+            raise BackendNotReady(self._error or f"the router for {self.model!r} is starting")
+        self.resolve_model(request.model)
+        params = sampling_params(request)
+        ids = await self.prompt_ids(request)
+        if len(ids) >= self.context_window:
+            raise BadGenerationRequest(f"the prompt has {len(ids)} tokens; this model's context window is "
+                                       f"{self.context_window} tokens and the answer needs room too",
+                                       "context_length_exceeded", "messages")
+        rid = request.request_id or f"route-{next(self._ids)}"
+        answer = AnswerText(params, self._tokenizer)
+        t0 = time.monotonic()
+        first_token: float | None = None
+        tried: set[str] = set()
+        cached_tokens = 0
+        try:
+            for attempt in range(self.config.max_attempts):
+                prompt = ids + answer.token_ids
+                sub = answer.remaining_params()
+                if sub is None:  # the dead replica had already produced the whole answer
+                    yield answer.finish(answer.natural_finish(), len(ids), cached_tokens, self._metrics(t0, first_token, answer))
+                    return
+                try:
+                    replica = self.choose(prompt, tried)
+                except NoReplicaAvailable:
+                    if not tried:
+                        raise BackendError(f"no replica of {self.model!r} is healthy; try again shortly") from None
+                    replica = None
+                if replica is None:
+                    break
+                sub_id = f"{rid}-{attempt}"
+                self._current[rid] = (replica, sub_id)
+                replica.inflight += 1
+                try:
+                    async for piece in replica.client.stream_tokens(prompt, sub, sub_id):
+                        if rid in self._aborted:
+                            break
+                        text = answer.add(piece.token_ids, piece.text, piece.finish_reason is not None)
+                        if piece.token_ids and first_token is None:
+                            first_token = time.monotonic()
+                        if answer.stopped:  # a stop string spanning the failover point
+                            yield answer.finish("stop", len(ids), cached_tokens,
+                                                self._metrics(t0, first_token, answer), text)
+                            return
+                        if piece.finish_reason is not None:
+                            if attempt == 0 and piece.usage:
+                                cached_tokens = (piece.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                            replica.served += 1
+                            yield answer.finish(piece.finish_reason, len(ids), cached_tokens,
+                                                self._metrics(t0, first_token, answer), text)
+                            return
+                        if text:
+                            yield Delta(text)
+                    if rid in self._aborted:
+                        yield answer.finish("abort", len(ids), cached_tokens, self._metrics(t0, first_token, answer))
+                        return
+                except ReplicaError as exc:
+                    if rid in self._aborted:
+                        yield answer.finish("abort", len(ids), cached_tokens, self._metrics(t0, first_token, answer))
+                        return
+                    tried.add(replica.name)
+                    self._eject(replica, str(exc))
+                    if isinstance(exc, ReplicaModelMismatch):
+                        log.error("replica %s: %s", replica.name, exc)
+                    self.failovers += 1
+                    log.warning("request %s: replica %s failed after %d tokens (%s); continuing elsewhere",
+                                rid, replica.name, len(answer.token_ids), exc)
+                    answer.failed_over()
+                finally:
+                    replica.inflight -= 1
+            raise BackendError(f"the answer failed on {len(tried)} replica(s) of {self.model!r}; "
+                               f"no other replica is available")
+        finally:
+            self._current.pop(rid, None)
+            self._aborted.discard(rid)
+
+    @staticmethod
+    def _metrics(t0: float, first_token: float | None, answer: AnswerText) -> Timings:
+        now = time.monotonic()
+        n = len(answer.token_ids)
+        ttft = (first_token - t0) if first_token is not None else None
+        tpot = (now - first_token) / (n - 1) if ttft is not None and n > 1 else None
+        return Timings(ttft=ttft, tpot=tpot, e2e=now - t0)

@@ -1,0 +1,77 @@
+"""Routing policies over plain data: the same code the live router and the simulator run."""
+import pytest
+
+from chatloom.engine.block_hash import prefix_block_keys
+from chatloom.serving.policies import POLICIES, make_policy
+from chatloom.serving.prefix_index import PrefixIndex
+from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
+
+
+def req(n_blocks: int = 10) -> RouteRequest:
+    keys = tuple(prefix_block_keys(list(range(16 * n_blocks)), 16, "m"))
+    return RouteRequest(prompt_tokens=16 * n_blocks, block_keys=keys)
+
+
+def test_factory_knows_three_policies_and_names_unknown_ones():
+    assert set(POLICIES) == {"round_robin", "least_load", "prefix_aware"}
+    for name in POLICIES:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'.*round_robin"):
+        make_policy("nope")
+
+
+def test_round_robin_cycles_and_skips_unhealthy_and_draining():
+    p = make_policy("round_robin")
+    reps = [ReplicaState("a"), ReplicaState("b", healthy=False), ReplicaState("c"), ReplicaState("d", draining=True)]
+    assert [p.choose(req(), reps) for _ in range(4)] == ["a", "c", "a", "c"]
+
+
+def test_no_replica_accepting_work_raises():
+    for name in POLICIES:
+        with pytest.raises(NoReplicaAvailable):
+            make_policy(name).choose(req(), [ReplicaState("a", healthy=False), ReplicaState("b", draining=True)])
+
+
+def test_least_load_prefers_free_kv_and_short_queues_and_spreads_ties():
+    p = make_policy("least_load")
+    reps = [ReplicaState("a", kv_cache_usage=0.9), ReplicaState("b", kv_cache_usage=0.1),
+            ReplicaState("c", kv_cache_usage=0.1, num_waiting=3)]
+    assert p.choose(req(), reps) == "b"
+    idle = [ReplicaState("a"), ReplicaState("b"), ReplicaState("c")]
+    assert sorted(p.choose(req(), idle) for _ in range(3)) == ["a", "b", "c"]
+
+
+def test_prefix_aware_goes_where_the_prefix_is():
+    p = make_policy("prefix_aware")
+    reps = [ReplicaState("a", cached_blocks=0), ReplicaState("b", cached_blocks=9, kv_cache_usage=0.3),
+            ReplicaState("c", cached_blocks=2)]
+    assert p.choose(req(), reps) == "b"
+
+
+def test_prefix_aware_falls_back_to_least_load_on_poor_match_or_long_queue():
+    p = make_policy("prefix_aware", PolicyWeights(min_prefix_fraction=0.5))
+    poor = [ReplicaState("a", cached_blocks=2, kv_cache_usage=0.5), ReplicaState("b", cached_blocks=0)]
+    assert p.choose(req(), poor) == "b"
+    busy = [ReplicaState("a", cached_blocks=10, num_waiting=9), ReplicaState("b", cached_blocks=0)]
+    assert p.choose(req(), busy) == "b"
+
+
+def test_prefix_aware_weights_trade_hits_against_load():
+    reps = [ReplicaState("a", cached_blocks=10, kv_cache_usage=0.95, num_running=4),
+            ReplicaState("b", cached_blocks=5, kv_cache_usage=0.0)]
+    assert make_policy("prefix_aware", PolicyWeights(prefix=1.0, kv_usage=0.1)).choose(req(), reps) == "a"
+    assert make_policy("prefix_aware", PolicyWeights(prefix=1.0, kv_usage=2.0)).choose(req(), reps) == "b"
+
+
+def test_prefix_index_counts_leading_keys_and_bounds_approximate_size():
+    keys = prefix_block_keys(list(range(64)), 16, "m")
+    idx = PrefixIndex()
+    idx.add(keys[:3])
+    assert idx.matched(keys) == 3
+    idx.remove([keys[1]])
+    assert idx.matched(keys) == 1  # a hole ends the usable prefix
+    approx = PrefixIndex(capacity=2)
+    approx.add(keys)
+    assert len(approx) == 2 and approx.matched(keys) == 2  # the tail went first, the root side stays
+    idx.replace(keys)
+    assert idx.matched(keys) == 4
