@@ -304,7 +304,10 @@ def _print_plan(out: dict) -> None:
     print()
     print(f"{'seeds back-of-envelope':<52} {'seed':>14} {'arithmetic':>14} {'diff':>7}")
     for r in out["seeds"]:
-        print(f"{r['figure']:<52} {r['seed']:>14,.0f} {r['arithmetic']:>14,.0f} {100 * r['difference']:>6.1f}%")
+        if r["seed"] is None:
+            print(f"{r['figure']:<52} {'':>14} {r['arithmetic']:>14,.0f}")
+        else:
+            print(f"{r['figure']:<52} {r['seed']:>14,.0f} {r['arithmetic']:>14,.0f} {100 * r['difference']:>6.1f}%")
     print()
     est = out["estimate"]
     print(f"roofline estimate: {est['replicas']:,} replicas (batch {est['batch']} at {est['step_ms']} ms/step = "

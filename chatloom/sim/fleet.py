@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from chatloom.serving.policies import make_policy as serving_make_policy
 from chatloom.serving.routing import RoutingPolicy
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.simulator import SimConfig, Simulator
@@ -29,10 +30,6 @@ def make_policy(spec: PolicySpec) -> RoutingPolicy:
     """A fresh routing policy: by its settings name (the serving room's make_policy), or from a factory."""
     if callable(spec):
         return spec()
-    try:
-        from chatloom.serving.policies import make_policy as serving_make_policy
-    except ImportError:
-        raise ValueError("routing policies by name need chatloom.serving.policies, which this checkout lacks") from None
     return serving_make_policy(spec)
 
 
@@ -160,11 +157,19 @@ def run_fleet(spec: ReplicaSpec, fleet_size: int, policy: PolicySpec, traffic: T
         from tqdm import tqdm
         bar = tqdm(total=round(config.duration_s * sample), unit="sim-s", desc=f"simulating {sample} cell(s)",
                    smoothing=0.05)
+    shown = [0.0, 0]  # simulated seconds reported, whole seconds shown
+
+    def advance(dt: float) -> None:
+        shown[0] += dt
+        whole = int(shown[0]) - shown[1]
+        if whole > 0:
+            shown[1] += whole
+            bar.update(whole)
     t0 = time.perf_counter()
     if processes <= 1 or sample == 1:
         cells = []
         for job in jobs:
-            cells.append(run_cell(*job[:5], progress=(lambda dt: bar.update(dt)) if bar else None,
+            cells.append(run_cell(*job[:5], progress=advance if bar else None,
                                   name_prefix=f"c{job[5]}r"))
     else:
         q = mp.Queue() if bar else None
@@ -175,7 +180,7 @@ def run_fleet(spec: ReplicaSpec, fleet_size: int, policy: PolicySpec, traffic: T
                     pending.wait(0.5)
                     continue
                 try:
-                    bar.update(q.get(timeout=0.5))
+                    advance(q.get(timeout=0.5))
                 except queue_mod.Empty:
                     pass
             cells = pending.get()

@@ -111,7 +111,7 @@ def explain(seed_rows: list[dict], plan: PlanResult, spec: ReplicaSpec, traffic:
     if best is None:
         return ["no fleet size up to the search limit met the SLO"]
     s = best.summary
-    seed_servers = next(r["arithmetic"] for r in seed_rows if r["figure"].startswith("servers"))
+    seed_servers = next(r["arithmetic"] for r in seed_rows if r["figure"].startswith("servers for this plan"))
     per_replica = s["output_tokens_per_s_per_replica"]
     lines = [
         f"throughput per replica: {per_replica:,.0f} tokens/s simulated against the seeds' 1,000 "

@@ -31,14 +31,19 @@ def seed_step_time(prefill_s_per_token: float = 0.0) -> LinearStepTime:
     return model
 
 
+SEED_PEAK_TOKENS_PER_S = 2.5e6
+
+
 def back_of_envelope(peak_tokens_per_s: float, cfg: ModelConfig, answer_tokens: float = 500.0,
                      batch: int = 32, step_s: float = 0.032, context_tokens: int = 8000,
                      kv_dtype: str = "fp16", conversations_per_node: int = 200,
                      messages_per_s: float = 29_000.0, hold_s: float = 15.0) -> list[dict]:
-    """Each seed figure: what the seed says, the same arithmetic redone, and their difference."""
+    """Each seed figure: what the seed says, the same arithmetic redone (at the seeds' own inputs), and
+    their difference; then the seeds' method applied to `peak_tokens_per_s`."""
     tokens_per_server = batch / step_s
-    servers = peak_tokens_per_s / tokens_per_server
-    answers_per_s = peak_tokens_per_s / answer_tokens
+    seed_peak = SEED_PEAK_TOKENS_PER_S
+    servers = seed_peak / tokens_per_server
+    answers_per_s = seed_peak / answer_tokens
     answer_s = answer_tokens * step_s
     concurrent_at_peak = answers_per_s * answer_s  # Little's law
     kv_token = cfg.kv_bytes_per_token(kv_dtype)
@@ -46,8 +51,8 @@ def back_of_envelope(peak_tokens_per_s: float, cfg: ModelConfig, answer_tokens: 
     streams = messages_per_s * hold_s  # Little's law at average load
     rows = [
         ("tokens per server per second at batch 32", 1000.0, tokens_per_server, f"{batch} / {step_s * 1000:g} ms step"),
-        ("servers for 2.5 M tokens/s", 2500.0, servers, f"{peak_tokens_per_s:.3g} / {tokens_per_server:.0f}"),
-        ("answers per second at peak", 5000.0, answers_per_s, f"{peak_tokens_per_s:.3g} / {answer_tokens:g} tokens"),
+        ("servers for 2.5 M tokens/s", 2500.0, servers, f"{seed_peak:.3g} / {tokens_per_server:.0f}"),
+        ("answers per second at peak", 5000.0, answers_per_s, f"{seed_peak:.3g} / {answer_tokens:g} tokens"),
         ("concurrent answers at peak (Little's law)", 80_000.0, concurrent_at_peak,
          f"{answers_per_s:.0f}/s x {answer_s:g} s"),
         ("KV bytes per token (70B, GQA, fp16)", 320 * 1024.0, float(kv_token),
@@ -58,5 +63,9 @@ def back_of_envelope(peak_tokens_per_s: float, cfg: ModelConfig, answer_tokens: 
         ("8-GPU nodes to hold those streams' KV", 2000.0, streams / conversations_per_node,
          f"{streams:,.0f} / {conversations_per_node} per node"),
     ]
-    return [{"figure": name, "seed": seed, "arithmetic": round(value, 3), "how": how,
-             "difference": round(value / seed - 1, 4)} for name, seed, value, how in rows]
+    out = [{"figure": name, "seed": seed, "arithmetic": round(value, 3), "how": how,
+            "difference": round(value / seed - 1, 4)} for name, seed, value, how in rows]
+    out.append({"figure": "servers for this plan's peak by the seeds' method", "seed": None,
+                "arithmetic": round(peak_tokens_per_s / tokens_per_server, 1),
+                "how": f"{peak_tokens_per_s:.4g} / {tokens_per_server:.0f}", "difference": None})
+    return out

@@ -37,6 +37,9 @@ class SimConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     check_invariants: bool = False   # tests: check every replica's KV after every step
+    # Conversations start this long before t=0 (None: two mean conversation lengths), so the mix of
+    # first and later turns, and the message rate, are at their steady state from the start.
+    prewarm_s: float | None = None
     # After duration_s no message is sent; what is in flight runs to its end.
 
 
@@ -112,7 +115,9 @@ class Simulator:
         cfg = self.config
         t0 = time.perf_counter()
         if self.source is not None:
-            first = self.source.next_conversation_time(0.0, cfg.duration_s)
+            start = -self.prewarm_s()
+            self.now = start
+            first = self.source.next_conversation_time(start, cfg.duration_s)
             if first is not None:
                 self._push(first, _CONVERSATION, None)
         for req in self.trace:
@@ -141,7 +146,18 @@ class Simulator:
             if self.progress is not None and t - last_progress >= 1.0:
                 self.progress(t - last_progress)
                 last_progress = t
-        return SimRun(self.requests, self.replicas, cfg, self.now, time.perf_counter() - t0, events, self.routed)
+        span = self.now + (self.prewarm_s() if self.source is not None else 0.0)
+        return SimRun(self.requests, self.replicas, cfg, span, time.perf_counter() - t0, events, self.routed)
+
+    def prewarm_s(self) -> float:
+        if self.config.prewarm_s is not None:
+            return self.config.prewarm_s
+        if self.source is None:
+            return 0.0
+        m = self.source.model
+        # A turn lasts a think time plus an answer's streaming (at ~30 ms a token); two conversation
+        # lifetimes bring the number of conversations in progress close to its steady state.
+        return 2 * m.mean_turns * (m.think_time_s + 0.03 * m.mean_answer_tokens)
 
     def _dispatch(self, kind: int, obj, t: float) -> None:
         """Events of kinds a subclass adds (disaggregation's KV transfers)."""
@@ -194,8 +210,8 @@ class Simulator:
             replica.add(req, t)
             self._kick(replica, t)
             return
-        rr = RouteRequest(prompt_tokens=len(req.prompt), block_keys=req.block_keys, model=self.spec.model_key,
-                          conversation_id=req.conversation.cid if req.conversation is not None else None)
+        # The same request the live router (serving/router.py) builds: size, block keys, model.
+        rr = RouteRequest(prompt_tokens=len(req.prompt), block_keys=req.block_keys, model=self.spec.model_key)
         states = self.states(req.block_keys)
         try:
             name = self.policy.choose(rr, states)

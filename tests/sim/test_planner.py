@@ -36,9 +36,11 @@ def test_capacity_estimate_uses_the_step_model():
 
 
 def test_seeds_pure_arithmetic_is_reproduced_within_ten_percent():
-    rows = {r["figure"]: r for r in back_of_envelope(2.5e6, model_config("llama-70b"))}
+    rows = {r["figure"]: r for r in back_of_envelope(1.0e6, model_config("llama-70b"))}
     for row in rows.values():
-        assert abs(row["difference"]) <= 0.10, row
+        if row["seed"] is not None:
+            assert abs(row["difference"]) <= 0.10, row
+    assert rows["servers for this plan's peak by the seeds' method"]["arithmetic"] == pytest.approx(1000)
     assert rows["servers for 2.5 M tokens/s"]["arithmetic"] == pytest.approx(2500)
     assert rows["KV bytes per 8,000-token conversation"]["arithmetic"] == 327680 * 8000
 

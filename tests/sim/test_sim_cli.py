@@ -1,4 +1,5 @@
-"""`chatloom sim` and `chatloom plan` end to end on tiny fleets, and their bad inputs."""
+"""`chatloom sim` and `chatloom plan` end to end on tiny fleets, with the serving room's routing policies,
+and their bad inputs."""
 from __future__ import annotations
 
 import json
@@ -6,23 +7,7 @@ import json
 import pytest
 
 from chatloom import cli
-from chatloom.sim import fleet
 from chatloom.sim.step_time import LinearStepTime
-from sim_policies import FewestQueued, MostCached
-
-POLICIES = {"prefix_aware": MostCached, "least_load": FewestQueued}
-
-
-@pytest.fixture(autouse=True)
-def policies(monkeypatch):
-    # The CLI names policies as the serving room does; these tests use the test-only ones.
-    def make(spec):
-        if callable(spec):
-            return spec()
-        if spec not in POLICIES:
-            raise ValueError(f"unknown routing policy {spec!r}")
-        return POLICIES[spec]()
-    monkeypatch.setattr(fleet, "make_policy", make)
 
 
 def small_step_time(tmp_path):
