@@ -99,7 +99,7 @@ def test_sigkill_mid_answer_through_the_app_keeps_the_stream_whole(fleet, tmp_pa
 
     pair = fleet[1:]
     settings = make_settings(tmp_path, model="tiny-random", replicas=[r.url for r in pair],
-                             router_policy="round_robin", default_max_tokens=200, max_tokens_limit=400)
+                             router_policy="round_robin", default_max_tokens=1500, max_tokens_limit=1600)
     with LiveServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         for _ in range(200):
             if http.get("/readyz").status_code == 200:

@@ -63,7 +63,7 @@ async def test_sigkill_mid_answer_every_answer_complete_and_identical(fleet, tin
 
     async def run_all(router):
         async def one(p):
-            return await collect(router, GenerationRequest(prompt=p, max_tokens=120, temperature=0))
+            return await collect(router, GenerationRequest(prompt=p, max_tokens=600, temperature=0))
         return await asyncio.gather(*(one(p) for p in prompts))
 
     router = Router("tiny-random", [r.url for r in fleet], fast_config("round_robin"), tiny_tokenizer)
@@ -80,7 +80,7 @@ async def test_sigkill_mid_answer_every_answer_complete_and_identical(fleet, tin
         # Kill the first replica once it is mid-answer on its requests.
         vr = next(r for r in router.replicas if r.name == victim.url)
         await wait_until(lambda: vr.inflight >= 2, 30)
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.1)
         assert vr.inflight >= 1
         victim.kill()
         got = await asyncio.wait_for(task, 120)
@@ -88,7 +88,7 @@ async def test_sigkill_mid_answer_every_answer_complete_and_identical(fleet, tin
         for (parts, last), (exp_parts, exp_last) in zip(got, expected):
             assert "".join(parts) == "".join(exp_parts)  # no gap, no repeat, same greedy text
             assert last.finish_reason == exp_last.finish_reason == "length"
-            assert last.completion_tokens == exp_last.completion_tokens == 120
+            assert last.completion_tokens == exp_last.completion_tokens == 600
         assert any(last.failovers for _, last in got)
         assert not vr.healthy  # ejected
     finally:
