@@ -74,9 +74,9 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
     tiers = write_tiers(tmp_path, free={"max_concurrent": 1000, "requests_per_minute": 100_000,
                                         "tokens_per_minute": 10_000_000, "tokens_per_day": 100_000_000})
     settings = make_settings(tmp_path, tiers_file=tiers, moderation="off", admission_max_running=4,
-                             queue_max_wait_s=5.0)
+                             queue_max_wait_s=1.0)
     app = create_app(settings, backend)
-    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "go"}], "max_tokens": 150,
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "go"}], "max_tokens": 600,
             "stream": True}
     try:
         async with app.router.lifespan_context(app):
@@ -98,13 +98,14 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
                 served = [(r, s) for r, s in results if r.status_code == 200]
                 early = [s for r, s in refused if r.json()["error"]["code"] == "queue_full"]
                 assert len(served) + len(refused) == 200, {r.status_code for r, _ in results}
-                # The tiny model serves a few dozen in the 5 s the queue may take; the rest are refused.
+                # The tiny model serves about a dozen 600-token answers in the 1 s the queue may take;
+                # the rest are refused.
                 assert len(served) >= 4 and len(early) >= 50, (len(served), len(early))
                 assert all(int(r.headers["retry-after"]) >= 1 for r, _ in refused)
                 median = statistics.median(early)
-                # Far below the 5 s timeout. (Under 100 ms on a quiet machine; a burst of 200 requests
-                # on one event loop, on a shared 2-core box, costs most of this in plain CPU.)
-                assert median < 2.0, median
+                # Before the 1 s timeout: refused early, not after waiting it out. (A burst of 200 requests
+                # on one event loop of a 2-core box costs about half a second in plain CPU.)
+                assert median < 1.0, median
                 # Every admitted request streamed to its end.
                 for r, _ in served:
                     assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason"' in r.text
