@@ -194,7 +194,7 @@ class ConversationService:
                                    "parent_id")
                 parent = parent_id
             history = [m.tokens for m in tree.path_to(parent)] if parent is not None else []
-            reservation = self._reserve_quota(options, history + [text_tokens], max_tokens)
+            reservation = await self._reserve_quota(options, history + [text_tokens], max_tokens)
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, model, status="incomplete")
@@ -207,7 +207,7 @@ class ConversationService:
                                      options, reservation)
         except BaseException:
             self._release(conv.id)
-            self._settle(reservation, 0)
+            await self._settle(reservation, 0)
             raise
 
     async def regenerate(self, session: AsyncSession, conv: Conversation, message_id: str,
@@ -224,7 +224,7 @@ class ConversationService:
             if question_id is None:
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
             tree = Tree(await Messages(session).all_in(conv.id))
-            reservation = self._reserve_quota(options or GenerationOptions(),
+            reservation = await self._reserve_quota(options or GenerationOptions(),
                                               [m.tokens for m in tree.path_to(question_id)], max_tokens)
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, model, status="incomplete")
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
@@ -233,21 +233,21 @@ class ConversationService:
                                      options or GenerationOptions(), reservation)
         except BaseException:
             self._release(conv.id)
-            self._settle(reservation, 0)
+            await self._settle(reservation, 0)
             raise
 
-    def _reserve_quota(self, options: GenerationOptions, turn_tokens: list[int], max_tokens: int) -> Reservation | None:
+    async def _reserve_quota(self, options: GenerationOptions, turn_tokens: list[int], max_tokens: int) -> Reservation | None:
         """Reserve the prompt (estimated from stored counts, as prompt assembly will) plus max_tokens."""
         tier = self._tier(options)
         if tier is None:
             return None
         system = self.backend.count_tokens(self.settings.system_prompt)
         prompt = min(self.template_cost.prompt(system, turn_tokens), self.context_window - max_tokens)
-        return self.traffic.reserve(options.user, tier, prompt + max_tokens)
+        return await self.traffic.reserve(options.user, tier, prompt + max_tokens)
 
-    def _settle(self, reservation: Reservation | None, used: int) -> None:
+    async def _settle(self, reservation: Reservation | None, used: int) -> None:
         if reservation is not None and self.traffic is not None:
-            self.traffic.quotas.settle(reservation, used)
+            await self.traffic.quotas.settle(reservation, used)
 
     async def _start(self, conversation_id: str, question_id: str, answer_id: str, model: str,
                      max_tokens: int, temperature: float, options: GenerationOptions | None = None,
@@ -362,7 +362,7 @@ class ConversationService:
             return _NoSlot()
         prompt_tokens = self.backend.count_prompt_tokens(messages)
         if gen.reservation is not None and gen.tier is not None:
-            self.traffic.extend(gen.reservation, gen.tier, prompt_tokens + gen.max_tokens)
+            await self.traffic.extend(gen.reservation, gen.tier, prompt_tokens + gen.max_tokens)
 
         async def position(n: int) -> None:
             if not gen.log.closed:
@@ -439,7 +439,7 @@ class ConversationService:
         prompt, completion = outcome.get("prompt_tokens") or 0, outcome.get("completion_tokens") or 0
         # Summaries of older turns are real model work for this user: they count and are metered too.
         s_prompt, s_completion = gen.summary_tokens
-        self._settle(gen.reservation, prompt + completion + s_prompt + s_completion)
+        await self._settle(gen.reservation, prompt + completion + s_prompt + s_completion)
         if self.traffic is None or prompt + completion + s_prompt + s_completion == 0:
             return
         if gen.user is not None:

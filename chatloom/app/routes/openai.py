@@ -135,7 +135,7 @@ class _Traffic:
             req.max_tokens += reasoning.BUDGET_TOKENS[self.effort]
         req.priority = -self.tier.priority  # the engine runs low numbers first
         self.prompt_tokens = self.backend.count_prompt_tokens(req.messages)
-        self.reservation = self.traffic.reserve(user, self.tier, self.prompt_tokens + req.max_tokens)
+        self.reservation = None  # reserved by admit(): the quota store may be another server
         self.slot = None
         self.guard = self.traffic.output_guard()
         self.splitter = reasoning.ThinkingSplitter() if self.effort else None
@@ -144,6 +144,7 @@ class _Traffic:
         self._closed = False
 
     async def admit(self) -> None:
+        self.reservation = await self.traffic.reserve(self.user, self.tier, self.prompt_tokens + self.req.max_tokens)
         try:
             self.slot = await self.traffic.admit(self.tier, self.prompt_tokens,
                                                  REASONING if self.effort else INTERACTIVE)
@@ -184,7 +185,8 @@ class _Traffic:
             self.slot.release()
         last = self.last
         used = last.prompt_tokens + last.completion_tokens
-        self.traffic.quotas.settle(self.reservation, used)
+        if self.reservation is not None:
+            await self.traffic.quotas.settle(self.reservation, used)
         if used:
             await self.traffic.meter.record(self.user.id, self.req.model, last.prompt_tokens, last.completion_tokens,
                                             last.cached_tokens)

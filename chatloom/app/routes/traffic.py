@@ -98,7 +98,7 @@ async def my_usage(days: int = Query(30, ge=1, le=366), user: User = Depends(cur
                    session: AsyncSession = Depends(get_session), traffic: Traffic = Depends(get_traffic)) -> dict:
     """Your tokens per day and model over the last `days` days, your tier and what is left of it now."""
     tier = traffic.tier(user)
-    state = traffic.quotas.state(user.id, tier)
+    state = await traffic.quotas.state(user.id, tier)
     out = usage_out(await UsageRows(session).query(user.id, _since(days)))
     for item in out["data"]:
         item.pop("username")
