@@ -18,6 +18,8 @@ from chatloom.app.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.branches import Tree
 from chatloom.app.errors import ApiError, not_found
 from chatloom.app.events import EventLog, EventLogStore
+from chatloom.app.hotstate.job_keeper import reservation_spec
+from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.app import reasoning
 from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messages, chunk_turns, plan_prompt,
                                  summarizer_messages)
@@ -92,6 +94,7 @@ class ConversationService:
         self.traffic = traffic
         self._running: dict[str, Generation] = {}
         self._cost: TemplateCost | None = None
+        self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
 
     # -- sizes ---------------------------------------------------------------------
     @property
@@ -164,12 +167,21 @@ class ConversationService:
         if self._running.get(conversation_id, 0) is None:
             del self._running[conversation_id]
 
+    async def _claim(self, conversation_id: str) -> bool:
+        """Hold the conversation across the fleet: another gateway may be answering in it."""
+        if not await self.jobs.claim(conversation_id):
+            raise ApiError(409, "an answer is already being generated in this conversation (on another "
+                           "gateway); stop it first", "generation_in_progress")
+        return True
+
     async def send(self, session: AsyncSession, conv: Conversation, text: str, parent_id: object = UNSET,
                    options: GenerationOptions | None = None) -> Generation:
         """Save a user message (under parent_id, or at the end of the active branch) and start its answer."""
         reservation = None
+        claimed = False
         self._reserve(conv.id)
         try:
+            claimed = await self._claim(conv.id)
             options = options or GenerationOptions()
             model, max_tokens, temperature = self._resolve_options(options)
             if len(text) > self.settings.max_message_chars:
@@ -207,6 +219,8 @@ class ConversationService:
                                      options, reservation)
         except BaseException:
             self._release(conv.id)
+            if claimed:
+                await self.jobs.release(conv.id)
             await self._settle(reservation, 0)
             raise
 
@@ -214,8 +228,10 @@ class ConversationService:
                          options: GenerationOptions | None = None) -> Generation:
         """A new answer beside an assistant message (or under a user message)."""
         reservation = None
+        claimed = False
         self._reserve(conv.id)
         try:
+            claimed = await self._claim(conv.id)
             model, max_tokens, temperature = self._resolve_options(options or GenerationOptions())
             target = await Messages(session).get(conv.id, message_id)
             if target is None:
@@ -233,6 +249,8 @@ class ConversationService:
                                      options or GenerationOptions(), reservation)
         except BaseException:
             self._release(conv.id)
+            if claimed:
+                await self.jobs.release(conv.id)
             await self._settle(reservation, 0)
             raise
 
@@ -258,6 +276,10 @@ class ConversationService:
                          tier=self._tier(options), reservation=reservation,
                          effort=self.traffic.effort(options.reasoning_effort) if self.traffic else None)
         await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
+        await self.jobs.update(JobRecord(conversation_id, self.jobs.gateway, answer_id, spec={
+            "user_message_id": question_id, "model": model, "max_tokens": max_tokens, "temperature": temperature,
+            "user_id": options.user.id if options.user else None, "effort": gen.effort,
+            "reservation": reservation_spec(reservation)}))
         self._running[conversation_id] = gen
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
         return gen
@@ -429,10 +451,16 @@ class ConversationService:
                     "usage": {"prompt_tokens": outcome.get("prompt_tokens", 0),
                               "completion_tokens": outcome.get("completion_tokens", 0)}})
         finally:
-            await gen.log.close()
-            if self._running.get(gen.conversation_id) is gen:
-                del self._running[gen.conversation_id]
-            gen.finished.set()
+            try:
+                await gen.log.close()
+            finally:
+                if self._running.get(gen.conversation_id) is gen:
+                    del self._running[gen.conversation_id]
+                gen.finished.set()
+                try:
+                    await self.jobs.release(gen.conversation_id)
+                except Exception as exc:  # Redis away: the lease lapses, and the keeper finds the answer saved
+                    log.warning("could not release the job of %s: %s", gen.conversation_id, exc)
 
     async def _account(self, gen: Generation, outcome: dict) -> None:
         """Settle the quota with the tokens really used, meter them, observe the request's latencies."""

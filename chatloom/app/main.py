@@ -12,7 +12,7 @@ from chatloom.app.auth import Passwords, Tokens
 from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
-from chatloom.app.events import MemoryEventLogStore
+from chatloom.app.hotstate.state import build_hot_state, install_redis_errors, start_hot_state
 from chatloom.app.routes import auth, conversations, health, openai, web
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import build_traffic, install as install_traffic
@@ -37,25 +37,29 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     owns_backend = backend is None
     backend = backend or default_backend(settings)
     db = Database(settings.database_url)
+    hot = build_hot_state(settings)  # quotas, stream logs, stops, job leases: in memory, or shared in Redis
     traffic = build_traffic(settings, backend, db)
+    traffic.quotas = hot.quotas
+    traffic.admission.fleet = hot.fleet
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.token_ttl_s),
-        conversations=ConversationService(db, backend, settings, MemoryEventLogStore(settings.event_log_retention_s),
-                                          traffic),
+        conversations=ConversationService(db, backend, settings, hot.logs, traffic),
         traffic=traffic,
     )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await db.migrate()
+        await start_hot_state(hot, ctx.conversations, db, traffic.admission.max_running)
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend), name="backend-start")
         try:
             yield
         finally:
             await ctx.conversations.shutdown()
+            await hot.close()
             if not loading.done():
                 loading.cancel()
             if owns_backend:
@@ -64,7 +68,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
 
     app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
+    app.state.hot = hot
     install_error_handlers(app)
+    install_redis_errors(app, hot)
     install_traffic(app)
     for module in (health, auth, conversations, openai, web):
         app.include_router(module.router)

@@ -62,6 +62,13 @@ class Settings:
     moderation_holdback_tokens: int = 4  # pieces of output held back for the output check
     metrics_public: bool = True  # GET /metrics without a token (as vLLM serves it)
 
+    # Several gateways (see README, "Several gateways"): what is hot lives in Redis when redis_url is set.
+    redis_url: str | None = None  # redis://host:port/db; None: quotas, stream logs, stops in this process
+    redis_prefix: str = "chatloom"  # key prefix, so several services can share one Redis
+    gateway_id: str | None = None  # this gateway's name in the fleet (default: host-pid-random)
+    job_lease_s: float = 3.0  # a dead gateway's answers are taken over this long after its last renewal
+    shutdown_grace_s: float = 20.0  # on SIGTERM, running answers get this long before they are handed over
+
     log_level: str = "info"
 
     @property

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # What "Redis is out of reach" looks like from redis-py (connection refused, reset, timed out).
-UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 
 
 class RedisHub:

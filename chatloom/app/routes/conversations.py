@@ -10,6 +10,7 @@ from chatloom.app.branches import Tree
 from chatloom.app.conversation_service import UNSET, Generation, GenerationOptions
 from chatloom.app.deps import get_context, get_session
 from chatloom.app.errors import ApiError, not_found
+from chatloom.app.hotstate.stop_relay import stop_anywhere
 from chatloom.app.schemas import (ConversationIn, GenerationIn, MessageIn, RenameIn, conversation_summary,
                                   message_out)
 from chatloom.app.sse import HEARTBEAT, SSE_HEADERS, frame_event
@@ -84,7 +85,7 @@ async def rename_conversation(body: RenameIn, conv: Conversation = Depends(owned
 @router.delete("/{conversation_id}", status_code=204)
 async def delete_conversation(request: Request, conv: Conversation = Depends(owned_conversation),
                               session: AsyncSession = Depends(get_session)) -> Response:
-    await get_context(request).conversations.stop(conv.id)
+    await _stop(request, conv.id)
     await Conversations(session).delete(conv.id)
     await session.commit()
     return Response(status_code=204)
@@ -117,6 +118,12 @@ async def regenerate(message_id: str, request: Request, body: GenerationIn | Non
 
 @router.post("/{conversation_id}/stop")
 async def stop(request: Request, conv: Conversation = Depends(owned_conversation)) -> dict:
-    """Abort the running answer; returns once the partial answer is saved as 'stopped'."""
-    gen = await get_context(request).conversations.stop(conv.id)
-    return {"stopped": gen is not None, "message_id": gen.message_id if gen else None}
+    """Abort the running answer (on whichever gateway runs it); returns once the partial answer is saved
+    as 'stopped'."""
+    message_id = await _stop(request, conv.id)
+    return {"stopped": message_id is not None, "message_id": message_id}
+
+
+async def _stop(request: Request, conversation_id: str) -> str | None:
+    ctx, hot = get_context(request), request.app.state.hot
+    return await stop_anywhere(conversation_id, ctx.conversations.stop, hot.jobs, hot.stops, ctx.conversations.logs)

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from chatloom.app.auth import current_user
 from chatloom.app.deps import get_context
 from chatloom.app.errors import ApiError
+from chatloom.app.readiness import readiness
 from chatloom.store import User
 
 router = APIRouter(tags=["health"])
@@ -20,13 +21,14 @@ async def healthz() -> dict:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    """Ready once the model is loaded; 503 before (or if loading failed)."""
-    backend = get_context(request).backend
-    if backend.ready:
-        return JSONResponse({"status": "ready", "models": backend.model_ids,
-                             "context_window": backend.context_window})
-    body = {"status": "failed", "error": backend.load_error} if backend.load_error else {"status": "loading"}
-    return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    """Ready once the model is loaded and the database and Redis (if configured) answer; 503 otherwise,
+    naming what is missing (see chatloom/app/readiness.py)."""
+    ctx = get_context(request)
+    status, body = await readiness(ctx.backend, ctx.db, getattr(request.app.state, "hot", None))
+    if status == 200:
+        return JSONResponse(body)
+    retry = "1" if body["status"] == "unavailable" else "5"
+    return JSONResponse(body, status_code=status, headers={"Retry-After": retry})
 
 
 @router.get("/admin/stats")
