@@ -74,3 +74,49 @@ async def drop_database(url: str) -> None:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
+
+
+class PrivateRedis:
+    """A redis-server of the test's own on a free loopback port, which the test may stop and start again
+    (the shared one of $CHATLOOM_TEST_REDIS_URL must not be restarted under other tests)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        import socket
+
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc = None
+
+    def start(self) -> "PrivateRedis":
+        import subprocess
+        import time
+
+        binary = redis_server_binary()
+        if binary is None:
+            pytest.skip("no redis-server binary (.ci/services.sh installs Debian's redis-server)")
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis as sync_redis
+
+        client = sync_redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except sync_redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
