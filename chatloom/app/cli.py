@@ -17,7 +17,8 @@ def _settings(args: argparse.Namespace):
 
     settings = Settings.from_file(args.config) if args.config else Settings()
     fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
-    return settings.updated(db_url=args.db, **{k: getattr(args, k, None) for k in fields})
+    return settings.updated(db_url=args.db, redis_url=getattr(args, "redis", None),
+                            **{k: getattr(args, k, None) for k in fields})
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -28,17 +29,25 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
+    from pathlib import Path
 
-    import uvicorn
-
+    from chatloom.app import http_server
     from chatloom.app.main import create_app
 
     settings = _settings(args)
+    tls = (args.tls_cert, args.tls_key)
+    if any(tls) and not all(tls):
+        raise ValueError("--tls-cert and --tls-key go together (HTTP/2 needs both)")
+    for path in filter(None, tls):
+        if not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    print(f"chatloom: serving {settings.model} on http://{settings.host}:{settings.port} "
-          f"(database {settings.database_url})", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    scheme = "https (HTTP/2)" if all(tls) else "http"
+    shared = f", shared state in Redis at {settings.redis_url}" if settings.redis_url else ""
+    print(f"chatloom: serving {settings.model} on {scheme}://{settings.host}:{settings.port} "
+          f"(database {settings.database_url}{shared})", file=sys.stderr)
+    http_server.run(app, settings, *tls)
     return 0
 
 
@@ -110,6 +119,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step (default 32)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="token budget per engine step (default 512)")
+    p.add_argument("--redis", metavar="URL", help="share quotas, streams, stops and jobs with other gateways "
+                                                  "through this Redis (redis://host:port/0)")
+    p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with HTTP/2 (Hypercorn): certificate (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 
