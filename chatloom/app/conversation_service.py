@@ -18,8 +18,10 @@ from chatloom.app.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.branches import Tree
 from chatloom.app.errors import ApiError, not_found
 from chatloom.app.events import EventLog, EventLogStore
-from chatloom.app.hotstate.job_keeper import reservation_spec
+from chatloom.app.continuation import can_continue, continuation_prompt, logged_text
+from chatloom.app.hotstate.job_keeper import reservation_of, reservation_spec
 from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs
+from chatloom.app.hotstate.redis_events import LogTakenOver
 from chatloom.app import reasoning
 from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messages, chunk_turns, plan_prompt,
                                  summarizer_messages)
@@ -27,7 +29,7 @@ from chatloom.app.quotas import Reservation
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, GenerationRequest
-from chatloom.store import Conversation, Conversations, Database, Messages, User
+from chatloom.store import Conversation, Conversations, Database, Message, Messages, User, Users
 
 if TYPE_CHECKING:
     from chatloom.app.traffic import Traffic
@@ -68,6 +70,8 @@ class Generation:
     summary_tokens: list[int] = field(default_factory=lambda: [0, 0])  # [prompt, completion] spent summarizing
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    prefix: str = ""  # taken over from a gateway that died: the answer so far, continued from here
+    abandoned: bool = False  # another gateway took the job: end here without saving anything
 
 
 class _Stopped(Exception):
@@ -95,6 +99,7 @@ class ConversationService:
         self._running: dict[str, Generation] = {}
         self._cost: TemplateCost | None = None
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
+        self.draining = False  # shutting down: no new answers here
 
     # -- sizes ---------------------------------------------------------------------
     @property
@@ -169,6 +174,9 @@ class ConversationService:
 
     async def _claim(self, conversation_id: str) -> bool:
         """Hold the conversation across the fleet: another gateway may be answering in it."""
+        if self.draining:
+            raise ApiError(503, "this gateway is shutting down; retry (another gateway will answer)",
+                           "shutting_down", headers={"Retry-After": "1"})
         if not await self.jobs.claim(conversation_id):
             raise ApiError(409, "an answer is already being generated in this conversation (on another "
                            "gateway); stop it first", "generation_in_progress")
@@ -300,12 +308,70 @@ class ConversationService:
             log.warning("generation %s did not stop within %.0f s", gen.message_id, timeout)
         return gen
 
-    async def shutdown(self) -> None:
-        await asyncio.gather(*(self.stop(cid) for cid, g in list(self._running.items()) if g is not None))
+    async def shutdown(self, grace_s: float = 0.0, hand_over: bool = False) -> None:
+        """Take no new answers; give the running ones `grace_s` to finish; then hand the rest over to
+        the other gateways (hand_over: their leases lapse and another gateway continues them) or, alone,
+        stop them (saved as 'stopped')."""
+        self.draining = True
+        running = [g for g in self._running.values() if g is not None]
+        if running and grace_s > 0:
+            await asyncio.wait([asyncio.ensure_future(g.finished.wait()) for g in running], timeout=grace_s)
+        left = [cid for cid, g in list(self._running.items()) if g is not None]
+        if hand_over:
+            for cid in left:
+                log.warning("handing the answer of conversation %s over to another gateway", cid)
+                forget = getattr(self.jobs, "forget", None)
+                if forget is not None:
+                    forget(cid)  # stop renewing: the lease lapses and another gateway takes the job
+                await self.abandon(cid)
+            return
+        await asyncio.gather(*(self.stop(cid) for cid in left))
+
+    async def abandon(self, conversation_id: str, timeout: float = 5.0) -> None:
+        """End the answer here without saving it: another gateway has it (or will take it over)."""
+        gen = self._running.get(conversation_id)
+        if gen is None:
+            return
+        gen.abandoned = gen.stop_requested = True
+        if gen.queued is not None:
+            gen.queued.cancel()
+        self.backend.abort(gen.request_id)
+        try:
+            await asyncio.wait_for(gen.finished.wait(), timeout)
+        except asyncio.TimeoutError:
+            if gen.task is not None:
+                gen.task.cancel()
+
+    # -- taking over the answer of a gateway that died ---------------------------------
+    async def resume_job(self, record: JobRecord) -> bool:
+        """Continue a taken-over answer from the text its log holds; False when it cannot be continued."""
+        spec = record.spec
+        if spec.get("effort"):
+            return False  # the hidden thinking is not logged, so a reasoning answer cannot go on
+        reopen = getattr(self.logs, "open_for_writing", None)
+        event_log = await reopen(record.message_id) if reopen is not None else None
+        if event_log is None:
+            return False
+        async with self.db.session() as session:
+            message = await session.get(Message, record.message_id)
+            user = await Users(session).get(spec["user_id"]) if spec.get("user_id") else None
+        if message is None or message.status != "incomplete":
+            return False  # deleted, or saved by its gateway after all
+        prefix = logged_text(await self.logs.events(record.message_id))
+        remaining = spec["max_tokens"] - self._count(prefix)
+        if remaining <= 0 or not can_continue(self.backend):
+            return False
+        gen = Generation(record.conversation_id, spec["user_message_id"], record.message_id, spec["model"],
+                         remaining, spec["temperature"], event_log, request_id=f"{record.message_id}-cont",
+                         user=user, tier=self.traffic.tier(user) if self.traffic and user else None,
+                         reservation=reservation_of(spec), prefix=prefix)
+        self._running[record.conversation_id] = gen
+        gen.task = asyncio.create_task(self._run(gen), name=f"continuation-{record.message_id}")
+        return True
 
     # -- the job ---------------------------------------------------------------------------
     async def _run(self, gen: Generation) -> None:
-        parts: list[str] = []  # the answer as shown (thinking and held-back text excluded)
+        parts: list[str] = [gen.prefix] if gen.prefix else []  # the answer as shown (thinking, held-back text excluded)
         outcome: dict = {}
         seen = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}  # counts so far, for settling
         error: Exception | None = None
@@ -319,11 +385,13 @@ class ConversationService:
             slot = await self._admit(gen, messages)
             if gen.stop_requested:
                 raise _Stopped
-            gen.request_id = gen.message_id
+            gen.request_id = gen.message_id if not gen.prefix else f"{gen.message_id}-cont"
             # The engine runs low priority numbers first; higher tiers get lower numbers.
             request = GenerationRequest(messages=messages, model=gen.model, max_tokens=gen.max_tokens,
                                         temperature=gen.temperature, top_p=self.settings.default_top_p,
                                         request_id=gen.request_id, priority=-gen.tier.priority if gen.tier else 0)
+            if gen.prefix:  # a taken-over answer: go on from the text already sent
+                request.messages, request.prompt = None, continuation_prompt(self.backend, messages, gen.prefix)
             guard = self.traffic.output_guard() if self.traffic is not None else None
             splitter = reasoning.ThinkingSplitter() if gen.effort is not None else None
             aborted = False
@@ -367,6 +435,8 @@ class ConversationService:
                 slot.release()
             await self._finish(gen, "".join(parts), outcome, None)
             raise
+        except LogTakenOver:
+            gen.abandoned = True  # another gateway continues this answer
         except Exception as exc:  # keep the job's failure in the conversation, not in a log nobody reads
             log.exception("generation %s failed", gen.message_id)
             error = exc
@@ -383,7 +453,7 @@ class ConversationService:
         if self.traffic is None:
             return _NoSlot()
         prompt_tokens = self.backend.count_prompt_tokens(messages)
-        if gen.reservation is not None and gen.tier is not None:
+        if gen.reservation is not None and gen.tier is not None and not gen.prefix:
             await self.traffic.extend(gen.reservation, gen.tier, prompt_tokens + gen.max_tokens)
 
         async def position(n: int) -> None:
@@ -417,6 +487,11 @@ class ConversationService:
             await gen.log.append({"token": text})
 
     async def _finish(self, gen: Generation, text: str, outcome: dict, error: Exception | None) -> None:
+        if gen.abandoned:  # another gateway has the job: it saves the answer and settles the quota
+            if self._running.get(gen.conversation_id) is gen:
+                del self._running[gen.conversation_id]
+            gen.finished.set()
+            return
         try:
             reason = outcome.get("finish_reason") or ("error" if error else "abort")
             status = "error" if error else STATUS_FOR_FINISH.get(reason, "incomplete")

@@ -25,8 +25,9 @@ def hypercorn_config(settings: Settings, tls_cert: str, tls_key: str):
     config.certfile = tls_cert
     config.keyfile = tls_key
     config.alpn_protocols = ["h2", "http/1.1"]
-    # Answers are handed over by the app's own shutdown; the server waits for the streams that long.
-    config.graceful_timeout = settings.shutdown_grace_s + 5
+    # Open SSE connections are closed after 2 s (clients resume elsewhere with Last-Event-ID); the
+    # answers themselves are jobs, finished or handed over by the app's shutdown.
+    config.graceful_timeout = 2.0
     config.loglevel = settings.log_level.upper()
     config.accesslog = None
     return config
@@ -56,4 +57,4 @@ def run(app, settings: Settings, tls_cert: str | None = None, tls_key: str | Non
     import uvicorn
 
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=int(settings.shutdown_grace_s + 5))
+                timeout_graceful_shutdown=2)

@@ -58,7 +58,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         try:
             yield
         finally:
-            await ctx.conversations.shutdown()
+            # SIGTERM: running answers get shutdown_grace_s to finish, then go to other gateways (or stop).
+            await ctx.conversations.shutdown(settings.shutdown_grace_s, hand_over=hot.shared)
             await hot.close()
             if not loading.done():
                 loading.cancel()

@@ -18,7 +18,7 @@ from app_testing import free_port, make_settings, new_conversation, parse_sse, s
 from traffic_testing import ScriptedBackend, write_tiers
 
 STREAMS = 10
-PIECES = [f" p{i}" for i in range(12)]
+PIECES = [f" p{i}" for i in range(30)]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ async def test_ten_sse_streams_progress_together_over_one_http2_connection(tmp_p
     port = free_port()
     tiers = write_tiers(tmp_path, free={"max_concurrent": 100, "tokens_per_minute": 100_000})
     settings = make_settings(tmp_path, port=port, default_max_tokens=50, tiers_file=tiers)
-    backend = ScriptedBackend(PIECES, delay_s=0.05)  # each answer takes about 0.6 s
+    backend = ScriptedBackend(PIECES, delay_s=0.1)  # each answer takes about 3 s
     app = create_app(settings, backend)
     stop = asyncio.Event()
     async with app.router.lifespan_context(app):

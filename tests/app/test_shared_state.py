@@ -151,3 +151,65 @@ async def test_lost_database_is_a_503_on_readyz(tmp_path):
         r = await client.get("/readyz")  # (no lifespan: the database was never reached)
         assert r.status_code == 503 and "database" in r.json()["error"]
         assert r.json()["checks"]["database"]["status"] == "unavailable"
+
+
+async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(tmp_path, db_url, tiny_backend):
+    async with AsyncExitStack() as stack:
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), tiny_backend, job_lease_s=0.6,
+                                moderation="off")
+        app1, app2 = g1._transport.app, g2._transport.app
+        alice = await signup(g1, "alice")
+        cid = await new_conversation(g1, alice)
+        first = asyncio.create_task(g1.post(f"/conversations/{cid}/messages", headers=alice,
+                                            json={"text": "hello", "max_tokens": 200}))
+        logs = app1.state.hot.logs
+        for _ in range(500):
+            gen = app1.state.ctx.conversations.running(cid)
+            if gen is not None and len(await logs.events(gen.message_id)) >= 5:
+                break
+            await asyncio.sleep(0.01)
+        message_id = gen.message_id
+        # Gateway 1 freezes: it stops renewing its lease and its copy of the answer ends unsaved.
+        await app1.state.hot.keeper.close()
+        await app1.state.ctx.conversations.abandon(cid)
+        before = await logs.events(message_id)  # what the client had read when its connection broke
+        last = before[-1].id
+        # The client reconnects to gateway 2, which takes the job over when the lease lapses.
+        r = await g2.get(f"/conversations/{cid}/stream", headers={**alice, "Last-Event-ID": str(last)})
+        rest = parse_sse(r.text)
+        ids = [e.id for e in before] + [int(e.id) for e in rest]
+        assert ids == list(range(1, len(ids) + 1))  # contiguous: no gap, no repeat
+        done = rest[-1].data
+        assert done["done"] is True and done["finish_reason"] in ("stop", "length")
+        text = "".join(e.data.get("token", "") for e in before) + "".join(e.data.get("token", "") for e in rest)
+        conv = (await g2.get(f"/conversations/{cid}", headers=alice)).json()
+        saved = conv["messages"][-1]
+        assert saved["id"] == message_id and saved["text"] == text and saved["status"] == done["status"]
+        assert len(text) > len("".join(e.data.get("token", "") for e in before))  # it went on
+        assert await app2.state.hot.jobs.holder(cid) is None  # the conversation is free again
+        first.cancel()
+
+
+async def test_an_answer_that_cannot_be_continued_is_saved_as_failed(tmp_path, db_url):
+    backend = ScriptedBackend(WORDS, delay_s=0.05)  # no tokenizer: nothing to continue with
+    async with AsyncExitStack() as stack:
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, job_lease_s=0.6,
+                                default_max_tokens=100)
+        app1 = g1._transport.app
+        alice = await signup(g1, "alice")
+        cid = await new_conversation(g1, alice)
+        first = asyncio.create_task(g1.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "hi"}))
+        for _ in range(500):
+            gen = app1.state.ctx.conversations.running(cid)
+            if gen is not None and len(await app1.state.hot.logs.events(gen.message_id)) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await app1.state.hot.keeper.close()
+        await app1.state.ctx.conversations.abandon(cid)
+        r = await g2.get(f"/conversations/{cid}/stream", headers={**alice, "Last-Event-ID": "3"})
+        events = parse_sse(r.text)
+        assert events[-1].event == "error" and events[-1].data["error"]["code"] == "gateway_lost"
+        saved = (await g2.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
+        assert saved["status"] == "error" and "could not be continued" in saved["error"]
+        assert saved["text"].startswith(WORDS[0])  # what readers were shown is kept
+        first.cancel()

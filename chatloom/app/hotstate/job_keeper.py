@@ -22,8 +22,10 @@ Fail = Callable[[JobRecord, str], Awaitable[None]]
 
 
 class JobKeeper:
-    def __init__(self, jobs: Jobs, resume: Resume, fail: Fail, on_lost: Callable[[str], Awaitable[object]]) -> None:
+    def __init__(self, jobs: Jobs, resume: Resume, fail: Fail, on_lost: Callable[[str], Awaitable[object]],
+                 accepting: Callable[[], bool] = lambda: True) -> None:
         self.jobs = jobs
+        self.accepting = accepting  # False while this gateway shuts down: it takes no jobs over
         self.resume = resume
         self.fail = fail
         self.on_lost = on_lost  # a lease this gateway lost (another took the job): stop its copy here
@@ -49,6 +51,8 @@ class JobKeeper:
             task = asyncio.create_task(self.on_lost(cid))
             self._taking.add(task)
             task.add_done_callback(self._taking.discard)
+        if not self.accepting():
+            return
         for record in await self.jobs.lapsed():
             taken = await self.jobs.take(record.conversation_id)
             if taken is None:

@@ -143,6 +143,7 @@ async def start_hot_state(hot: HotState, conversations, db: Database, max_runnin
         async def fail(record: JobRecord, reason: str) -> None:
             await hot.fail_job(record, reason, db)
 
-        hot.keeper = JobKeeper(hot.jobs, resume or no_resume, fail, conversations.stop)
+        hot.keeper = JobKeeper(hot.jobs, resume or no_resume, fail, getattr(conversations, "abandon", conversations.stop),
+                               accepting=lambda: not getattr(conversations, "draining", False))
         await hot.keeper.start()
         hot._started.append(hot.keeper.close)
