@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from chatloom.argtypes import float_in, int_at_least, positive_float, positive_int
+from chatloom.model_args import add_model_args, load_from_args
 
 PROG = "chatloom"
 EXAMPLES_DIR = Path(__file__).parent / "examples"
@@ -76,19 +77,6 @@ def fmt_params(n: int) -> str:
     return str(n)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from chatloom.models.registry import DEFAULT_MODEL
-
-    p.add_argument("--model", default=DEFAULT_MODEL, metavar="ID|PATH",
-                   help=f"registry id (see `chatloom models`), a GGUF file or a Hugging Face folder "
-                        f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="weights and KV cache dtype (default fp32: the fast choice on most CPUs)")
-    p.add_argument("--int8-matmul", action="store_true",
-                   help="multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
-                        "slightly less exact (see README)")
-
-
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
                    help=f"most tokens to generate (default {max_tokens})")
@@ -106,12 +94,6 @@ def _sampling_params(args: argparse.Namespace):
                           top_k=args.top_k, seed=args.seed)
 
 
-def _load(args: argparse.Namespace):
-    from chatloom.models import load_model
-
-    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
-
-
 def _engine(loaded, seed: int | None):
     """An engine sized for one conversation at a time: a KV pool of one context window."""
     from chatloom.engine import EngineConfig, LLMEngine
@@ -120,17 +102,6 @@ def _engine(loaded, seed: int | None):
     block = 16
     return LLMEngine(loaded, EngineConfig(block_size=block, num_blocks=-(-context // block) + 1,
                                           max_num_seqs=4, seed=seed))
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
-    from chatloom.models.chat_template import render_chat
-
-    text = render_chat(tokenizer.chat_template, messages, bos_token=tokenizer.bos_token,
-                       eos_token=tokenizer.eos_token)
-    # Templates that write the BOS token themselves must not get a second one.
-    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
-    return tokenizer.encode(text, add_special=not has_bos)
 
 
 def stream(engine, prompt, params, out: TextIO):
@@ -159,7 +130,9 @@ def stream(engine, prompt, params, out: TextIO):
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise CLIError("--system needs --chat")
-    loaded = _load(args)
+    from chatloom.models.chat_template import encode_chat
+
+    loaded = load_from_args(args)
     engine = _engine(loaded, args.seed)
     tok = loaded.tokenizer
     if args.chat:
@@ -184,8 +157,10 @@ CHAT_HELP = "commands: /reset forgets the conversation, /exit (or end of input) 
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from chatloom.models.chat_template import encode_chat
+
     interactive = sys.stdin.isatty()
-    loaded = _load(args)
+    loaded = load_from_args(args)
     engine = _engine(loaded, args.seed)
     tok = loaded.tokenizer
     params = _sampling_params(args)
@@ -374,6 +349,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from chatloom.app import cli as app_cli
     from chatloom.bench import cli as bench_cli
+    from chatloom.sim import cli as sim_cli
 
     parser = _Parser(prog=PROG, description="chatloom: a self-hostable chat service and LLM serving engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -382,14 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    _add_model_args(p)
+    add_model_args(p)
     _add_sampling_args(p, max_tokens=256)
     p.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal (reads stdin; /exit or end of input quits)")
     p.add_argument("--system", default=None, help="system message")
-    _add_model_args(p)
+    add_model_args(p)
     _add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 
@@ -414,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     app_cli.register(sub)
     bench_cli.register(sub)
+    sim_cli.register(sub)
     return parser
 
 

@@ -1,5 +1,6 @@
-"""Passwords (argon2), session tokens (signed, expiring JWTs), API keys (random, stored as sha256),
-and the FastAPI dependency that turns an Authorization header into a user."""
+"""Passwords (argon2), session tokens (signed, expiring JWTs), API keys (random, stored as sha256).
+
+Pure crypto and tokens, no FastAPI: turning an Authorization header into a user is deps.current_user."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,6 @@ import time
 import jwt
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from fastapi import Depends, Request
-from sqlalchemy.ext.asyncio import AsyncSession
-
-from chatloom.app.deps import get_context, get_session
-from chatloom.app.errors import ApiError
-from chatloom.store import ApiKeys, User, Users
 
 API_KEY_PREFIX = "cl-"
 JWT_ALGORITHM = "HS256"
@@ -69,36 +64,3 @@ def new_api_key() -> tuple[str, str, str]:
 
 def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-def _unauthorized(message: str, code: str) -> ApiError:
-    return ApiError(401, message, code, headers={"WWW-Authenticate": "Bearer"})
-
-
-async def current_user(request: Request, session: AsyncSession = Depends(get_session)) -> User:
-    """The caller, from `Authorization: Bearer <session token | API key>`."""
-    header = request.headers.get("authorization")
-    if not header:
-        raise _unauthorized("missing Authorization header: send 'Bearer <token or API key>'", "missing_token")
-    scheme, _, credential = header.partition(" ")
-    credential = credential.strip()
-    if scheme.lower() != "bearer" or not credential:
-        raise _unauthorized("the Authorization header must be 'Bearer <token or API key>'", "invalid_token")
-    ctx = get_context(request)
-    if credential.startswith(API_KEY_PREFIX):
-        keys = ApiKeys(session)
-        key = await keys.by_hash(hash_api_key(credential))
-        if key is None:
-            raise _unauthorized("invalid API key", "invalid_api_key")
-        if await keys.touch(key):
-            await session.commit()
-        user = await Users(session).get(key.user_id)
-    else:
-        user_id = ctx.tokens.subject(credential)
-        if user_id is None:
-            raise _unauthorized("invalid or expired token", "invalid_token")
-        user = await Users(session).get(user_id)
-    if user is None:
-        raise _unauthorized("the account behind this credential no longer exists", "invalid_token")
-    request.state.user = user  # for the x-ratelimit-* headers on the response
-    return user

@@ -10,13 +10,15 @@ import asyncio
 import sys
 
 from chatloom.argtypes import positive_float, positive_int
+from chatloom.model_args import add_model_args
 
 
 def _settings(args: argparse.Namespace):
     from chatloom.app.settings import Settings
 
     settings = Settings.from_file(args.config) if args.config else Settings()
-    fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+              "speculative", "num_speculative_tokens", "speculative_model")
     return settings.updated(db_url=args.db, redis_url=getattr(args, "redis", None),
                             **{k: getattr(args, k, None) for k in fields})
 
@@ -108,17 +110,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the chat service (REST/SSE, OpenAI-compatible API)")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    p.add_argument("--model", default=None, metavar="ID|PATH",
-                   help="registry id, GGUF file or Hugging Face folder (default: the bundled model)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="weights dtype (default fp32)")
-    p.add_argument("--int8-matmul", action="store_true", default=None,
-                   help="multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
-                        "slightly less exact (see README)")
-    p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB (default 0.5)")
+    add_model_args(p, from_settings=True)
+    # Engine sizing: the defaults are the engine's own (chatloom/engine/config.py), not repeated here.
+    p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget per engine step (default 512)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget per engine step")
+    p.add_argument("--speculative", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model); default off")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                   help="most tokens proposed per sequence and step (default 4; fewer when it does not pay)")
+    p.add_argument("--speculative-model", default=None, metavar="ID|PATH|self-int8|self-layers:N",
+                   help="the draft model for --speculative draft (same tokenizer as --model)")
     p.add_argument("--redis", metavar="URL", help="share quotas, streams, stops and jobs with other gateways "
                                                   "through this Redis (redis://host:port/0)")
     p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with HTTP/2 (Hypercorn): certificate (PEM)")

@@ -1,20 +1,25 @@
-"""FastAPI dependencies: the shared application context and one DB session per request."""
+"""FastAPI dependencies: the shared application context, one DB session per request, the caller
+(from a session token or an API key), the admin check, and the caller's own conversation.
+
+Routes use the `Annotated` shorthands: `SessionDep`, `CurrentUser`, `AdminUser`, `Ctx`, `OwnedConversation`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import Annotated, AsyncIterator
 
-from fastapi import Request
+from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from chatloom.app.auth import API_KEY_PREFIX, Passwords, Tokens, hash_api_key
+from chatloom.app.conversation_service import ConversationService
+from chatloom.app.errors import ApiError, not_found
+from chatloom.app.hotstate.state import HotState
+from chatloom.app.pipeline import Pipeline
 from chatloom.app.settings import Settings
+from chatloom.app.traffic import Traffic
 from chatloom.serving import Backend
-from chatloom.store import Database
-
-if TYPE_CHECKING:
-    from chatloom.app.auth import Passwords, Tokens
-    from chatloom.app.conversation_service import ConversationService
-    from chatloom.app.traffic import Traffic
+from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users
 
 
 @dataclass
@@ -24,17 +29,81 @@ class AppContext:
     settings: Settings
     db: Database
     backend: Backend
-    passwords: "Passwords"
-    tokens: "Tokens"
-    conversations: "ConversationService"
-    traffic: "Traffic | None" = None
+    passwords: Passwords
+    tokens: Tokens
+    traffic: Traffic
+    pipeline: Pipeline
+    conversations: ConversationService
+    hot: HotState  # quotas, stream logs, stops, job leases: in memory, or shared by the gateways in Redis
 
 
 def get_context(request: Request) -> AppContext:
     return request.app.state.ctx
 
 
+Ctx = Annotated[AppContext, Depends(get_context)]
+
+
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
     """A session for this request; whatever was not committed is rolled back when it closes."""
     async with get_context(request).db.session() as session:
         yield session
+
+
+SessionDep = Annotated[AsyncSession, Depends(get_session)]
+
+
+def _unauthorized(message: str, code: str) -> ApiError:
+    return ApiError(401, message, code, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def current_user(request: Request, session: SessionDep) -> User:
+    """The caller, from `Authorization: Bearer <session token | API key>`."""
+    header = request.headers.get("authorization")
+    if not header:
+        raise _unauthorized("missing Authorization header: send 'Bearer <token or API key>'", "missing_token")
+    scheme, _, credential = header.partition(" ")
+    credential = credential.strip()
+    if scheme.lower() != "bearer" or not credential:
+        raise _unauthorized("the Authorization header must be 'Bearer <token or API key>'", "invalid_token")
+    if credential.startswith(API_KEY_PREFIX):
+        keys = ApiKeys(session)
+        key = await keys.by_hash(hash_api_key(credential))
+        if key is None:
+            raise _unauthorized("invalid API key", "invalid_api_key")
+        if await keys.touch(key):
+            await session.commit()
+        user = await Users(session).get(key.user_id)
+    else:
+        user_id = get_context(request).tokens.subject(credential)
+        if user_id is None:
+            raise _unauthorized("invalid or expired token", "invalid_token")
+        user = await Users(session).get(user_id)
+    if user is None:
+        raise _unauthorized("the account behind this credential no longer exists", "invalid_token")
+    request.state.user = user  # for the x-ratelimit-* headers on the response
+    return user
+
+
+CurrentUser = Annotated[User, Depends(current_user)]
+
+
+def require_admin(user: CurrentUser) -> User:
+    """The caller, who must be an admin (the one admin check of the API)."""
+    if not user.is_admin:
+        raise ApiError(403, "admins only", "forbidden")
+    return user
+
+
+AdminUser = Annotated[User, Depends(require_admin)]
+
+
+async def owned_conversation(conversation_id: str, user: CurrentUser, session: SessionDep) -> Conversation:
+    """The conversation, if it is the caller's; 404 otherwise (someone else's is not even acknowledged)."""
+    conv = await Conversations(session).get_owned(user.id, conversation_id)
+    if conv is None:
+        raise not_found("conversation")
+    return conv
+
+
+OwnedConversation = Annotated[Conversation, Depends(owned_conversation)]

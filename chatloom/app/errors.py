@@ -43,6 +43,20 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+def error_event(exc: Exception) -> dict:
+    """A failure as an SSE error event of the conversation stream: the same shape as an HTTP error's
+    body plus its status (and retry_after where the refusal has one)."""
+    status = exc.status if isinstance(exc, ApiError) else 400 if isinstance(exc, BadGenerationRequest) else 500
+    message = str(exc) if status < 500 or isinstance(exc, ApiError) else f"generation failed: {exc}"
+    code = exc.code if isinstance(exc, (ApiError, BadGenerationRequest)) else "generation_failed"
+    body = {"message": message, "type": TYPES.get(status, "server_error"), "code": code, "status": status}
+    event: dict = {"error": body}
+    headers = exc.headers if isinstance(exc, ApiError) else None
+    if headers and "Retry-After" in headers:
+        event["retry_after"] = int(headers["Retry-After"])
+    return event
+
+
 def not_found(what: str = "conversation") -> ApiError:
     return ApiError(404, f"{what} not found", f"{what.replace(' ', '_')}_not_found")
 

@@ -13,10 +13,11 @@ from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
 from chatloom.app.hotstate.state import build_hot_state, install_redis_errors, start_hot_state
-from chatloom.app.routes import auth, conversations, health, openai, web
+from chatloom.app.pipeline import Pipeline
+from chatloom.app.routes import admin, auth, conversations, health, openai, usage, web
 from chatloom.app.settings import Settings
-from chatloom.app.traffic import build_traffic, install as install_traffic
-from chatloom.engine import EngineConfig
+from chatloom.app.traffic import RateLimitHeaders, build_traffic
+from chatloom.model_args import int8_matmul
 from chatloom.serving import Backend, BackendError, LocalBackend
 from chatloom.store import Database
 
@@ -24,10 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def default_backend(settings: Settings) -> Backend:
-    config = EngineConfig(kv_cache_gb=settings.kv_cache_gb, num_blocks=settings.num_blocks,
-                          max_num_seqs=settings.max_num_seqs, max_model_len=settings.context_window,
-                          max_num_batched_tokens=settings.max_num_batched_tokens)
-    return LocalBackend(settings.model, settings.dtype, config, int8_matmul=settings.int8_matmul)
+    return LocalBackend(settings.model, settings.dtype, settings.engine_config(),
+                        int8_matmul=int8_matmul(settings.int8_matmul))  # the switch resolved once, here
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
@@ -41,12 +40,12 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     traffic = build_traffic(settings, backend, db)
     traffic.quotas = hot.quotas
     traffic.admission.fleet = hot.fleet
+    pipeline = Pipeline(backend, traffic, settings)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
-        tokens=Tokens(settings.secret(), settings.token_ttl_s),
-        conversations=ConversationService(db, backend, settings, hot.logs, traffic),
-        traffic=traffic,
+        tokens=Tokens(settings.secret(), settings.token_ttl_s), traffic=traffic, pipeline=pipeline,
+        conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
     )
 
     @asynccontextmanager
@@ -65,15 +64,15 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                 loading.cancel()
             if owns_backend:
                 await backend.close()
+            await traffic.moderator.close()
             await db.close()
 
     app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
-    app.state.hot = hot
     install_error_handlers(app)
     install_redis_errors(app, hot)
-    install_traffic(app)
-    for module in (health, auth, conversations, openai, web):
+    app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
+    for module in (health, auth, conversations, usage, admin, openai, web):
         app.include_router(module.router)
     return app
 

@@ -3,13 +3,21 @@ alerts work unchanged; the gateway's own figures (rate limits, queue, moderation
 
 Each app owns a registry (tests build many apps in one process). Engine gauges and counters are
 read from backend.stats() at scrape time; per-request latencies are observed when a request ends.
+
+Goodput follows vLLM's definition: requests that met every SLO (TTFT and TPOT targets, from the
+settings), counted beside all finished requests, and as a rate over the last minute.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from chatloom.serving import BackendStats, Timings, Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,16 +33,16 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class _EngineCollector:
     """vLLM's engine gauges and counters, from the backend's stats dict at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict], model: Callable[[], str]) -> None:
+    def __init__(self, stats: Callable[[], BackendStats], model: Callable[[], str]) -> None:
         self._stats = stats
         self._model = model
 
     def collect(self) -> Iterable[Metric]:
         try:
-            s = self._stats() or {}
+            s = self._stats()
         except Exception:  # a scrape must not fail because the model is loading
-            s = {}
-        if not s.get("ready", True) or "num_requests_running" not in s:
+            return
+        if not s.ready or s.num_requests_running is None:
             return
         labels = ["model_name"]
         model = [self._model()]
@@ -49,21 +57,62 @@ class _EngineCollector:
             c.add_metric(model, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Requests in model execution batches.", s["num_requests_running"])
-        yield gauge("vllm:num_requests_waiting", "Requests waiting inside the engine.", s["num_requests_waiting"])
+        yield gauge("vllm:num_requests_running", "Requests in model execution batches.", s.num_requests_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting inside the engine.", s.num_requests_waiting or 0)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    s.get("kv_cache_usage_perc", 0.0))
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.get("prefix_cache_queries", 0))
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.get("prefix_cache_hits", 0))
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.get("num_preemptions", 0))
-        if "generation_tokens_per_s" in s:
+                    s.kv_cache_usage_perc or 0.0)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.prefix_cache_queries or 0)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits or 0)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.num_preemptions or 0)
+        if s.spec_decode is not None:  # speculative decoding is on
+            sd = s.spec_decode
+            for key, doc in (("num_drafts", "Sequence-steps that carried proposed tokens."),
+                             ("num_draft_tokens", "Proposed tokens checked by the target model."),
+                             ("num_accepted_tokens", "Proposed tokens accepted."),
+                             ("num_emitted_tokens", "Tokens emitted by speculative steps (accepted plus one).")):
+                yield counter(f"vllm:spec_decode_{key}", doc, getattr(sd, key))
+            yield gauge("chatloom:spec_decode_acceptance_rate", "Accepted over proposed tokens, since start.",
+                        sd.acceptance_rate)
+        if s.generation_tokens_per_s is not None:
             yield gauge("chatloom:generation_tokens_per_s", "Generated tokens per second over the last seconds.",
-                        s["generation_tokens_per_s"])
+                        s.generation_tokens_per_s)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets a request must meet to count as goodput; None: no target."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, timings: Timings | None) -> bool:
+        t = timings or Timings()
+        return ((self.ttft_s is None or (t.ttft is not None and t.ttft <= self.ttft_s))
+                and (self.tpot_s is None or t.tpot is None or t.tpot <= self.tpot_s))
+
+
+class _RecentRate:
+    """Events per second over a sliding window."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._times: deque[float] = deque()
+
+    def add(self) -> None:
+        self._times.append(self.clock())
+
+    def per_s(self) -> float:
+        now = self.clock()
+        while self._times and self._times[0] <= now - self.window_s:
+            self._times.popleft()
+        return len(self._times) / self.window_s
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], dict], model: Callable[[], str]) -> None:
+    def __init__(self, stats: Callable[[], BackendStats], model: Callable[[], str], slo: Slo = Slo()) -> None:
         self.registry = CollectorRegistry()
+        self.slo = slo
         r = self.registry
         self._model = model
         r.register(_EngineCollector(stats, model))
@@ -93,18 +142,31 @@ class Metrics:
                                    registry=r)
         self.moderation_blocks = Counter("chatloom:moderation_blocks", "Messages or answers stopped by moderation.",
                                          ["stage", "category"], registry=r)
+        self.goodput_requests = Counter("chatloom:goodput_requests", "Finished requests that met every SLO "
+                                        "(TTFT and TPOT targets).", m, registry=r)
+        self._goodput_rate = _RecentRate()
+        goodput = Gauge("chatloom:goodput_requests_per_s", "Requests meeting every SLO per second, "
+                        "over the last minute.", registry=r)
+        goodput.set_function(self._goodput_rate.per_s)
+        for name, target in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
+            if target is not None:
+                g = Gauge(f"chatloom:slo_{name}_seconds", f"The {name.upper()} target of the goodput SLO.",
+                          registry=r)
+                g.set(target)
 
-    def observe_request(self, metrics: dict | None, finish_reason: str | None, prompt_tokens: int,
-                        completion_tokens: int) -> None:
+    def observe_request(self, timings: Timings | None, finish_reason: str | None, usage: Usage) -> None:
         model = self._model()
-        self.prompt_tokens.labels(model).inc(prompt_tokens)
-        self.generation_tokens.labels(model).inc(completion_tokens)
+        self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
+        self.generation_tokens.labels(model).inc(usage.completion_tokens)
         self.request_success.labels(model, finish_reason or "unknown").inc()
-        for hist, key in ((self.ttft, "ttft"), (self.tpot, "tpot"), (self.e2e, "e2e"),
-                          (self.queue_time, "queue_time")):
-            value = (metrics or {}).get(key)
+        t = timings or Timings()
+        for hist, value in ((self.ttft, t.ttft), (self.tpot, t.tpot), (self.e2e, t.e2e),
+                            (self.queue_time, t.queue_time)):
             if value is not None:
                 hist.labels(model).observe(value)
+        if finish_reason in ("stop", "length") and self.slo.met(timings):
+            self.goodput_requests.labels(model).inc()
+            self._goodput_rate.add()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

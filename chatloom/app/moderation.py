@@ -1,9 +1,10 @@
 """Moderation: a pluggable check of what users send and of what the model writes.
 
-`Moderator` has two checks, input and output. The default `LexiconModerator` is a fast local
+`Moderator` has two async checks, input and output. The default `LexiconModerator` is a fast local
 classifier: per category, word and phrase patterns matched on normalized text (lower case,
-leetspeak undone, punctuation folded to spaces). It runs offline in microseconds. A model-based
-moderator (a local classifier, or a remote moderation API) implements the same two methods.
+contractions and slang spelled out, leetspeak undone, spaced-out letters joined, punctuation folded
+to spaces). It runs offline in microseconds. `RemoteModerator` (remote_moderation.py) asks an
+OpenAI-compatible /v1/moderations endpoint instead; traffic.build_moderator picks one from the settings.
 
 `OutputGuard` checks the answer while it streams: it holds back the newest few pieces of text, so
 a phrase that is still being written is caught before any of it reaches the user.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import re
+import unicodedata
 from dataclasses import dataclass
 
 
@@ -27,21 +29,28 @@ class Moderator(abc.ABC):
     window_chars: int = 200
 
     @abc.abstractmethod
-    def check_input(self, text: str) -> Verdict | None:
+    async def check_input(self, text: str) -> Verdict | None:
         """A verdict if the user's message must be refused."""
 
     @abc.abstractmethod
-    def check_output(self, text: str) -> Verdict | None:
+    async def check_output(self, text: str) -> Verdict | None:
         """A verdict if this stretch of the model's answer must not be shown."""
+
+    async def close(self) -> None:
+        """Release connections (a remote moderator's)."""
+
+
+class ModerationUnavailable(Exception):
+    """A moderator that could not give a verdict (a remote service down): the input is refused with a 503."""
 
 
 class NoModerator(Moderator):
     window_chars = 0
 
-    def check_input(self, text: str) -> Verdict | None:
+    async def check_input(self, text: str) -> Verdict | None:
         return None
 
-    def check_output(self, text: str) -> Verdict | None:
+    async def check_output(self, text: str) -> Verdict | None:
         return None
 
 
@@ -49,7 +58,7 @@ class NoModerator(Moderator):
 # talk about history, news, medicine or fiction passes; operators extend it with their own file.
 LEXICON: dict[str, list[str]] = {
     "violence/threat": [
-        r"i (?:will|am going to|'m going to|gonna) (?:kill|murder|stab|shoot|hurt) (?:you|him|her|them)",
+        r"i (?:will|am going to) (?:kill|murder|stab|shoot|hurt) (?:you|him|her|them)",  # after normalize()
         r"(?:kill|murder) (?:you|your family) (?:tonight|tomorrow|soon)",
         r"you (?:will|are going to) die (?:tonight|tomorrow|soon)",
         r"i know where you live",
@@ -75,15 +84,33 @@ LEXICON: dict[str, list[str]] = {
     ],
 }
 
-_LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s"})
+_LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s",
+                       "!": "i", "|": "i", "+": "t", "\u2019": "'", "\u2018": "'", "`": "'"})
 _NON_WORD = re.compile(r"[^a-z0-9' ]+")
 _SPACES = re.compile(r"\s+")
+_INVISIBLE = re.compile("[\u00ad\u200b-\u200f\u2060\ufeff]")  # soft hyphen, zero-width characters
+# Letters written apart ("k i l l", "k.i.l.l"): three or more single letters in a row are one word.
+_SPACED_LETTERS = re.compile(r"\b(?:[a-z] ){2,}[a-z]\b")
+# Contractions and spoken forms, spelled out so one pattern covers "I'm going to", "Im gonna", "I'll".
+_CONTRACTIONS = [(re.compile(p), r) for p, r in [
+    (r"\b(i|you|we|they|he|she) ?'ll\b", r"\1 will"), (r"\b(i) ?'m\b", r"\1 am"), (r"\bim\b", "i am"),
+    (r"\b(you|we|they) ?'re\b", r"\1 are"), (r"\b(he|she|it) ?'s\b", r"\1 is"),
+    (r"\bgonna\b", "going to"), (r"\bwanna\b", "want to"), (r"\bgotta\b", "got to"),
+    (r"\bu\b", "you"), (r"\br\b", "are"), (r"\bur\b", "your"), (r"\bya\b", "you"), (r"\bgon\b", "going to"),
+    (r"\bwill ?n't\b|\bwont\b", "will not"), (r"\bn't\b", " not"), (r"'", ""),
+]]
 
 
 def normalize(text: str) -> str:
-    """Lower case, leetspeak digits to letters, punctuation to spaces, single spaces."""
-    t = text.lower().translate(_LEET)
+    """Lower case, leetspeak to letters, punctuation to spaces, spaced-out letters joined, contractions and
+    slang spelled out ("Im gonna" -> "i am going to"), single spaces."""
+    t = unicodedata.normalize("NFKC", text)
+    t = _INVISIBLE.sub("", t).lower().translate(_LEET)
     t = _NON_WORD.sub(" ", t)
+    t = _SPACES.sub(" ", t).strip()
+    t = _SPACED_LETTERS.sub(lambda m: m.group(0).replace(" ", ""), t)
+    for pattern, replacement in _CONTRACTIONS:
+        t = pattern.sub(replacement, t)
     return _SPACES.sub(" ", t).strip()
 
 
@@ -103,26 +130,19 @@ class LexiconModerator(Moderator):
                 return Verdict(category, m.group(0))
         return None
 
-    def check_input(self, text: str) -> Verdict | None:
+    async def check_input(self, text: str) -> Verdict | None:
         return self._check(text)
 
-    def check_output(self, text: str) -> Verdict | None:
+    async def check_output(self, text: str) -> Verdict | None:
         return self._check(text)
-
-
-def build_moderator(name: str) -> Moderator:
-    if name in ("off", "none", ""):
-        return NoModerator()
-    if name == "lexicon":
-        return LexiconModerator()
-    raise ValueError(f"unknown moderator {name!r} (use 'lexicon' or 'off')")
 
 
 class OutputGuard:
     """Streams an answer through output moderation with a small hold-back.
 
     push(text) returns the pieces now safe to show; finish() the rest. After a violation both
-    return nothing more and `verdict` says why. The check looks at a sliding window: the held-back
+    return nothing more and `verdict` says why. A moderator that cannot answer blocks the rest
+    (verdict category 'moderation_unavailable'): unchecked text is never shown. The check looks at a sliding window: the held-back
     text plus the last `window_chars` characters already shown, so phrases split across pieces match.
     A phrase is caught when its last piece arrives, so its last `holdback_tokens` pieces are never shown.
     """
@@ -140,12 +160,15 @@ class OutputGuard:
     def active(self) -> bool:
         return not isinstance(self.moderator, NoModerator)
 
-    def _violates(self) -> bool:
+    async def _violates(self) -> bool:
         window = self._shown_tail + "".join(self._held)
-        self.verdict = self.moderator.check_output(window)
+        try:
+            self.verdict = await self.moderator.check_output(window)
+        except ModerationUnavailable as exc:
+            self.verdict = Verdict("moderation_unavailable", str(exc))
         return self.verdict is not None
 
-    def push(self, text: str) -> list[str]:
+    async def push(self, text: str) -> list[str]:
         if self.verdict is not None:
             return []
         if not self.active:
@@ -153,7 +176,7 @@ class OutputGuard:
         if text:
             self._held.append(text)
             self._held_chars += len(text)
-        if self._violates():
+        if await self._violates():
             self._held.clear()
             return []
         out: list[str] = []
@@ -165,11 +188,11 @@ class OutputGuard:
             self._shown_tail = (self._shown_tail + "".join(out))[-max(self.context_chars, 1):]
         return out
 
-    def finish(self) -> list[str]:
+    async def finish(self) -> list[str]:
         """The answer ended: check once more and release what is held."""
         if self.verdict is not None or not self.active:
             return []
-        if self._violates():
+        if await self._violates():
             self._held.clear()
             return []
         out, self._held, self._held_chars = self._held, [], 0

@@ -1,4 +1,5 @@
-"""Request bodies and response shapes of the product API."""
+"""Request bodies and response shapes of the product API (the `response_model`s, so the OpenAPI
+schema says what each route returns)."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -7,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from chatloom.store import ApiKey, Conversation, Message
+from chatloom.store import ApiKey, Conversation, Message, User
 
 # Product requests reject unknown fields (a typo like "parent" should not be silently ignored)
 # and do not coerce types ("text": 5 is an error, not "5").
@@ -80,21 +81,83 @@ def iso(dt: datetime | None) -> str | None:
     return dt.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def conversation_summary(conv: Conversation) -> dict:
-    return {"id": conv.id, "title": conv.title or "New chat", "created": iso(conv.created),
-            "updated": iso(conv.updated)}
+# -- responses ----------------------------------------------------------------------------
+
+class UserOut(BaseModel):
+    id: str
+    username: str
+    is_admin: bool
+    tier: str
+
+    @classmethod
+    def of(cls, user: User) -> "UserOut":
+        return cls(id=user.id, username=user.username, is_admin=user.is_admin, tier=user.tier)
 
 
-def message_out(m: Message, siblings: list[Message]) -> dict:
-    ids = [s.id for s in siblings]
-    out = {"id": m.id, "parent_id": m.parent_id, "role": m.role, "text": m.text, "tokens": m.tokens,
-           "model": m.model, "status": m.status, "finish_reason": m.finish_reason, "created": iso(m.created),
-           "sibling_ids": ids, "sibling_index": ids.index(m.id)}
-    if m.error:
-        out["error"] = m.error
-    return out
+class SessionOut(BaseModel):
+    token: str
+    user: UserOut
 
 
-def api_key_out(k: ApiKey) -> dict:
-    return {"id": k.id, "name": k.name, "prefix": k.prefix, "created": iso(k.created),
-            "last_used": iso(k.last_used)}
+class ApiKeyOut(BaseModel):
+    id: str
+    name: str
+    prefix: str
+    created: str | None
+    last_used: str | None
+
+    @classmethod
+    def of(cls, k: ApiKey) -> "ApiKeyOut":
+        return cls(id=k.id, name=k.name, prefix=k.prefix, created=iso(k.created), last_used=iso(k.last_used))
+
+
+class ApiKeyCreated(ApiKeyOut):
+    key: str  # shown this once
+
+
+class ConversationOut(BaseModel):
+    id: str
+    title: str
+    created: str | None
+    updated: str | None
+
+    @classmethod
+    def of(cls, conv: Conversation) -> "ConversationOut":
+        return cls(id=conv.id, title=conv.title or "New chat", created=iso(conv.created), updated=iso(conv.updated))
+
+
+class MessageOut(BaseModel):
+    id: str
+    parent_id: str | None
+    role: str
+    text: str
+    reasoning: str | None = None  # the thinking of a reasoning answer
+    tokens: int
+    model: str | None
+    status: str
+    finish_reason: str | None
+    created: str | None
+    sibling_ids: list[str]
+    sibling_index: int
+    feedback: Literal["up", "down"] | None = None  # the caller's rating of this answer
+    error: str | None = None
+
+    @classmethod
+    def of(cls, m: Message, siblings: list[Message], feedback: str | None = None) -> "MessageOut":
+        ids = [s.id for s in siblings]
+        return cls(id=m.id, parent_id=m.parent_id, role=m.role, text=m.text, reasoning=m.reasoning,
+                   tokens=m.tokens, model=m.model, status=m.status, finish_reason=m.finish_reason,
+                   created=iso(m.created), sibling_ids=ids, sibling_index=ids.index(m.id), feedback=feedback,
+                   error=m.error or None)
+
+
+class ConversationDetail(ConversationOut):
+    summary: str | None
+    summary_upto: str | None
+    generating: str | None  # the id of the answer being written now, if any
+    messages: list[MessageOut]
+
+
+class StopOut(BaseModel):
+    stopped: bool
+    message_id: str | None

@@ -8,8 +8,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from chatloom.engine import EngineConfig
 from chatloom.models.registry import DEFAULT_MODEL
 
+ENGINE_DEFAULTS = EngineConfig()  # engine sizing is defined once, by the engine's own config
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concisely."
 
 
@@ -21,14 +23,18 @@ class Settings:
     db_url: str | None = None  # default: SQLite file under data_dir
     model: str = DEFAULT_MODEL  # registry id or a path to a GGUF file / Hugging Face folder
     dtype: str = "fp32"
-    int8_matmul: bool | None = None  # quantized GGUF layers multiply with int8 activations (None: $CHATLOOM_INT8_MATMUL)
+    int8_matmul: bool | None = None  # quantized GGUF layers use int8 activations (None: $CHATLOOM_INT8_MATMUL, see model_args)
 
-    # Engine sizing (the local backend).
-    kv_cache_gb: float = 0.5
-    num_blocks: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512  # per engine step: decodes first, then prefill chunks
+    # Engine sizing (the local backend); the defaults are EngineConfig's.
+    kv_cache_gb: float = ENGINE_DEFAULTS.kv_cache_gb
+    num_blocks: int | None = ENGINE_DEFAULTS.num_blocks
+    max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens  # per step: decodes, then prefill chunks
     context_window: int | None = None  # cap below the model's own window (tests use a tiny one)
+    # Speculative decoding: off | ngram (prompt lookup) | draft (speculative_model proposes).
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None  # registry id, path, or self-int8 / self-layers:N
 
     # Accounts.
     jwt_secret: str | None = None  # default: generated once and kept in data_dir/jwt_secret
@@ -58,9 +64,16 @@ class Settings:
     admission_max_running: int | None = None  # generations admitted at once (default: max_num_seqs)
     reasoning_share: float = 0.5  # most of the running slots reasoning requests may hold
     reasoning_max_effort: str = "high"  # cap on the effort dial (low | medium | high)
-    moderation: str = "lexicon"  # lexicon | off
+    moderation: str = "lexicon"  # lexicon | openai (an OpenAI-compatible /v1/moderations) | off
+    moderation_url: str | None = None  # with moderation = "openai": the server's base URL (…/v1)
+    moderation_model: str | None = None  # the moderation model to ask for (None: the server's default)
+    moderation_api_key: str | None = None  # Bearer token for it (None: $CHATLOOM_MODERATION_API_KEY)
+    moderation_timeout_s: float = 5.0
     moderation_holdback_tokens: int = 4  # pieces of output held back for the output check
     metrics_public: bool = True  # GET /metrics without a token (as vLLM serves it)
+    # The SLO behind the goodput figures on /metrics: a request counts when it meets both (None: no target).
+    slo_ttft_s: float | None = 2.0
+    slo_tpot_s: float | None = 0.2
 
     # Several gateways (see README, "Several gateways"): what is hot lives in Redis when redis_url is set.
     redis_url: str | None = None  # redis://host:port/db; None: quotas, stream logs, stops in this process
@@ -70,6 +83,14 @@ class Settings:
     shutdown_grace_s: float = 20.0  # on SIGTERM, running answers get this long before they are handed over
 
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative must be off, ngram or draft, not {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative = draft needs speculative_model (e.g. self-int8 or self-layers:8)")
 
     @property
     def database_url(self) -> str:
@@ -92,6 +113,13 @@ class Settings:
                 f.write(self.jwt_secret)
         return self.jwt_secret
 
+    def engine_config(self) -> EngineConfig:
+        """The local backend's engine sizing."""
+        return EngineConfig(kv_cache_gb=self.kv_cache_gb, num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
+                            max_model_len=self.context_window, max_num_batched_tokens=self.max_num_batched_tokens,
+                            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                            speculative_model=self.speculative_model)
+
     def updated(self, **changes) -> "Settings":
         """A copy with the non-None changes applied."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -99,10 +127,30 @@ class Settings:
     @classmethod
     def from_file(cls, path: str | Path) -> "Settings":
         """Read a TOML file of top-level keys named like the fields above."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML: {exc}") from None
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ValueError(f"{path}: unknown setting(s): {', '.join(unknown)}")
+        for name, value in data.items():
+            _check_type(path, name, fields[name].type, value)
         return cls(**data)
+
+
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _check_type(path: str | Path, name: str, annotation: str, value: object) -> None:
+    """One line naming the setting when a TOML value has the wrong type (`model = [...]`, `port = "80"`)."""
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    allowed = tuple(t for k in kinds for t in _TYPES.get(k, ()))
+    if not allowed:
+        return
+    ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+    if not ok:
+        wanted = " or ".join(k for k in kinds if k != "None")
+        raise ValueError(f"{path}: setting {name!r} must be {wanted}, not {type(value).__name__} {value!r}")

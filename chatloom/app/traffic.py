@@ -3,7 +3,8 @@ and metrics, as one object the routes and the conversation service share.
 
 The helpers here turn each component's refusal into the API's answer: a quota refusal is a 429
 with Retry-After, OpenAI's code and the x-ratelimit-* headers; a flagged message a 400 naming the
-category; a queue timeout a 503 with Retry-After. `install` adds the header middleware and the routes.
+category; a queue timeout a 503 with Retry-After. `RateLimitHeaders` puts the x-ratelimit-* headers
+on every signed-in response. A generation's use of all this is written once, in `pipeline.py`.
 """
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from fastapi import FastAPI
-
 from chatloom.app.admission import INTERACTIVE, AdmissionQueue, QueueTimeout, Slot, Ticket
 from chatloom.app.errors import ApiError
-from chatloom.app.metrics import Metrics
-from chatloom.app.moderation import Moderator, OutputGuard, build_moderator
+from chatloom.app.metrics import Metrics, Slo
+from chatloom.app.moderation import LexiconModerator, ModerationUnavailable, Moderator, NoModerator, OutputGuard
+from chatloom.app.remote_moderation import RemoteModerator
 from chatloom.app.quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, Reservation
 from chatloom.app.reasoning import EFFORTS, cap_effort
 from chatloom.app.settings import Settings
@@ -53,8 +53,12 @@ class Traffic:
         return None if requested is None else cap_effort(requested, self.reasoning_max_effort)
 
     # -- moderation ---------------------------------------------------------------------
-    def check_input(self, text: str, param: str = "text") -> None:
-        verdict = self.moderator.check_input(text)
+    async def check_input(self, text: str, param: str = "text") -> None:
+        try:
+            verdict = await self.moderator.check_input(text)
+        except ModerationUnavailable as exc:
+            raise ApiError(503, f"the message could not be checked: {exc}", "moderation_unavailable",
+                           headers={"Retry-After": "5"}) from None
         if verdict is not None:
             self.metrics.moderation_blocks.labels("input", verdict.category).inc()
             raise ApiError(400, f"the message was flagged by moderation ({verdict.category}) and not sent",
@@ -98,10 +102,22 @@ class Traffic:
             raise ApiError(503, str(exc), "queue_timeout", headers={"Retry-After": str(exc.retry_after)}) from None
 
 
+def build_moderator(settings: Settings) -> Moderator:
+    name = settings.moderation
+    if name in ("off", "none", ""):
+        return NoModerator()
+    if name == "lexicon":
+        return LexiconModerator()
+    if name == "openai":
+        return RemoteModerator.from_settings(settings)
+    raise ValueError(f"unknown moderation {name!r} (use 'lexicon', 'openai' or 'off')")
+
+
 def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic:
     if settings.reasoning_max_effort not in EFFORTS:
         raise ValueError(f"reasoning_max_effort must be one of {', '.join(EFFORTS)}")
-    metrics = Metrics(backend.stats, lambda: backend.default_model if backend.model_ids else "unknown")
+    metrics = Metrics(backend.stats, lambda: backend.default_model if backend.model_ids else "unknown",
+                      Slo(settings.slo_ttft_s, settings.slo_tpot_s))
 
     def on_wait(ticket: Ticket, waited: float, admitted: bool) -> None:
         metrics.queue_wait.labels(ticket.tier.name, ticket.kind).observe(waited)
@@ -111,7 +127,7 @@ def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic
     metrics.queue_waiting.set_function(lambda: admission.waiting)
     metrics.queue_running.set_function(lambda: admission.running)
     return Traffic(settings=settings, tiers=TierTable.load(settings.tiers_file, default=settings.default_tier),
-                   quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings.moderation),
+                   quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings),
                    metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.reasoning_max_effort)
 
 
@@ -119,7 +135,7 @@ class RateLimitHeaders:
     """ASGI middleware: every response to a signed-in caller carries x-ratelimit-* headers.
     (Pure ASGI, not BaseHTTPMiddleware, so streamed answers are not buffered.)"""
 
-    def __init__(self, app, traffic: Callable[[], Traffic | None]) -> None:
+    def __init__(self, app, traffic: Callable[[], Traffic]) -> None:
         self.app = app
         self.traffic = traffic
 
@@ -132,8 +148,7 @@ class RateLimitHeaders:
                 user = scope.get("state", {}).get("user")
                 traffic = self.traffic()
                 headers = list(message.get("headers", []))
-                if user is not None and traffic is not None \
-                        and not any(k == b"x-ratelimit-limit-tokens" for k, _ in headers):
+                if user is not None and not any(k == b"x-ratelimit-limit-tokens" for k, _ in headers):
                     try:
                         figures = await traffic.headers(user)
                     except Exception:  # a shared quota store out of reach: the answer itself says so, or not
@@ -144,10 +159,3 @@ class RateLimitHeaders:
 
         await self.app(scope, receive, send_with_headers)
 
-
-def install(app: FastAPI) -> None:
-    """Add the header middleware and the traffic routes (admin, usage, feedback, metrics, resumable streams)."""
-    from chatloom.app.routes import traffic as traffic_routes
-
-    app.add_middleware(RateLimitHeaders, traffic=lambda: getattr(app.state.ctx, "traffic", None))
-    app.include_router(traffic_routes.router)

@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy.exc import IntegrityError
 
+from chatloom.serving import Usage
 from chatloom.store import Database, UsageRows
 
 log = logging.getLogger(__name__)
@@ -20,14 +21,14 @@ class Meter:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def record(self, user_id: str, model: str, prompt_tokens: int, completion_tokens: int,
-                     cached_tokens: int = 0) -> None:
+    async def record(self, user_id: str, model: str, usage: Usage) -> None:
         """Add one request's tokens. Failures are logged, never raised: metering must not break an answer."""
         day = utc_day()
         for attempt in range(3):
             try:
                 async with self.db.session() as session:
-                    await UsageRows(session).add(user_id, day, model, prompt_tokens, completion_tokens, cached_tokens)
+                    await UsageRows(session).add(user_id, day, model, usage.prompt_tokens, usage.completion_tokens,
+                                                 usage.cached_tokens)
                     await session.commit()
                 return
             except IntegrityError:  # lost the race to create today's row; the UPDATE will find it now
@@ -36,14 +37,3 @@ class Meter:
                 log.exception("could not meter usage for %s", user_id)
                 return
         log.error("could not meter usage for %s after retries", user_id)
-
-
-def usage_out(rows: list) -> dict:
-    """Rows as JSON with totals."""
-    items = [{"day": u.day, "model": u.model, "username": name, "requests": u.requests,
-              "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-              "cached_tokens": u.cached_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens}
-             for u, name in rows]
-    totals = {k: sum(i[k] for i in items) for k in ("requests", "prompt_tokens", "completion_tokens",
-                                                   "cached_tokens", "total_tokens")}
-    return {"data": items, "totals": totals}

@@ -8,14 +8,11 @@ import sys
 
 from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
 from chatloom.argtypes import positive_int
-from chatloom.models.registry import DEFAULT_MODEL
+from chatloom.model_args import add_model_args, load_from_args
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--int8-matmul", action="store_true",
-                   help="multiply quantized GGUF weights with int8 activations (see README)")
+    add_model_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 
@@ -56,6 +53,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.set_defaults(func=_roofline)
 
+    p = sub.add_parser("spec", help="speculative decoding on vs off: batch 1 and 8, repeating and plain chat")
+    _common(p)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per workload (at most 8)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
+    p.add_argument("--repeats", type=positive_int, default=1, help="rounds of on and off, alternating which goes first")
+    p.add_argument("--speculative-model", default=None, metavar="ID|PATH|self-int8|self-layers:N",
+                   help="also run the draft-model proposer with this draft")
+    p.add_argument("--no-adaptive", action="store_true", help="always propose as many tokens as allowed")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="PyTorch intra-op threads (default: PyTorch's choice; 1 on a busy shared machine)")
+    p.set_defaults(func=_spec)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -70,11 +81,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=_serve)
 
+    p = sub.add_parser("calibrate", help="time the engine's steps by batch shape; write the simulator's step-time model")
+    _common(p)
+    p.add_argument("--output", default="step_time.json", help="where to write the model JSON (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    p.add_argument("--rounds", type=positive_int, default=1, help="passes over the calibration phases")
+    p.set_defaults(func=_calibrate)
 
-def _load(args):
-    from chatloom.models import load_model
-
-    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
+    p = sub.add_parser("sim-validate", help="the real engine against the simulator at two request rates")
+    _common(p)
+    p.add_argument("--rates", type=float, nargs=2, default=None, metavar="RPS",
+                   help="two request rates (requests/s, Poisson); default: 25%% and 60%% of what the calibrated "
+                        "model says this machine sustains")
+    p.add_argument("--num-prompts", type=positive_int, default=40)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--step-time", default=None, help="a step-time JSON; default: calibrate first, in the same run")
+    p.set_defaults(func=_sim_validate)
 
 
 def _emit(result: dict, table: bool) -> int:
@@ -101,7 +123,7 @@ def _throughput(args) -> int:
     from chatloom.models.packed_linear import uses_int8_matmul
     from chatloom.bench.workload import standard_workload
 
-    loaded = _load(args)
+    loaded = load_from_args(args)
     requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed,
                                  avoid_ids=set(loaded.tokenizer.eos_token_ids))
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -130,7 +152,7 @@ def _throughput(args) -> int:
 def _prefix(args) -> int:
     from chatloom.bench.prefix import run_prefix
 
-    return _emit(dict(run_prefix(_load(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
+    return _emit(dict(run_prefix(load_from_args(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
                  args.table)
 
 
@@ -138,7 +160,7 @@ def _memory(args) -> int:
     from chatloom.bench.memory import run_memory
     from chatloom.bench.workload import standard_workload
 
-    loaded = _load(args)
+    loaded = load_from_args(args)
     requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed)
     return _emit(dict(run_memory(loaded, requests), model=loaded.id, seed=args.seed), args.table)
 
@@ -146,7 +168,19 @@ def _memory(args) -> int:
 def _roofline(args) -> int:
     from chatloom.bench.roofline import run_roofline
 
-    return _emit(dict(run_roofline(_load(args), args.num_requests, args.seed), model=args.model), args.table)
+    return _emit(dict(run_roofline(load_from_args(args), args.num_requests, args.seed), model=args.model), args.table)
+
+
+def _spec(args) -> int:
+    import torch
+
+    from chatloom.bench.spec import run_spec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_spec(_load(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
+                          args.repeats, args.num_speculative_tokens, args.speculative_model,
+                          not args.no_adaptive), args.table)
 
 
 def _serve(args) -> int:
@@ -161,3 +195,21 @@ def _serve(args) -> int:
                                    args.max_concurrency, args.api_key or os.environ.get("OPENAI_API_KEY"),
                                    args.max_tokens, parse_goodput(args.goodput), args.seed))
     return _emit(result, args.table)
+
+
+def _calibrate(args) -> int:
+    from chatloom.bench.calibrate import run_calibrate
+
+    model, summary = run_calibrate(_load(args), args.seed, args.max_num_batched_tokens, rounds=args.rounds)
+    model.save(args.output)
+    summary["output"] = args.output
+    return _emit(summary, args.table)
+
+
+def _sim_validate(args) -> int:
+    from chatloom.bench.sim_validate import run_sim_validate
+
+    if args.rates and any(r <= 0 for r in args.rates):
+        raise ValueError("--rates must be positive")
+    return _emit(run_sim_validate(_load(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
+                                  args.step_time), args.table)

@@ -32,13 +32,13 @@ async def measure(backend, prompts: list[str], max_tokens: int, holdback: int) -
             if delta.text:
                 arrivals.append(time.perf_counter())
                 t0 = time.perf_counter()
-                released = guard.push(delta.text)
+                released = await guard.push(delta.text)
                 check_us.append((time.perf_counter() - t0) * 1e6)
                 now = time.perf_counter()
                 shown += [now] * len(released)
             if delta.finished:
                 now = time.perf_counter()
-                shown += [now] * len(guard.finish())
+                shown += [now] * len(await guard.finish())
         if arrivals and shown:
             first_delay.append(shown[0] - arrivals[0])
             piece_delay += [s - a for a, s in zip(arrivals, shown)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
-from chatloom.models.chat_template import render_chat
+from chatloom.models.chat_template import encode_chat
 from chatloom.models.loader import LoadedModel
 
 SYSTEM_PROMPT = (
@@ -50,8 +50,7 @@ def run_prefix(loaded: LoadedModel, turns: int = 8, max_tokens: int = 32, conver
             history = [{"role": "system", "content": SYSTEM_PROMPT}]
             for t in range(turns):
                 history.append({"role": "user", "content": QUESTIONS[(c * 3 + t) % len(QUESTIONS)]})
-                ids = tok.encode(render_chat(tok.chat_template, history, bos_token=tok.bos_token,
-                                             eos_token=tok.eos_token))
+                ids = encode_chat(tok, history)
                 ttft, out_ids, _ = _ttft(engine, ids, max_tokens)
                 per_turn[t].append(ttft)
                 if c == 0:

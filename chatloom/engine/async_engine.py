@@ -17,6 +17,7 @@ from chatloom.engine.config import EngineConfig
 from chatloom.engine.llm_engine import LLMEngine
 from chatloom.engine.outputs import RequestOutput
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
+from chatloom.engine.stats import EngineSnapshot
 from chatloom.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ class AsyncEngine:
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()
+
+    def snapshot(self) -> EngineSnapshot:
+        return self.engine.snapshot()
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -130,6 +130,20 @@ class BlockManager:
         for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block().block_id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (speculative tokens that
+        were rejected). Those blocks were never registered (registration stops at the
+        computed tokens), so they go to the front of the free list, reused first."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, "negative refcount"
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+                if block.key is None:
+                    self.free.move_to_end(block.block_id, last=False)
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish every computed, full block of `seq` in the prefix cache."""
         if not self.enable_prefix_caching:

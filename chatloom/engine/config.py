@@ -15,6 +15,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int | None = None  # for unseeded sampled requests
+    # Speculative decoding (engine/spec_decode/): "off", "ngram" (prompt lookup) or "draft".
+    speculative: str = "off"
+    num_speculative_tokens: int = 4  # the most tokens proposed per sequence and step
+    speculative_model: str | None = None  # for "draft": a registry id, path, or self-int8 / self-layers:N
+    speculative_adaptive: bool = True  # choose k per step from acceptance and measured step cost
 
     def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
         if self.num_blocks is not None:

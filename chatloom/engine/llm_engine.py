@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, step, read outputs."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -16,7 +17,9 @@ from chatloom.engine.sampler import Sampler
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.engine.scheduler import Scheduler, SchedulerConfig
 from chatloom.engine.sequence import Sequence, SequenceStatus
-from chatloom.engine.stats import EngineStats
+from chatloom.engine.spec_decode import build_speculative_decoder
+from chatloom.engine.spec_decode.calibrate import calibrate_decoder
+from chatloom.engine.stats import EngineSnapshot, EngineStats
 from chatloom.models.loader import LoadedModel
 
 
@@ -29,6 +32,13 @@ class _RequestState:
         self.emitted = 0  # characters of detok.text already handed out
         self.max_stop_len = max((len(s) for s in seq.params.stop), default=0)
         self.stopped_by_string = False
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output for several tokens of a request in one step (speculative decoding)."""
+    then.delta_text = first.delta_text + then.delta_text
+    then.delta_token_ids = first.delta_token_ids + then.delta_token_ids
+    return then
 
 
 class LLMEngine:
@@ -54,6 +64,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._finished_outputs: deque[RequestOutput] = deque()
+        self.spec = build_speculative_decoder(self.config, self.max_model_len, loaded, num_blocks)
+        if self.spec is not None and self.spec.adaptive:
+            calibrate_decoder(self.spec, self.runner, self.config)
 
     # -- requests ---------------------------------------------------------------
     @property
@@ -104,6 +117,8 @@ class LLMEngine:
         """Run one iteration: schedule, forward, sample, detokenize. Returns this step's outputs."""
         outputs = list(self._finished_outputs)
         self._finished_outputs.clear()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -112,28 +127,50 @@ class LLMEngine:
         for seq in scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
+        t0 = time.perf_counter()
         logits, argmax, sampled = self.runner.execute(batch)
-        new_tokens = self.sampler(logits, sampled, self.eos_ids, argmax) if sampled else []
+        if self.spec is not None:
+            if not batch.prefills:
+                self.spec.observe_step(batch.num_tokens, time.perf_counter() - t0)
+            new_tokens = self.spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids) if sampled else []
+        else:
+            new_tokens = [[t] for t in self.sampler(logits, sampled, self.eos_ids, argmax)] if sampled else []
 
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
         now = time.time()
-        for seq, token in zip(sampled, new_tokens):
-            seq.token_ids.append(token)
-            m = seq.metrics
-            m.num_output_tokens = seq.num_output_tokens
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            out = self._advance(self.requests[seq.request_id], token)
-            if out is not None:
-                outputs.append(out)
+        num_new = 0
+        for seq, tokens in zip(sampled, new_tokens):
+            # Kept proposals are computed already: their K/V went in with this step's forward.
+            seq.num_computed_tokens += len(tokens) - 1
+            had_proposals = bool(seq.spec_token_ids)
+            seq.spec_token_ids = []
+            state = self.requests[seq.request_id]
+            merged: RequestOutput | None = None
+            for token in tokens:
+                seq.token_ids.append(token)
+                num_new += 1
+                m = seq.metrics
+                m.num_output_tokens = seq.num_output_tokens
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+                out = self._advance(state, token)
+                merged = out if merged is None else _merge(merged, out)
+                if seq.is_finished:
+                    break
+            if merged is not None:
+                outputs.append(merged)
+            if had_proposals and not seq.is_finished:
+                # Roll back the blocks that only held rejected proposals.
+                self.block_manager.trim(seq, len(seq))
+                self.spec.verified(seq, len(tokens))
         for seq in scheduled:
             if not seq.is_finished:
                 self.block_manager.register_full_blocks(seq)
-        self.stats.record_step(batch.num_tokens, len(new_tokens), now)
+        self.stats.record_step(batch.num_tokens, num_new, now)
         return outputs
 
     def _advance(self, state: _RequestState, token: int) -> RequestOutput | None:
@@ -169,6 +206,8 @@ class LLMEngine:
     def _finish(self, state: _RequestState, reason: str, emit: bool = True) -> RequestOutput:
         seq = state.seq
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()
@@ -209,19 +248,17 @@ class LLMEngine:
             bar.close()
         return [results[i] for i in ids]
 
+    def snapshot(self) -> EngineSnapshot:
+        bm, st = self.block_manager, self.stats
+        return EngineSnapshot(
+            num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage_perc=bm.usage, kv_cache_blocks=bm.num_blocks, kv_cache_free_blocks=bm.num_free_blocks,
+            block_size=bm.block_size, prefix_cache_queries=bm.query_tokens, prefix_cache_hits=bm.hit_tokens,
+            prefix_cache_hit_rate=bm.hit_rate, prefix_cache_evictions=bm.evictions,
+            num_preemptions=self.scheduler.num_preemptions, steps=st.steps, generated_tokens=st.generated_tokens,
+            aborted_requests=st.aborted, generation_tokens_per_s=round(st.tokens_per_s(), 2),
+            spec_decode=dataclasses.replace(self.spec.stats) if self.spec is not None else None)
+
     def get_stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage_perc": bm.usage,
-            "kv_cache_blocks": bm.num_blocks,
-            "kv_cache_free_blocks": bm.num_free_blocks,
-            "block_size": bm.block_size,
-            "prefix_cache_queries": bm.query_tokens,
-            "prefix_cache_hits": bm.hit_tokens,
-            "prefix_cache_hit_rate": bm.hit_rate,
-            "prefix_cache_evictions": bm.evictions,
-            "num_preemptions": self.scheduler.num_preemptions,
-            **self.stats.as_dict(),
-        }
+        """The snapshot as a plain dict (for printing and JSON)."""
+        return self.snapshot().as_dict()

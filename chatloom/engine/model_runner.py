@@ -41,24 +41,41 @@ class ModelRunner:
 
         if batch.decodes:
             tables, ctx_lens = [], []
+            rows: list[int] | None = None  # query -> table row, when some decode carries proposed tokens
             for seq in batch.decodes:
                 pos = seq.num_computed_tokens
+                table = seq.block_table
                 ids.append(seq.token_ids[pos])
                 positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                slots.append(table[pos // bs] * bs + pos % bs)
                 ctx_lens.append(pos + 1)
-                tables.append(seq.block_table)
+                if seq.spec_token_ids:
+                    # Speculative decoding: the proposed tokens follow as extra queries of the
+                    # same sequence, each seeing the keys up to and including itself.
+                    if rows is None:
+                        rows = list(range(len(tables)))
+                    rows.append(len(tables))
+                    for j, token in enumerate(seq.spec_token_ids, 1):
+                        ids.append(token)
+                        positions.append(pos + j)
+                        slots.append(table[(pos + j) // bs] * bs + (pos + j) % bs)
+                        ctx_lens.append(pos + j + 1)
+                        rows.append(len(tables))
+                elif rows is not None:
+                    rows.append(len(tables))
+                tables.append(table)
+            attn.num_decode = len(ids)
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]
             if kern is not None:
                 attn.decode_block_tables = torch.tensor(padded, dtype=torch.int32)
-                attn.decode_rows = torch.arange(len(tables), dtype=torch.int32)
+                attn.decode_rows = torch.tensor(rows if rows is not None else range(len(tables)), dtype=torch.int32)
                 attn.decode_kv_lens = torch.tensor(ctx_lens, dtype=torch.int32)
             else:
-                attn.decode_block_tables = torch.tensor(padded)
+                attn.decode_block_tables = torch.tensor(padded if rows is None else [padded[r] for r in rows])
                 lens = torch.tensor(ctx_lens)
                 attn.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            logit_rows.extend(range(len(batch.decodes)))
+            logit_rows.extend(range(len(ids)))
 
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens

@@ -21,6 +21,15 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def draw_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` [vocab] by inverse CDF of a single uniform draw. One draw
+    per token keeps a seeded request's stream aligned however its tokens are produced
+    (speculative decoding checks proposals against this same draw)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator()
@@ -59,5 +68,5 @@ class Sampler:
         for j, i in enumerate(rows):
             # A seeded request draws from its own generator: same seed, same text, whatever the batch.
             gen = seqs[i].generator or self.generator
-            out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+            out[i] = draw_token(probs[j], gen)
         return out

@@ -26,8 +26,13 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens riding on the decodes (speculative decoding)."""
+        return sum(len(s.spec_token_ids) for s in self.decodes)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + self.num_spec_tokens + sum(n for _, n in self.prefills)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
@@ -59,6 +64,7 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
+        victim.spec_token_ids = []
         self.bm.free_sequence(victim)
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -117,4 +123,17 @@ class Scheduler:
             else:
                 batch.prefills.append((seq, n))
             budget -= n
+
+        # 3. Proposed tokens (speculative decoding) take only what is left: they never delay
+        # a prefill nor cause a preemption, and never run past the context window.
+        for seq in batch.decodes:
+            if not seq.spec_token_ids:
+                continue
+            k = min(len(seq.spec_token_ids), budget, cfg.max_model_len - len(seq))
+            while k > 0 and not self.bm.can_grow(seq, len(seq) + k):
+                k -= 1
+            del seq.spec_token_ids[max(k, 0):]
+            if k > 0:
+                self.bm.grow(seq, len(seq) + k)
+                budget -= k
         return batch

@@ -70,6 +70,9 @@ class Sequence:
         # Tokens whose K/V are already in the cache (computed or found in the prefix cache).
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading blocks already published in the prefix cache
+        # Proposed next tokens the target checks in this step (speculative decoding); the
+        # scheduler trims them to the step's budget and free blocks.
+        self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=self.prompt_len)
         self.generator: torch.Generator | None = None

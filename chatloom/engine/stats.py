@@ -1,8 +1,42 @@
-"""Engine-wide counters and a moving tokens/s figure."""
+"""Engine-wide counters and a moving tokens/s figure, and the typed snapshot the engine reports."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chatloom.engine.spec_decode.decoder import SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's load at one moment (vLLM's names), for backends, metrics and routing."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float
+    kv_cache_blocks: int
+    kv_cache_free_blocks: int
+    block_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    prefix_cache_evictions: int
+    num_preemptions: int
+    steps: int
+    generated_tokens: int
+    aborted_requests: int
+    generation_tokens_per_s: float
+    spec_decode: "SpecDecodeStats | None" = None  # None: speculative decoding is off
+
+    def as_dict(self) -> dict:
+        """Flat, for printing and JSON: the speculative counters under their spec_decode_* names."""
+        flat = asdict(self)
+        flat.pop("spec_decode")
+        if self.spec_decode is not None:
+            flat.update(self.spec_decode.as_dict())
+        return flat
 
 
 @dataclass
@@ -27,7 +61,3 @@ class EngineStats:
             return 0.0
         span = self._recent[-1][0] - self._recent[0][0]
         return sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {"steps": self.steps, "generated_tokens": self.generated_tokens,
-                "aborted_requests": self.aborted, "generation_tokens_per_s": round(self.tokens_per_s(), 2)}

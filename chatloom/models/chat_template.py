@@ -26,6 +26,15 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template, ready for the reply.
+    The one place prompts are encoded from messages (the CLI, the benchmarks, the local backend)."""
+    text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    # A template that writes the BOS text itself must not get a second BOS from the encoder.
+    return tokenizer.encode(text, add_special=not (tokenizer.bos_token and text.startswith(tokenizer.bos_token)))
+
+
 def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
                 bos_token: str = "", eos_token: str = "") -> str:
     """The prompt text for `messages` ([{"role", "content"}]), ending ready for the reply."""

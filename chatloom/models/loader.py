@@ -78,10 +78,10 @@ def _unknown(spec: str) -> ModelError:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
-               int8_matmul: bool | None = None) -> LoadedModel:
+               int8_matmul: bool = False) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
-    quantized GGUF weights (Q4_0, Q4_1, Q8_0) with int8 activations (faster, slightly less exact; None: the
-    CHATLOOM_INT8_MATMUL environment variable decides, off by default)."""
+    quantized GGUF weights (Q4_0, Q4_1, Q8_0) with int8 activations (faster, slightly less exact; off by default;
+    commands resolve their flag and CHATLOOM_INT8_MATMUL once, in chatloom/model_args.py)."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
     if spec == "tiny-random":

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-import os
 
 import numpy as np
 import torch
@@ -126,11 +125,6 @@ def from_int8_layout(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(panels, groups, 2, 8, 4).permute(0, 1, 4, 2, 3).reshape(panels, groups * 4, 16).contiguous()
 
 
-def int8_matmul_requested() -> bool:
-    """CHATLOOM_INT8_MATMUL=1 asks for int8 activations where no caller chose (the service)."""
-    return os.environ.get("CHATLOOM_INT8_MATMUL", "0") not in ("", "0", "false", "no")
-
-
 def int8_matmul_supported(kernels) -> bool:
     """Whether the kernels have the int8 matmul (built for a CPU with AVX2 and FMA)."""
     return kernels is not None and hasattr(kernels, "int8_linear") and kernels.int8_linear_supported()
@@ -216,12 +210,12 @@ class QuantizedLinear(KernelLinear):
 
 
 def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]] | None = None,
-                 int8_activations: bool | None = None) -> bool:
+                 int8_activations: bool = False) -> bool:
     """Replace every float32 nn.Linear in `model` by a PackedLinear, or by a QuantizedLinear
     where `quantized` gives the layer's weight as stored in a GGUF file (by module name;
     several parts for a fused layer, all of one kind). Returns False (and changes nothing)
     when the kernels are unavailable or the model is not float32. With `int8_activations`
-    (default: `int8_matmul_requested()`), quantized layers multiply with int8 activations where
+    (decided by the caller: the flag or environment is read once, in chatloom/model_args.py), quantized layers multiply with int8 activations where
     the CPU allows it.
 
     A head tied to the embedding gets its own packed copy; the embedding keeps its table."""
@@ -229,8 +223,6 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     if kernels is None or not hasattr(kernels, "packed_linear"):
         return False
     quantized = quantized or {}
-    if int8_activations is None:
-        int8_activations = int8_matmul_requested()
     int8_activations = int8_activations and int8_matmul_supported(kernels)
     linears = [(parent, f"{prefix}.{name}" if prefix else name, name, child)
                for prefix, parent in model.named_modules()

@@ -61,7 +61,7 @@ def linear_sources(cfg: ModelConfig, has_head: bool) -> dict[str, list[str]]:
 
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
                 quantized: Mapping[str, QuantizedWeight] | None = None,
-                int8_matmul: bool | None = None) -> LlamaForCausalLM:
+                int8_matmul: bool = False) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
 
     `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a

@@ -10,6 +10,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from chatloom.engine.spec_decode.decoder import SpecDecodeStats
+
 
 class BackendError(Exception):
     """The backend failed while serving a request (crashed engine, lost connection)."""
@@ -35,10 +37,12 @@ class UnknownModel(BadGenerationRequest):
 
 @dataclass
 class GenerationRequest:
-    """One generation. Give chat `messages` ([{"role", "content"}]) or a raw `prompt` string."""
+    """One generation. Give chat `messages` ([{"role", "content"}]), a raw `prompt` string, or
+    `prompt_token_ids` (already tokenized, as /v1/completions accepts)."""
 
     messages: list[dict] | None = None
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
     model: str | None = None  # None: the backend's default model
     max_tokens: int = 256
     temperature: float = 1.0
@@ -48,6 +52,33 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str | None = None  # lets the caller abort() it later
     priority: int = 0
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens one request (or several, added up) used; what quotas settle and metering records."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those found in the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def __add__(self, other: "Usage") -> "Usage":
+        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens,
+                     self.cached_tokens + other.cached_tokens)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """One request's latencies in seconds, vLLM's definitions; None where not measured."""
+
+    queue_time: float | None = None  # waiting inside the engine before the first step
+    ttft: float | None = None  # time to first token
+    tpot: float | None = None  # (latency - ttft) / (output tokens - 1)
+    e2e: float | None = None  # end to end, inside the engine
 
 
 @dataclass
@@ -60,8 +91,33 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    # On the last delta, where the backend measures them: queue_time, ttft, tpot, e2e (seconds).
-    metrics: dict | None = None
+    # On the last delta, where the backend measures them.
+    metrics: Timings | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """Load figures of a backend (vLLM's names), read by /metrics, /admin/stats and routing.
+    A figure a backend cannot tell is None."""
+
+    ready: bool
+    model: str | None = None
+    context_window: int | None = None
+    num_requests_running: int | None = None
+    num_requests_waiting: int | None = None
+    kv_cache_usage_perc: float | None = None
+    kv_cache_blocks: int | None = None
+    kv_cache_free_blocks: int | None = None
+    block_size: int | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    num_preemptions: int | None = None
+    generation_tokens_per_s: float | None = None
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, where it is on
 
 
 class Backend(abc.ABC):
@@ -142,9 +198,9 @@ class Backend(abc.ABC):
         return Delta("".join(parts), True, last.finish_reason, last.prompt_tokens,
                      last.completion_tokens, last.cached_tokens)
 
-    def stats(self) -> dict:
+    def stats(self) -> BackendStats:
         """Load figures for health pages and routing (KV usage, queue lengths)."""
-        return {}
+        return BackendStats(ready=self.ready)
 
     def has_room(self, prompt_tokens: int) -> bool:
         """Whether a new request of `prompt_tokens` would start at once (free KV blocks, nothing queued

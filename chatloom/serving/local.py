@@ -9,10 +9,10 @@ from typing import AsyncIterator
 from chatloom.engine import EngineConfig, InvalidRequest, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine, EngineDeadError
 from chatloom.models import LoadedModel, ModelError, load_model
-from chatloom.models.chat_template import render_chat
+from chatloom.models.chat_template import encode_chat
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
-from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BadGenerationRequest, Delta,
-                                      GenerationRequest)
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
+                                      Delta, GenerationRequest, Timings)
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class LocalBackend(Backend):
     """Wraps an AsyncEngine. Construct with a model spec (loaded by start()) or a LoadedModel."""
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
-                 engine_config: EngineConfig | None = None, int8_matmul: bool | None = None) -> None:
+                 engine_config: EngineConfig | None = None, int8_matmul: bool = False) -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model
         self._dtype = dtype
@@ -80,8 +80,10 @@ class LocalBackend(Backend):
 
     @property
     def context_window(self) -> int:
+        # What one request can really use: the model's window, or the whole KV pool if that is smaller
+        # (a request larger than the pool could never be scheduled).
         if self._engine is not None:
-            return self._engine.engine.max_model_len
+            return min(self._engine.engine.max_model_len, self._engine.engine.pool_tokens)
         if self._loaded is not None:
             return self._config.max_model_len or min(self._loaded.config.max_position, 8192)
         return self._config.max_model_len or 0
@@ -95,14 +97,10 @@ class LocalBackend(Backend):
         return len(self.tokenizer.encode(text, add_special=False))
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
-        tok = self.tokenizer
         try:
-            text = render_chat(tok.chat_template, messages, add_generation_prompt=True,
-                               bos_token=tok.bos_token, eos_token=tok.eos_token)
+            return encode_chat(self.tokenizer, messages)
         except ModelError as exc:
             raise BadGenerationRequest(str(exc), "invalid_messages", "messages") from None
-        # A template that writes the BOS text itself must not get a second BOS from the encoder.
-        return tok.encode(text, add_special=not (tok.bos_token and text.startswith(tok.bos_token)))
 
     def count_prompt_tokens(self, messages: list[dict]) -> int:
         return len(self.encode_messages(messages))
@@ -114,6 +112,8 @@ class LocalBackend(Backend):
             ids = self.encode_messages(request.messages)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
+        elif request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)  # the engine checks they are in the vocabulary
         else:
             raise BadGenerationRequest("a request needs messages or a prompt", param="messages")
         window = self.context_window
@@ -134,7 +134,8 @@ class LocalBackend(Backend):
         try:
             async for out in self.engine.stream(ids, params, request_id=request.request_id,
                                                 priority=request.priority):
-                metrics = out.metrics.as_dict() if out.finished and out.metrics is not None else None
+                m = out.metrics if out.finished else None
+                metrics = Timings(m.queue_time, m.ttft, m.tpot, m.e2e) if m is not None else None
                 yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
                             out.num_output_tokens, out.num_cached_tokens, metrics)
         except InvalidRequest as exc:
@@ -149,13 +150,20 @@ class LocalBackend(Backend):
     def has_room(self, prompt_tokens: int) -> bool:
         if self._engine is None:
             return True  # stream() answers "not ready" at once; no point queueing for it
-        s = self._engine.get_stats()
-        if s["num_requests_waiting"] > 0:
+        s = self._engine.snapshot()
+        if s.num_requests_waiting > 0:
             return False
-        return s["kv_cache_free_blocks"] * s["block_size"] >= prompt_tokens
+        return s.kv_cache_free_blocks * s.block_size >= prompt_tokens
 
-    def stats(self) -> dict:
+    def stats(self) -> BackendStats:
         if self._engine is None:
-            return {"ready": False}
-        return {"ready": True, "model": self.default_model, "context_window": self.context_window,
-                **self._engine.get_stats()}
+            return BackendStats(ready=False)
+        s = self._engine.snapshot()
+        return BackendStats(
+            ready=True, model=self.default_model, context_window=self.context_window,
+            num_requests_running=s.num_requests_running, num_requests_waiting=s.num_requests_waiting,
+            kv_cache_usage_perc=s.kv_cache_usage_perc, kv_cache_blocks=s.kv_cache_blocks,
+            kv_cache_free_blocks=s.kv_cache_free_blocks, block_size=s.block_size,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, generation_tokens_per_s=s.generation_tokens_per_s,
+            spec_decode=s.spec_decode)

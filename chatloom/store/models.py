@@ -104,6 +104,7 @@ class Message(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
+    reasoning: Mapped[str | None] = mapped_column(Text)  # the thinking before the answer (reasoning requests)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

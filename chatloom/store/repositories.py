@@ -195,3 +195,20 @@ class FeedbackRows:
 
     async def for_message(self, message_id: str) -> list[Feedback]:
         return list(await self.s.scalars(select(Feedback).where(Feedback.message_id == message_id)))
+
+    async def ratings(self, user_id: str, message_ids: list[str]) -> dict[str, Feedback]:
+        """The user's feedback on each of these messages that has some."""
+        if not message_ids:
+            return {}
+        rows = await self.s.scalars(select(Feedback).where(Feedback.user_id == user_id,
+                                                           Feedback.message_id.in_(message_ids)))
+        return {f.message_id: f for f in rows}
+
+    async def page(self, limit: int, offset: int, rating: str | None = None) -> list[tuple[Feedback, str, Message]]:
+        """Everyone's feedback, newest first, with the author's username and the rated message."""
+        q = (select(Feedback, User.username, Message).join(User, User.id == Feedback.user_id)
+             .join(Message, Message.id == Feedback.message_id))
+        if rating is not None:
+            q = q.where(Feedback.rating == rating)
+        q = q.order_by(Feedback.created.desc(), Feedback.id.desc()).limit(limit).offset(offset)
+        return [tuple(r) for r in (await self.s.execute(q)).all()]

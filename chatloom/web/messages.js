@@ -66,8 +66,8 @@ function assistantMessage(m, actions, busy) {
     el('button', { type: 'button', class: 'regenerate', title: 'Regenerate', 'aria-label': 'Regenerate', disabled: busy,
       onclick: () => actions.regenerate(m) }, icon('regenerate')),
     thumb('up', 'Good answer'), thumb('down', 'Bad answer'));
-  // Thinking is streamed but not stored: shown (collapsed) for answers this page watched being written.
-  const thought = actions.thoughtOf?.(m.id);
+  // The thinking is stored with the answer; the one this page watched streaming is used until a reload.
+  const thought = m.reasoning || actions.thoughtOf?.(m.id);
   const thinking = thought ? el('details', { class: 'thinking' }, el('summary', {}, 'Thought about it'),
     el('div', { class: 'thought', text: thought })) : null;
   node.append(...(thinking ? [thinking] : []), bubble, ...(line ? [line] : []), toolbar);

@@ -7,9 +7,13 @@ let timer = null;
 // A server message as a sentence: "quota used" -> "quota used."
 const sentence = (text) => (/[.!?…]$/.test(text.trim()) ? text.trim() : `${text.trim()}.`);
 
+// A message that already says a limit was reached is not prefixed again ("Usage limit reached: rate limit reached").
+const saysLimitReached = (text) => /\b(limit|quota)\b/i.test(text) && /\b(reached|used up|exceeded)\b/i.test(text);
+const capital = (text) => text.charAt(0).toUpperCase() + text.slice(1);
+
 export function describeError(err) {
   const message = sentence(err?.message || String(err));
-  if (err?.status === 429) return `Usage limit reached: ${message}`;
+  if (err?.status === 429) return saysLimitReached(message) ? capital(message) : `Usage limit reached: ${message}`;
   if (err?.status === 503) return `The server is busy: ${message}`;
   return message;
 }

@@ -2,7 +2,12 @@
 // and what is left this minute. A server without /usage (404) simply shows no box.
 import { el } from './dom.js';
 
-const fmt = (n) => (n >= 100000 ? `${Math.round(n / 1000)}k` : Number(n).toLocaleString('en-US'));
+// 950, 12,000, 200k, 1.5M, 20M: never "20000k".
+export const fmt = (n) => {
+  if (n >= 1e6) return `${Number((n / 1e6).toFixed(n >= 1e7 ? 0 : 1))}M`;
+  if (n >= 1e5) return `${Math.round(n / 1e3)}k`;
+  return Number(n).toLocaleString('en-US');
+};
 const today = () => new Date().toISOString().slice(0, 10); // the server counts UTC days
 
 export function renderUsage(box, usage) {

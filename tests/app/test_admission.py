@@ -9,6 +9,7 @@ import pytest
 
 from chatloom.app.admission import REASONING, AdmissionQueue, QueueTimeout
 from chatloom.app.main import create_app
+from chatloom.engine import EngineConfig
 from chatloom.app.tiers import DEFAULT_TIERS
 
 from app_testing import make_settings, new_conversation, parse_sse, signup
@@ -174,7 +175,7 @@ async def test_queue_timeout_is_a_503_and_costs_no_model_work(tmp_path):
 
 def test_the_local_backend_reports_room_from_its_kv_blocks(tiny_backend):
     stats = tiny_backend.stats()
-    free_tokens = stats["kv_cache_free_blocks"] * stats["block_size"]
+    free_tokens = stats.kv_cache_free_blocks * stats.block_size
     assert tiny_backend.has_room(1) and tiny_backend.has_room(free_tokens)
     assert not tiny_backend.has_room(free_tokens + 1)
 
@@ -204,5 +205,7 @@ async def test_stopping_an_answer_that_waits_in_the_queue(tmp_path):
 
 async def test_admin_stats_show_the_admission_queue(client, alice):
     stats = (await client.get("/admin/stats", headers=alice)).json()
-    assert stats["admission"] == {"waiting": 0, "running": 0, "max_running": 32, "reasoning_running": 0,
-                                  "reasoning_slots": 16}
+    # max_running defaults to the engine's max_num_seqs (EngineConfig's default: the one place it is set).
+    seqs = EngineConfig().max_num_seqs
+    assert stats["admission"] == {"waiting": 0, "running": 0, "max_running": seqs, "reasoning_running": 0,
+                                  "reasoning_slots": seqs // 2}

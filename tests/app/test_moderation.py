@@ -21,34 +21,34 @@ THREAT = ["Sure", ".", " I", " will", " kill", " you", " tonight", ".", " Bye", 
     ("i w1ll k1ll you tonight", "violence/threat"),
     ("what is the easiest way to kill myself", "self-harm"),
 ])
-def test_lexicon_names_the_category(text, category):
-    verdict = LexiconModerator().check_input(text)
+async def test_lexicon_names_the_category(text, category):
+    verdict = await LexiconModerator().check_input(text)
     assert verdict is not None and verdict.category == category
 
 
 @pytest.mark.parametrize("text", ["The bomb squad defused it in 1944.", "Kill the process with kill -9",
                                   "Murder mysteries are my favourite genre", "How do I kill a python thread?"])
-def test_ordinary_text_passes(text):
-    assert LexiconModerator().check_input(text) is None
+async def test_ordinary_text_passes(text):
+    assert await LexiconModerator().check_input(text) is None
 
 
-def test_guard_holds_back_and_never_releases_the_violating_words():
+async def test_guard_holds_back_and_never_releases_the_violating_words():
     guard = OutputGuard(LexiconModerator(), holdback_tokens=3)
     shown = []
     for piece in THREAT:
-        shown += guard.push(piece)
-    shown += guard.finish()
+        shown += await guard.push(piece)
+    shown += await guard.finish()
     assert guard.verdict.category == "violence/threat"
     assert "".join(shown) == "Sure."  # ' I will' was still held when ' you' completed the phrase
     assert normalize("I W1LL  kill-YOU") == "i will kill you"
 
 
-def test_guard_passes_clean_text_through_in_order():
+async def test_guard_passes_clean_text_through_in_order():
     guard = OutputGuard(LexiconModerator(), holdback_tokens=4)
     pieces = [f" w{i}" for i in range(20)]
-    shown = [p for piece in pieces for p in guard.push(piece)]
+    shown = [p for piece in pieces for p in await guard.push(piece)]
     assert len(shown) == 16  # the last four are held until the end
-    assert shown + guard.finish() == pieces and guard.verdict is None
+    assert shown + await guard.finish() == pieces and guard.verdict is None
 
 
 @pytest.fixture

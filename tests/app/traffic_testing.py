@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from chatloom.serving import Backend, Delta, GenerationRequest
+from chatloom.serving import Backend, BackendStats, Delta, GenerationRequest, Timings
 
 
 class ScriptedBackend(Backend):
@@ -36,10 +36,10 @@ class ScriptedBackend(Backend):
     def has_room(self, prompt_tokens: int) -> bool:
         return self.room
 
-    def stats(self) -> dict:
-        return {"ready": True, "num_requests_running": self.running, "num_requests_waiting": 0,
-                "kv_cache_usage_perc": 0.25, "prefix_cache_queries": 100, "prefix_cache_hits": 40,
-                "num_preemptions": 0, "generation_tokens_per_s": 12.5}
+    def stats(self) -> BackendStats:
+        return BackendStats(ready=True, num_requests_running=self.running, num_requests_waiting=0,
+                            kv_cache_usage_perc=0.25, prefix_cache_queries=100, prefix_cache_hits=40,
+                            num_preemptions=0, generation_tokens_per_s=12.5)
 
     async def stream(self, request: GenerationRequest):
         self.requests.append(request)
@@ -58,7 +58,7 @@ class ScriptedBackend(Backend):
                 yield Delta(piece, False, None, prompt, sent)
             reason = "length" if len(self.pieces) > request.max_tokens else "stop"
             yield Delta("", True, reason, prompt, sent, 0,
-                        {"queue_time": 0.001, "ttft": 0.01, "tpot": 0.002, "e2e": 0.02})
+                        Timings(queue_time=0.001, ttft=0.01, tpot=0.002, e2e=0.02))
         finally:
             self.running -= 1
 

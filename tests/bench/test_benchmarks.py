@@ -81,3 +81,28 @@ def test_int8_roofline_measures_the_kernel():
     codes = torch.randint(0, 256, (2, 64, 8), dtype=torch.uint8)
     layer = QuantizedLinear(codes, torch.rand(2, 2, 2, 16), 32, None, kernels, int8_activations=True)
     assert int8_kernel_matmul_gflops(layer, 8, seconds=0.01) > 0
+
+
+def test_spec_bench_reports_on_and_off(tiny_model):
+    """Structure and consistency only (speed is what the command is run for): on the
+    float64 tiny model, speculation changes no output token."""
+    from chatloom.bench.spec import run_spec
+
+    result = run_spec(tiny_model, batch_sizes=(1, 2), max_tokens=12, num_prompts=2, k=3,
+                      draft="self-layers:1", adaptive=False)
+    assert [(r["workload"], r["batch"]) for r in result["results"]] == [
+        ("repeating", 1), ("repeating", 2), ("chat", 1), ("chat", 2)]
+    for r in result["results"]:
+        assert r["identical_outputs"] == r["prompts"] == 2 and r["draft"]["identical_outputs"] == 2
+        assert r["output_tokens"]["off"] == r["output_tokens"]["ngram"] > 0
+        assert r["speedup"] > 0 and r["draft"]["draft_tokens"] > 0
+    assert all(r["draft_tokens"] > 0 for r in result["results"] if r["workload"] == "repeating")
+    assert set(result["targets_met"]) == {"repeating_batch1_at_least_1.5x", "never_below_0.95x_elsewhere"}
+
+
+def test_spec_bench_rejects_a_bad_draft_model():
+    proc = subprocess.run([sys.executable, "-m", "chatloom.cli", "bench", "spec", "--model", "tiny-random",
+                           "--speculative-model", "self-layers:99", "--max-tokens", "2", "--num-prompts", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "self-layers:99" in proc.stderr

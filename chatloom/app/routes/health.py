@@ -1,14 +1,12 @@
-"""Liveness, readiness and (for admins) engine figures."""
+"""Liveness, readiness, and the Prometheus metrics."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from chatloom.app.auth import current_user
-from chatloom.app.deps import get_context
-from chatloom.app.errors import ApiError
+from chatloom.app.deps import Ctx, current_user, get_context, get_session, require_admin
+from chatloom.app.metrics import CONTENT_TYPE
 from chatloom.app.readiness import readiness
-from chatloom.store import User
 
 router = APIRouter(tags=["health"])
 
@@ -20,25 +18,26 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(request: Request) -> JSONResponse:
+async def readyz(ctx: Ctx) -> JSONResponse:
     """Ready once the model is loaded and the database and Redis (if configured) answer; 503 otherwise,
     naming what is missing (see chatloom/app/readiness.py)."""
-    ctx = get_context(request)
-    status, body = await readiness(ctx.backend, ctx.db, getattr(request.app.state, "hot", None))
+    status, body = await readiness(ctx.backend, ctx.db, ctx.hot)
     if status == 200:
         return JSONResponse(body)
     retry = "1" if body["status"] == "unavailable" else "5"
     return JSONResponse(body, status_code=status, headers={"Retry-After": retry})
 
 
-@router.get("/admin/stats")
-async def stats(request: Request, user: User = Depends(current_user)) -> dict:
-    if not user.is_admin:
-        raise ApiError(403, "admins only", "forbidden")
-    ctx = get_context(request)
-    out = {"backend": ctx.backend.stats(), "running_generations": ctx.conversations.running_count()}
-    if ctx.traffic is not None:
-        a = ctx.traffic.admission
-        out["admission"] = {"waiting": a.waiting, "running": a.running, "max_running": a.max_running,
-                            "reasoning_running": a.running_of("reasoning"), "reasoning_slots": a.reasoning_slots()}
-    return out
+async def _metrics_access(request: Request) -> None:
+    """Open to all when metrics_public is set (as vLLM serves them); otherwise admins only."""
+    if get_context(request).settings.metrics_public:
+        return
+    async for session in get_session(request):
+        require_admin(await current_user(request, session))
+
+
+@router.get("/metrics", dependencies=[Depends(_metrics_access)])
+async def metrics(ctx: Ctx) -> Response:
+    """Prometheus text format: vLLM's engine metrics (vllm:...) and the gateway's (chatloom:...),
+    goodput under the configured SLO among them."""
+    return Response(ctx.traffic.metrics.render(), media_type=CONTENT_TYPE)

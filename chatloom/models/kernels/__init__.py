@@ -31,7 +31,10 @@ def load_kernels():
             return _module
         here = Path(__file__).parent
         sources = sorted(here.glob("*.cpp"))
-        digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))).hexdigest()[:10]
+        # The checkout's path is part of the key: ninja records absolute source paths, so two checkouts
+        # sharing one build folder would keep rebuilding each other's objects.
+        sources_bytes = b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))
+        digest = hashlib.sha1(str(here.resolve()).encode() + b"\0" + sources_bytes).hexdigest()[:10]
         try:
             from torch.utils.cpp_extension import load
 

@@ -1,0 +1,134 @@
+"""Speculative decoding on against off, in one run, greedy, at batch 1 and batch 8.
+
+Two workloads: `repeating`, where the answer repeats the prompt (rewrite or fix a given
+paragraph or code, a multi-turn chat quoting an earlier turn), which is where proposals
+are kept; and `chat`, plain questions, where they mostly are not and the planner should
+switch speculation off. Both engines are built once and the rounds alternate which goes
+first, so a busy neighbour on a shared machine slows both alike. Prefix caching is off:
+a repeated round must cost what the first did.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+from chatloom.models.chat_template import render_chat
+from chatloom.models.loader import LoadedModel
+
+PARAGRAPH = ("Teh quick brown fox jumpd over the lazy dog, and then it ran into the forrest to find "
+             "it's friends. The friends was waiting near the old oak tree, where they shared berries "
+             "and told storys until the sun went down.")
+CODE = ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
+        "    return total / len(value)\n\n\ndef largest(values):\n    best = values[0]\n"
+        "    for v in values:\n        if v > best:\n            best = v\n    return best\n")
+EMAIL = ("Hi team, the release is moved to Friday because the database migration needs one more "
+         "day of testing. Please finish your reviews by Thursday noon and tell me if anything blocks you.")
+
+REPEATING: list[list[dict]] = [
+    [{"role": "user", "content": f"Fix the spelling and grammar in this paragraph and write it out again:\n\n{PARAGRAPH}"}],
+    [{"role": "user", "content": f"There is a bug in this Python code. Fix it and print the whole corrected code:\n\n{CODE}"}],
+    [{"role": "user", "content": f"Rewrite this email word for word, but replace Friday with Monday:\n\n{EMAIL}"}],
+    [{"role": "user", "content": f"Copy this code exactly, adding a docstring to each function:\n\n{CODE}"}],
+    [{"role": "user", "content": f"Please remember this note: {EMAIL}"},
+     {"role": "assistant", "content": "Noted. I will remember it."},
+     {"role": "user", "content": "Quote my note back to me exactly, then say in one line what it asks."}],
+    [{"role": "user", "content": f"Repeat this paragraph, correcting only the mistakes:\n\n{PARAGRAPH}"}],
+    [{"role": "user", "content": f"Here is my code:\n{CODE}"},
+     {"role": "assistant", "content": "Thanks, I see two functions, average and largest."},
+     {"role": "user", "content": "Show the average function again, fixed, in a code block."}],
+    [{"role": "user", "content": f"Format this email as a bulleted list, keeping every sentence as it is:\n\n{EMAIL}"}],
+]
+CHAT: list[list[dict]] = [[{"role": "user", "content": q}] for q in (
+    "Tell me a short story about a robot who learns to paint.",
+    "What are three good habits for staying healthy?",
+    "Explain why the sky is blue to a ten year old.",
+    "Give me ideas for a weekend trip in the mountains.",
+    "What is the difference between weather and climate?",
+    "Write a short poem about autumn leaves.",
+    "How do I start learning to play the guitar?",
+    "Why do cats purr?",
+)]
+WORKLOADS = {"repeating": REPEATING, "chat": CHAT}
+
+
+def _prompts(loaded: LoadedModel, convs: list[list[dict]]) -> list[list[int]]:
+    tok = loaded.tokenizer
+    out = []
+    for messages in convs:
+        text = render_chat(tok.chat_template, messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+        has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token)
+        out.append(tok.encode(text, add_special=not has_bos))
+    return out
+
+
+def _engine(loaded: LoadedModel, speculative: str, k: int, num_blocks: int, max_num_seqs: int,
+            draft: str | None = None, adaptive: bool = True) -> LLMEngine:
+    return LLMEngine(loaded, EngineConfig(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                                          speculative=speculative, num_speculative_tokens=k,
+                                          speculative_model=draft, speculative_adaptive=adaptive))
+
+
+def _timed_run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Prompts in groups of `batch`, each group run to completion; seconds and outputs."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outputs += [o.token_ids for o in engine.generate(prompts[i:i + batch], params, use_tqdm=False)]
+    return time.perf_counter() - t0, outputs
+
+
+def _spec_summary(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before[k] for k in after if k != "spec_decode_acceptance_rate"}
+    drafted, drafts = d["spec_decode_num_draft_tokens"], d["spec_decode_num_drafts"]
+    return {"acceptance_rate": round(d["spec_decode_num_accepted_tokens"] / drafted, 3) if drafted else None,
+            "mean_accepted_per_draft": round(d["spec_decode_num_accepted_tokens"] / drafts, 2) if drafts else None,
+            "draft_tokens": drafted, "spec_steps": d["spec_decode_spec_steps"],
+            "plain_steps": d["spec_decode_plain_steps"]}
+
+
+def run_spec(loaded: LoadedModel, batch_sizes: tuple[int, ...] = (1, 8), max_tokens: int = 128,
+             num_prompts: int = 8, repeats: int = 1, k: int = 4, draft: str | None = None,
+             adaptive: bool = True) -> dict:
+    """`draft`: also run the draft-model proposer with this --speculative-model."""
+    num_blocks = (max(batch_sizes) + 1) * (-(-(1024 + max_tokens + k) // 16))
+    engines = {"off": _engine(loaded, "off", k, num_blocks, max(batch_sizes)),
+               "ngram": _engine(loaded, "ngram", k, num_blocks, max(batch_sizes), adaptive=adaptive)}
+    if draft:
+        engines["draft"] = _engine(loaded, "draft", k, num_blocks, max(batch_sizes), draft, adaptive)
+    spec_modes = [m for m in engines if m != "off"]
+    results = []
+    for name, convs in WORKLOADS.items():
+        prompts = _prompts(loaded, convs[:num_prompts])
+        for batch in batch_sizes:
+            seconds: dict[str, list[float]] = {m: [] for m in engines}
+            tokens: dict[str, int] = {}
+            outs: dict[str, list[list[int]]] = {}
+            before = {m: engines[m].spec.stats.as_dict() for m in spec_modes}
+            for r in range(repeats):
+                order = list(engines) if r % 2 == 0 else list(reversed(engines))
+                for mode in order:
+                    s, o = _timed_run(engines[mode], prompts, batch, max_tokens)
+                    seconds[mode].append(s)
+                    tokens[mode], outs[mode] = sum(len(x) for x in o), o
+            rate = {m: tokens[m] / statistics.median(seconds[m]) for m in seconds}
+            row = {"workload": name, "batch": batch, "prompts": len(prompts), "output_tokens": tokens,
+                   "seconds": {m: [round(x, 3) for x in v] for m, v in seconds.items()},
+                   "output_tokens_per_s": {m: round(v, 2) for m, v in rate.items()},
+                   "speedup": round(rate["ngram"] / rate["off"], 3),
+                   **_spec_summary(before["ngram"], engines["ngram"].spec.stats.as_dict()),
+                   "identical_outputs": sum(a == b for a, b in zip(outs["off"], outs["ngram"]))}
+            if draft:
+                row["draft"] = {"speedup": round(rate["draft"] / rate["off"], 3),
+                                **_spec_summary(before["draft"], engines["draft"].spec.stats.as_dict()),
+                                "identical_outputs": sum(a == b for a, b in zip(outs["off"], outs["draft"]))}
+            results.append(row)
+    speed = {(r["workload"], r["batch"]): r["speedup"] for r in results}
+    targets = {}
+    if ("repeating", 1) in speed:
+        targets["repeating_batch1_at_least_1.5x"] = speed[("repeating", 1)] >= 1.5
+    targets["never_below_0.95x_elsewhere"] = all(v >= 0.95 for key, v in speed.items() if key != ("repeating", 1))
+    return {"benchmark": "spec", "model": loaded.id, "max_tokens": max_tokens, "num_speculative_tokens": k,
+            "repeats": repeats, "adaptive": adaptive, "speculative_model": draft, "results": results,
+            "targets_met": targets}

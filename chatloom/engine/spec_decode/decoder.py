@@ -1,0 +1,179 @@
+"""The engine's one handle on speculative decoding: propose before scheduling, verify
+after the forward pass, count what happened.
+
+Each step: sequences about to decode get proposals (trimmed by the planner, then by the
+scheduler to the budget and free blocks left after every decode and prefill); the
+target scores [last token, proposals...] of each in the same forward as everything else;
+verify() keeps the longest acceptable run plus one token from the target. The engine
+then rolls back the KV blocks of what was not kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chatloom.engine.config import EngineConfig
+from chatloom.engine.sampler import Sampler
+from chatloom.engine.sequence import Sequence
+from chatloom.engine.spec_decode.planner import AcceptanceTracker, CostModel, plan_lengths
+from chatloom.engine.spec_decode.proposer import NgramProposer, Proposal, Proposer
+from chatloom.engine.spec_decode.rejection import (Rule, accept_greedy, accept_sampled, ban_early_stops,
+                                                   exact_rule, target_probs)
+
+MODES = ("off", "ngram", "draft")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters named after vLLM's spec_decode metrics, so figures compare."""
+
+    num_drafts: int = 0  # sequence-steps that carried at least one proposed token
+    num_draft_tokens: int = 0  # proposed tokens the target checked
+    num_accepted_tokens: int = 0  # proposed tokens kept
+    num_emitted_tokens: int = 0  # tokens those sequence-steps produced (kept + one from the target)
+    num_spec_steps: int = 0  # engine steps with any proposed token
+    num_plain_steps: int = 0  # decode steps where the planner chose not to speculate
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_emitted_tokens": self.num_emitted_tokens,
+                "spec_decode_acceptance_rate": round(self.acceptance_rate, 4),
+                "spec_decode_spec_steps": self.num_spec_steps,
+                "spec_decode_plain_steps": self.num_plain_steps}
+
+
+class SpeculativeDecoder:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int,
+                 adaptive: bool = True, draft_cost: CostModel | None = None) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        self.proposer = proposer
+        self.k_max = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.adaptive = adaptive
+        self.cost = CostModel()
+        self.draft_cost = draft_cost
+        self.acceptance = AcceptanceTracker()
+        self.stats = SpecDecodeStats()
+        self.rule: Rule = exact_rule
+        self._draft_probs: dict[str, torch.Tensor] = {}
+
+    # -- before scheduling ----------------------------------------------------------
+    def _cap(self, seq: Sequence) -> int:
+        """Proposals past the request's last token or the context window would be wasted."""
+        p = seq.params
+        return max(0, min(self.k_max, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq)))
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set spec_token_ids on every running sequence whose next step is a decode."""
+        self._draft_probs.clear()
+        ready = [s for s in running if len(s) - s.num_computed_tokens == 1]
+        for seq in running:
+            seq.spec_token_ids = []
+        if not ready:
+            return
+        caps = [self._cap(s) for s in ready]
+        rates = [self.acceptance.rate(s.request_id) for s in ready]
+        if self.proposer.costly:
+            ks = plan_lengths(rates, caps, self.cost, self.draft_cost) if self.adaptive else caps
+            chosen = [i for i, k in enumerate(ks) if k > 0]
+            proposals = self.proposer.propose([ready[i] for i in chosen], [ks[i] for i in chosen])
+            pairs = [(ready[i], prop) for i, prop in zip(chosen, proposals)]
+        else:
+            proposals = self.proposer.propose(ready, caps)
+            if self.adaptive:
+                ks = plan_lengths(rates, [len(p.tokens) for p in proposals], self.cost)
+            else:
+                ks = [len(p.tokens) for p in proposals]
+            pairs = [(seq, Proposal(prop.tokens[:k], None if prop.probs is None else prop.probs[:k]))
+                     for seq, prop, k in zip(ready, proposals, ks) if k > 0]
+        for seq, prop in pairs:
+            seq.spec_token_ids = list(prop.tokens)
+            if prop.probs is not None:
+                self._draft_probs[seq.request_id] = prop.probs
+        if not pairs:
+            self.stats.num_plain_steps += 1
+
+    # -- after the forward pass -------------------------------------------------------
+    def verify(self, logits: torch.Tensor, argmax: torch.Tensor | None, sampled: list[Sequence],
+               sampler: Sampler, eos_ids: list[int]) -> list[list[int]]:
+        """New tokens for each sequence in `sampled`; logits rows come 1 + len(spec_token_ids)
+        per sequence, in that order (ModelRunner lays decodes out that way)."""
+        starts, row = [], 0
+        for seq in sampled:
+            starts.append(row)
+            row += 1 + len(seq.spec_token_ids)
+        plain = [i for i, s in enumerate(sampled) if not s.spec_token_ids]
+        out: list[list[int]] = [[] for _ in sampled]
+        if plain:
+            rows = [starts[i] for i in plain]
+            sub_argmax = None if argmax is None else argmax[rows]
+            tokens = sampler(logits[rows], [sampled[i] for i in plain], eos_ids, sub_argmax)
+            for i, token in zip(plain, tokens):
+                out[i] = [token]
+        any_spec = False
+        for i, seq in enumerate(sampled):
+            proposed = seq.spec_token_ids
+            if not proposed:
+                continue
+            any_spec = True
+            rows = logits[starts[i]:starts[i] + 1 + len(proposed)].float()
+            banned = ban_early_stops(rows, seq, eos_ids)
+            if seq.params.greedy:
+                best = (rows.argmax(dim=-1) if banned or argmax is None
+                        else argmax[starts[i]:starts[i] + 1 + len(proposed)]).tolist()
+                tokens = accept_greedy(best, proposed)
+            else:
+                q = self._draft_probs.get(seq.request_id)
+                tokens = accept_sampled(target_probs(rows, seq), proposed,
+                                        None if q is None else q[:len(proposed)],
+                                        seq.generator or sampler.generator, self.rule)
+            out[i] = tokens
+            kept = len(tokens) - 1
+            self.acceptance.record(seq.request_id, len(proposed), kept)
+            st = self.stats
+            st.num_drafts += 1
+            st.num_draft_tokens += len(proposed)
+            st.num_accepted_tokens += kept
+            st.num_emitted_tokens += len(tokens)
+        if any_spec:
+            self.stats.num_spec_steps += 1
+        return out
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode-only forward over num_tokens tokens took this long."""
+        self.cost.observe(num_tokens, seconds)
+
+    def verified(self, seq: Sequence, emitted: int) -> None:
+        """The engine appended `emitted` tokens to a still-running `seq`; overshoot
+        (emitted tokens past a stop) never reaches here."""
+        self.proposer.verified(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        self.acceptance.forget(seq.request_id)
+        self.proposer.forget(seq)
+
+
+def build_speculative_decoder(config: EngineConfig, max_model_len: int, target_loaded=None,
+                              num_blocks: int = 0) -> SpeculativeDecoder | None:
+    """The decoder for config.speculative, or None when it is off."""
+    mode = config.speculative
+    if mode not in MODES:
+        raise ValueError(f"unknown speculative mode {mode!r} (use {', '.join(MODES)})")
+    if mode == "off":
+        return None
+    if mode == "ngram":
+        proposer: Proposer = NgramProposer()
+        return SpeculativeDecoder(proposer, config.num_speculative_tokens, max_model_len,
+                                  config.speculative_adaptive)
+    from chatloom.engine.spec_decode.draft import DraftModelProposer
+    proposer = DraftModelProposer.build(config, target_loaded, num_blocks)
+    return SpeculativeDecoder(proposer, config.num_speculative_tokens, max_model_len,
+                              config.speculative_adaptive, draft_cost=proposer.cost)

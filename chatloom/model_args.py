@@ -1,0 +1,40 @@
+"""The model flags every command shares (--model, --dtype, --int8-matmul), written once for the CLI,
+the benchmarks and the server, and the int8 switch resolved once, here at the edge: the flag if
+given, else the CHATLOOM_INT8_MATMUL environment variable. Below this, code gets a plain bool.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+INT8_ENV = "CHATLOOM_INT8_MATMUL"
+DTYPES = ("fp32", "bf16")
+
+
+def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -> None:
+    """--model, --dtype, --int8-matmul. With `from_settings` (the server) an absent flag is None,
+    so the settings file decides; otherwise the defaults apply here."""
+    from chatloom.models.registry import DEFAULT_MODEL
+
+    p.add_argument("--model", default=None if from_settings else DEFAULT_MODEL, metavar="ID|PATH",
+                   help=f"registry id (see `chatloom models`), a GGUF file or a Hugging Face folder "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", choices=DTYPES, default=None if from_settings else "fp32",
+                   help="weights and KV cache dtype (default fp32: the fast choice on most CPUs)")
+    p.add_argument("--int8-matmul", action="store_true", default=None,
+                   help=f"multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
+                        f"slightly less exact (see README; default: ${INT8_ENV}, else off)")
+
+
+def int8_matmul(choice: bool | None) -> bool:
+    """The int8 switch: an explicit choice, else the environment variable, else off."""
+    if choice is not None:
+        return choice
+    return os.environ.get(INT8_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def load_from_args(args: argparse.Namespace):
+    """The model the flags name, loaded."""
+    from chatloom.models import load_model
+
+    return load_model(args.model, args.dtype, int8_matmul=int8_matmul(args.int8_matmul))

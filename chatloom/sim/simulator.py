@@ -1,0 +1,244 @@
+"""The discrete-event loop: traffic in, the router's policy in front, simulated replicas behind.
+
+Events sit on one heap ordered by simulated time: a new conversation, a message arriving, a replica's
+step (or fast-forward run) ending. A replica is stepped only while it has work; an idle one costs
+nothing. The router builds a `ReplicaState` per replica (its BlockManager's usage and how many of the
+prompt's leading blocks its prefix cache holds, its Scheduler's queues) and asks the policy, exactly
+the call the live router makes (chatloom.serving.routing).
+
+Fleet scale: a large fleet is split into cells, each with its own router over `cell_size` replicas,
+and each conversation belongs to one cell (a gateway hashing the conversation id). Cells share
+nothing, so the fleet's figures are the cells' figures pooled, and a sample of cells, each getting its
+share of the traffic, estimates them (see `run_fleet`).
+"""
+from __future__ import annotations
+
+import gc
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from chatloom.engine import block_hash
+from chatloom.serving.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy
+from chatloom.sim.hardware import ReplicaSpec
+from chatloom.sim.replica import SimReplica, SimRequest, memo_block_key
+from chatloom.sim.traffic import Conversation, TrafficModel, TrafficSource
+
+_STEP, _ARRIVAL, _CONVERSATION, _TRACED = 0, 1, 2, 3
+
+
+@dataclass
+class SimConfig:
+    duration_s: float
+    warmup_s: float = 0.0            # requests arriving earlier are not counted
+    queue_timeout_s: float = 60.0    # waiting longer than this, never scheduled: refused (503)
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    check_invariants: bool = False   # tests: check every replica's KV after every step
+    # After duration_s no message is sent; what is in flight runs to its end.
+
+
+@dataclass
+class SimRun:
+    """What one simulation produced: every request, the replicas, and its own cost."""
+
+    requests: list[SimRequest]
+    replicas: list[SimReplica]
+    config: SimConfig
+    sim_seconds: float
+    wall_seconds: float
+    events: int
+    routed: list[tuple[RouteRequest, tuple[ReplicaState, ...], str]] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(self, spec: ReplicaSpec, num_replicas: int, policy: RoutingPolicy | None,
+                 traffic: TrafficModel | None, config: SimConfig, record_routes: bool = False,
+                 progress: Callable[[float], None] | None = None, name_prefix: str = "r",
+                 trace: list[SimRequest] | None = None) -> None:
+        """`traffic` draws conversations; or `trace` replays given requests (arrival, prompt, answer).
+        `policy` may be None only for a single replica (there is no choice to make)."""
+        if num_replicas < 1:
+            raise ValueError("a fleet needs at least one replica")
+        if policy is None and num_replicas > 1:
+            raise ValueError("a fleet of several replicas needs a routing policy")
+        if (traffic is None) == (trace is None):
+            raise ValueError("give either a traffic model or a trace")
+        if config.duration_s <= 0:
+            raise ValueError("the simulated duration must be positive")
+        self.spec = spec
+        self.policy = policy
+        self.traffic = traffic
+        self.config = config
+        self.replicas = [SimReplica(f"{name_prefix}{i}", spec, config.enable_prefix_caching)
+                         for i in range(num_replicas)]
+        self.by_name = {r.name: r for r in self.replicas}
+        for r in self.replicas:
+            r.on_finish = self._finished
+        self.source = TrafficSource(traffic, config.seed, max_model_len=spec.max_model_len) if traffic else None
+        self.trace = trace or []
+        self.root = block_hash.root_key(spec.model_key)
+        self.requests: list[SimRequest] = []
+        self.record_routes = record_routes
+        self.routed: list = []
+        self.progress = progress
+        self._heap: list = []
+        self._tie = itertools.count()
+        self._ids = itertools.count()
+        self._last_expiry: dict[str, float] = {}
+        self.now = 0.0
+
+    # -- events --------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
+        heapq.heappush(self._heap, (t, next(self._tie), kind, obj, version))
+
+    def run(self) -> SimRun:
+        # Millions of long-lived Block and Sequence objects: the cyclic collector's full passes would
+        # dominate the run. The simulator makes no reference cycles it relies on the collector for.
+        gc.collect()
+        gc.freeze()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if was_enabled:
+                gc.enable()
+            gc.unfreeze()
+
+    def _run(self) -> SimRun:
+        cfg = self.config
+        t0 = time.perf_counter()
+        if self.source is not None:
+            first = self.source.next_conversation_time(0.0, cfg.duration_s)
+            if first is not None:
+                self._push(first, _CONVERSATION, None)
+        for req in self.trace:
+            self._push(req.arrival, _TRACED, req)
+        events, last_progress = 0, 0.0
+        heap = self._heap
+        while heap:
+            t, _, kind, obj, version = heapq.heappop(heap)
+            self.now = t
+            events += 1
+            if kind == _STEP:
+                if version == obj.version:
+                    self._step_end(obj, t)
+            elif kind == _ARRIVAL:
+                if t < cfg.duration_s:
+                    self._arrive(obj, t)
+            elif kind == _TRACED:
+                self._admit(obj, t)
+            elif kind == _CONVERSATION:
+                self._push(t, _ARRIVAL, self.source.new_conversation())
+                nxt = self.source.next_conversation_time(t, cfg.duration_s)
+                if nxt is not None:
+                    self._push(nxt, _CONVERSATION, None)
+            else:
+                self._dispatch(kind, obj, t)
+            if self.progress is not None and t - last_progress >= 1.0:
+                self.progress(t - last_progress)
+                last_progress = t
+        return SimRun(self.requests, self.replicas, cfg, self.now, time.perf_counter() - t0, events, self.routed)
+
+    def _dispatch(self, kind: int, obj, t: float) -> None:
+        """Events of kinds a subclass adds (disaggregation's KV transfers)."""
+        raise RuntimeError(f"unknown event kind {kind}")
+
+    # -- arrivals and routing ------------------------------------------------------------------
+    def _keys(self, conv: Conversation, prompt: list[int]) -> list[int]:
+        """The prompt's full-block keys, extending those of the conversation's previous prompt."""
+        bs = self.spec.block_size
+        prev = conv.tokens
+        if prev and len(prev) <= len(prompt) and prompt[:len(prev)] == prev:
+            keys = conv.keys
+        else:
+            keys = []
+        parent = keys[-1] if keys else self.root
+        for i in range(len(keys), len(prompt) // bs):
+            parent = memo_block_key(parent, tuple(prompt[i * bs:(i + 1) * bs]))
+            keys.append(parent)
+        conv.tokens, conv.keys = prompt, keys
+        return keys
+
+    def states(self, keys: tuple[int, ...]) -> list[ReplicaState]:
+        out = []
+        for r in self.replicas:
+            s = r.sched
+            out.append(ReplicaState(name=r.name, kv_cache_usage=r.bm.usage, num_running=len(s.running),
+                                    num_waiting=r.num_queued, cached_blocks=r.cached_prefix_blocks(keys)))
+        return out
+
+    def _arrive(self, conv: Conversation, t: float) -> None:
+        turn = self.source.next_turn(conv)
+        keys = tuple(self._keys(conv, turn.prompt))
+        req = SimRequest(f"q{next(self._ids)}", t, turn.prompt, turn.answer, conv.tier.priority, conv.tier.name,
+                         turn.reasoning, conv, keys)
+        self._admit(req, t)
+
+    def _admit(self, req: SimRequest, t: float) -> None:
+        self.requests.append(req)
+        if not req.block_keys and self.policy is not None:
+            req.block_keys = tuple(block_hash.prefix_block_keys(req.prompt, self.spec.block_size, self.spec.model_key))
+        if len(req.prompt) + len(req.answer) > self.spec.pool_tokens:
+            req.refused = "longer_than_kv_pool"
+            self._next_turn(req, t)
+            return
+        self.route(req, t)
+
+    def route(self, req: SimRequest, t: float) -> None:
+        if self.policy is None:
+            replica = self.replicas[0]
+            replica.add(req, t)
+            self._kick(replica, t)
+            return
+        rr = RouteRequest(prompt_tokens=len(req.prompt), block_keys=req.block_keys, model=self.spec.model_key,
+                          conversation_id=req.conversation.cid if req.conversation is not None else None)
+        states = self.states(req.block_keys)
+        try:
+            name = self.policy.choose(rr, states)
+        except NoReplicaAvailable:
+            req.refused = "no_replica"
+            self._next_turn(req, t)
+            return
+        self.policy.routed(rr, name)
+        if self.record_routes:
+            self.routed.append((rr, tuple(states), name))
+        replica = self.by_name[name]
+        replica.add(req, t)
+        self._kick(replica, t)
+
+    def _kick(self, replica: SimReplica, t: float) -> None:
+        """New work on `replica`: start it if idle, else end its fast-forward run at the step in flight."""
+        if not replica.busy:
+            end = replica.start(t)
+            if end is not None:
+                self._push(end, _STEP, replica, replica.version)
+        else:
+            end = replica.cut_short(t)
+            if end is not None:
+                self._push(end, _STEP, replica, replica.version)
+
+    # -- steps -----------------------------------------------------------------------------
+    def _step_end(self, replica: SimReplica, t: float) -> None:
+        replica.finish(t)
+        if self.config.check_invariants:
+            replica.check_kv()
+        timeout = self.config.queue_timeout_s
+        if replica.sched.waiting and t - self._last_expiry.get(replica.name, -1e9) >= min(1.0, timeout / 4):
+            self._last_expiry[replica.name] = t
+            for req in replica.expire_waiting(t, timeout):
+                self._next_turn(req, t)
+        end = replica.start(t)
+        if end is not None:
+            self._push(end, _STEP, replica, replica.version)
+
+    def _finished(self, req: SimRequest, t: float) -> None:
+        self._next_turn(req, t)
+
+    def _next_turn(self, req: SimRequest, t: float) -> None:
+        conv = req.conversation
+        if conv is not None and conv.turns_left > 0:
+            self._push(t + self.source.think_time(), _ARRIVAL, conv)

@@ -1,0 +1,51 @@
+"""The planner finds the smallest fleet meeting the SLO; the seeds' arithmetic is reproduced."""
+from __future__ import annotations
+
+import pytest
+
+from chatloom.sim.hardware import model_config
+from chatloom.sim.planner import plan_fleet, replica_capacity
+from chatloom.sim.report import SLO
+from chatloom.sim.seeds import back_of_envelope, seed_step_time
+from chatloom.sim.simulator import SimConfig
+from chatloom.sim.step_time import BatchShape
+from sim_policies import FewestQueued
+from test_simulator import small_spec, small_traffic
+
+
+def test_planner_returns_the_smallest_fleet_that_meets_the_slo():
+    spec = small_spec(max_num_seqs=8)
+    slo = SLO(ttft_s=0.5, tpot_s=0.05, attainment=0.95)
+    cfg = SimConfig(duration_s=40.0, warmup_s=10.0)
+    traffic = small_traffic(rate=12.0)
+    plan = plan_fleet(spec, traffic, FewestQueued, slo, cfg, cell_size=64, tolerance=0.0)
+    assert plan.replicas is not None and plan.best.ok
+    by_size = {p.replicas: p.ok for p in plan.probes}
+    if plan.replicas > 1:
+        assert by_size.get(plan.replicas - 1) is False  # tolerance 0: the next size down was tried and failed
+    more = plan_fleet(spec, small_traffic(rate=36.0), FewestQueued, slo, cfg, cell_size=64, tolerance=0.0)
+    assert more.replicas > plan.replicas
+
+
+def test_capacity_estimate_uses_the_step_model():
+    spec = small_spec(max_num_seqs=8)
+    est = replica_capacity(spec, small_traffic())
+    assert est["batch"] == 8
+    step = spec.step_time.step_time(BatchShape(8, 0, 8 * est["mean_context"], 0, 0))
+    assert est["tokens_per_s"] == pytest.approx(8 / step, rel=0.02)
+
+
+def test_seeds_pure_arithmetic_is_reproduced_within_ten_percent():
+    rows = {r["figure"]: r for r in back_of_envelope(2.5e6, model_config("llama-70b"))}
+    for row in rows.values():
+        assert abs(row["difference"]) <= 0.10, row
+    assert rows["servers for 2.5 M tokens/s"]["arithmetic"] == pytest.approx(2500)
+    assert rows["KV bytes per 8,000-token conversation"]["arithmetic"] == 327680 * 8000
+
+
+def test_seed_step_model_reproduces_the_batching_table():
+    model = seed_step_time()
+    for batch, seconds in ((1, 0.020), (8, 0.025), (32, 0.032)):
+        assert model.step_time(BatchShape(batch, 0, 0, 0, 0)) == pytest.approx(seconds, rel=0.10)
+    # 32 sequences per step of ~32 ms: the seeds' 1,000 tokens/s per server.
+    assert 32 / model.step_time(BatchShape(32, 0, 0, 0, 0)) == pytest.approx(1000, rel=0.05)
