@@ -329,12 +329,15 @@ class ConversationService:
 
     @staticmethod
     async def _write(gen: Generation, piece: object, out: _Outcome) -> None:
+        # PostgreSQL text cannot hold NUL: drop it here, so what is streamed is exactly what is saved.
         if isinstance(piece, AnswerText):
-            out.answer.append(piece.text)
-            await gen.log.append({"token": piece.text})
+            text = piece.text.replace("\x00", "")
+            out.answer.append(text)
+            await gen.log.append({"token": text})
         elif isinstance(piece, Thinking):
-            out.thinking.append(piece.text)
-            await gen.log.append({"thinking": piece.text})
+            text = piece.text.replace("\x00", "")
+            out.thinking.append(text)
+            await gen.log.append({"thinking": text})
         elif isinstance(piece, Finished):
             out.finish_reason = piece.finish_reason
 

@@ -31,7 +31,7 @@ async def gateways(stack: AsyncExitStack, tmp_path, db_url: str, redis_url: str,
         clients.append(await stack.enter_async_context(client))
     for c in clients:  # wait until each listens for stops
         app = c._transport.app
-        await asyncio.wait_for(app.state.hot.stops.listening.wait(), 5)
+        await asyncio.wait_for(app.state.ctx.hot.stops.listening.wait(), 5)
     return clients
 
 
@@ -75,7 +75,12 @@ async def test_stop_on_one_gateway_stops_the_answer_running_on_the_other(tmp_pat
             return await g1.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "hi"})
 
         running = asyncio.create_task(answer())
-        await asyncio.sleep(0.3)
+        app1 = g1._transport.app
+        for _ in range(500):  # until the answer runs on gateway 1
+            gen = app1.state.ctx.conversations.running(cid)
+            if gen is not None and len(await app1.state.ctx.hot.logs.events(gen.message_id)) >= 1:
+                break
+            await asyncio.sleep(0.01)
         # A second answer in the same conversation on the other gateway: refused while the first runs.
         r = await g2.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "again"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "generation_in_progress"
@@ -162,7 +167,7 @@ async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(
         cid = await new_conversation(g1, alice)
         first = asyncio.create_task(g1.post(f"/conversations/{cid}/messages", headers=alice,
                                             json={"text": "hello", "max_tokens": 200}))
-        logs = app1.state.hot.logs
+        logs = app1.state.ctx.hot.logs
         for _ in range(500):
             gen = app1.state.ctx.conversations.running(cid)
             if gen is not None and len(await logs.events(gen.message_id)) >= 5:
@@ -170,7 +175,7 @@ async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(
             await asyncio.sleep(0.01)
         message_id = gen.message_id
         # Gateway 1 freezes: it stops renewing its lease and its copy of the answer ends unsaved.
-        await app1.state.hot.keeper.close()
+        await app1.state.ctx.hot.keeper.close()
         await app1.state.ctx.conversations.abandon(cid)
         before = await logs.events(message_id)  # what the client had read when its connection broke
         last = before[-1].id
@@ -186,7 +191,7 @@ async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(
         saved = conv["messages"][-1]
         assert saved["id"] == message_id and saved["text"] == text and saved["status"] == done["status"]
         assert len(text) > len("".join(e.data.get("token", "") for e in before))  # it went on
-        assert await app2.state.hot.jobs.holder(cid) is None  # the conversation is free again
+        assert await app2.state.ctx.hot.jobs.holder(cid) is None  # the conversation is free again
         first.cancel()
 
 
@@ -201,10 +206,10 @@ async def test_an_answer_that_cannot_be_continued_is_saved_as_failed(tmp_path, d
         first = asyncio.create_task(g1.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "hi"}))
         for _ in range(500):
             gen = app1.state.ctx.conversations.running(cid)
-            if gen is not None and len(await app1.state.hot.logs.events(gen.message_id)) >= 3:
+            if gen is not None and len(await app1.state.ctx.hot.logs.events(gen.message_id)) >= 3:
                 break
             await asyncio.sleep(0.01)
-        await app1.state.hot.keeper.close()
+        await app1.state.ctx.hot.keeper.close()
         await app1.state.ctx.conversations.abandon(cid)
         r = await g2.get(f"/conversations/{cid}/stream", headers={**alice, "Last-Event-ID": "3"})
         events = parse_sse(r.text)

@@ -98,8 +98,10 @@ class Fleet:
         self.redis = redis
         self.db_url = db_url
         tiers = workdir / "tiers.toml"
-        # A small quota for the concurrency test; everything else is generous.
-        tiers.write_text('[free]\ntokens_per_minute = 400\ntokens_per_day = 1000000\nrequests_per_minute = 100000\n'
+        # A small quota ('small', for the concurrency test); everyone else is on a generous 'free'.
+        tiers.write_text('[free]\ntokens_per_minute = 1000000\ntokens_per_day = 100000000\n'
+                         'requests_per_minute = 100000\nmax_concurrent = 1000\nmax_tokens = 2000\n'
+                         '[small]\ntokens_per_minute = 400\ntokens_per_day = 1000000\nrequests_per_minute = 100000\n'
                          'max_concurrent = 1000\nmax_tokens = 2000\n')
         self.config = workdir / "chatloom.toml"
         self.config.write_text("\n".join([

@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from fleet_testing import set_tier
+
 pytestmark = pytest.mark.fleet
 
 
@@ -47,15 +49,26 @@ async def conversation(client: httpx.AsyncClient, user: dict) -> str:
     return r.json()["id"]
 
 
+class Reader:
+    """Reads one SSE response in steps: until(enough) returns all events so far once enough(events) holds."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.chunks = response.aiter_text()
+        self.text = ""
+
+    async def until(self, enough) -> list[dict]:
+        events = parse(self.text[: self.text.rfind("\n\n") + 2])
+        while not enough(events):
+            try:
+                self.text += await anext(self.chunks)
+            except StopAsyncIteration:
+                return parse(self.text)
+            events = parse(self.text[: self.text.rfind("\n\n") + 2])
+        return events
+
+
 async def read_until(response: httpx.Response, enough) -> list[dict]:
-    """Read an SSE response until enough(events) holds (or it ends); returns the events read."""
-    text = ""
-    async for chunk in response.aiter_text():
-        text += chunk
-        events = parse(text[: text.rfind("\n\n") + 2])
-        if enough(events):
-            return events
-    return parse(text)
+    return await Reader(response).until(enough)
 
 
 def clients(fleet, timeout: float = 60.0) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
@@ -67,6 +80,7 @@ async def test_500_concurrent_requests_over_both_gateways_never_pass_the_quota(f
     g1, g2 = clients(fleet)
     async with g1, g2:
         user = await signup(g1, "quota-user")
+        set_tier(fleet.config, fleet.workdir, "quota-user", "small")  # 400 tokens a minute
         body = {"model": "tiny-random", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
         replies = await asyncio.gather(*(g.post("/v1/chat/completions", headers=user, json=body)
                                          for _ in range(250) for g in (g1, g2)))
@@ -109,11 +123,12 @@ async def test_stop_sent_to_gateway_2_stops_the_answer_on_gateway_1_within_a_sec
         async with g1.stream("POST", f"/conversations/{cid}/messages", headers=user,
                              json={"text": "go on and on", "max_tokens": 1900}) as r:
             assert r.status_code == 200
-            await read_until(r, lambda ev: any("token" in e["data"] for e in ev))
+            reader = Reader(r)
+            await reader.until(lambda ev: any("token" in e["data"] for e in ev))
             t0 = time.monotonic()
             stop = await g2.post(f"/conversations/{cid}/stop", headers=user)
             elapsed = time.monotonic() - t0
-            rest = await read_until(r, lambda ev: any(e["data"].get("done") for e in ev))
+            rest = await reader.until(lambda ev: any(e["data"].get("done") for e in ev))
         assert stop.status_code == 200 and stop.json()["stopped"] is True, stop.text
         assert elapsed < 1.0, elapsed
         done = [e for e in rest if e["data"].get("done")][-1]["data"]
@@ -189,7 +204,8 @@ async def test_sigterm_hands_the_running_answer_over_to_the_other_gateway(fleet)
             assert r.status_code == 200
             before = await read_until(r, lambda ev: len([e for e in ev if "token" in e["data"]]) >= 5)
             fleet.gateways[0].stop()  # SIGTERM (shutdown_grace_s = 0: hand over at once), waits for the exit
-        assert fleet.gateways[0].proc.returncode == 0
+        # uvicorn re-raises the SIGTERM it handled once its shutdown is done: -15 after a graceful exit.
+        assert fleet.gateways[0].proc.returncode in (0, -15)
         assert not any(e["data"].get("done") for e in before), "the answer ended before the SIGTERM"
         last = before[-1]["id"]
         r = await g2.get(f"/conversations/{cid}/stream", headers={**user, "Last-Event-ID": str(last)})

@@ -90,6 +90,11 @@ async def stop_anywhere(conversation_id: str, local_stop: LocalStop, jobs: Jobs,
     if gen is not None:
         return gen.message_id
     job = await jobs.holder(conversation_id)
+    for _ in range(40):  # claimed, but its answer is still being set up: wait for it to start (2 s at most)
+        if job is None or job.message_id is not None:
+            break
+        await asyncio.sleep(0.05)
+        job = await jobs.holder(conversation_id)
     if job is None or job.message_id is None:
         return None
     await relay.publish(conversation_id)
