@@ -5,14 +5,19 @@ classifier: per category, word and phrase patterns matched on normalized text (l
 leetspeak undone, punctuation folded to spaces). It runs offline in microseconds. A model-based
 moderator (a local classifier, or a remote moderation API) implements the same two methods.
 
-`OutputGuard` checks the answer while it streams: it holds back the newest few pieces of text, so
-a phrase that is still being written is caught before any of it reaches the user.
+`OutputGuard` checks the answer while it streams. With a moderator that can tell which trailing text
+could still grow into a violation (the lexicon can: a partial match of its patterns), it holds back
+exactly that text and shows the rest at once, so an ordinary answer streams without delay while a
+phrase that is still being written is caught before any of it reaches the user. With other
+moderators it holds back the newest few pieces.
 """
 from __future__ import annotations
 
 import abc
 import re
 from dataclasses import dataclass
+
+import regex  # partial matching: which trailing text could still become a match
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,12 @@ class Moderator(abc.ABC):
     def check_output(self, text: str) -> Verdict | None:
         """A verdict if this stretch of the model's answer must not be shown."""
 
+    def safe_prefix(self, text: str) -> int | None:
+        """How many leading characters of `text` (which check_output passed) no continuation can
+        turn into a violation; None when this moderator cannot tell (the guard then holds back
+        a fixed number of pieces)."""
+        return None
+
 
 class NoModerator(Moderator):
     window_chars = 0
@@ -43,6 +54,9 @@ class NoModerator(Moderator):
 
     def check_output(self, text: str) -> Verdict | None:
         return None
+
+    def safe_prefix(self, text: str) -> int | None:
+        return len(text)
 
 
 # Categories and phrases. Deliberately narrow (explicit intent or instructions), so that ordinary
@@ -93,6 +107,9 @@ class LexiconModerator(Moderator):
         # One alternation per category, whole words only; the category order decides ties.
         self._patterns = [(cat, re.compile(r"\b(?:" + "|".join(f"(?:{p})" for p in phrases) + r")\b"))
                           for cat, phrases in self.lexicon.items() if phrases]
+        # All categories in one pattern for the partial-match search (a phrase's start, still open).
+        self._any = regex.compile(r"\b(?:" + "|".join(f"(?:{p})" for phrases in self.lexicon.values()
+                                                      for p in phrases) + r")\b") if self._patterns else None
         self.window_chars = window_chars
 
     def _check(self, text: str) -> Verdict | None:
@@ -109,6 +126,27 @@ class LexiconModerator(Moderator):
     def check_output(self, text: str) -> Verdict | None:
         return self._check(text)
 
+    def safe_prefix(self, text: str) -> int:
+        """The text before the earliest place where a phrase could be starting (a partial match
+        running to the end of the normalized text); all of it when there is none."""
+        if self._any is None:
+            return len(text)
+        norm = normalize(text)
+        m = self._any.search(norm, partial=True)
+        if m is None:
+            return len(text)
+        start = m.start()
+        # The longest raw prefix whose normalized form ends before the open phrase. The normalized
+        # length of a prefix never shrinks as the prefix grows, so a binary search finds it.
+        lo, hi = 0, len(text)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(normalize(text[:mid])) <= start:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
 
 def build_moderator(name: str) -> Moderator:
     if name in ("off", "none", ""):
@@ -124,7 +162,9 @@ class OutputGuard:
     push(text) returns the pieces now safe to show; finish() the rest. After a violation both
     return nothing more and `verdict` says why. The check looks at a sliding window: the held-back
     text plus the last `window_chars` characters already shown, so phrases split across pieces match.
-    A phrase is caught when its last piece arrives, so its last `holdback_tokens` pieces are never shown.
+    Where the moderator can tell (safe_prefix), only pieces that could be the start of a phrase are
+    held, so none of a phrase is ever shown; otherwise the newest `holdback_tokens` pieces are held,
+    and a phrase caught when its last piece arrives never shows its last `holdback_tokens` pieces.
     """
 
     def __init__(self, moderator: Moderator, holdback_tokens: int = 8) -> None:
@@ -157,7 +197,16 @@ class OutputGuard:
             self._held.clear()
             return []
         out: list[str] = []
-        while len(self._held) > self.holdback_tokens:
+        held_text = "".join(self._held)
+        safe = self.moderator.safe_prefix(self._shown_tail + held_text)
+        if safe is not None:
+            releasable = safe - len(self._shown_tail)  # characters of the held text
+            while self._held and len(self._held[0]) <= releasable:
+                piece = self._held.pop(0)
+                releasable -= len(piece)
+                self._held_chars -= len(piece)
+                out.append(piece)
+        while safe is None and len(self._held) > self.holdback_tokens:
             piece = self._held.pop(0)
             self._held_chars -= len(piece)
             out.append(piece)

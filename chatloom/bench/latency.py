@@ -35,6 +35,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import httpx
@@ -368,9 +369,14 @@ async def _run_layers(loaded: LoadedModel, prompt_lengths: list[int], in_flight:
     samples: dict[tuple[str, int, int], list[Sample]] = defaultdict(list)
     nonce = 0
     with tempfile.TemporaryDirectory(prefix="chatloom-latency-") as data_dir:
+        # New accounts start on the free tier; here it is wide enough that quotas never refuse the benchmark.
+        tiers = Path(data_dir) / "tiers.toml"
+        tiers.write_text("[free]\ntokens_per_minute = 100000000\ntokens_per_day = 1000000000\n"
+                         "requests_per_minute = 1000000\nmax_concurrent = 1024\nmax_tokens = 100000\n")
         settings = Settings(data_dir=data_dir, jwt_secret="bench-latency-" + "0" * 32, argon2_time_cost=1,
-                            argon2_memory_kib=1024, system_prompt=SYSTEM_PROMPT, default_tier="pro",
-                            max_tokens_limit=max(4096, max_tokens), log_level="warning")
+                            argon2_memory_kib=1024, system_prompt=SYSTEM_PROMPT, tiers_file=str(tiers),
+                            max_num_seqs=engine_config.max_num_seqs, max_tokens_limit=max(4096, max_tokens),
+                            log_level="warning")
         app = create_app(settings, backend)
         with LoopbackServer(app) as server:
             limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)

@@ -1,5 +1,10 @@
 """This machine's matmul throughput at the engine's batch sizes, and the engine's
-achieved FLOP/s (about 2 x parameters x tokens/s) as a fraction of it."""
+achieved FLOP/s (about 2 x parameters x tokens/s) as a fraction of it.
+
+With the kernels built, it also measures this CPU's peak per instruction set (independent
+chains of one multiply-add instruction on every thread: float32 FMA on AVX2 and AVX-512,
+int8 vpmaddubsw and vpdpbusd, bf16 vdpbf16ps) and runs the int8 matmul on each instruction
+path this CPU has, so each path's GFLOP/s stands against its own instruction's peak."""
 from __future__ import annotations
 
 import time
@@ -42,13 +47,23 @@ def kernel_matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float 
     return _gflops(lambda: kernels.packed_linear(x, packed, n), 2 * m * k * n, seconds)
 
 
-def int8_kernel_matmul_gflops(layer: QuantizedLinear, m: int, seconds: float = 0.5) -> float:
+def int8_kernel_matmul_gflops(layer: QuantizedLinear, m: int, seconds: float = 0.5, isa: str = "auto") -> float:
     """Effective GFLOP/s (2mkn per second) of the int8-activation kernel on one of the
-    model's own int8 layers, x[m, k] @ W[n, k]^T."""
+    model's own int8 layers, x[m, k] @ W[n, k]^T, on instruction path `isa`."""
     x = torch.randn(m, layer.in_features)
     kernel = layer._kernels.int8_linear  # called directly, like the float kernel above
-    return _gflops(lambda: kernel(x, layer.codes, layer.scales, layer.out_features),
+    return _gflops(lambda: kernel(x, layer.codes, layer.scales, layer.out_features, None, isa),
                    2 * m * layer.in_features * layer.out_features, seconds)
+
+
+# Which measured peak each kernel path stands against.
+PEAK_FOR_PATH = {"fp32 (AVX2 FMA)": "fp32_avx2_fma", "int8 avx2": "int8_avx2_maddubs",
+                 "int8 avx512_vnni": "int8_avx512_vnni"}
+
+
+def isa_peaks(kernels, iters: int = 3_000_000) -> dict[str, float]:
+    """Measured GOP/s per instruction kind this CPU has (best of three)."""
+    return {kind: round(max(kernels.peak_gops(kind, iters) for _ in range(3)), 1) for kind in kernels.peak_kinds()}
 
 
 def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
@@ -56,12 +71,23 @@ def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
     cfg = loaded.config
     k, n = cfg.hidden_size, 2 * cfg.intermediate_size  # the MLP's fused gate/up: the biggest per-layer matmul
     peak = {m: round(matmul_gflops(m, k, n, loaded.dtype), 1) for m in batch_sizes}
-    ours, int8 = {}, {}
+    ours, int8, int8_by_isa, peaks, vs_peak = {}, {}, {}, {}, {}
     if loaded.dtype == torch.float32:
         ours = {m: round(g, 1) for m in batch_sizes if (g := kernel_matmul_gflops(m, k, n)) is not None}
         gate_up = loaded.model.layers[0].mlp.gate_up_proj  # the same [k, n] matmul, as the engine runs it
         if isinstance(gate_up, QuantizedLinear) and gate_up.int8_activations:
             int8 = {m: round(int8_kernel_matmul_gflops(gate_up, m), 1) for m in batch_sizes}
+            int8_by_isa = {isa: {m: round(int8_kernel_matmul_gflops(gate_up, m, isa=isa), 1) for m in batch_sizes}
+                           for isa in gate_up._kernels.int8_linear_isas() if isa != "scalar"}
+        from chatloom.models.kernels import load_kernels
+
+        kernels = load_kernels()
+        if kernels is not None and hasattr(kernels, "peak_gops"):
+            peaks = isa_peaks(kernels)
+            paths = {"fp32 (AVX2 FMA)": ours, **{f"int8 {isa}": g for isa, g in int8_by_isa.items()}}
+            vs_peak = {path: {"best_gflops": max(g.values()), "peak_gops": peaks[PEAK_FOR_PATH[path]],
+                              "fraction": round(max(g.values()) / peaks[PEAK_FOR_PATH[path]], 3)}
+                       for path, g in paths.items() if g and PEAK_FOR_PATH.get(path) in peaks}
     requests = standard_workload(num_requests, cfg.vocab_size, seed)
     run = run_continuous(loaded, requests, max_num_seqs=64)
     params = cfg.num_parameters()
@@ -73,6 +99,8 @@ def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
     return {"benchmark": "roofline", "matmul_shape_k_n": [k, n], "matmul_gflops_by_batch": peak,
             "kernel_matmul_gflops_by_batch": ours,
             **({"int8_kernel_matmul_gflops_by_batch": int8} if int8 else {}),
+            **({"int8_kernel_matmul_gflops_by_isa": int8_by_isa} if int8_by_isa else {}),
+            **({"isa_peak_gops": peaks, "kernel_vs_isa_peak": vs_peak} if peaks else {}),
             "parameters": params, "engine_tokens_per_s": round(tokens / run["seconds"], 1),
             "engine_output_tokens_per_s": run["output_tokens_per_s"],
             "engine_gflops": round(achieved, 1), "fraction_of_best_matmul": round(achieved / best, 3)}

@@ -214,6 +214,7 @@ class LLMEngine:
         return {
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            "num_waiting_tokens": sum(len(s) - s.num_computed_tokens for s in list(self.scheduler.waiting)),
             "kv_cache_usage_perc": bm.usage,
             "kv_cache_blocks": bm.num_blocks,
             "kv_cache_free_blocks": bm.num_free_blocks,

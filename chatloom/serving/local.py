@@ -147,12 +147,17 @@ class LocalBackend(Backend):
             self._engine.abort(request_id)
 
     def has_room(self, prompt_tokens: int) -> bool:
+        """Room when the free KV blocks hold this prompt and every prompt already queued inside the
+        engine, and a sequence slot is free. A non-empty engine queue alone is no reason to wait:
+        prompts that arrive together are prefilled together in the next step (chunked within its
+        token budget), so holding each one back for the previous to start would add a poll
+        interval and a step to every first token under load."""
         if self._engine is None:
             return True  # stream() answers "not ready" at once; no point queueing for it
         s = self._engine.get_stats()
-        if s["num_requests_waiting"] > 0:
+        if s["num_requests_running"] + s["num_requests_waiting"] >= self._engine.engine.config.max_num_seqs:
             return False
-        return s["kv_cache_free_blocks"] * s["block_size"] >= prompt_tokens
+        return s["kv_cache_free_blocks"] * s["block_size"] >= prompt_tokens + s.get("num_waiting_tokens", 0)
 
     def stats(self) -> dict:
         if self._engine is None:

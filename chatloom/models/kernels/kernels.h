@@ -23,5 +23,14 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
 
 bool int8_linear_supported();
 
+// isa: "auto" (CHATLOOM_KERNEL_ISA, else the best this CPU has), "avx512_vnni", "avx2" or "scalar".
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
-                          c10::optional<torch::Tensor> bias);
+                          c10::optional<torch::Tensor> bias, const std::string& isa);
+
+// The int8 matmul's paths this CPU and build can run, best first; and the one `requested` resolves to.
+std::vector<std::string> int8_linear_isas();
+std::string int8_linear_isa(const std::string& requested);
+
+// This CPU's measured peak (GOP/s, all intra-op threads) per instruction kind (isa_peak.cpp).
+std::vector<std::string> peak_kinds();
+double peak_gops(const std::string& name, int64_t iters);
