@@ -16,6 +16,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--int8-matmul", action="store_true",
                    help="multiply quantized GGUF weights with int8 activations (see README)")
+    p.add_argument("--bf16-matmul", action="store_true",
+                   help="keep every matmul weight in bfloat16 (AVX-512 BF16 where the CPU has it; see README)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 
@@ -88,7 +90,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _load(args):
     from chatloom.models import load_model
 
-    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None)
+    return load_model(args.model, args.dtype, int8_matmul=args.int8_matmul or None,
+                      bf16_matmul=args.bf16_matmul or None)
 
 
 def _emit(result: dict, table: bool) -> int:

@@ -78,17 +78,18 @@ def _unknown(spec: str) -> ModelError:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
-               int8_matmul: bool | None = None) -> LoadedModel:
+               int8_matmul: bool | None = None, bf16_matmul: bool | None = None) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
     quantized GGUF weights (Q4_0, Q4_1, Q8_0) with int8 activations (faster, slightly less exact; None: the
-    CHATLOOM_INT8_MATMUL environment variable decides, off by default)."""
+    CHATLOOM_INT8_MATMUL environment variable decides, off by default). `bf16_matmul` keeps every
+    matmul weight in bfloat16 (AVX-512 BF16 where the CPU has it; None: CHATLOOM_BF16_MATMUL)."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
     if spec == "tiny-random":
         cfg = tiny_random_config()
         tok = _byte_tokenizer()
         cfg.vocab_size = tok.vocab_size
-        model = random_model(cfg, torch_dtype)
+        model = random_model(cfg, torch_dtype, bf16_matmul=bf16_matmul)
         return LoadedModel(spec, model, tok, cfg, time.perf_counter() - t0)
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
     quantized = None
@@ -104,6 +105,6 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         quantized = gguf_loader.read_quantized(reader)
     else:
         raise _unknown(spec)
-    model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul)
+    model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul, bf16_matmul)
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)

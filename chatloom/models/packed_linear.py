@@ -73,6 +73,66 @@ class PackedLinear(KernelLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> bf16_linear's panels [ceil(N/16), K/2, 32] bfloat16 (rounded to nearest even):
+    element 2j + t of pair-row kk is weight[16p + j, 2kk + t]."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"the bf16 matmul needs an even number of input features, got {k}")
+    panels = pack_weight(weight.float())  # [P, K, 16]
+    return panels.view(panels.shape[0], k // 2, 2, PANEL).transpose(2, 3).reshape(
+        panels.shape[0], k // 2, 2 * PANEL).to(torch.bfloat16).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of pack_bf16, as float32 [N, K] (the bf16-rounded weight)."""
+    panels, pairs, _ = packed.shape
+    w = packed.float().view(panels, pairs, PANEL, 2).transpose(2, 3).reshape(panels, 2 * pairs, PANEL)
+    return unpack_weight(w, out_features)
+
+
+class BF16Linear(KernelLinear):
+    """y = x @ W^T + b with W kept in bfloat16 and x rounded to bfloat16 per row, summed in
+    float32: AVX-512 BF16's vdpbf16ps where the CPU has it, portable C++ elsewhere. Half the
+    weight bytes of float32, with about 3 significant digits per weight and activation."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, kernels) -> None:
+        super().__init__()
+        self.in_features = packed.shape[1] * 2
+        self.out_features = out_features
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._kernels = kernels
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "BF16Linear":
+        return cls(pack_bf16(weight), weight.shape[0], bias, kernels)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack_bf16(self.packed, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
+
+
+def bf16_matmul_requested() -> bool:
+    """CHATLOOM_BF16_MATMUL=1 asks for bfloat16 weights where no caller chose (the service)."""
+    return os.environ.get("CHATLOOM_BF16_MATMUL", "0") not in ("", "0", "false", "no")
+
+
+def bf16_matmul_supported(kernels) -> bool:
+    """Whether the kernels have the bf16 matmul (its fast path needs AVX-512 BF16; see bf16_linear_isas)."""
+    return kernels is not None and hasattr(kernels, "bf16_linear")
+
+
+def uses_bf16_matmul(model: nn.Module) -> bool:
+    return any(isinstance(m, BF16Linear) for m in model.modules())
+
+
 QUANT_BLOCK = 32  # weights per GGUF quantization block along K
 QUANTIZED_KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -216,13 +276,17 @@ class QuantizedLinear(KernelLinear):
 
 
 def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]] | None = None,
-                 int8_activations: bool | None = None) -> bool:
+                 int8_activations: bool | None = None, bf16_weights: bool | None = None) -> bool:
     """Replace every float32 nn.Linear in `model` by a PackedLinear, or by a QuantizedLinear
     where `quantized` gives the layer's weight as stored in a GGUF file (by module name;
     several parts for a fused layer, all of one kind). Returns False (and changes nothing)
     when the kernels are unavailable or the model is not float32. With `int8_activations`
     (default: `int8_matmul_requested()`), quantized layers multiply with int8 activations where
     the CPU allows it.
+
+    With `bf16_weights` (default: `bf16_matmul_requested()`), every layer instead keeps its
+    (dequantized) weight in bfloat16 and multiplies through bf16_linear; int8 activations win
+    where both are asked for.
 
     A head tied to the embedding gets its own packed copy; the embedding keeps its table."""
     kernels = load_kernels()
@@ -232,6 +296,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     if int8_activations is None:
         int8_activations = int8_matmul_requested()
     int8_activations = int8_activations and int8_matmul_supported(kernels)
+    if bf16_weights is None:
+        bf16_weights = bf16_matmul_requested()
+    bf16_weights = bf16_weights and not int8_activations and bf16_matmul_supported(kernels)
     linears = [(parent, f"{prefix}.{name}" if prefix else name, name, child)
                for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
@@ -239,7 +306,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
         return False
     for parent, path, name, child in linears:
         parts = quantized.get(path)
-        if parts and _quantizable(parts, child):
+        if bf16_weights and child.in_features % 2 == 0:
+            layer = BF16Linear.from_weight(child.weight, child.bias, kernels)
+        elif parts and _quantizable(parts, child):
             codes, scales = pack_quantized(parts)
             if int8_activations and parts[0].kind == "Q4_0":
                 codes, scales = q4_0_as_q4_1(codes, scales)

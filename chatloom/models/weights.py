@@ -61,12 +61,13 @@ def linear_sources(cfg: ModelConfig, has_head: bool) -> dict[str, list[str]]:
 
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
                 quantized: Mapping[str, QuantizedWeight] | None = None,
-                int8_matmul: bool | None = None) -> LlamaForCausalLM:
+                int8_matmul: bool | None = None, bf16_matmul: bool | None = None) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
 
     `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a
     float32 model, layers whose weights are all there keep them quantized, and multiply with
-    int8 activations when `int8_matmul` (see pack_linears)."""
+    int8 activations when `int8_matmul`; `bf16_matmul` keeps every layer's weight in bfloat16
+    instead (see pack_linears)."""
     with _no_init():
         model = LlamaForCausalLM(cfg)
 
@@ -125,11 +126,13 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
         quantized = quantized or {}
         sources = linear_sources(cfg, has_head=get("lm_head.weight") is not None)
         pack_linears(model, {module: [quantized[n] for n in names] for module, names in sources.items()
-                             if all(n in quantized for n in names)}, int8_activations=int8_matmul)
+                             if all(n in quantized for n in names)}, int8_activations=int8_matmul,
+                     bf16_weights=bf16_matmul)
     return model
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0,
+                 bf16_matmul: bool | None = None) -> LlamaForCausalLM:
     """Random weights (for tests), reproducible from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -154,4 +157,4 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> LlamaFo
         else:
             scale = 1.0 if "embed" in name else shape[-1] ** -0.5
             tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float64).float() * scale
-    return build_model(cfg, tensors.get, dtype)
+    return build_model(cfg, tensors.get, dtype, bf16_matmul=bf16_matmul)

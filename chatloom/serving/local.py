@@ -35,6 +35,7 @@ class LocalBackend(Backend):
         self._engine: AsyncEngine | None = None
         self._error: str | None = None
         self._start_lock = asyncio.Lock()
+        self._encoded: dict[tuple, list[int]] = {}  # recent chat prompts' token ids, oldest first
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -95,6 +96,18 @@ class LocalBackend(Backend):
         return len(self.tokenizer.encode(text, add_special=False))
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
+        # The gateway counts a prompt's tokens (quota, admission) and then streams the same messages:
+        # the second call is served from this small cache instead of rendering and tokenizing again.
+        key = tuple((m.get("role"), m.get("content")) for m in messages)
+        ids = self._encoded.get(key)
+        if ids is None:
+            ids = self._encode_messages(messages)
+            self._encoded[key] = ids
+            if len(self._encoded) > 64:
+                self._encoded.pop(next(iter(self._encoded)))
+        return list(ids)
+
+    def _encode_messages(self, messages: list[dict]) -> list[int]:
         tok = self.tokenizer
         try:
             text = render_chat(tok.chat_template, messages, add_generation_prompt=True,

@@ -154,3 +154,14 @@ async def test_moderation_can_be_switched_off(tmp_path):
             cid = await new_conversation(c, alice)
             r = await c.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "x"})
             assert tokens_of(parse_sse(r.text)) == "".join(THREAT)
+
+
+async def test_holdback_bench_compares_both_guards_on_the_same_pieces():
+    from chatloom.bench.holdback import measure
+
+    backend = ScriptedBackend(["Sure", ".", " I", " will", " help", " you", " out", "."])
+    r = await measure(backend, ["hi", "hello"], 8, holdback=4)
+    for name in ("partial", "fixed"):
+        assert r[name]["added_ttft_ms"]["p50"] is not None and r[name]["check_us_per_piece"]["mean"] > 0
+    # The fixed guard holds every piece until four more arrive; the lexicon's shows 'Sure' at once.
+    assert r["partial"]["added_delay_per_piece_ms"]["mean"] <= r["fixed"]["added_delay_per_piece_ms"]["mean"]

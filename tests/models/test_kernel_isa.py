@@ -55,3 +55,78 @@ def test_peak_measurement_covers_what_the_cpu_has():
         assert "int8_avx512_vnni" in kinds
     with pytest.raises(RuntimeError, match="unknown peak kind"):
         kernels.peak_gops("warp_drive", 10)
+
+
+# -- the bf16 matmul ------------------------------------------------------------------------------
+
+BF16_PATHS = ["avx512_bf16", "scalar"]
+
+
+def _bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Both operands rounded to bfloat16 (nearest even), the products summed in float64."""
+    return x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()
+
+
+@pytest.mark.parametrize("isa", BF16_PATHS)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 130])
+def test_bf16_forced_path_matches_the_reference(isa, rows):
+    from chatloom.models.packed_linear import pack_bf16
+
+    if isa not in kernels.bf16_linear_isas():
+        pytest.skip(f"this CPU has no {isa} path")
+    gen = torch.Generator().manual_seed(rows)
+    w, x, bias = torch.randn(37, 96, generator=gen), torch.randn(rows, 96, generator=gen), torch.randn(37)
+    got = kernels.bf16_linear(x, pack_bf16(w), 37, bias, isa)
+    torch.testing.assert_close(got.double(), _bf16_reference(x, w) + bias.double(), rtol=1e-4, atol=1e-4)
+    # A row's result does not depend on the rest of the batch.
+    assert torch.equal(kernels.bf16_linear(x[:1], pack_bf16(w), 37, bias, isa)[0], got[0])
+
+
+def test_bf16_packing_and_layers_of_a_model(tiny_model_fp32):
+    from chatloom.models import load_model
+    from chatloom.models.packed_linear import BF16Linear, pack_bf16, pack_linears, unpack_bf16, uses_bf16_matmul
+
+    w = torch.randn(20, 64)
+    assert torch.equal(unpack_bf16(pack_bf16(w), 20), w.to(torch.bfloat16).float())
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        kernels.bf16_linear(torch.randn(1, 64), pack_bf16(w), 20, None, "avx9")
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(64, 20)})
+    assert pack_linears(model, bf16_weights=True) and isinstance(model["a"], BF16Linear)
+    # The tiny model with bf16 weights stays close to its float32 self.
+    fast = load_model("tiny-random", "fp32", bf16_matmul=True)
+    assert uses_bf16_matmul(fast.model) and not uses_bf16_matmul(tiny_model_fp32.model)
+    ids = list(range(3, 40))
+    exact, approx = tiny_model_fp32.model.dense_logits([ids])[0], fast.model.dense_logits([ids])[0]
+    assert (approx - exact).norm() / exact.norm() < 0.02
+
+
+# -- the float32 matmuls (exact mode): AVX-512 must give the AVX2 path's bits --------------------
+
+@pytest.mark.parametrize("rows", [1, 4, 6, 12, 13, 100])
+def test_float_paths_give_the_same_bits(rows):
+    from chatloom.models.packed_linear import pack_weight
+
+    if "avx512" not in kernels.float_linear_isas():
+        pytest.skip("this CPU has no avx512 path")
+    gen = torch.Generator().manual_seed(rows)
+    w, x, bias = torch.randn(45, 96, generator=gen), torch.randn(rows, 96, generator=gen), torch.randn(45)
+    wide = kernels.packed_linear(x, pack_weight(w), 45, bias, "avx512")
+    assert torch.equal(wide, kernels.packed_linear(x, pack_weight(w), 45, bias, "avx2"))
+    torch.testing.assert_close(wide.double(), x.double() @ w.double().t() + bias.double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 50])
+def test_quantized_float_paths_give_the_same_bits(kind, rows):
+
+    if "avx512" not in kernels.float_linear_isas():
+        pytest.skip("this CPU has no avx512 path")
+    int8_layer, dense = _layer(kind, 45, 160, rows)
+    from chatloom.models.packed_linear import from_int8_layout
+    codes = from_int8_layout(int8_layer.codes)  # back to the float kernel's layout
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    wide = kernels.quantized_linear(x, codes, int8_layer.scales, 45, None, "avx512")
+    assert torch.equal(wide, kernels.quantized_linear(x, codes, int8_layer.scales, 45, None, "avx2"))
+    torch.testing.assert_close(wide.double(), x.double() @ dense.double().t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        kernels.quantized_linear(x, codes, int8_layer.scales, 45, None, "neon")

@@ -293,8 +293,12 @@ Isa best_isa() {
 Isa resolve_isa(const std::string& requested) {
   if (!requested.empty() && requested != "auto") return parse_isa(requested);
   static const Isa chosen = [] {
+    // The environment names a path of any kernel; only this kernel's own names apply here.
     const char* env = std::getenv("CHATLOOM_KERNEL_ISA");
-    return env && *env && std::string(env) != "auto" ? parse_isa(env) : best_isa();
+    const std::string name = env ? env : "";
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512Vnni})
+      if (name == isa_name(isa)) return parse_isa(name);
+    return best_isa();
   }();
   return chosen;
 }
