@@ -41,7 +41,9 @@ __attribute__((target("avx512f"))) double fma_avx512(int64_t iters, float seed) 
 __attribute__((target("avx2"))) double int8_avx2(int64_t iters, float seed) {
   // The AVX2 int8 matmul's inner step: vpmaddubsw into int16, then vpaddw.
   __m256i a = _mm256_set1_epi8((char)(int)seed), b = _mm256_set1_epi8(3);
-  CHATLOOM_PEAK_LOOP(__m256i, _mm256_setzero_si256(), _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(a, b)),
+  // Each chain multiplies its own accumulator, or the compiler would compute one shared product.
+  (void)b;
+  CHATLOOM_PEAK_LOOP(__m256i, _mm256_setzero_si256(), _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(a, acc[c])),
                      _mm256_add_epi16, _mm256_cvtsi256_si32)
 }
 
