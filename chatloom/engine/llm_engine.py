@@ -17,6 +17,7 @@ from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.engine.scheduler import Scheduler, SchedulerConfig
 from chatloom.engine.sequence import Sequence, SequenceStatus
 from chatloom.engine.stats import EngineSnapshot, EngineStats
+from chatloom.engine.structured.guide import GrammarGuide
 from chatloom.models.loader import LoadedModel
 
 
@@ -51,6 +52,7 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed)
         self.eos_ids = list(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
+        self.guide = GrammarGuide(self.tokenizer, self.eos_ids)  # matchers of constrained requests
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._finished_outputs: deque[RequestOutput] = deque()
@@ -83,6 +85,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if params.constraint is not None:
+            self.guide.add(request_id, params.constraint)
         seq = Sequence(request_id, token_ids, params, priority)
         self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)
@@ -113,6 +117,8 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         logits, argmax, sampled = self.runner.execute(batch)
+        if sampled and len(self.guide) and self.guide.apply(logits, [s.request_id for s in sampled]):
+            argmax = None  # masked rows: the runner's argmax may be a forbidden token
         new_tokens = self.sampler(logits, sampled, self.eos_ids, argmax) if sampled else []
 
         for seq in batch.decodes:
@@ -122,6 +128,7 @@ class LLMEngine:
         now = time.time()
         for seq, token in zip(sampled, new_tokens):
             seq.token_ids.append(token)
+            self.guide.advance(seq.request_id, token)
             m = seq.metrics
             m.num_output_tokens = seq.num_output_tokens
             if m.first_token_time is None:
@@ -169,6 +176,7 @@ class LLMEngine:
     def _finish(self, state: _RequestState, reason: str, emit: bool = True) -> RequestOutput:
         seq = state.seq
         self.scheduler.remove(seq)
+        self.guide.remove(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()

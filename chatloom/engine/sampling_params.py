@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chatloom.engine.structured.constraint import Constraint, ConstraintError
+
 
 class InvalidRequest(ValueError):
     """A request the engine cannot take; the message names the problem."""
@@ -19,6 +21,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Output limited to a grammar (JSON, schema, regex, choices); such a request never speculates.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +42,11 @@ class SamplingParams:
             raise InvalidRequest("min_tokens must be between 0 and max_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must not be empty")
+        if self.constraint is not None:
+            try:
+                self.constraint.check()
+            except ConstraintError as exc:
+                raise InvalidRequest(str(exc)) from None
 
     @property
     def greedy(self) -> bool:
