@@ -13,8 +13,9 @@ through the same stages, in this order:
 
 `stream()` yields typed pieces, a union of small frozen dataclasses: `Thinking` and `AnswerText` as text
 arrives, then exactly one `Finished` (finish reason, `Usage`, `Timings`). Fronts match on the piece type
-and ignore types they do not know, so new kinds (tool-call pieces, say) can be added without breaking
-them. Prompts are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`); continuing an answer from
+and ignore types they do not know, so new kinds can be added without breaking them: `ToolCall` is one
+(a whole call the model made, picked out of its text when the ask has tools; see app/tool_calls.py).
+An ask may carry a `constraint` (JSON mode, a schema...) that the engine enforces token by token. Prompts are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`); continuing an answer from
 text already produced (after a crash or a lost replica) is another prompt kind to add here.
 
 `Run.stop()` may be called from any task: it leaves the queue (admit raises `GenerationStopped`) or
@@ -36,8 +37,9 @@ from chatloom.app.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.errors import ApiError
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
+from chatloom.app.tool_calls import ToolCall, ToolCallParser, ToolUse
 from chatloom.app.traffic import Traffic
-from chatloom.serving import Backend, GenerationRequest, Timings, Usage
+from chatloom.serving import Backend, Constraint, GenerationRequest, Timings, Usage
 from chatloom.store import User
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -59,6 +61,8 @@ class Ask:
     reasoning_effort: str | None = None  # low | medium | high: think first (chat prompts only)
     request_id: str | None = None  # default: a fresh id
     param: str = "messages"  # the request field that errors about the prompt name
+    constraint: Constraint | None = None  # the answer must match this grammar
+    tools: ToolUse | None = None  # tools the model may call: its calls come out as ToolCall pieces
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,7 @@ class Finished:
     timings: Timings | None = None
 
 
-Piece = Thinking | AnswerText | Finished
+Piece = Thinking | AnswerText | ToolCall | Finished
 
 
 class GenerationStopped(Exception):
@@ -252,7 +256,8 @@ class Run:
         sent, limits = self._prepared[1], self.limits
         req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
                                 top_p=limits.top_p, seed=self.ask.seed, stop=list(self.ask.stop),
-                                request_id=self.request_id, priority=-limits.tier.priority)  # low numbers run first
+                                request_id=self.request_id, priority=-limits.tier.priority,  # low numbers run first
+                                constraint=self.ask.constraint)
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
         elif isinstance(sent, TextPrompt):
@@ -266,6 +271,8 @@ class Run:
         backend = self.pipeline.backend
         guard = self.traffic.output_guard()
         splitter = reasoning.ThinkingSplitter() if self.limits.effort is not None else None
+        tools = self.ask.tools
+        calls = ToolCallParser(tools.names()) if tools is not None and tools.active else None
         aborted = False
         self._streaming = True
         async with aclosing(backend.stream(self._request())) as deltas:
@@ -286,10 +293,14 @@ class Run:
                             yield Thinking(part)
                         else:
                             for shown in await guard.push(part):
-                                yield AnswerText(shown)
+                                for out in _split_calls(calls, shown):
+                                    yield out
                     if delta.finished and guard.verdict is None:
                         for shown in await guard.finish():
-                            yield AnswerText(shown)
+                            for out in _split_calls(calls, shown):
+                                yield out
+                        for out in _split_calls(calls, None):
+                            yield out
                     if guard.verdict is not None and not aborted:
                         # Caught before the user saw it: stop the model now; the run ends as content_filter.
                         self.traffic.output_blocked(guard)
@@ -298,6 +309,8 @@ class Run:
                             aborted = True
                 if delta.finished:
                     self.finish_reason = "content_filter" if guard.verdict else (delta.finish_reason or "stop")
+                    if calls is not None and calls.calls and self.finish_reason == "stop":
+                        self.finish_reason = "tool_calls"
                     self.timings = delta.metrics
                     yield Finished(self.finish_reason, delta.usage, delta.metrics)
 
@@ -328,6 +341,14 @@ class Run:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:
             self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage)
+
+
+def _split_calls(parser: ToolCallParser | None, text: str | None) -> list[AnswerText | ToolCall]:
+    """Answer text as pieces: plain text, or the tool calls found in it (text None: the answer ended)."""
+    if parser is None:
+        return [AnswerText(text)] if text else []
+    parts = parser.finish() if text is None else parser.push(text)
+    return [p if isinstance(p, ToolCall) else AnswerText(p) for p in parts if p]
 
 
 def _drop_cut_character(text: str) -> str:

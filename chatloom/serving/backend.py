@@ -10,6 +10,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from chatloom.engine.structured.constraint import Constraint
+
 
 class BackendError(Exception):
     """The backend failed while serving a request (crashed engine, lost connection)."""
@@ -50,6 +52,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str | None = None  # lets the caller abort() it later
     priority: int = 0
+    # Output limited to a grammar (JSON mode, a schema, a regex, choices, forced tool calls).
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ Kind = Literal["json", "json_schema", "regex", "choice", "lark"]
 _ANY_OBJECT: dict = {"type": "object"}
 # Whitespace between JSON tokens: at most one space or newline-plus-indent, so a sampled answer
 # cannot wander into an endless run of blanks (the library's default allows any amount).
-_JSON_OPTIONS = {"whitespace_pattern": r"[ \n]{0,1}[ ]{0,8}"}
+_JSON_OPTIONS = {"whitespace_pattern": r"[ \n]?[ ]{0,4}"}
 
 
 class ConstraintError(ValueError):
