@@ -170,9 +170,10 @@ class ToolCallParser:
                 at = self._buf.find(OPEN)
                 if at < 0:
                     keep = _partial_suffix(self._buf, OPEN)
-                    emit, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-                    if emit:
+                    emit = self._buf[:len(self._buf) - keep]
+                    if emit.strip():  # blanks wait: they may only separate two calls
                         out.append(emit)
+                        self._buf = self._buf[len(emit):]
                     return out
                 if self._buf[:at].strip():
                     out.append(self._buf[:at])
@@ -190,7 +191,7 @@ class ToolCallParser:
         out: list[str | ToolCall] = []
         if self._in_call:
             out.append(self._close(self._buf))
-        elif self._buf:
+        elif self._buf.strip() or (self._buf and not self.calls):
             out.append(self._buf)
         self._buf, self._in_call = "", False
         return [p for p in out if p != ""]
