@@ -1,8 +1,7 @@
 """The engine's side of constrained decoding: matchers per sequence, one batched mask per step.
 
-Each step, the rows of constrained sequences get their allowed-token bitmasks computed together
-(llguidance's executor runs the matchers in parallel, outside the GIL) and disallowed logits set to
--inf; free rows are untouched, so constrained and free requests share every forward pass. After
+Each step, the rows of constrained sequences get their allowed-token bitmasks computed into one
+tensor and disallowed logits set to -inf in one masked_fill; free rows are untouched, so constrained and free requests share every forward pass. After
 sampling, each matcher consumes its sequence's token. A matcher's state lives as long as its
 sequence, so preemption by recompute (which keeps the tokens) needs nothing special.
 """
@@ -56,7 +55,6 @@ class GrammarGuide:
         self._text_tokenizer = tokenizer
         self._eos_ids = list(eos_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self.stats = MaskStats()
 
@@ -67,7 +65,6 @@ class GrammarGuide:
             tok = self._text_tokenizer
             self._ll_tokenizer = llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=tok.vocab_size,
                                                         eos_token=self._eos_ids or None)
-            self._executor = llguidance.LLExecutor(num_threads=2)
         return self._ll_tokenizer
 
     def add(self, request_id: str, constraint: Constraint) -> None:
@@ -99,7 +96,11 @@ class GrammarGuide:
             return False
         t0 = time.perf_counter()
         bitmask = llg_torch.allocate_token_bitmask(len(rows), self.ll_tokenizer.vocab_size)
-        llg_torch.fill_next_token_bitmask_par(self._executor, [(m, j) for j, (_, m) in enumerate(rows)], bitmask)
+        # One row after another in this thread: llguidance's parallel executor keeps worker threads that
+        # spin after each batch and, on a small CPU, steal the cores torch's OpenMP threads need
+        # (measured: every forward pass slowed 20x). Per row the mask costs tens of microseconds.
+        for j, (_, matcher) in enumerate(rows):
+            llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
         allowed = bitmask_to_bool(bitmask, logits.shape[-1])
         index = torch.tensor([i for i, _ in rows])
         sub = logits[index]
