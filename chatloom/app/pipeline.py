@@ -250,6 +250,21 @@ class Run:
         if self.stopped:
             raise GenerationStopped
 
+    def resume(self, prompt: Prompt, request_id: str) -> None:
+        """Go on with the same answer from a longer prompt (the answer so far plus tool results), as a
+        new backend request under `request_id`: the admission slot is kept, the tokens used so far are
+        banked, and the reservation grows to cover the new round. The prompt repeats the previous one
+        token for token, so the engine's prefix cache serves it and only the new turns are computed."""
+        assert self._slot is not None, "admit() first"
+        self._extra = self._extra + self.usage
+        self.usage = Usage()
+        self.request_id = request_id
+        self.max_tokens = self.limits.max_tokens
+        sent, tokens = self._prepare(prompt)
+        self._fit(tokens)
+        self.traffic.extend(self._reservation, self.limits.tier,
+                            self._extra.total_tokens + tokens + self.max_tokens)
+
     # -- the model ------------------------------------------------------------------------------
     def _request(self) -> GenerationRequest:
         assert self._prepared is not None, "admit() first"

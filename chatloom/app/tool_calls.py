@@ -47,13 +47,17 @@ class ToolCall:
     id: str
     name: str
     arguments: str
+    raw: str = ""  # the block exactly as the model wrote it, when it came from the model
 
     @property
     def parsed_arguments(self) -> dict:
         return json.loads(self.arguments)
 
     def text(self) -> str:
-        """The call as the model writes it, for rendering earlier turns."""
+        """The call as the model writes it, for rendering earlier turns (its own words when known, so a
+        resumed prompt repeats the generated tokens and hits the prefix cache)."""
+        if self.raw:
+            return self.raw
         try:
             args = json.loads(self.arguments)
         except ValueError:
@@ -130,7 +134,7 @@ def render_messages(messages: list[dict], tools: ToolUse | None) -> list[dict]:
     return out
 
 
-def parse_call(block: str, names: list[str]) -> ToolCall | None:
+def parse_call(block: str, names: list[str], raw: str = "") -> ToolCall | None:
     """One call block's JSON as a ToolCall, or None when it is not a call to a known tool."""
     try:
         data = json.loads(block)
@@ -148,7 +152,7 @@ def parse_call(block: str, names: list[str]) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(new_call_id(), data["name"], json.dumps(args))
+    return ToolCall(new_call_id(), data["name"], json.dumps(args), raw)
 
 
 class ToolCallParser:
@@ -197,7 +201,7 @@ class ToolCallParser:
         return [p for p in out if p != ""]
 
     def _close(self, block: str) -> str | ToolCall:
-        call = parse_call(block.strip(), self.names)
+        call = parse_call(block.strip(), self.names, f"{OPEN}{block}{CLOSE}")
         if call is None:
             return f"{OPEN}{block}{CLOSE}"
         self.calls.append(call)

@@ -6,7 +6,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from sqlalchemy import (BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, MetaData, String, Text,
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, MetaData, String, Text,
                         UniqueConstraint, false)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -105,6 +105,8 @@ class Message(Base):
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
     reasoning: Mapped[str | None] = mapped_column(Text)  # the thinking before the answer (reasoning requests)
+    # The answer's tool steps, in order: [{"id", "name", "arguments", "output", "error"}] (chat tools).
+    tool_steps: Mapped[list | None] = mapped_column(JSON)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
