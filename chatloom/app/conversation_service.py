@@ -31,7 +31,8 @@ from chatloom.app.pipeline import (AnswerText, Ask, ChatPrompt, Finished, Genera
                                    ToolCall)
 from chatloom.app.settings import Settings
 from chatloom.app.tool_calls import ToolUse, render_messages
-from chatloom.app.tools.registry import ToolContext, ToolRegistry, builtin_registry
+from chatloom.app.tools.builtins import builtin_registry
+from chatloom.app.tools.registry import ToolContext, ToolRegistry
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 from chatloom.store import Conversation, Conversations, Database, Messages, User
 

@@ -9,7 +9,8 @@ import pytest
 
 from chatloom.app.tool_calls import ToolCall
 from chatloom.app.tools.calculator import evaluate
-from chatloom.app.tools.registry import ToolFailure, builtin_registry
+from chatloom.app.tools.builtins import builtin_registry
+from chatloom.app.tools.registry import ToolFailure
 from chatloom.serving import Backend, Delta, GenerationRequest
 
 from app_testing import app_client, done_of, make_settings, new_conversation, send, tokens_of

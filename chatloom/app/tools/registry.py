@@ -100,13 +100,3 @@ def _check_args(args: Any, schema: dict) -> None:
         if props[key].get("type") == "string" and not isinstance(value, str):
             raise ValueError(f"{key} must be a string")
 
-
-def builtin_registry(names: list[str]) -> ToolRegistry:
-    """The built-ins named (calculator, time, search); an unknown name is a configuration error."""
-    from chatloom.app.tools import calculator, clock, search
-
-    known = {"calculator": calculator.TOOL, "time": clock.TOOL, "search": search.TOOL}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown chat tool(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return ToolRegistry([known[n] for n in names])
