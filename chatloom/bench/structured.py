@@ -2,8 +2,9 @@
 against the same batch decoding freely, at several batch sizes, in one run.
 
 Only full-batch decode steps are timed (every request past its prefill, none finished), so both sides
-time the same work but for the mask. The mask's own time (computing the allowed-token bitmasks with
-llguidance and applying them to the logits) is reported apart, per step and per row.
+time the same work but for the mask. The grammar's own time is reported apart: computing the
+allowed-token bitmasks with llguidance and applying them to the logits (mask), and the matchers
+consuming the sampled tokens (consume), per step and per row.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _timed_steps(engine: LLMEngine, batch: int) -> list[float]:
 
 
 def _run(engine: LLMEngine, prompt: list[int], batch: int, max_tokens: int, constrained: bool, seed: int) -> dict:
-    mask0_s, mask0_steps, mask0_rows = engine.guide.stats.seconds, engine.guide.stats.steps, engine.guide.stats.rows
+    st = engine.guide.stats
+    mask0_s, mask0_steps, mask0_rows, adv0_s = st.seconds, st.steps, st.rows, st.advance_seconds
     for i in range(batch):
         constraint = Constraint.json_schema(SCHEMA) if constrained else None
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i,
@@ -50,6 +52,7 @@ def _run(engine: LLMEngine, prompt: list[int], batch: int, max_tokens: int, cons
     mask_steps = st.steps - mask0_steps
     return {"step_ms": round(1000 * statistics.median(times), 3) if times else None, "timed_steps": len(times),
             "mask_ms_per_step": round(1000 * (st.seconds - mask0_s) / mask_steps, 3) if mask_steps else 0.0,
+            "consume_ms_per_step": round(1000 * (st.advance_seconds - adv0_s) / mask_steps, 3) if mask_steps else 0.0,
             "mask_us_per_row": round(1e6 * (st.seconds - mask0_s) / (st.rows - mask0_rows), 1) if mask_steps else 0.0}
 
 
@@ -70,9 +73,11 @@ def run_structured(loaded: LoadedModel, batch_sizes: list[int], max_tokens: int 
         free = statistics.median(x["step_ms"] for x in runs["free"] if x["step_ms"] is not None)
         masked = statistics.median(x["step_ms"] for x in runs["masked"] if x["step_ms"] is not None)
         mask = statistics.median(x["mask_ms_per_step"] for x in runs["masked"])
+        consume = statistics.median(x["consume_ms_per_step"] for x in runs["masked"])
         results.append({"batch": batch, "step_ms_free": round(free, 3), "step_ms_masked": round(masked, 3),
                         "masked_vs_free": round(masked / free, 3), "mask_ms_per_step": round(mask, 3),
-                        "mask_share_of_masked_step": round(mask / masked, 3),
+                        "consume_ms_per_step": round(consume, 3),
+                        "grammar_share_of_masked_step": round((mask + consume) / masked, 3),
                         "mask_us_per_row": statistics.median(x["mask_us_per_row"] for x in runs["masked"]),
                         "runs": runs})
     return {"benchmark": "structured", "model": loaded.id, "grammar_library": "llguidance",

@@ -38,7 +38,8 @@ class MaskStats:
 
     steps: int = 0
     rows: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # computing and applying masks
+    advance_seconds: float = 0.0  # matchers consuming the sampled tokens
     per_step: list[float] = field(default_factory=list)
 
     def record(self, rows: int, seconds: float) -> None:
@@ -116,7 +117,9 @@ class GrammarGuide:
             return True
         if token in self._eos_ids and matcher.is_accepting():
             return True
+        t0 = time.perf_counter()
         ok = matcher.consume_token(token)
+        self.stats.advance_seconds += time.perf_counter() - t0
         if not ok:
             log.warning("constrained request %s: token %d rejected (%s)", request_id, token, matcher.get_error())
         return ok
