@@ -45,8 +45,10 @@ def _run(engine: LLMEngine, prompt: list[int], batch: int, max_tokens: int, cons
     mask0_s, mask0_steps, mask0_rows, adv0_s = st.seconds, st.steps, st.rows, st.advance_seconds
     for i in range(batch):
         constraint = Constraint.json_schema(SCHEMA) if constrained else None
+        # Free requests ignore EOS so the batch stays full for every step; a constrained one ends when its
+        # JSON is complete (EOS is all its grammar allows then), so its batch may shrink near the end.
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i,
-                                                  constraint=constraint))
+                                                  constraint=constraint, ignore_eos=not constrained))
     times = _timed_steps(engine, batch)
     st = engine.guide.stats
     mask_steps = st.steps - mask0_steps

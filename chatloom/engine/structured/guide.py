@@ -103,6 +103,10 @@ class GrammarGuide:
         for j, (_, matcher) in enumerate(rows):
             llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
         allowed = bitmask_to_bool(bitmask, logits.shape[-1])
+        # A matcher in an error state allows nothing; let it end with EOS rather than sample from all -inf.
+        stuck = ~allowed.any(dim=1)
+        if bool(stuck.any()) and self._eos_ids:
+            allowed[stuck.nonzero().flatten().unsqueeze(1), torch.tensor(self._eos_ids)] = True
         index = torch.tensor([i for i, _ in rows])
         sub = logits[index]
         logits[index] = sub.masked_fill(~allowed, float("-inf")).to(logits.dtype)
