@@ -110,3 +110,19 @@ def test_bad_constraints_are_refused_with_the_reason(engine):
     # The engine keeps serving after a refused request.
     out = engine.generate(["x"], [SamplingParams(max_tokens=3, temperature=0)], use_tqdm=False)[0]
     assert out.num_output_tokens == 3
+
+
+@pytest.mark.slow
+def test_real_model_answers_in_the_schema(smollm2):
+    from chatloom.models.chat_template import encode_chat
+
+    engine = LLMEngine(smollm2, EngineConfig(num_blocks=256, max_num_seqs=4))
+    prompt = encode_chat(smollm2.tokenizer, [{"role": "user", "content": "Give a person's name and age as JSON."}])
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+              "required": ["name", "age"], "additionalProperties": False}
+    outs = engine.generate([prompt] * 2, [SamplingParams(max_tokens=40, temperature=0, constraint=Constraint.json_schema(schema)),
+                                          SamplingParams(max_tokens=8, temperature=0)], use_tqdm=False)
+    jsonschema.validate(json.loads(outs[0].text), schema)
+    assert outs[0].finish_reason == "stop"
+    assert not outs[1].text.lstrip().startswith('{"name"')  # the free request beside it is not masked
