@@ -73,6 +73,20 @@ def estimate_tokens(text: str) -> int:
     return max(1, math.ceil(len(text.encode("utf-8")) / 4))
 
 
+def count_text_tokens(tokenizer, text: str) -> int:
+    """Tokens `text` takes as content: exact with a local tokenizer, else estimated."""
+    if tokenizer is not None:
+        return len(tokenizer.encode(text, add_special=False))
+    return estimate_tokens(text)
+
+
+def count_chat_tokens(tokenizer, messages: list[dict]) -> int:
+    """Tokens the rendered chat prompt takes: exact with a local tokenizer, else estimated."""
+    if tokenizer is not None:
+        return len(encode_chat(tokenizer, messages))
+    return sum(estimate_tokens(m.get("content") or "") + 4 for m in messages) + 2
+
+
 class RemoteBackend(Backend):
     """One OpenAI-compatible server. `model` is the id it must serve (None: whatever it lists first)."""
 
@@ -301,14 +315,10 @@ class RemoteBackend(Backend):
         return self._tokenizer
 
     def count_tokens(self, text: str) -> int:
-        if self._tokenizer is not None:
-            return len(self._tokenizer.encode(text, add_special=False))
-        return estimate_tokens(text)
+        return count_text_tokens(self._tokenizer, text)
 
     def count_prompt_tokens(self, messages: list[dict]) -> int:
-        if self._tokenizer is not None:
-            return len(encode_chat(self._tokenizer, messages))
-        return sum(estimate_tokens(m.get("content") or "") + 4 for m in messages) + 2
+        return count_chat_tokens(self._tokenizer, messages)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         self.resolve_model(request.model)

@@ -30,7 +30,7 @@ from chatloom.serving.continuation import AnswerText
 from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
 from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts,
-                                     encode_chat, estimate_tokens, sampling_params)
+                                     count_chat_tokens, count_text_tokens, encode_chat, sampling_params)
 from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -229,14 +229,10 @@ class Router(Backend):
         return self._tokenizer
 
     def count_tokens(self, text: str) -> int:
-        if self._tokenizer is not None:
-            return len(self._tokenizer.encode(text, add_special=False))
-        return estimate_tokens(text)
+        return count_text_tokens(self._tokenizer, text)
 
     def count_prompt_tokens(self, messages: list[dict]) -> int:
-        if self._tokenizer is not None:
-            return len(encode_chat(self._tokenizer, messages))
-        return sum(estimate_tokens(m.get("content") or "") + 4 for m in messages) + 2
+        return count_chat_tokens(self._tokenizer, messages)
 
     def stats(self) -> BackendStats:
         live = [r.state(0) for r in self.replicas if r.healthy]
