@@ -1,10 +1,14 @@
 """Shared fixtures: the tiny random model for fast tests, the real SmolLM2 for the few that need it."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from chatloom.models import LoadedModel, load_model
+
+from backing_services import create_database, drop_database, require_postgres
 
 # One intra-op thread: the tests' models are tiny, and OpenMP threads that spin-wait
 # for a busy second core turn microsecond ops into milliseconds.
@@ -26,3 +30,17 @@ def tiny_model_fp32() -> LoadedModel:
 def smollm2() -> LoadedModel:
     """The bundled SmolLM2-135M-Instruct (about 10 s to load); used by few tests."""
     return load_model("smollm2-135m-instruct", "fp32")
+
+
+# -- the database: SQLite (embedded default) and PostgreSQL (a real server, when one is given) ----------
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    """One test, both backends: a fresh SQLite file, or a fresh database on the PostgreSQL server of
+    $CHATLOOM_TEST_POSTGRES_URL (skipped without it). Either starts empty; migrations build the schema."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path}/chatloom.db"
+        return
+    url = asyncio.run(create_database(require_postgres()))
+    yield url
+    asyncio.run(drop_database(url))

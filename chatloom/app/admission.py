@@ -14,6 +14,8 @@ expected wait (the requests ahead of it in its tier's order, or its tier's reser
 admissions, whichever is sooner) exceeds `max_wait_s` is refused at once with QueueFull (a 503 with
 Retry-After) instead of waiting out the timeout. Until a few runs are measured nothing is refused
 early: a guess at the rate would refuse work a fast engine could do.
+With several gateways, `fleet` (a hotstate.fleet_shares.FleetShares) adds the other gateways'
+generations and admissions to both shares.
 """
 from __future__ import annotations
 
@@ -120,6 +122,7 @@ class AdmissionQueue:
         self._announcer: asyncio.Task | None = None
         self._avg_run_s = 5.0
         self._run_times: deque[float] = deque(maxlen=50)  # seconds each recent generation held its slot
+        self.fleet = None  # FleetShares: the other gateways' figures, when several share the shares
 
     # -- figures ------------------------------------------------------------------
     @property
@@ -134,7 +137,12 @@ class AdmissionQueue:
         return self._running.get(kind, 0)
 
     def reasoning_slots(self) -> int:
-        return max(1, math.floor(self.max_running * self.reasoning_share))
+        total = self.max_running + (self.fleet.others_max_running if self.fleet is not None else 0)
+        return max(1, math.floor(total * self.reasoning_share))
+
+    def reasoning_running(self) -> int:
+        """Reasoning generations running here, plus on the other gateways of the fleet."""
+        return self._running[REASONING] + (self.fleet.others_reasoning if self.fleet is not None else 0)
 
     # -- admission ------------------------------------------------------------------
     async def admit(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
@@ -212,6 +220,8 @@ class AdmissionQueue:
     def _release(self, slot: Slot) -> None:
         kind = slot.ticket.kind
         self._running[kind] = max(0, self._running[kind] - 1)
+        if self.fleet is not None:
+            self.fleet.released(kind == REASONING)
         run_s = time.monotonic() - slot.started_at
         self._avg_run_s = 0.8 * self._avg_run_s + 0.2 * run_s
         if slot.ran:  # it really ran (a slot handed back before starting says nothing of the pace)
@@ -224,7 +234,7 @@ class AdmissionQueue:
 
     # -- choosing ---------------------------------------------------------------------
     def _eligible(self, t: Ticket) -> bool:
-        return t.kind != REASONING or self._running[REASONING] < self.reasoning_slots()
+        return t.kind != REASONING or self.reasoning_running() < self.reasoning_slots()
 
     def _order(self) -> list[Ticket]:
         """Waiting tickets in the order they would be admitted if room appeared for all."""
@@ -238,12 +248,13 @@ class AdmissionQueue:
 
     def _starved_tier(self, eligible: list[Ticket]) -> str | None:
         """The waiting tier furthest below its reserved share of recent admissions, if any."""
-        if not self._recent:
+        recent = self.fleet.recent if self.fleet is not None else self._recent
+        if not recent:
             return None
         best, best_gap = None, 0.0
         for name in {t.tier.name for t in eligible}:
             share = next(t.tier.reserved_share for t in eligible if t.tier.name == name)
-            gap = share - sum(1 for n in self._recent if n == name) / len(self._recent)
+            gap = share - sum(1 for n in recent if n == name) / len(recent)
             if gap > best_gap:
                 best, best_gap = name, gap
         return best
@@ -268,6 +279,8 @@ class AdmissionQueue:
         self._running[ticket.kind] += 1
         self._pending_tokens += ticket.prompt_tokens
         self._recent.append(ticket.tier.name)
+        if self.fleet is not None:
+            self.fleet.granted(ticket.tier.name, ticket.kind == REASONING)
         slot = Slot(self, ticket, time.monotonic() - ticket.enqueued)
         if ticket.future.done():  # cancelled meanwhile
             slot.release()

@@ -19,7 +19,8 @@ def _settings(args: argparse.Namespace):
     settings = Settings.from_file(args.config) if args.config else Settings()
     fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
               "speculative", "num_speculative_tokens", "speculative_model")
-    return settings.updated(db_url=args.db, **{k: getattr(args, k, None) for k in fields})
+    return settings.updated(db_url=args.db, redis_url=getattr(args, "redis", None),
+                            **{k: getattr(args, k, None) for k in fields})
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -30,21 +31,35 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
+    from pathlib import Path
 
-    import uvicorn
-
+    from chatloom.app import http_server
     from chatloom.app.main import create_app
 
     from chatloom.app.fleet_cli import fleet_for_serve
 
     settings = _settings(args)
+    tls = (args.tls_cert, args.tls_key)
+    if any(tls) and not all(tls):
+        raise ValueError("--tls-cert and --tls-key go together (HTTP/2 needs both)")
+    for path in filter(None, tls):
+        if not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with fleet_for_serve(settings, args) as settings:  # replicas started/probed here; a bad one is one line
         app = create_app(settings)
-        print(f"chatloom: serving {settings.model} on http://{settings.host}:{settings.port} "
-              f"(database {settings.database_url})", file=sys.stderr)
-        _Server(app, uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                    timeout_graceful_shutdown=max(1, round(settings.shutdown_drain_s)))).run()
+        scheme = "https (HTTP/2)" if all(tls) else "http"
+        shared = f", shared state in Redis at {settings.redis_url}" if settings.redis_url else ""
+        print(f"chatloom: serving {settings.model} on {scheme}://{settings.host}:{settings.port} "
+              f"(database {settings.database_url}{shared})", file=sys.stderr)
+        if all(tls):  # HTTP/2 over TLS (Hypercorn)
+            http_server.run(app, settings, *tls)
+        else:  # uvicorn, noting when SIGTERM came so the drain deadline counts from it
+            import uvicorn
+
+            _Server(app, uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                        timeout_graceful_shutdown=2 if settings.redis_url  # clients resume elsewhere
+                                        else max(1, round(settings.shutdown_drain_s)))).run()
     return 0
 
 
@@ -143,6 +158,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from chatloom.app.fleet_cli import add_fleet_args
 
     add_fleet_args(p)
+    p.add_argument("--redis", metavar="URL", help="share quotas, streams, stops and jobs with other gateways "
+                                                  "through this Redis (redis://host:port/0)")
+    p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with HTTP/2 (Hypercorn): certificate (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 

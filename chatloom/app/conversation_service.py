@@ -2,7 +2,9 @@
 
 A generation is a job, not a connection: it writes its events to an event log and saves the
 answer when it ends, whether or not any client is still reading. One generation runs per
-conversation at a time; POST .../stop aborts it and the partial answer is kept as 'stopped'.
+conversation at a time (across gateways: `jobs`); POST .../stop aborts it and the partial answer is
+kept as 'stopped'. A gateway that dies mid-answer has its answers taken over by another gateway and
+continued from their logged text (`resume_job`, see hotstate/job_keeper.py and continuation.py).
 
 The generation's trip (caps, moderation, quota, admission, stream, output guard, settlement) is the
 shared `Pipeline`; this service adds what is particular to conversations: the message tree, prompt
@@ -18,16 +20,20 @@ from dataclasses import dataclass, field
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.branches import Tree
+from chatloom.app.continuation import can_continue, logged_text
 from chatloom.app.conversation_prompt import ConversationDeleted, PromptAssembler, SummaryAborted
 from chatloom.app.errors import ApiError, error_event, not_found
 from chatloom.app.events import EventLog, EventLogStore
+from chatloom.app.hotstate.job_keeper import reservation_of, reservation_spec
+from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs
+from chatloom.app.hotstate.redis_events import LogTakenOver
 from chatloom.app.pipeline import AnswerText, Ask, ChatPrompt, Finished, GenerationStopped, Pipeline, Run, Thinking
 from chatloom.app.recovery import start_checkpointer
 from chatloom.app.settings import Settings
 from chatloom.app.summary_admission import admitted_summary
 from chatloom.app.validation import off_loop
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
-from chatloom.store import Conversation, Conversations, Database, Messages, User
+from chatloom.store import Conversation, Conversations, Database, Message, Messages, User, Users
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +67,11 @@ class Generation:
     stop_requested: bool = False
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    prefix: str = ""  # i12 recovery: the saved text this answer continues from (see app/recovery.py)
+    # The answer so far, continued from here: saved text (i12 recovery, app/recovery.py) or, taken over
+    # from a gateway that died, the text its log already holds (prefix_logged: readers have it).
+    prefix: str = ""
+    prefix_logged: bool = False
+    abandoned: bool = False  # another gateway has the job: end here without saving anything
 
     def next_summary_id(self) -> str:
         self.summary_ids += 1
@@ -85,6 +95,8 @@ class ConversationService:
         self.logs = logs
         self.prompts = PromptAssembler(db, pipeline.backend, settings, lambda: pipeline.context_window)
         self._running: dict[str, Generation | None] = {}
+        self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
+        self.draining = False  # shutting down: no new answers here
 
     # -- starting generations ----------------------------------------------------------
     def running(self, conversation_id: str) -> Generation | None:
@@ -104,6 +116,16 @@ class ConversationService:
         if conversation_id in self._running and self._running[conversation_id] is None:
             del self._running[conversation_id]
 
+    async def _claim_fleet(self, conversation_id: str) -> bool:
+        """Hold the conversation across the fleet: another gateway may be answering in it."""
+        if self.draining:
+            raise ApiError(503, "this gateway is shutting down; retry (another gateway will answer)",
+                           "shutting_down", headers={"Retry-After": "1"})
+        if not await self.jobs.claim(conversation_id):
+            raise ApiError(409, "an answer is already being generated in this conversation (on another "
+                           "gateway); stop it first", "generation_in_progress")
+        return True
+
     async def send(self, session: AsyncSession, conv: Conversation, text: str, options: GenerationOptions,
                    parent_id: object = UNSET) -> Generation:
         """Save a user message (under parent_id, or at the end of the active branch) and start its answer."""
@@ -112,14 +134,16 @@ class ConversationService:
                            f"{self.settings.max_message_chars} allowed", "message_too_long", "text")
         self._claim(conv.id)
         run = None
+        claimed = False
         try:
+            claimed = await self._claim_fleet(conv.id)
             tree = Tree(await Messages(session).all_in(conv.id))
             parent = self._parent(tree, conv, parent_id)
             run = await self.pipeline.open(options.ask(""), moderate=text)  # before any model work or saving
             text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # i12: large input
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history = [m.tokens for m in tree.path_to(parent)] if parent is not None else []
-            run.reserve(self.prompts.estimate(history + [text_tokens], run.max_tokens))
+            await run.reserve(self.prompts.estimate(history + [text_tokens], run.max_tokens))
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, run.limits.model,
@@ -132,6 +156,8 @@ class ConversationService:
             return await self._start(conv.id, user_msg.id, answer.id, run)
         except BaseException:
             self._unclaim(conv.id)
+            if claimed:
+                await self.jobs.release(conv.id)
             if run is not None:
                 await run.close()
             raise
@@ -155,7 +181,9 @@ class ConversationService:
         """A new answer beside an assistant message (or under a user message)."""
         self._claim(conv.id)
         run = None
+        claimed = False
         try:
+            claimed = await self._claim_fleet(conv.id)
             run = await self.pipeline.open(options.ask(""))
             target = await Messages(session).get(conv.id, message_id)
             if target is None:
@@ -164,7 +192,7 @@ class ConversationService:
             if question_id is None:
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
             tree = Tree(await Messages(session).all_in(conv.id))
-            run.reserve(self.prompts.estimate([m.tokens for m in tree.path_to(question_id)], run.max_tokens))
+            await run.reserve(self.prompts.estimate([m.tokens for m in tree.path_to(question_id)], run.max_tokens))
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
                                                  status="incomplete")
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
@@ -172,6 +200,8 @@ class ConversationService:
             return await self._start(conv.id, question_id, answer.id, run)
         except BaseException:
             self._unclaim(conv.id)
+            if claimed:
+                await self.jobs.release(conv.id)
             if run is not None:
                 await run.close()
             raise
@@ -182,6 +212,10 @@ class ConversationService:
         gen = Generation(conversation_id, question_id, answer_id, run, await self.logs.create(answer_id),
                          prefix=prefix)
         await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
+        await self.jobs.update(JobRecord(conversation_id, self.jobs.gateway, answer_id, spec={
+            "user_message_id": question_id, "user_id": run.ask.user.id, "model": run.limits.model,
+            "max_tokens": run.max_tokens, "temperature": run.limits.temperature, "top_p": run.limits.top_p,
+            "effort": run.limits.effort, "reservation": reservation_spec(run.reservation)}))
         self._running[conversation_id] = gen
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
         start_checkpointer(self, gen)  # i12 recovery: the text so far reaches the database every interval
@@ -203,12 +237,73 @@ class ConversationService:
             log.warning("generation %s did not stop within %.0f s", gen.message_id, timeout)
         return gen
 
-    async def shutdown(self) -> None:
-        await asyncio.gather(*(self.stop(cid) for cid, g in list(self._running.items()) if g is not None))
+    async def shutdown(self, grace_s: float = 0.0, hand_over: bool = False) -> None:
+        """Take no new answers; give the running ones `grace_s` to finish; then hand the rest over to
+        the other gateways (hand_over: their leases lapse and another gateway continues them) or, alone,
+        stop them (saved as 'stopped')."""
+        self.draining = True
+        running = [g for g in self._running.values() if g is not None]
+        if running and grace_s > 0:
+            await asyncio.wait([asyncio.ensure_future(g.finished.wait()) for g in running], timeout=grace_s)
+        left = [cid for cid, g in list(self._running.items()) if g is not None]
+        if not hand_over:
+            await asyncio.gather(*(self.stop(cid) for cid in left))
+            return
+        for cid in left:
+            log.warning("handing the answer of conversation %s over to another gateway", cid)
+            forget = getattr(self.jobs, "forget", None)
+            if forget is not None:
+                forget(cid)  # stop renewing: the lease lapses and another gateway takes the job
+            await self.abandon(cid)
+
+    async def abandon(self, conversation_id: str, timeout: float = 5.0) -> None:
+        """End the answer here without saving it: another gateway has it (or will take it over)."""
+        gen = self._running.get(conversation_id)
+        if gen is None:
+            return
+        gen.abandoned = gen.stop_requested = True
+        gen.run.stop()
+        try:
+            await asyncio.wait_for(gen.finished.wait(), timeout)
+        except asyncio.TimeoutError:
+            if gen.task is not None:
+                gen.task.cancel()
+
+    # -- taking over the answer of a gateway that died ---------------------------------
+    async def resume_job(self, record: JobRecord) -> bool:
+        """Continue a taken-over answer from the text its log holds; False when it cannot be continued."""
+        spec = record.spec
+        if spec.get("effort") or not can_continue(self.backend):
+            return False  # the hidden thinking is not logged; a remote backend renders its own prompts
+        reopen = getattr(self.logs, "open_for_writing", None)
+        event_log = await reopen(record.message_id) if reopen is not None else None
+        if event_log is None:
+            return False
+        async with self.db.session() as session:
+            message = await session.get(Message, record.message_id)
+            user = await Users(session).get(spec["user_id"])
+        if message is None or message.status != "incomplete" or user is None:
+            return False  # deleted, or saved by its gateway after all
+        prefix = logged_text(await self.logs.events(record.message_id))
+        remaining = spec["max_tokens"] - self._count(prefix)
+        if remaining <= 0:
+            return False
+        run = await self.pipeline.open(Ask(user=user, model=spec["model"], max_tokens=remaining,
+                                           temperature=spec["temperature"], top_p=spec.get("top_p"),
+                                           request_id=f"{record.message_id}-cont", param="text"))
+        reservation = reservation_of(spec)
+        if reservation is not None:
+            run.adopt(reservation)
+        gen = Generation(record.conversation_id, spec["user_message_id"], record.message_id, run, event_log,
+                         prefix=prefix, prefix_logged=True)
+        self._running[record.conversation_id] = gen
+        start_checkpointer(self, gen)  # i12: the continued text reaches the database every interval
+        gen.task = asyncio.create_task(self._run(gen), name=f"continuation-{record.message_id}")
+        return True
 
     # -- the job ---------------------------------------------------------------------------
     async def _run(self, gen: Generation) -> None:
-        out = _Outcome()
+        out = _Outcome(answer=[gen.prefix] if gen.prefix_logged else [])
         run = gen.run
         try:
             messages = await self.prompts.assemble(gen.conversation_id, gen.user_message_id, run.limits.model,
@@ -216,8 +311,9 @@ class ConversationService:
                                                    lambda request: admitted_summary(run, request))  # i12
             if gen.stop_requested:
                 raise GenerationStopped
-            if gen.prefix:  # i12 recovery: the saved text opens the assistant's turn; readers see it whole
-                await self._write(gen, AnswerText(gen.prefix), out)
+            if gen.prefix:  # the saved (or logged) text opens the assistant's turn; readers see it whole
+                if not gen.prefix_logged:  # i12 recovery: a fresh log
+                    await self._write(gen, AnswerText(gen.prefix), out)
                 messages = messages + [{"role": "assistant", "content": gen.prefix}]
 
             async def position(n: int) -> None:
@@ -235,6 +331,8 @@ class ConversationService:
             out.finish_reason = "abort"
             await self._finish(gen, out)
             raise
+        except LogTakenOver:
+            gen.abandoned = True  # another gateway continues this answer
         except Exception as exc:  # keep the job's failure in the conversation, not in a log nobody reads
             log.exception("generation %s failed", gen.message_id)
             out.error = exc
@@ -242,16 +340,25 @@ class ConversationService:
 
     @staticmethod
     async def _write(gen: Generation, piece: object, out: _Outcome) -> None:
+        # PostgreSQL text cannot hold NUL: drop it here, so what is streamed is exactly what is saved.
         if isinstance(piece, AnswerText):
-            out.answer.append(piece.text)
-            await gen.log.append({"token": piece.text})
+            text = piece.text.replace("\x00", "")
+            out.answer.append(text)
+            await gen.log.append({"token": text})
         elif isinstance(piece, Thinking):
-            out.thinking.append(piece.text)
-            await gen.log.append({"thinking": piece.text})
+            text = piece.text.replace("\x00", "")
+            out.thinking.append(text)
+            await gen.log.append({"thinking": text})
         elif isinstance(piece, Finished):
             out.finish_reason = piece.finish_reason
 
     async def _finish(self, gen: Generation, out: _Outcome) -> None:
+        if gen.abandoned:  # another gateway has the job: it saves the answer and settles the quota
+            gen.run.drop()
+            if self._running.get(gen.conversation_id) is gen:
+                del self._running[gen.conversation_id]
+            gen.finished.set()
+            return
         try:
             await gen.run.close()  # settle, meter, observe: before the client hears 'done'
             reason = out.finish_reason or ("error" if out.error else "abort")
@@ -279,10 +386,16 @@ class ConversationService:
                     "conversation_id": gen.conversation_id, "status": status, "finish_reason": reason,
                     "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}})
         finally:
-            await gen.log.close()
-            if self._running.get(gen.conversation_id) is gen:
-                del self._running[gen.conversation_id]
-            gen.finished.set()
+            try:
+                await gen.log.close()
+            finally:
+                if self._running.get(gen.conversation_id) is gen:
+                    del self._running[gen.conversation_id]
+                gen.finished.set()
+                try:
+                    await self.jobs.release(gen.conversation_id)
+                except Exception as exc:  # Redis away: the lease lapses, and the keeper finds the answer saved
+                    log.warning("could not release the job of %s: %s", gen.conversation_id, exc)
 
     def _count(self, text: str) -> int:
         try:

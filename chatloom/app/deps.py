@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from chatloom.app.auth import API_KEY_PREFIX, Passwords, Tokens, hash_api_key
 from chatloom.app.conversation_service import ConversationService
 from chatloom.app.errors import ApiError, not_found
+from chatloom.app.hotstate.state import HotState
 from chatloom.app.pipeline import Pipeline
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import Traffic
@@ -33,6 +34,7 @@ class AppContext:
     traffic: Traffic
     pipeline: Pipeline
     conversations: ConversationService
+    hot: HotState  # quotas, stream logs, stops, job leases: in memory, or shared by the gateways in Redis
 
 
 def get_context(request: Request) -> AppContext:

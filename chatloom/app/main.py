@@ -13,7 +13,7 @@ from chatloom.app.auth import Passwords, Tokens
 from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
-from chatloom.app.events import MemoryEventLogStore
+from chatloom.app.hotstate.state import build_hot_state, install_redis_errors, start_hot_state
 from chatloom.app.pipeline import Pipeline
 from chatloom.app.recovery import Sweeper, drain
 from chatloom.app.routes import admin, auth, conversations, health, openai, recovery, usage, web
@@ -49,30 +49,44 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     owns_backend = backend is None
     backend = backend or default_backend(settings)
     db = Database(settings.database_url)
+    hot = build_hot_state(settings)  # quotas, stream logs, stops, job leases: in memory, or shared in Redis
     traffic = build_traffic(settings, backend, db)
+    traffic.quotas = hot.quotas
+    traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.token_ttl_s), traffic=traffic, pipeline=pipeline,
-        conversations=ConversationService(db, pipeline, settings, MemoryEventLogStore(settings.event_log_retention_s)),
+        conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
     )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await db.migrate()
-        sweeper = Sweeper(ctx.conversations)  # answers left running by a dead process: interrupted
-        await sweeper.start()
+        await start_hot_state(hot, ctx.conversations, db, traffic.admission.max_running)
+        # Answers left running by a dead process: alone, the sweeper marks them interrupted; with shared
+        # state (Redis) their job leases lapse and another gateway takes them over and continues them.
+        sweeper = None if hot.shared else Sweeper(ctx.conversations)
+        if sweeper is not None:
+            await sweeper.start()
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend), name="backend-start")
         try:
             yield
         finally:
-            await sweeper.stop()
-            # Running answers get until the drain deadline (counted from SIGTERM where the CLI saw it).
-            started = getattr(app.state, "shutdown_started", None)
-            spent = time.monotonic() - started if started is not None else 0.0
-            await drain(ctx.conversations, max(0.0, settings.shutdown_drain_s - spent))
+            if sweeper is not None:
+                await sweeper.stop()
+            if hot.shared:
+                # SIGTERM: running answers get shutdown_grace_s to finish, then go to other gateways.
+                await ctx.conversations.shutdown(settings.shutdown_grace_s, hand_over=True)
+            else:
+                # Running answers get until the drain deadline (counted from SIGTERM where the CLI saw it),
+                # then are stopped and marked interrupted.
+                started = getattr(app.state, "shutdown_started", None)
+                spent = time.monotonic() - started if started is not None else 0.0
+                await drain(ctx.conversations, max(0.0, settings.shutdown_drain_s - spent))
+            await hot.close()
             if not loading.done():
                 loading.cancel()
             if owns_backend:
@@ -83,6 +97,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     app.add_middleware(EdgeGuard, max_body_bytes=settings.max_body_bytes)  # outermost: before any parsing
     for module in (health, auth, conversations, recovery, usage, admin, openai, web):

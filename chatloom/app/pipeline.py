@@ -5,7 +5,7 @@ through the same stages, in this order:
 
     run = await pipeline.open(ask, moderate=text)  # caps: model allowed for the tier, max_tokens defaulted,
                                                    #   limited and capped, effort capped; input moderation
-    run.reserve(prompt or estimate)                # 400 context_length_exceeded if it can never fit (before
+    await run.reserve(prompt or estimate)                # 400 context_length_exceeded if it can never fit (before
                                                    #   any quota or queue), then the quota reservation (429)
     await run.admit(prompt, on_position)           # exact prompt, reservation topped up, admission (503)
     async for piece in run.stream(): ...           # backend.stream -> thinking split -> output guard
@@ -189,10 +189,28 @@ class Run:
         self._prepared: tuple[Prompt, Prompt, int] | None = None  # (as given, as sent, its tokens)
         self._streaming = False
         self._closed = False
+        self.continuing = False  # taken over from a gateway that died (see adopt)
 
     @property
     def traffic(self) -> Traffic:
         return self.pipeline.traffic
+
+    @property
+    def reservation(self):
+        """The quota reservation (a job record carries it, so whichever gateway ends the run settles it)."""
+        return self._reservation
+
+    def drop(self) -> None:
+        """End here without settling: another gateway took the run over and settles it. Frees the slot."""
+        self._closed = True
+        if self._slot is not None:
+            self._slot.release()
+
+    def adopt(self, reservation) -> None:
+        """Continue a run another gateway began: its quota reservation (already counted) becomes this
+        run's, to be settled at close; admit() then does not reserve again."""
+        self._reservation = reservation
+        self.continuing = True
 
     # -- before the model ------------------------------------------------------------------
     def _prepare(self, prompt: Prompt) -> tuple[Prompt, int]:
@@ -228,12 +246,12 @@ class Run:
         # i12: nor more KV cache than the engine's whole pool (it would wait in the queue forever).
         check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
 
-    def reserve(self, prompt: Prompt | int) -> None:
+    async def reserve(self, prompt: Prompt | int) -> None:
         """Refuse a prompt that can never fit, then reserve its tokens plus max_tokens from the quota.
         Give the prompt itself, or (when it is assembled later) an estimate of its tokens."""
         tokens = prompt if isinstance(prompt, int) else self._prepare(prompt)[1]
         self._fit(tokens)
-        self._reservation = self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+        self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
 
     async def admit(self, prompt: Prompt, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
         """Count the exact prompt, top the reservation up to it, and wait for room in the engine.
@@ -241,9 +259,9 @@ class Run:
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
         if self._reservation is None:
-            self._reservation = self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
-        else:
-            self.traffic.extend(self._reservation, self.limits.tier, tokens + self.max_tokens + self.summary_reserved)
+            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+        elif not self.continuing:  # a continued answer's tokens were reserved when it began
+            await self.traffic.extend(self._reservation, self.limits.tier, tokens + self.max_tokens + self.summary_reserved)
         if self.stopped:
             raise GenerationStopped
         kind = REASONING if self.limits.effort is not None else INTERACTIVE
@@ -338,7 +356,7 @@ class Run:
             self._slot.release()
         used = self.usage + self._extra
         if self._reservation is not None:
-            self.traffic.quotas.settle(self._reservation, used.total_tokens)
+            await self.traffic.quotas.settle(self._reservation, used.total_tokens)
         if used.total_tokens:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:

@@ -5,17 +5,20 @@ against the user's per-minute and per-day budgets at once, so any number of conc
 can never be granted more than the limit. When the generation ends (finished, stopped, failed)
 the reservation is settled to the tokens really used, giving back the rest.
 
-`QuotaStore` is the interface; `MemoryQuotaStore` keeps the counters in this process. A Redis
-store can implement the same calls with a sorted set per user (minute window) and INCRBY on a
-per-day key, inside one Lua script so the check-and-reserve stays atomic across gateways.
+`QuotaStore` is the interface (async, so a store may live in another server); `MemoryQuotaStore`
+keeps the counters in this process; `chatloom.app.hotstate.redis_quotas.RedisQuotaStore` keeps them
+in Redis, one Lua script per call, so the check-and-reserve stays atomic across any number of gateways.
+Both refuse with the same messages (`refusal`).
 """
 from __future__ import annotations
 
 import abc
 import functools
+import inspect
 import math
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -75,23 +78,24 @@ class Reservation:
     day: str
     settled: bool = False
     _entry: list = field(default_factory=list, repr=False)  # [time, tokens] in the minute window
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names it in a shared store
 
 
 class QuotaStore(abc.ABC):
     @abc.abstractmethod
-    def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
+    async def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
         """Count `tokens` against the user's budgets now, or raise QuotaExceeded."""
 
     @abc.abstractmethod
-    def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
+    async def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
         """Grow a reservation to `tokens` (the exact prompt turned out larger), or raise QuotaExceeded."""
 
     @abc.abstractmethod
-    def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         """Replace the reservation by the tokens really used; ends the request's concurrency slot."""
 
     @abc.abstractmethod
-    def state(self, user_id: str, tier: Tier) -> QuotaState: ...
+    async def state(self, user_id: str, tier: Tier) -> QuotaState: ...
 
 
 @dataclass
@@ -101,6 +105,57 @@ class _UserCounters:
     day: str = ""
     day_tokens: int = 0
     active: int = 0
+
+
+# Why a request is refused, in the order the checks run.
+TOO_BIG, PER_DAY, CONCURRENCY, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = range(1, 6)
+
+
+def refusal_kind(tier: Tier, tokens: int, new_request: bool, minute_used: int, day_used: int, active: int,
+                 requests: int) -> int | None:
+    """Which limit `tokens` more would break (None: none). Shared by every store, so all refuse alike."""
+    if tokens > tier.tokens_per_minute:
+        return TOO_BIG
+    if day_used + tokens > tier.tokens_per_day:
+        return PER_DAY
+    if new_request and active >= tier.max_concurrent:
+        return CONCURRENCY
+    if new_request and requests >= tier.requests_per_minute:
+        return REQUESTS_PER_MINUTE
+    if minute_used + tokens > tier.tokens_per_minute:
+        return TOKENS_PER_MINUTE
+    return None
+
+
+def refusal(kind: int, tier: Tier, tokens: int, minute_used: int, day_used: int, now: float,
+            oldest_request: float, wait_s: float, state: QuotaState) -> QuotaExceeded:
+    """The refusal for `kind`: its message, OpenAI's code and when to retry."""
+    if kind == TOO_BIG:
+        return QuotaExceeded(f"this request needs {tokens} tokens (prompt + max_tokens), more than the "
+                             f"{tier.name} tier's {tier.tokens_per_minute} tokens per minute; lower "
+                             "max_tokens or shorten the prompt", "rate_limit_exceeded", MINUTE, state)
+    if kind == PER_DAY:
+        return QuotaExceeded(f"daily token quota of the {tier.name} tier used up ({day_used} of "
+                             f"{tier.tokens_per_day} tokens today, this request needs {tokens})",
+                             "insufficient_quota", _seconds_to_midnight(now), state)
+    if kind == CONCURRENCY:
+        return QuotaExceeded(f"the {tier.name} tier runs at most {tier.max_concurrent} generations at "
+                             "once; wait for one to finish", "rate_limit_exceeded", 1.0, state)
+    if kind == REQUESTS_PER_MINUTE:
+        return QuotaExceeded(f"rate limit of {tier.requests_per_minute} requests per minute reached",
+                             "rate_limit_exceeded", oldest_request + MINUTE - now, state)
+    return QuotaExceeded(f"rate limit reached: {minute_used} of {tier.tokens_per_minute} tokens per minute in "
+                         f"use, this request needs {tokens}", "rate_limit_exceeded", wait_s, state)
+
+
+def quota_state(tier: Tier, minute_used: int, day_used: int, requests: int, newest_entry: float | None,
+                oldest_request: float | None, now: float) -> QuotaState:
+    """The x-ratelimit-* figures from a store's counters."""
+    reset_tokens = (newest_entry + MINUTE - now) if minute_used and newest_entry is not None else 0.0
+    reset_requests = (oldest_request + MINUTE - now) if requests and oldest_request is not None else 0.0
+    remaining_tokens = min(tier.tokens_per_minute - minute_used, tier.tokens_per_day - day_used)
+    return QuotaState(tier.requests_per_minute, tier.requests_per_minute - requests, reset_requests,
+                      tier.tokens_per_minute, remaining_tokens, reset_tokens)
 
 
 def _today(now: float) -> str:
@@ -114,6 +169,14 @@ def _seconds_to_midnight(now: float) -> float:
 
 
 def _locked(method):
+    if inspect.iscoroutinefunction(method):
+        # The memory store's async methods never suspend, so holding a thread lock across the await is safe.
+        @functools.wraps(method)
+        async def async_wrapper(self, *args, **kwargs):
+            with self._lock:
+                return await method(self, *args, **kwargs)
+        return async_wrapper
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
@@ -157,30 +220,15 @@ class MemoryQuotaStore(QuotaStore):
         return MINUTE
 
     def _check(self, c: _UserCounters, tier: Tier, tokens: int, now: float, new_request: bool) -> None:
-        if tokens > tier.tokens_per_minute:
-            raise QuotaExceeded(f"this request needs {tokens} tokens (prompt + max_tokens), more than the "
-                                f"{tier.name} tier's {tier.tokens_per_minute} tokens per minute; lower "
-                                "max_tokens or shorten the prompt", "rate_limit_exceeded", MINUTE,
-                                self._state(c, tier, now))
-        if c.day_tokens + tokens > tier.tokens_per_day:
-            raise QuotaExceeded(f"daily token quota of the {tier.name} tier used up ({c.day_tokens} of "
-                                f"{tier.tokens_per_day} tokens today, this request needs {tokens})",
-                                "insufficient_quota", _seconds_to_midnight(now), self._state(c, tier, now))
-        if new_request and c.active >= tier.max_concurrent:
-            raise QuotaExceeded(f"the {tier.name} tier runs at most {tier.max_concurrent} generations at "
-                                "once; wait for one to finish", "rate_limit_exceeded", 1.0,
-                                self._state(c, tier, now))
-        if new_request and len(c.requests) >= tier.requests_per_minute:
-            raise QuotaExceeded(f"rate limit of {tier.requests_per_minute} requests per minute reached",
-                                "rate_limit_exceeded", c.requests[0] + MINUTE - now, self._state(c, tier, now))
         used = self._minute_used(c)
-        if used + tokens > tier.tokens_per_minute:
-            raise QuotaExceeded(f"rate limit reached: {used} of {tier.tokens_per_minute} tokens per minute in "
-                                f"use, this request needs {tokens}", "rate_limit_exceeded",
-                                self._wait_for(c, now, tokens, tier.tokens_per_minute), self._state(c, tier, now))
+        kind = refusal_kind(tier, tokens, new_request, used, c.day_tokens, c.active, len(c.requests))
+        if kind is not None:
+            wait = self._wait_for(c, now, tokens, tier.tokens_per_minute) if kind == TOKENS_PER_MINUTE else 0.0
+            oldest = c.requests[0] if c.requests else now
+            raise refusal(kind, tier, tokens, used, c.day_tokens, now, oldest, wait, self._state(c, tier, now))
 
     @_locked
-    def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
+    async def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
         now = self.clock()
         c = self._counters(user_id, now)
         self._check(c, tier, tokens, now, new_request=True)
@@ -192,7 +240,7 @@ class MemoryQuotaStore(QuotaStore):
         return Reservation(user_id, tokens, now, c.day, _entry=entry)
 
     @_locked
-    def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
+    async def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
         extra = tokens - reservation.tokens
         if extra <= 0 or reservation.settled:
             return
@@ -204,7 +252,7 @@ class MemoryQuotaStore(QuotaStore):
         reservation.tokens = tokens
 
     @_locked
-    def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.settled:
             return
         reservation.settled = True
@@ -218,15 +266,11 @@ class MemoryQuotaStore(QuotaStore):
             c.day_tokens = max(0, c.day_tokens + delta)
 
     def _state(self, c: _UserCounters, tier: Tier, now: float) -> QuotaState:
-        used = self._minute_used(c)
-        reset_tokens = (c.minute[-1][0] + MINUTE - now) if used else 0.0
-        reset_requests = (c.requests[0] + MINUTE - now) if c.requests else 0.0
-        remaining_tokens = min(tier.tokens_per_minute - used, tier.tokens_per_day - c.day_tokens)
-        return QuotaState(tier.requests_per_minute, tier.requests_per_minute - len(c.requests), reset_requests,
-                          tier.tokens_per_minute, remaining_tokens, reset_tokens)
+        return quota_state(tier, self._minute_used(c), c.day_tokens, len(c.requests),
+                           c.minute[-1][0] if c.minute else None, c.requests[0] if c.requests else None, now)
 
     @_locked
-    def state(self, user_id: str, tier: Tier) -> QuotaState:
+    async def state(self, user_id: str, tier: Tier) -> QuotaState:
         now = self.clock()
         return self._state(self._counters(user_id, now), tier, now)
 

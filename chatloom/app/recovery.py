@@ -181,7 +181,7 @@ async def continue_answer(service: ConversationService, session, conv, message_i
             raise ApiError(409, "this answer has no text to continue from; regenerate it instead", "not_continuable")
         tree = Tree(await Messages(session).all_in(conv.id))
         turns = [m.tokens for m in tree.path_to(target.parent_id)] + [target.tokens]
-        run.reserve(service.prompts.estimate(turns, run.max_tokens))
+        await run.reserve(service.prompts.estimate(turns, run.max_tokens))
         await session.execute(update(Message).where(Message.id == target.id).values(
             status="incomplete", finish_reason=None, interrupted_reason=None, error=None, heartbeat=utcnow()))
         await Conversations(session).touch(conv.id, current_leaf_id=target.id)

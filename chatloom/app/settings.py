@@ -87,6 +87,13 @@ class Settings:
     recovery_stale_s: float = 5.0  # an answer not saved for this long was left by a dead process: interrupted
     shutdown_drain_s: float = 20.0  # on SIGTERM, running answers get this long to finish, then are interrupted
 
+    # Several gateways (see README, "Several gateways"): what is hot lives in Redis when redis_url is set.
+    redis_url: str | None = None  # redis://host:port/db; None: quotas, stream logs, stops in this process
+    redis_prefix: str = "chatloom"  # key prefix, so several services can share one Redis
+    gateway_id: str | None = None  # this gateway's name in the fleet (default: host-pid-random)
+    job_lease_s: float = 3.0  # a dead gateway's answers are taken over this long after its last renewal
+    shutdown_grace_s: float = 20.0  # on SIGTERM, running answers get this long before they are handed over
+
     log_level: str = "info"
 
     def __post_init__(self) -> None:

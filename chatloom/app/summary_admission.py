@@ -29,7 +29,7 @@ async def admitted_summary(run: Any, request: GenerationRequest) -> AsyncIterato
     need = prompt + request.max_tokens
     if run._reservation is not None:
         try:
-            traffic.extend(run._reservation, run.limits.tier, run._reservation.tokens + need)
+            await traffic.extend(run._reservation, run.limits.tier, run._reservation.tokens + need)
         except ApiError as exc:
             log.info("summary skipped: %s", exc.message)
             yield False

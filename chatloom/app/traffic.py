@@ -77,20 +77,20 @@ class Traffic:
         retry = max(1, math.ceil(exc.retry_after))
         return ApiError(429, str(exc), exc.code, headers={"Retry-After": str(retry), **exc.state.headers()})
 
-    def reserve(self, user: User, tier: Tier, tokens: int) -> Reservation:
+    async def reserve(self, user: User, tier: Tier, tokens: int) -> Reservation:
         try:
-            return self.quotas.reserve(user.id, tier, tokens)
+            return await self.quotas.reserve(user.id, tier, tokens)
         except QuotaExceeded as exc:
             raise self._refusal(exc) from None
 
-    def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
+    async def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
         try:
-            self.quotas.extend(reservation, tier, tokens)
+            await self.quotas.extend(reservation, tier, tokens)
         except QuotaExceeded as exc:
             raise self._refusal(exc) from None
 
-    def headers(self, user: User) -> dict[str, str]:
-        return self.quotas.state(user.id, self.tier(user)).headers()
+    async def headers(self, user: User) -> dict[str, str]:
+        return (await self.quotas.state(user.id, self.tier(user))).headers()
 
     # -- admission ----------------------------------------------------------------------
     async def admit(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
@@ -149,7 +149,11 @@ class RateLimitHeaders:
                 traffic = self.traffic()
                 headers = list(message.get("headers", []))
                 if user is not None and not any(k == b"x-ratelimit-limit-tokens" for k, _ in headers):
-                    headers += [(k.encode(), v.encode()) for k, v in traffic.headers(user).items()]
+                    try:
+                        figures = await traffic.headers(user)
+                    except Exception:  # a shared quota store out of reach: the answer itself says so, or not
+                        figures = {}
+                    headers += [(k.encode(), v.encode()) for k, v in figures.items()]
                     message = {**message, "headers": headers}
             await send(message)
 

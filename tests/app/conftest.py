@@ -1,5 +1,5 @@
 """Fixtures for the app tests: the tiny random model behind a LocalBackend, an app per test
-(fresh SQLite file), an httpx client over ASGI, and accounts."""
+(a fresh SQLite file, and a fresh PostgreSQL database where one is given), an httpx client over ASGI, and accounts."""
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +25,9 @@ def tiny_backend(tiny_model_fp32):
 
 
 @pytest.fixture
-def settings(tmp_path) -> Settings:
-    return make_settings(tmp_path)
+def settings(tmp_path, db_url) -> Settings:
+    """Each test of the app fixture runs on SQLite and on PostgreSQL (db_url: skipped without a server)."""
+    return make_settings(tmp_path, db_url=db_url)
 
 
 @pytest.fixture

@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 
 import httpx
+import pytest
 
+from chatloom.app.hotstate.redis_connection import RedisHub
+from chatloom.app.hotstate.redis_quotas import RedisQuotaStore
 from chatloom.app.main import create_app
 from chatloom.app.quotas import MemoryQuotaStore, QuotaExceeded, duration
 from chatloom.app.tiers import Tier
 
 from app_testing import make_settings, new_conversation, parse_sse, signup
 from traffic_testing import ScriptedBackend, write_tiers
+from backing_services import require_redis
 
 
 def small_tier(**changes) -> Tier:
@@ -28,67 +34,111 @@ class Clock:
         return self.t
 
 
-async def test_fifty_concurrent_reservations_never_exceed_the_limit():
-    store = MemoryQuotaStore()
+@pytest.fixture(params=["memory", "redis"])
+async def make_store(request):
+    """A quota store factory over a clock: in this process, or in Redis (skipped without a server)."""
+    if request.param == "memory":
+        yield lambda clock=time.time: MemoryQuotaStore(clock)
+        return
+    hub = RedisHub(require_redis())
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    yield lambda clock=time.time: RedisQuotaStore(hub.commands, prefix, clock)
+    await hub.close()
+
+
+async def test_fifty_concurrent_reservations_never_exceed_the_limit(make_store):
+    store = make_store()
     tier = small_tier(tokens_per_minute=1000)
     granted = []
 
     async def one(i: int) -> None:
         await asyncio.sleep(0)
         try:
-            r = store.reserve("u", tier, 70)
+            r = await store.reserve("u", tier, 70)
         except QuotaExceeded:
             return
         granted.append(r)
         await asyncio.sleep(0.01)
-        store.settle(r, 70)
+        await store.settle(r, 70)
 
     await asyncio.gather(*(one(i) for i in range(50)))
     assert len(granted) == 1000 // 70 and sum(r.tokens for r in granted) <= 1000
 
 
-def test_settling_gives_back_unused_tokens_and_retry_after_counts_down():
+async def test_settling_gives_back_unused_tokens_and_retry_after_counts_down(make_store):
     clock = Clock()
-    store = MemoryQuotaStore(clock)
+    store = make_store(clock)
     tier = small_tier(tokens_per_minute=100)
-    r = store.reserve("u", tier, 90)  # 10 prompt + 80 max_tokens
-    store.settle(r, 30)  # the answer was short
-    assert store.state("u", tier).remaining_tokens == 70
+    r = await store.reserve("u", tier, 90)  # 10 prompt + 80 max_tokens
+    await store.settle(r, 30)  # the answer was short
+    await store.settle(r, 30)  # settling twice changes nothing
+    assert (await store.state("u", tier)).remaining_tokens == 70
     clock.t += 20
-    store.reserve("u", tier, 60)
+    await store.reserve("u", tier, 60)
     try:
-        store.reserve("u", tier, 40)
+        await store.reserve("u", tier, 40)
         raise AssertionError("over the limit")
     except QuotaExceeded as exc:
         # Enough frees up when the first request (30 tokens, 20 s ago) leaves the window: 40 s.
         assert exc.code == "rate_limit_exceeded" and round(exc.retry_after) == 40
+        assert exc.state.remaining_tokens == 10 and exc.state.limit_tokens == 100
     clock.t += 41
-    store.reserve("u", tier, 40)
+    await store.reserve("u", tier, 40)
 
 
-def test_daily_limit_is_insufficient_quota_until_midnight():
-    store = MemoryQuotaStore(Clock(86400 * 20000 + 3600 * 23))  # 23:00 UTC
-    tier = small_tier(tokens_per_day=100)
-    store.settle(store.reserve("u", tier, 90), 90)
+async def test_extending_counts_the_extra_tokens(make_store):
+    store = make_store(Clock())
+    tier = small_tier(tokens_per_minute=100)
+    r = await store.reserve("u", tier, 50)
+    await store.extend(r, tier, 80)  # the exact prompt was larger than estimated
+    assert r.tokens == 80 and (await store.state("u", tier)).remaining_tokens == 20
     try:
-        store.reserve("u", tier, 20)
+        await store.extend(r, tier, 130)
+        raise AssertionError("extended past the limit")
+    except QuotaExceeded as exc:
+        assert "80 of 100" in str(exc)
+    await store.settle(r, 80)
+    assert (await store.state("u", tier)).remaining_tokens == 20
+
+
+async def test_daily_limit_is_insufficient_quota_until_midnight(make_store):
+    store = make_store(Clock(86400 * 20000 + 3600 * 23))  # 23:00 UTC
+    tier = small_tier(tokens_per_day=100)
+    await store.settle(await store.reserve("u", tier, 90), 90)
+    try:
+        await store.reserve("u", tier, 20)
         raise AssertionError("over the daily limit")
     except QuotaExceeded as exc:
         assert exc.code == "insufficient_quota" and round(exc.retry_after) == 3600
 
 
-def test_concurrency_limit_and_durations():
-    store = MemoryQuotaStore()
+async def test_concurrency_limit_and_durations(make_store):
+    store = make_store()
     tier = small_tier(max_concurrent=2)
-    a, _ = store.reserve("u", tier, 1), store.reserve("u", tier, 1)
+    a, _ = await store.reserve("u", tier, 1), await store.reserve("u", tier, 1)
     try:
-        store.reserve("u", tier, 1)
+        await store.reserve("u", tier, 1)
         raise AssertionError("three at once")
     except QuotaExceeded as exc:
         assert "at most 2" in str(exc)
-    store.settle(a, 1)
-    store.reserve("u", tier, 1)
+    await store.settle(a, 1)
+    await store.reserve("u", tier, 1)
     assert duration(0.2) == "1s" and duration(360) == "6m0s" and duration(3723) == "1h2m3s"
+
+
+async def test_requests_per_minute(make_store):
+    clock = Clock()
+    store = make_store(clock)
+    tier = small_tier(requests_per_minute=3)
+    for _ in range(3):
+        await store.settle(await store.reserve("u", tier, 1), 1)
+        clock.t += 10
+    try:
+        await store.reserve("u", tier, 1)
+        raise AssertionError("a fourth request in a minute")
+    except QuotaExceeded as exc:
+        assert "3 requests per minute" in str(exc) and round(exc.retry_after) == 30
+    await store.reserve("other-user", tier, 1)  # users do not share counters
 
 
 def app_with(tmp_path, backend, **settings):

@@ -1,4 +1,5 @@
-"""The store: migrations match the models, render for PostgreSQL, and SQLite runs in WAL mode."""
+"""The store: migrations match the models on SQLite and on a real PostgreSQL server (the db_url fixture
+runs each test on both), render for PostgreSQL offline, and SQLite runs in WAL mode."""
 from __future__ import annotations
 
 import io
@@ -11,8 +12,8 @@ from chatloom.store import Base, Conversations, Database, Messages, Users
 from chatloom.store.database import alembic_config, normalize_url
 
 
-async def test_migrations_create_exactly_the_models_tables(tmp_path):
-    db = Database(f"sqlite:///{tmp_path}/sub/dir/test.db")  # missing folders are created
+async def test_migrations_create_exactly_the_models_tables(db_url):
+    db = Database(db_url)
     await db.migrate()
     await db.migrate()  # idempotent
 
@@ -21,8 +22,19 @@ async def test_migrations_create_exactly_the_models_tables(tmp_path):
 
     async with db.engine.connect() as conn:
         assert await conn.run_sync(diff) == []
-        assert (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar() == "wal"
-        assert (await conn.exec_driver_sql("PRAGMA foreign_keys")).scalar() == 1
+        if db.is_sqlite:
+            assert (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar() == "wal"
+            assert (await conn.exec_driver_sql("PRAGMA foreign_keys")).scalar() == 1
+        else:
+            assert db.engine.dialect.name == "postgresql"
+            assert (await conn.exec_driver_sql("SELECT version_num FROM alembic_version")).scalar()
+    await db.close()
+
+
+async def test_sqlite_folders_are_created(tmp_path):
+    db = Database(f"sqlite:///{tmp_path}/sub/dir/test.db")  # missing folders are created
+    await db.migrate()
+    assert (tmp_path / "sub" / "dir" / "test.db").is_file()
     await db.close()
 
 
@@ -43,8 +55,8 @@ def test_url_normalization():
     assert normalize_url("postgresql+asyncpg://u:p@h/db") == "postgresql+asyncpg://u:p@h/db"
 
 
-async def test_repositories_round_trip(tmp_path):
-    db = Database(f"sqlite+aiosqlite:///{tmp_path}/t.db")
+async def test_repositories_round_trip(db_url):
+    db = Database(db_url)
     await db.migrate()
     async with db.session() as s:
         user = await Users(s).create("u", None)

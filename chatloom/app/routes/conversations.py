@@ -11,6 +11,7 @@ from chatloom.app.conversation_service import UNSET, Generation, GenerationOptio
 from chatloom.app.deps import Ctx, CurrentUser, OwnedConversation, SessionDep
 from chatloom.app.errors import ApiError
 from chatloom.app.events import EventLog
+from chatloom.app.hotstate.stop_relay import stop_anywhere
 from chatloom.app.schemas import (ConversationDetail, ConversationIn, ConversationOut, GenerationIn, MessageIn,
                                   MessageOut, RenameIn, StopOut)
 from chatloom.app.sse import HEARTBEAT, SSE_HEADERS, frame_event
@@ -80,7 +81,7 @@ async def rename_conversation(body: RenameIn, conv: OwnedConversation, session: 
 
 @router.delete("/{conversation_id}", status_code=204)
 async def delete_conversation(ctx: Ctx, conv: OwnedConversation, session: SessionDep) -> Response:
-    await ctx.conversations.stop(conv.id)
+    await _stop(ctx, conv.id)
     await Conversations(session).delete(conv.id)
     await session.commit()
     return Response(status_code=204)
@@ -113,9 +114,15 @@ async def regenerate(message_id: str, ctx: Ctx, conv: OwnedConversation, session
 
 @router.post("/{conversation_id}/stop", response_model=StopOut)
 async def stop(ctx: Ctx, conv: OwnedConversation) -> StopOut:
-    """Abort the running answer; returns once the partial answer is saved as 'stopped'."""
-    gen = await ctx.conversations.stop(conv.id)
-    return StopOut(stopped=gen is not None, message_id=gen.message_id if gen else None)
+    """Abort the running answer (on whichever gateway runs it); returns once the partial answer is saved
+    as 'stopped'."""
+    message_id = await _stop(ctx, conv.id)
+    return StopOut(stopped=message_id is not None, message_id=message_id)
+
+
+async def _stop(ctx: Ctx, conversation_id: str) -> str | None:
+    return await stop_anywhere(conversation_id, ctx.conversations.stop, ctx.hot.jobs, ctx.hot.stops,
+                               ctx.conversations.logs)
 
 
 # -- resumable streams ---------------------------------------------------------------

@@ -6,6 +6,7 @@ from fastapi.responses import JSONResponse
 
 from chatloom.app.deps import Ctx, current_user, get_context, get_session, require_admin
 from chatloom.app.metrics import CONTENT_TYPE
+from chatloom.app.readiness import readiness
 
 router = APIRouter(tags=["health"])
 
@@ -18,13 +19,13 @@ async def healthz() -> dict:
 
 @router.get("/readyz")
 async def readyz(ctx: Ctx) -> JSONResponse:
-    """Ready once the model is loaded; 503 before (or if loading failed)."""
-    backend = ctx.backend
-    if backend.ready:
-        return JSONResponse({"status": "ready", "models": backend.model_ids,
-                             "context_window": backend.context_window})
-    body = {"status": "failed", "error": backend.load_error} if backend.load_error else {"status": "loading"}
-    return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    """Ready once the model is loaded and the database and Redis (if configured) answer; 503 otherwise,
+    naming what is missing (see chatloom/app/readiness.py)."""
+    status, body = await readiness(ctx.backend, ctx.db, ctx.hot)
+    if status == 200:
+        return JSONResponse(body)
+    retry = "1" if body["status"] == "unavailable" else "5"
+    return JSONResponse(body, status_code=status, headers={"Retry-After": retry})
 
 
 async def _metrics_access(request: Request) -> None:

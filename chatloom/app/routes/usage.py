@@ -25,7 +25,7 @@ async def my_usage(ctx: Ctx, user: CurrentUser, session: SessionDep,
     """Your tokens per day and model over the last `days` days, your tier and what is left of it now."""
     traffic = ctx.traffic
     tier = traffic.tier(user)
-    state = traffic.quotas.state(user.id, tier)
+    state = await traffic.quotas.state(user.id, tier)
     report = UsageReport.of(await UsageRows(session).query(user.id, since(days)))
     limits = TierLimits(tokens_per_minute=tier.tokens_per_minute, tokens_per_day=tier.tokens_per_day,
                         requests_per_minute=tier.requests_per_minute, max_concurrent=tier.max_concurrent,

@@ -1,0 +1,53 @@
+"""The Redis connections of one gateway, and what a lost Redis means for a request.
+
+Two clients on the same server: `commands` with short timeouts for the quick calls (a quota
+check, an append), so a Redis that is gone makes a request fail in about a second with a 503
+rather than hang; and `blocking` without a read timeout, for stream reads that wait (XREAD BLOCK)
+and the pub/sub listener. redis-py reconnects by itself on the next call, so when Redis comes back
+the gateway recovers without a restart.
+"""
+from __future__ import annotations
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# What "Redis is out of reach" looks like from redis-py (connection refused, reset, timed out).
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+
+
+class RedisHub:
+    """The gateway's clients for one Redis URL."""
+
+    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+        self.url = url
+        # One quick retry covers a connection Redis closed while idle (a restart); a second failure is real.
+        retry = Retry(NoBackoff(), 1)
+        self.commands: redis.Redis = redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                                    retry=retry, health_check_interval=5)
+        self.blocking: redis.Redis = redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=None,
+                                                    retry=retry, health_check_interval=5)
+
+    @property
+    def where(self) -> str:
+        kw = self.commands.connection_pool.connection_kwargs
+        return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
+
+    async def ping(self) -> None:
+        """Raises if Redis does not answer within the timeout."""
+        await self.commands.ping()
+
+    async def close(self) -> None:
+        await self.commands.aclose()
+        await self.blocking.aclose()
+
+
+def unavailable_message(hub_where: str, exc: BaseException) -> str:
+    return (f"the shared state store (Redis at {hub_where}) is unreachable ({type(exc).__name__}: {exc}); "
+            "retry shortly")
+
+
+__all__ = ["RedisHub", "RedisError", "UNAVAILABLE", "unavailable_message"]

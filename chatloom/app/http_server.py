@@ -1,0 +1,60 @@
+"""Serving the app over HTTP: uvicorn for plain HTTP/1.1, Hypercorn for HTTP/2 over TLS.
+
+Browsers open at most six HTTP/1.1 connections per host, and every open chat tab holds one SSE
+stream, so a seventh tab stalls. Over HTTP/2 all streams share one connection (Hypercorn allows
+100 concurrent streams per connection by default). Browsers speak HTTP/2 only over TLS, hence
+`--tls-cert/--tls-key` switch to Hypercorn with ALPN offering h2 and http/1.1.
+
+Both servers stop on SIGTERM or SIGINT: they stop accepting connections, then the app's shutdown
+(chatloom.app.main) lets running answers finish up to `shutdown_grace_s` and hands the rest over to
+other gateways.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from chatloom.app.settings import Settings
+
+
+def hypercorn_config(settings: Settings, tls_cert: str, tls_key: str):
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.certfile = tls_cert
+    config.keyfile = tls_key
+    config.alpn_protocols = ["h2", "http/1.1"]
+    # Open SSE connections are closed after 2 s (clients resume elsewhere with Last-Event-ID); the
+    # answers themselves are jobs, finished or handed over by the app's shutdown.
+    config.graceful_timeout = 2.0
+    config.loglevel = settings.log_level.upper()
+    config.accesslog = None
+    return config
+
+
+async def serve_h2(app, settings: Settings, tls_cert: str, tls_key: str,
+                   stop: asyncio.Event | None = None) -> None:
+    """Serve `app` over TLS (HTTP/2 or HTTP/1.1, as the client picks) until SIGTERM/SIGINT or `stop`."""
+    from hypercorn.asyncio import serve
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    await serve(app, hypercorn_config(settings, tls_cert, tls_key), shutdown_trigger=stop.wait)
+
+
+def run(app, settings: Settings, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        asyncio.run(serve_h2(app, settings, tls_cert, tls_key))
+        return
+    import uvicorn
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=2)
