@@ -8,6 +8,7 @@ import argparse
 import os
 
 INT8_ENV = "CHATLOOM_INT8_MATMUL"
+BF16_ENV = "CHATLOOM_BF16_MATMUL"
 DTYPES = ("fp32", "bf16")
 
 
@@ -33,10 +34,18 @@ def int8_matmul(choice: bool | None) -> bool:
     return os.environ.get(INT8_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def bf16_matmul(choice: bool | None) -> bool:
+    """The bfloat16-weights switch (--bf16-matmul where a command has it): the choice, else
+    CHATLOOM_BF16_MATMUL, else off."""
+    if choice is not None:
+        return choice
+    return os.environ.get(BF16_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def load_from_args(args: argparse.Namespace, kv_cache_bytes=0):
     """The model the flags name, loaded; `kv_cache_bytes` (bytes, or a function of the model's config)
     is the KV pool the caller will allocate, checked with the weights against available memory."""
     from chatloom.models import load_model
 
     return load_model(args.model, args.dtype, int8_matmul=int8_matmul(args.int8_matmul),
-                      kv_cache_bytes=kv_cache_bytes)
+                      kv_cache_bytes=kv_cache_bytes, bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)))

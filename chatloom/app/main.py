@@ -20,7 +20,7 @@ from chatloom.app.routes import admin, auth, conversations, health, openai, reco
 from chatloom.app.settings import Settings
 from chatloom.app.traffic import RateLimitHeaders, build_traffic
 from chatloom.app.validation import EdgeGuard
-from chatloom.model_args import int8_matmul
+from chatloom.model_args import bf16_matmul, int8_matmul
 from chatloom.serving import Backend, BackendError, LocalBackend
 from chatloom.store import Database
 
@@ -39,7 +39,8 @@ def default_backend(settings: Settings) -> Backend:
 
 def local_backend(settings: Settings, spec: str) -> Backend:
     return LocalBackend(spec, settings.dtype, settings.engine_config(),
-                        int8_matmul=int8_matmul(settings.int8_matmul))  # the switch resolved once, here
+                        int8_matmul=int8_matmul(settings.int8_matmul),  # the switches resolved once, here
+                        bf16_matmul=bf16_matmul(None))
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:

@@ -6,8 +6,11 @@ contractions and slang spelled out, leetspeak undone, spaced-out letters joined,
 to spaces). It runs offline in microseconds. `RemoteModerator` (remote_moderation.py) asks an
 OpenAI-compatible /v1/moderations endpoint instead; traffic.build_moderator picks one from the settings.
 
-`OutputGuard` checks the answer while it streams: it holds back the newest few pieces of text, so
-a phrase that is still being written is caught before any of it reaches the user.
+`OutputGuard` checks the answer while it streams. With a moderator that can tell which trailing text
+could still grow into a violation (the lexicon can: a partial match of its patterns), it holds back
+exactly that text and shows the rest at once, so an ordinary answer streams without delay while a
+phrase that is still being written is caught before any of it reaches the user. With other
+moderators it holds back the newest few pieces.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import abc
 import re
 import unicodedata
 from dataclasses import dataclass
+
+import regex  # partial matching: which trailing text could still become a match
 
 from chatloom.app.validation import off_loop
 
@@ -41,6 +46,12 @@ class Moderator(abc.ABC):
     async def close(self) -> None:
         """Release connections (a remote moderator's)."""
 
+    def safe_prefix(self, text: str) -> int | None:
+        """How many leading characters of `text` (which check_output passed) no continuation can
+        turn into a violation; None when this moderator cannot tell (the guard then holds back
+        a fixed number of pieces)."""
+        return None
+
 
 class ModerationUnavailable(Exception):
     """A moderator that could not give a verdict (a remote service down): the input is refused with a 503."""
@@ -54,6 +65,9 @@ class NoModerator(Moderator):
 
     async def check_output(self, text: str) -> Verdict | None:
         return None
+
+    def safe_prefix(self, text: str) -> int | None:
+        return len(text)
 
 
 # Categories and phrases. Deliberately narrow (explicit intent or instructions), so that ordinary
@@ -122,6 +136,9 @@ class LexiconModerator(Moderator):
         # One alternation per category, whole words only; the category order decides ties.
         self._patterns = [(cat, re.compile(r"\b(?:" + "|".join(f"(?:{p})" for p in phrases) + r")\b"))
                           for cat, phrases in self.lexicon.items() if phrases]
+        # All categories in one pattern for the partial-match search (a phrase's start, still open).
+        self._any = regex.compile(r"\b(?:" + "|".join(f"(?:{p})" for phrases in self.lexicon.values()
+                                                      for p in phrases) + r")\b") if self._patterns else None
         self.window_chars = window_chars
 
     def _check(self, text: str) -> Verdict | None:
@@ -138,6 +155,31 @@ class LexiconModerator(Moderator):
     async def check_output(self, text: str) -> Verdict | None:
         return self._check(text)
 
+    def safe_prefix(self, text: str) -> int:
+        """The text before the earliest place where a phrase could be starting (a partial match
+        running to the end of the normalized text); all of it when there is none."""
+        if self._any is None:
+            return len(text)
+        norm = normalize(text)
+        m = self._any.search(norm, partial=True)
+        if m is None:
+            return len(text)
+        start = m.start()
+        # The longest raw prefix whose normalized form ends before the open phrase. The normalized
+        # length of a prefix almost never shrinks as the prefix grows, so a binary search finds it;
+        # where slang spelled out at the cut makes the prefix read differently from the whole text
+        # ("u" -> "you" but "un" stays), step back until the prefix agrees with the whole.
+        lo, hi = 0, len(text)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(normalize(text[:mid])) <= start:
+                lo = mid
+            else:
+                hi = mid - 1
+        while lo > 0 and not norm.startswith(normalize(text[:lo])):
+            lo -= 1
+        return lo
+
 
 class OutputGuard:
     """Streams an answer through output moderation with a small hold-back.
@@ -146,7 +188,9 @@ class OutputGuard:
     return nothing more and `verdict` says why. A moderator that cannot answer blocks the rest
     (verdict category 'moderation_unavailable'): unchecked text is never shown. The check looks at a sliding window: the held-back
     text plus the last `window_chars` characters already shown, so phrases split across pieces match.
-    A phrase is caught when its last piece arrives, so its last `holdback_tokens` pieces are never shown.
+    Where the moderator can tell (safe_prefix), only pieces that could be the start of a phrase are
+    held, so none of a phrase is ever shown; otherwise the newest `holdback_tokens` pieces are held,
+    and a phrase caught when its last piece arrives never shows its last `holdback_tokens` pieces.
     """
 
     def __init__(self, moderator: Moderator, holdback_tokens: int = 8) -> None:
@@ -182,7 +226,16 @@ class OutputGuard:
             self._held.clear()
             return []
         out: list[str] = []
-        while len(self._held) > self.holdback_tokens:
+        held_text = "".join(self._held)
+        safe = self.moderator.safe_prefix(self._shown_tail + held_text)
+        if safe is not None:
+            releasable = safe - len(self._shown_tail)  # characters of the held text
+            while self._held and len(self._held[0]) <= releasable:
+                piece = self._held.pop(0)
+                releasable -= len(piece)
+                self._held_chars -= len(piece)
+                out.append(piece)
+        while safe is None and len(self._held) > self.holdback_tokens:
             piece = self._held.pop(0)
             self._held_chars -= len(piece)
             out.append(piece)

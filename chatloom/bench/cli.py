@@ -14,6 +14,9 @@ from chatloom.models.registry import DEFAULT_MODEL
 
 def _common(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    p.add_argument("--bf16-matmul", action="store_true", default=None,
+                   help="keep every matmul weight in bfloat16 (AVX-512 BF16 where the CPU has it; see README; "
+                        "default: $CHATLOOM_BF16_MATMUL, else off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 
@@ -89,6 +92,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=_kquant_matmul)
+
+    p = sub.add_parser("latency", help="batch-1 TTFT/TPOT at every layer (engine .. HTTP) and the engine step's breakdown")
+    _common(p)
+    p.add_argument("--prompt-tokens", type=positive_int, nargs="+", default=[32, 256, 1024],
+                   help="prompt lengths to measure (default: %(default)s)")
+    p.add_argument("--in-flight", type=positive_int, nargs="+", default=[1],
+                   help="requests sent at once per case (default: %(default)s; e.g. 1 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--repeats", type=positive_int, default=3, help="counted rounds (after one warm-up round)")
+    p.add_argument("--layers", nargs="+", choices=["engine", "async", "backend", "openai", "conversations"],
+                   default=None, help="layers to run (default: all; the first is the baseline)")
+    p.add_argument("--breakdown-steps", type=positive_int, default=32, help="decode steps in the instrumented run")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.set_defaults(func=_latency)
 
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
@@ -243,6 +260,21 @@ def _spec(args) -> int:
     return _emit(run_spec(load_from_args(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
                           args.repeats, args.num_speculative_tokens, args.speculative_model,
                           not args.no_adaptive), args.table)
+
+
+def _latency(args) -> int:
+    import torch
+
+    from chatloom.bench.latency import format_table, run_latency
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_latency(load_from_args(args), args.prompt_tokens, args.in_flight, args.repeats, args.max_tokens,
+                         args.layers, args.breakdown_steps)
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
 
 
 def _serve(args) -> int:

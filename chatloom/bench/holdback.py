@@ -1,8 +1,10 @@
 """What the output-moderation hold-back costs: the delay it adds before text reaches the user.
 
 One run of the model, measured both ways: each streamed piece's arrival time (what an unguarded
-stream would show at once) and the time the guard releases it (what the guarded stream shows).
-The guard runs in the loop, as in the service, so its check time is included.
+stream would show at once) and the time the guard releases it (what the guarded stream shows),
+for the lexicon's guard (holds back only text that could start a phrase) and, on the same pieces,
+for a fixed hold-back of --holdback pieces (what a moderator that cannot tell gets). The guards run
+in the loop, as in the service, so their check time is included.
 
     python -m chatloom.bench.holdback [--model ID] [--num-prompts 8] [--max-tokens 64] [--holdback 4]
 """
@@ -21,33 +23,39 @@ async def measure(backend, prompts: list[str], max_tokens: int, holdback: int) -
     from chatloom.app.moderation import LexiconModerator, OutputGuard
     from chatloom.serving import GenerationRequest
 
-    first_delay, piece_delay, check_us = [], [], []
+    class _Fixed(LexiconModerator):  # the same checks, without knowing what is safe
+        def safe_prefix(self, text: str) -> None:
+            return None
+
+    delays = {"partial": ([], [], []), "fixed": ([], [], [])}  # first delay, piece delays, check us
     for i, prompt in enumerate(prompts):
-        guard = OutputGuard(LexiconModerator(), holdback)
+        guards = {"partial": OutputGuard(LexiconModerator(), holdback), "fixed": OutputGuard(_Fixed(), holdback)}
         arrivals: list[float] = []
-        shown: list[float] = []
+        shown: dict[str, list[float]] = {"partial": [], "fixed": []}
         request = GenerationRequest(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                                     temperature=0.0, request_id=f"holdback-{i}")
         async for delta in backend.stream(request):
             if delta.text:
                 arrivals.append(time.perf_counter())
-                t0 = time.perf_counter()
-                released = await guard.push(delta.text)
-                check_us.append((time.perf_counter() - t0) * 1e6)
-                now = time.perf_counter()
-                shown += [now] * len(released)
+                for name, guard in guards.items():
+                    t0 = time.perf_counter()
+                    released = await guard.push(delta.text)
+                    now = time.perf_counter()
+                    delays[name][2].append((now - t0) * 1e6)
+                    shown[name] += [now] * len(released)
             if delta.finished:
-                now = time.perf_counter()
-                shown += [now] * len(await guard.finish())
-        if arrivals and shown:
-            first_delay.append(shown[0] - arrivals[0])
-            piece_delay += [s - a for a, s in zip(arrivals, shown)]
+                for name, guard in guards.items():
+                    shown[name] += [time.perf_counter()] * len(await guard.finish())
+        for name in guards:
+            if arrivals and shown[name]:
+                delays[name][0].append(shown[name][0] - arrivals[0])
+                delays[name][1].extend(s - a for a, s in zip(arrivals, shown[name]))
     return {"benchmark": "moderation_holdback", "holdback_tokens": holdback, "num_prompts": len(prompts),
             "max_tokens": max_tokens,
-            "added_ttft_ms": percentiles(first_delay),
-            "added_delay_per_piece_ms": percentiles(piece_delay),
-            "check_us_per_piece": {"mean": round(statistics.fmean(check_us), 2),
-                                   "p99": round(sorted(check_us)[int(0.99 * (len(check_us) - 1))], 2)}}
+            **{name: {"added_ttft_ms": percentiles(first), "added_delay_per_piece_ms": percentiles(pieces),
+                      "check_us_per_piece": {"mean": round(statistics.fmean(us), 2),
+                                             "p99": round(sorted(us)[int(0.99 * (len(us) - 1))], 2)}}
+               for name, (first, pieces, us) in delays.items()}}
 
 
 async def _main(args: argparse.Namespace) -> dict:

@@ -1,8 +1,10 @@
 """asyncio face of the engine: a background thread runs the steps, coroutines stream deltas.
 
-The step loop runs in its own thread (PyTorch releases the GIL inside its kernels),
-so the event loop stays responsive. Requests and aborts from the event loop are
-queued and applied between steps; outputs travel back with call_soon_threadsafe.
+The step loop runs in its own thread (PyTorch and chatloom's kernels release the GIL
+inside their native code), so the event loop stays responsive. Requests and aborts from
+the event loop are queued and applied between steps, and the thread sleeps on an event
+when idle, so a new request starts at once, never after a poll interval. A step's outputs
+travel back in one call_soon_threadsafe per event loop, as soon as the step ends.
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ class EngineDeadError(RuntimeError):
 class RequestFailedError(EngineDeadError):
     """This request (and only this one) failed inside the engine; the message says why.
     (An EngineDeadError for callers that only tell 'the engine failed me' from a good answer.)"""
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 class AsyncEngine:
@@ -71,11 +78,18 @@ class AsyncEngine:
                 self.engine.block_manager.reset_prefix_cache()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams: one wake-up of each event loop involved, not one per item."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the loop is closed; nobody is listening
                 pass
 
@@ -92,11 +106,9 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                if out.finish_reason == "error":
-                    self._deliver(out.request_id, RequestFailedError(f"generation failed: {out.error}"))
-                else:
-                    self._deliver(out.request_id, out)
+            if outputs:
+                self._deliver_all([(out.request_id, RequestFailedError(f"generation failed: {out.error}")
+                                    if out.finish_reason == "error" else out) for out in outputs])
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.requests):

@@ -292,6 +292,7 @@ class LLMEngine:
         bm, st = self.block_manager, self.stats
         return EngineSnapshot(
             num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
+            num_waiting_tokens=sum(len(s) - s.num_computed_tokens for s in list(self.scheduler.waiting)),
             kv_cache_usage_perc=bm.usage, kv_cache_blocks=bm.num_blocks, kv_cache_free_blocks=bm.num_free_blocks,
             block_size=bm.block_size, prefix_cache_queries=bm.query_tokens, prefix_cache_hits=bm.hit_tokens,
             prefix_cache_hit_rate=bm.hit_rate, prefix_cache_evictions=bm.evictions,

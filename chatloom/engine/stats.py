@@ -28,6 +28,7 @@ class EngineSnapshot:
     generated_tokens: int
     aborted_requests: int
     generation_tokens_per_s: float
+    num_waiting_tokens: int = 0  # prompt tokens the waiting requests still need prefilled
     failed_requests: int = 0  # ended by an error attributed to them alone (the rest of their batch went on)
     spec_decode: "SpecDecodeStats | None" = None  # None: speculative decoding is off
 

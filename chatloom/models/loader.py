@@ -108,11 +108,13 @@ def _unknown(spec: str) -> ModelError:
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
                int8_matmul: bool = False,
-               kv_cache_bytes: int | Callable[[ModelConfig], int] = 0) -> LoadedModel:
+               kv_cache_bytes: int | Callable[[ModelConfig], int] = 0,
+               bf16_matmul: bool = False) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
     quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) with int8 activations (faster, slightly
     less exact; off by default; commands resolve their flag and CHATLOOM_INT8_MATMUL once, in
-    chatloom/model_args.py). Before any weight is read, the weights plus `kv_cache_bytes` (or what it
+    chatloom/model_args.py). `bf16_matmul` keeps every matmul weight in bfloat16 (AVX-512 BF16 where
+    the CPU has it; off by default, resolved like int8 in chatloom/model_args.py). Before any weight is read, the weights plus `kv_cache_bytes` (or what it
     returns for the model's config) are checked against the memory available: ModelError if they do not fit."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
@@ -120,7 +122,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         cfg = tiny_random_config()
         tok = _byte_tokenizer()
         cfg.vocab_size = tok.vocab_size
-        model = random_model(cfg, torch_dtype)
+        model = random_model(cfg, torch_dtype, bf16_matmul=bf16_matmul)
         return LoadedModel(spec, model, tok, cfg, time.perf_counter() - t0)
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
     quantized = None
@@ -149,7 +151,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         _log_dequantized(weights.kinds(), torch_dtype)
     else:
         raise _unknown(spec)
-    model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul, norm_offset)
+    model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul, norm_offset, bf16_matmul=bf16_matmul)
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)
 

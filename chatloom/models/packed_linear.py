@@ -72,6 +72,61 @@ class PackedLinear(KernelLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> bf16_linear's panels [ceil(N/16), K/2, 32] bfloat16 (rounded to nearest even):
+    element 2j + t of pair-row kk is weight[16p + j, 2kk + t]."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"the bf16 matmul needs an even number of input features, got {k}")
+    panels = pack_weight(weight.float())  # [P, K, 16]
+    return panels.view(panels.shape[0], k // 2, 2, PANEL).transpose(2, 3).reshape(
+        panels.shape[0], k // 2, 2 * PANEL).to(torch.bfloat16).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of pack_bf16, as float32 [N, K] (the bf16-rounded weight)."""
+    panels, pairs, _ = packed.shape
+    w = packed.float().view(panels, pairs, PANEL, 2).transpose(2, 3).reshape(panels, 2 * pairs, PANEL)
+    return unpack_weight(w, out_features)
+
+
+class BF16Linear(KernelLinear):
+    """y = x @ W^T + b with W kept in bfloat16 and x rounded to bfloat16 per row, summed in
+    float32: AVX-512 BF16's vdpbf16ps where the CPU has it, portable C++ elsewhere. Half the
+    weight bytes of float32, with about 3 significant digits per weight and activation."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, kernels) -> None:
+        super().__init__()
+        self.in_features = packed.shape[1] * 2
+        self.out_features = out_features
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._kernels = kernels
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "BF16Linear":
+        return cls(pack_bf16(weight), weight.shape[0], bias, kernels)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack_bf16(self.packed, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
+
+
+def bf16_matmul_supported(kernels) -> bool:
+    """Whether the kernels have the bf16 matmul (its fast path needs AVX-512 BF16; see bf16_linear_isas)."""
+    return kernels is not None and hasattr(kernels, "bf16_linear")
+
+
+def uses_bf16_matmul(model: nn.Module) -> bool:
+    return any(isinstance(m, BF16Linear) for m in model.modules())
+
+
 QUANT_BLOCK = 32  # weights per GGUF quantization block along K (Q4_0, Q4_1, Q8_0)
 GROUP = 16  # weights per scale in the grouped layout (Q6_K, and fused layers of mixed kinds)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -288,7 +343,7 @@ class QuantizedLinear(KernelLinear):
 
 
 def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]] | None = None,
-                 int8_activations: bool = False) -> bool:
+                 int8_activations: bool = False, bf16_weights: bool = False) -> bool:
     """Replace every float32 nn.Linear in `model` by a PackedLinear, or by a QuantizedLinear
     where `quantized` gives the layer's weight as stored in a GGUF file (by module name;
     several parts for a fused layer). Returns False (and changes nothing) when the kernels
@@ -296,12 +351,17 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     the flag or environment is read once, in chatloom/model_args.py), quantized layers multiply
     with int8 activations where the CPU and their layout allow it.
 
+    With `bf16_weights` (also decided by the caller), every layer instead keeps its
+    (dequantized) weight in bfloat16 and multiplies through bf16_linear; int8 activations win
+    where both are asked for.
+
     A head tied to the embedding gets its own packed copy; the embedding keeps its table."""
     kernels = load_kernels()
     if not kernels_can_pack(kernels):
         return False
     quantized = quantized or {}
     int8_activations = int8_activations and int8_matmul_supported(kernels)
+    bf16_weights = bf16_weights and not int8_activations and bf16_matmul_supported(kernels)
     linears = [(parent, f"{prefix}.{name}" if prefix else name, name, child)
                for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
@@ -309,7 +369,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
         return False
     for parent, path, name, child in linears:
         parts = quantized.get(path)
-        if parts and quantizable(parts, child.in_features, child.out_features):
+        if bf16_weights and child.in_features % 2 == 0:
+            layer = BF16Linear.from_weight(child.weight, child.bias, kernels)
+        elif parts and quantizable(parts, child.in_features, child.out_features):
             codes, scales = pack_quantized(parts)
             if int8_activations and parts[0].kind == "Q4_0" and quantized_layout(parts) == "int8":
                 codes, scales = q4_0_as_q4_1(codes, scales)

@@ -77,12 +77,14 @@ def _weight_sources(cfg: ModelConfig) -> dict[str, list[list[str]]]:
 
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
                 quantized: Mapping[str, QuantizedWeight] | None = None,
-                int8_matmul: bool = False, norm_offset: float = 0.0) -> LlamaForCausalLM:
+                int8_matmul: bool = False, norm_offset: float = 0.0,
+                bf16_matmul: bool = False) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
 
     `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a
     float32 model, layers whose weights are all there keep them quantized, and multiply with
-    int8 activations when `int8_matmul` (see pack_linears). `norm_offset` is added to every
+    int8 activations when `int8_matmul` (see pack_linears); `bf16_matmul` keeps every layer's weight in
+    bfloat16 instead. `norm_offset` is added to every
     RMSNorm weight (Gemma's checkpoints store w for a norm that multiplies by 1 + w)."""
     with _no_init():
         model = LlamaForCausalLM(cfg)
@@ -145,11 +147,12 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
         pack_linears(model, {key[: -len(".weight")]: [quantized[n] for n in names]
                              for key, names in chosen.items()
                              if key.endswith(".weight") and all(n in quantized for n in names)},
-                     int8_activations=int8_matmul)
+                     int8_activations=int8_matmul, bf16_weights=bf16_matmul)
     return model
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0,
+                 bf16_matmul: bool = False) -> LlamaForCausalLM:
     """Random weights (for tests), reproducible from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -174,4 +177,4 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> LlamaFo
         else:
             scale = 1.0 if "embed" in name else shape[-1] ** -0.5
             tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float64).float() * scale
-    return build_model(cfg, tensors.get, dtype)
+    return build_model(cfg, tensors.get, dtype, bf16_matmul=bf16_matmul)

@@ -26,15 +26,18 @@ class LocalBackend(Backend):
     """Wraps an AsyncEngine. Construct with a model spec (loaded by start()) or a LoadedModel."""
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
-                 engine_config: EngineConfig | None = None, int8_matmul: bool = False) -> None:
+                 engine_config: EngineConfig | None = None, int8_matmul: bool = False,
+                 bf16_matmul: bool = False) -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model
         self._dtype = dtype
         self._int8_matmul = int8_matmul
+        self._bf16_matmul = bf16_matmul
         self._config = engine_config or EngineConfig()
         self._engine: AsyncEngine | None = None
         self._error: str | None = None
         self._start_lock = asyncio.Lock()
+        self._encoded: dict[tuple, list[int]] = {}  # recent chat prompts' token ids, oldest first
 
     def _kv_cache_bytes(self, cfg) -> int:
         """The KV pool the engine will allocate for a model config (checked with the weights)."""
@@ -50,7 +53,7 @@ class LocalBackend(Backend):
                 if self._loaded is None:
                     log.info("loading model %s", self._spec)
                     self._loaded = await asyncio.to_thread(load_model, self._spec, self._dtype, self._int8_matmul,
-                                                           self._kv_cache_bytes)
+                                                           self._kv_cache_bytes, self._bf16_matmul)
                 # Allocating the KV pool takes a moment for big pools; keep the event loop free.
                 self._engine = await asyncio.to_thread(AsyncEngine.from_model, self._loaded, self._config)
                 self._error = None
@@ -107,6 +110,18 @@ class LocalBackend(Backend):
         return len(self.tokenizer.encode(text, add_special=False))
 
     def encode_messages(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        # The gateway counts a prompt's tokens (quota, admission) and then streams the same messages:
+        # the second call is served from this small cache instead of rendering and tokenizing again.
+        key = (continue_final, repr([(m.get("role"), m.get("content")) for m in messages]))
+        ids = self._encoded.get(key)
+        if ids is None:
+            ids = self._encode_messages(messages, continue_final)
+            self._encoded[key] = ids
+            if len(self._encoded) > 64:
+                self._encoded.pop(next(iter(self._encoded)))
+        return list(ids)
+
+    def _encode_messages(self, messages: list[dict], continue_final: bool) -> list[int]:
         partial = ""
         if continue_final:  # the last message is the assistant's unfinished turn: go on from its text
             if not messages or messages[-1].get("role") != "assistant":
@@ -202,12 +217,17 @@ class LocalBackend(Backend):
             self._engine.abort(request_id)
 
     def has_room(self, prompt_tokens: int) -> bool:
+        """Room when the free KV blocks hold this prompt and every prompt already queued inside the
+        engine, and a sequence slot is free. A non-empty engine queue alone is no reason to wait:
+        prompts that arrive together are prefilled together in the next step (chunked within its
+        token budget), so holding each one back for the previous to start would add a poll
+        interval and a step to every first token under load."""
         if self._engine is None:
             return True  # stream() answers "not ready" at once; no point queueing for it
         s = self._engine.snapshot()
-        if s.num_requests_waiting > 0:
+        if s.num_requests_running + s.num_requests_waiting >= self._engine.engine.config.max_num_seqs:
             return False
-        return s.kv_cache_free_blocks * s.block_size >= prompt_tokens
+        return s.kv_cache_free_blocks * s.block_size >= prompt_tokens + s.num_waiting_tokens
 
     def stats(self) -> BackendStats:
         if self._engine is None:

@@ -32,6 +32,13 @@ async def test_ordinary_text_passes(text):
     assert await LexiconModerator().check_input(text) is None
 
 
+class _OpaqueModerator(LexiconModerator):
+    """A moderator that cannot say what is safe (like a remote API): the guard holds back pieces."""
+
+    def safe_prefix(self, text: str) -> None:
+        return None
+
+
 async def test_guard_holds_back_and_never_releases_the_violating_words():
     guard = OutputGuard(LexiconModerator(), holdback_tokens=3)
     shown = []
@@ -39,16 +46,48 @@ async def test_guard_holds_back_and_never_releases_the_violating_words():
         shown += await guard.push(piece)
     shown += await guard.finish()
     assert guard.verdict.category == "violence/threat"
-    assert "".join(shown) == "Sure."  # ' I will' was still held when ' you' completed the phrase
+    assert "".join(shown) == "Sure."  # ' I will kill' could start a threat, so it was held until ' you'
     assert normalize("I W1LL  kill-YOU") == "i will kill you"
+
+
+async def test_guard_holds_only_what_could_start_a_phrase():
+    guard = OutputGuard(LexiconModerator(), holdback_tokens=4)
+    assert await guard.push("Sure") == ["Sure"]  # shown at once: no phrase starts like this
+    assert await guard.push(".") == ["."]
+    assert await guard.push(" I") == []  # 'i ...' may become 'i will kill you'
+    assert await guard.push(" will") == []
+    assert await guard.push(" help") == [" I", " will", " help"]  # it did not: all released together
+    assert await guard.push(" out") == [" out"]
+    assert await guard.finish() == [] and guard.verdict is None
+
+
+async def test_a_phrase_longer_than_the_holdback_shows_none_of_its_words():
+    pieces = ["Ok", " I", " am", " going", " to", " kill", " him", "."]
+    guard = OutputGuard(LexiconModerator(), holdback_tokens=2)
+    shown = [p for piece in pieces for p in await guard.push(piece)] + await guard.finish()
+    assert guard.verdict.category == "violence/threat" and "".join(shown) == "Ok"
+    # A moderator that cannot tell what is safe holds back a fixed number of pieces instead.
+    guard = OutputGuard(_OpaqueModerator(), holdback_tokens=2)
+    shown = [p for piece in pieces for p in await guard.push(piece)] + await guard.finish()
+    assert guard.verdict is not None and "".join(shown) == "Ok I am going"
 
 
 async def test_guard_passes_clean_text_through_in_order():
     guard = OutputGuard(LexiconModerator(), holdback_tokens=4)
     pieces = [f" w{i}" for i in range(20)]
     shown = [p for piece in pieces for p in await guard.push(piece)]
+    assert shown == pieces  # nothing here could start a phrase, so nothing waits
+    assert await guard.finish() == [] and guard.verdict is None
+    guard = OutputGuard(_OpaqueModerator(), holdback_tokens=4)
+    shown = [p for piece in pieces for p in await guard.push(piece)]
     assert len(shown) == 16  # the last four are held until the end
     assert shown + await guard.finish() == pieces and guard.verdict is None
+
+
+@pytest.mark.parametrize("text,safe", [("Sure. I", 6), ("hello", 5), ("", 0), ("Tell me how", 8),
+                                       ("I KNOW wh", 0), ("fine!!  ", 8)])
+def test_safe_prefix_stops_where_a_phrase_could_begin(text, safe):
+    assert LexiconModerator().safe_prefix(text) == safe
 
 
 @pytest.fixture
@@ -85,14 +124,14 @@ async def test_flagged_output_never_reaches_the_client(scripted_app):
     r = await c.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "say something"})
     events = parse_sse(r.text)
     shown = tokens_of(events)
-    # The default hold-back is 4 pieces: '. I will kill' were held when ' you' completed the phrase.
-    assert "kill" not in shown and "you" not in shown and shown == "Sure"
+    # ' I will kill' could start a threat, so it was held when ' you' completed the phrase.
+    assert "kill" not in shown and "you" not in shown and shown == "Sure."
     done = events[-1].data
     assert done["finish_reason"] == "content_filter" and done["status"] == "filtered"
     assert backend.requests[-1].request_id in backend.aborted  # the model was stopped, not left running
     conv = (await c.get(f"/conversations/{cid}", headers=alice)).json()
     answer = conv["messages"][-1]
-    assert answer["text"] == "Sure" and answer["finish_reason"] == "content_filter"
+    assert answer["text"] == "Sure." and answer["finish_reason"] == "content_filter"
     assert answer["status"] == "filtered"
 
     # The OpenAI-compatible stream: same cut, finish_reason content_filter.
@@ -100,7 +139,7 @@ async def test_flagged_output_never_reaches_the_client(scripted_app):
         "model": "scripted", "stream": True, "messages": [{"role": "user", "content": "say something"}]})
     chunks = [e.data for e in parse_sse(r.text) if isinstance(e.data, dict)]
     text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
-    assert "kill" not in text and text == "Sure"
+    assert "kill" not in text and text == "Sure."
     assert chunks[-1]["choices"][0]["finish_reason"] == "content_filter"
     metrics = (await c.get("/metrics")).text
     assert 'chatloom:moderation_blocks_total{category="violence/threat",stage="output"} 2.0' in metrics
@@ -115,3 +154,14 @@ async def test_moderation_can_be_switched_off(tmp_path):
             cid = await new_conversation(c, alice)
             r = await c.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "x"})
             assert tokens_of(parse_sse(r.text)) == "".join(THREAT)
+
+
+async def test_holdback_bench_compares_both_guards_on_the_same_pieces():
+    from chatloom.bench.holdback import measure
+
+    backend = ScriptedBackend(["Sure", ".", " I", " will", " help", " you", " out", "."])
+    r = await measure(backend, ["hi", "hello"], 8, holdback=4)
+    for name in ("partial", "fixed"):
+        assert r[name]["added_ttft_ms"]["p50"] is not None and r[name]["check_us_per_piece"]["mean"] > 0
+    # The fixed guard holds every piece until four more arrive; the lexicon's shows 'Sure' at once.
+    assert r["partial"]["added_delay_per_piece_ms"]["mean"] <= r["fixed"]["added_delay_per_piece_ms"]["mean"]

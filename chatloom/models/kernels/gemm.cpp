@@ -6,12 +6,19 @@
 // call. Here a tile of up to 6 input rows x 16 outputs lives in 12 AVX registers while
 // the panel streams through once; each output is one FMA chain over k in a fixed order,
 // so a row's result does not depend on which other rows share the batch.
+//
+// On CPUs with AVX-512 the same tiles run with one 16-lane register per row instead of two
+// 8-lane halves: each lane does exactly the AVX2 path's operations in the same order, so the
+// results are bit-identical (exact mode's outputs do not change), with half the instructions.
+// The `isa` argument ("auto", "avx512", "avx2"), else CHATLOOM_KERNEL_ISA, picks the path.
 #include "kernels.h"
 #include "panel_tile.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace {
@@ -84,6 +91,54 @@ inline void tile_quantized(const float* x, int64_t k_dim, const uint8_t* codes, 
   const __m256 los[6] = {lo0, lo1, lo2, lo3, lo4, lo5}, his[6] = {hi0, hi1, hi2, hi3, hi4, hi5};
   chatloom_kernels::store_tile<R>(los, his, bias, out, ldo, ncols);
 }
+
+// -- the AVX-512 tiles: lanes 0-7 are the AVX2 path's lo, 8-15 its hi, operation for operation --
+#define CHATLOOM_WIDE __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define CHATLOOM_HAVE_WIDE_PATH 1
+
+template <int R>
+CHATLOOM_WIDE inline void store_tile16(const __m512 (&acc)[R], const float* bias, float* out, int64_t ldo,
+                                       int64_t ncols) {
+  const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_add_ps(acc[r], bv));
+}
+
+template <int R>
+CHATLOOM_WIDE void tile16(const float* x, int64_t k_dim, const float* panel, const float* bias, float* out,
+                          int64_t ldo, int64_t ncols) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k_dim + k]), w, acc[r]);
+  }
+  store_tile16<R>(acc, bias, out, ldo, ncols);
+}
+
+template <int R, bool Q4>
+CHATLOOM_WIDE void tile_quantized16(const float* x, int64_t k_dim, const uint8_t* codes, const float* scales,
+                                    const float* bias, float* out, int64_t ldo, int64_t ncols) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
+    const float* s = scales + kb * 2 * kPanel;
+    const __m512 d = _mm512_loadu_ps(s), m = _mm512_loadu_ps(s + kPanel);
+    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
+      __m512i c;
+      if constexpr (Q4) {  // byte j: feature j (low nibble), feature j + 8 (high nibble)
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8));
+        c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+      } else {
+        c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel)));
+      }
+      const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k_dim + k]), w, acc[r]);
+    }
+  }
+  store_tile16<R>(acc, bias, out, ldo, ncols);
+}
 #undef CHATLOOM_ROW
 
 #else  // portable fallback: the same loop order, left to the compiler's vectorizer
@@ -101,9 +156,26 @@ inline void tile(const float* x, int64_t k_dim, const float* panel, const float*
 
 #endif
 
-// All tiles of one panel for rows [m0, m1).
+// All tiles of one panel for rows [m0, m1); `wide`: the AVX-512 tiles.
 inline void panel_rows(const float* x, int64_t k_dim, const float* panel, const float* bias,
-                       float* out, int64_t ldo, int64_t ncols, int64_t m0, int64_t m1) {
+                       float* out, int64_t ldo, int64_t ncols, int64_t m0, int64_t m1, bool wide = false) {
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  if (wide) {
+    for (int64_t m = m0; m < m1; m += kTileRows) {
+      const float* xs = x + m * k_dim;
+      float* os = out + m * ldo;
+      switch (std::min(kTileRows, m1 - m)) {
+        case 6: tile16<6>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+        case 5: tile16<5>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+        case 4: tile16<4>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+        case 3: tile16<3>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+        case 2: tile16<2>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+        default: tile16<1>(xs, k_dim, panel, bias, os, ldo, ncols); break;
+      }
+    }
+    return;
+  }
+#endif
   int64_t m = m0;
   for (; m + kTileRows <= m1; m += kTileRows)
     tile<6>(x + m * k_dim, k_dim, panel, bias, out + m * ldo, ldo, ncols);
@@ -117,6 +189,33 @@ inline void panel_rows(const float* x, int64_t k_dim, const float* panel, const 
     case 1: tile<1>(xs, k_dim, panel, bias, os, ldo, ncols); break;
     default: break;
   }
+}
+
+// "avx512" (true) or "avx2" (false): the argument, else CHATLOOM_KERNEL_ISA, else the best there is.
+bool has_wide_path() {
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+bool use_wide(const std::string& requested) {
+  auto parse = [](const std::string& name) {
+    if (name == "avx2") return false;
+    TORCH_CHECK(name == "avx512", "unknown instruction set '", name, "' for the float32 matmul: use auto, avx512 or avx2");
+    TORCH_CHECK(has_wide_path(), "the float32 matmul's avx512 path is not available on this CPU or build");
+    return true;
+  };
+  if (!requested.empty() && requested != "auto") return parse(requested);
+  static const bool chosen = [&] {
+    // The environment names a path of any kernel; only this kernel's own names apply here.
+    const char* env = std::getenv("CHATLOOM_KERNEL_ISA");
+    const std::string name = env ? env : "";
+    return name == "avx2" || name == "avx512" ? parse(name) : has_wide_path();
+  }();
+  return chosen;
 }
 
 // Quantized panels, for GGUF's Q4_1 and Q8_0 weights (blocks of 32 along K): the
@@ -199,8 +298,18 @@ void check_input(const torch::Tensor& x, int64_t k_dim, int64_t panels, int64_t 
 
 }  // namespace
 
+std::vector<std::string> float_linear_isas() {
+  std::vector<std::string> out;
+  if (has_wide_path()) out.emplace_back("avx512");
+#if defined(__AVX2__) && defined(__FMA__)
+  out.emplace_back("avx2");
+#endif
+  return out;
+}
+
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                            c10::optional<torch::Tensor> bias) {
+                            c10::optional<torch::Tensor> bias, const std::string& isa) {
+  const bool wide = use_wide(isa);
   TORCH_CHECK(packed.scalar_type() == torch::kFloat32, "float32 only");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed must be contiguous [P, K, 16]");
@@ -213,12 +322,13 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
                     [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float*) {
                       const int64_t col = p * kPanel;
                       panel_rows(xp, k_dim, wp + p * k_dim * kPanel, b ? b + col : nullptr, op + col, out_features,
-                                 std::min(kPanel, out_features - col), m0, m1);
+                                 std::min(kPanel, out_features - col), m0, m1, wide);
                     });
 }
 
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
-                               c10::optional<torch::Tensor> bias) {
+                               c10::optional<torch::Tensor> bias, const std::string& isa) {
+  const bool wide = use_wide(isa);
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (codes.size(2) == 8 || codes.size(2) == kPanel),
               "codes must be contiguous [P, K, 8] (Q4_1) or [P, K, 16] (Q8_0)");
   const bool q4 = codes.size(2) == 8;
@@ -251,11 +361,21 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
       for (int64_t m = m0; m < m1; m += kTileRows) {
         const float* xm = xp + m * k_dim;
         float* om = op + m * out_features + col;
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+#define CHATLOOM_FEW(R)                                                                     \
+  case R:                                                                                   \
+    if (wide && q4) tile_quantized16<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols); \
+    else if (wide) tile_quantized16<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols); \
+    else if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);     \
+    else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);            \
+    break;
+#else
 #define CHATLOOM_FEW(R)                                                                \
   case R:                                                                              \
     if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);     \
     else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);       \
     break;
+#endif
         switch (std::min(kTileRows, m1 - m)) {
           CHATLOOM_FEW(1) CHATLOOM_FEW(2) CHATLOOM_FEW(3) CHATLOOM_FEW(4) CHATLOOM_FEW(5) CHATLOOM_FEW(6)
           default: break;
@@ -267,6 +387,6 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
 #endif
     if (q4) dequantize_panel<true>(c, s, k_dim, scratch);
     else dequantize_panel<false>(c, s, k_dim, scratch);
-    panel_rows(xp, k_dim, scratch, bp, op + col, out_features, ncols, m0, m1);
+    panel_rows(xp, k_dim, scratch, bp, op + col, out_features, ncols, m0, m1, wide);
   });
 }

@@ -10,6 +10,12 @@
 // accumulated independently, block by block in a fixed order, so a row's result does
 // not depend on which other rows share the batch.
 //
+// Three instruction paths, chosen at run time (int8_linear's `isa` argument, else the
+// CHATLOOM_KERNEL_ISA environment variable, else the best this CPU has): AVX-512 VNNI
+// (vpdpbusd: 64 code/int8 products summed into int32 per instruction), AVX2 (vpmaddubsw)
+// and portable scalar C++. The integer sums are exact on every path and the float steps are
+// the same operations in the same order, so all three give the same bits.
+//
 // Weights live in panels of 16 output features; scales are [P, K / 32, 2, 16]: d, then m.
 // For depth group g (k = 4g .. 4g + 3):
 //   4-bit codes [P, K / 4, 32] uint8: byte 4 j + i holds feature j's code at k = 4g + i in
@@ -21,6 +27,8 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -137,19 +145,183 @@ void tile(const int8_t* q, const float* dx, const float* sx, int64_t k_dim, cons
 
 #endif
 
+// -- portable scalar path: the same arithmetic as the SIMD paths, one value at a time ------------
+
+void quantize_row_scalar(const float* x, int64_t k_dim, int8_t* q, float* d_out, float* s_out) {
+  for (int64_t b = 0; b < k_dim / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int32_t v = (int32_t)std::nearbyint(xb[i] * id);
+      sum += v;
+      q[b * kBlock + i] = (int8_t)std::min(127, std::max(-128, v));
+    }
+    d_out[b] = d;
+    s_out[b] = d * (float)sum;
+  }
+}
+
+template <int R, bool Q8>
+void tile_scalar(const int8_t* q, const float* dx, const float* sx, int64_t k_dim, const uint8_t* codes,
+                 const float* scales, const float* bias, float* out, int64_t ldo, int64_t ncols) {
+  const int64_t nb = k_dim / kBlock;
+  constexpr int64_t group_bytes = Q8 ? 64 : 32;
+  float acc[R][kPanel] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t isum[R][kPanel] = {};
+    const uint8_t* cb = codes + b * 8 * group_bytes;
+    for (int g = 0; g < 8; ++g)
+      for (int j = 0; j < kPanel; ++j)
+        for (int i = 0; i < 4; ++i) {
+          int32_t c;
+          if constexpr (Q8) c = (int8_t)cb[g * 64 + 32 * (j / 8) + 4 * (j % 8) + i];
+          else c = j < 8 ? (cb[g * 32 + 4 * j + i] & 15) : (cb[g * 32 + 4 * (j - 8) + i] >> 4);
+          for (int r = 0; r < R; ++r) isum[r][j] += c * (int32_t)q[r * k_dim + b * kBlock + g * 4 + i];
+        }
+    const float* s = scales + b * 2 * kPanel;
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kPanel; ++j) {
+        acc[r][j] = std::fma((float)isum[r][j], s[j] * dx[r * nb + b], acc[r][j]);
+        if constexpr (!Q8) acc[r][j] = std::fma(s[kPanel + j], sx[r * nb + b], acc[r][j]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < ncols; ++j) out[r * ldo + j] = acc[r][j] + (bias ? bias[j] : 0.f);
+}
+
+// -- AVX-512 VNNI: one vpdpbusd per row and group of 4 depths covers all 16 features ------------
+// Compiled for these instructions whatever -march says, and only called where the CPU has them.
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define CHATLOOM_HAVE_VNNI_PATH 1
+#define CHATLOOM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+template <int R, bool Q8>
+CHATLOOM_VNNI void tile_vnni(const int8_t* q, const float* dx, const float* sx, int64_t k_dim,
+                             const uint8_t* codes, const float* scales, const float* bias, float* out,
+                             int64_t ldo, int64_t ncols) {
+  const int64_t nb = k_dim / kBlock;
+  constexpr int64_t group_bytes = Q8 ? 64 : 32;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    const uint8_t* cb = codes + b * 8 * group_bytes;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const int8_t* xg = q + b * kBlock + g * 4;
+      __m512i w;  // dword j: feature j's codes at the group's 4 depths
+      __mmask64 neg = 0;
+      if constexpr (Q8) {
+        const __m512i raw = _mm512_loadu_si512(cb + g * 64);
+        neg = _mm512_movepi8_mask(raw);
+        w = _mm512_abs_epi8(raw);  // |code| as unsigned (-128 -> 128); its sign moves onto x
+      } else {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 32));
+        w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low4);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xg + r * k_dim));
+        if constexpr (Q8) xv = _mm512_mask_sub_epi8(xv, neg, zero, xv);
+        isum[r] = _mm512_dpbusd_epi32(isum[r], w, xv);
+      }
+    }
+    const float* s = scales + b * 2 * kPanel;
+    const __m512 dw = _mm512_loadu_ps(s);
+    [[maybe_unused]] const __m512 mw = _mm512_loadu_ps(s + kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(dx[r * nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, d), acc[r]);
+      if constexpr (!Q8) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+    }
+  }
+  const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_add_ps(acc[r], bv));
+}
+#endif
+
+// -- choosing the path --------------------------------------------------------------------------
+
+enum class Isa { kScalar, kAvx2, kAvx512Vnni };
+
+bool cpu_has(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return true;
+    case Isa::kAvx2:
+#if defined(__AVX2__) && defined(__FMA__)
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+      return false;
+#endif
+    case Isa::kAvx512Vnni:
+#ifdef CHATLOOM_HAVE_VNNI_PATH
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+      return false;
+#endif
+  }
+  return false;
+}
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512Vnni ? "avx512_vnni" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+}
+
+Isa parse_isa(const std::string& name) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512Vnni}) {
+    if (name == isa_name(isa)) {
+      TORCH_CHECK(cpu_has(isa), "the int8 matmul's ", name, " path is not available on this CPU or build");
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, "unknown instruction set '", name, "' for the int8 matmul: use auto, avx512_vnni, avx2 or scalar");
+  return Isa::kScalar;
+}
+
+Isa best_isa() {
+  return cpu_has(Isa::kAvx512Vnni) ? Isa::kAvx512Vnni : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kScalar;
+}
+
+// "auto": CHATLOOM_KERNEL_ISA if set (read once), else the best path.
+Isa resolve_isa(const std::string& requested) {
+  if (!requested.empty() && requested != "auto") return parse_isa(requested);
+  static const Isa chosen = [] {
+    // The environment names a path of any kernel; only this kernel's own names apply here.
+    const char* env = std::getenv("CHATLOOM_KERNEL_ISA");
+    const std::string name = env ? env : "";
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512Vnni})
+      if (name == isa_name(isa)) return parse_isa(name);
+    return best_isa();
+  }();
+  return chosen;
+}
+
 }  // namespace
 
+std::vector<std::string> int8_linear_isas() {
+  std::vector<std::string> out;
+  for (Isa isa : {Isa::kAvx512Vnni, Isa::kAvx2, Isa::kScalar})
+    if (cpu_has(isa)) out.push_back(isa_name(isa));
+  return out;
+}
+
+std::string int8_linear_isa(const std::string& requested) { return isa_name(resolve_isa(requested)); }
+
 bool int8_linear_supported() {
-#if defined(__AVX2__) && defined(__FMA__)
-  return true;
-#else
-  return false;
-#endif
+  // The scalar path always runs, but only a SIMD path makes int8 activations worth their rounding.
+  return cpu_has(Isa::kAvx2) || cpu_has(Isa::kAvx512Vnni);
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
-                          c10::optional<torch::Tensor> bias) {
-#if defined(__AVX2__) && defined(__FMA__)
+                          c10::optional<torch::Tensor> bias, const std::string& isa_request) {
+  const Isa isa = resolve_isa(isa_request);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
   const bool q8 = codes.dim() == 3 && codes.size(2) == 64;
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() &&
@@ -177,8 +349,15 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   std::vector<float> dx(m_dim * nb), sx(m_dim * nb);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
+    for (int64_t m = begin; m < end; ++m) {
+#if defined(__AVX2__) && defined(__FMA__)
+      if (isa != Isa::kScalar) {
+        quantize_row(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
+        continue;
+      }
+#endif
+      quantize_row_scalar(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
+    }
   });
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
@@ -193,9 +372,20 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     const uint8_t* c = cp + p * panel_bytes;
     const float* s = sp + p * nb * 2 * kPanel;
     float* o = op + m * out_features + col;
-    if (r == 3) tile<3, Q8>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols);
-    else if (r == 2) tile<2, Q8>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols);
-    else tile<1, Q8>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols);
+#define CHATLOOM_TILES(fn)                                                   \
+  if (r == 3) fn<3, Q8>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols);      \
+  else if (r == 2) fn<2, Q8>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols); \
+  else fn<1, Q8>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols);
+    switch (isa) {
+#ifdef CHATLOOM_HAVE_VNNI_PATH
+      case Isa::kAvx512Vnni: CHATLOOM_TILES(tile_vnni) break;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+      case Isa::kAvx2: CHATLOOM_TILES(tile) break;
+#endif
+      default: CHATLOOM_TILES(tile_scalar) break;
+    }
+#undef CHATLOOM_TILES
   };
   // Three rows per tile for 4-bit codes; two for 8-bit, whose dot products need more registers.
   const int64_t tile_rows = q8 ? 2 : kTileRows;
@@ -212,7 +402,4 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     });
   }
   return out;
-#else
-  TORCH_CHECK(false, "int8_linear needs AVX2 and FMA");
-#endif
 }
