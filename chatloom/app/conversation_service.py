@@ -9,13 +9,19 @@ continued from their logged text (`resume_job`, see hotstate/job_keeper.py and c
 The generation's trip (caps, moderation, quota, admission, stream, output guard, settlement) is the
 shared `Pipeline`; this service adds what is particular to conversations: the message tree, prompt
 assembly with summaries (conversation_prompt.py), the event log and the saved answer.
+
+With chat tools on (settings.chat_tools), an answer may call them: when a round of generation ends
+in tool calls, the loop pauses, runs each call (app/tools), logs `tool_call` and `tool_result`
+events, appends the calls and results to the prompt and resumes the same run, whose new prompt
+starts with the previous one token for token, so the prefix cache makes resumption cheap. At most
+settings.max_tool_calls_per_answer calls run per answer; after that the model must answer in text.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -27,17 +33,21 @@ from chatloom.app.events import EventLog, EventLogStore
 from chatloom.app.hotstate.job_keeper import reservation_of, reservation_spec
 from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.app.hotstate.redis_events import LogTakenOver
-from chatloom.app.pipeline import AnswerText, Ask, ChatPrompt, Finished, GenerationStopped, Pipeline, Run, Thinking
+from chatloom.app.pipeline import (AnswerText, Ask, ChatPrompt, Finished, GenerationStopped, Pipeline, Run, Thinking,
+                                   ToolCall)
 from chatloom.app.recovery import start_checkpointer
 from chatloom.app.settings import Settings
 from chatloom.app.summary_admission import admitted_summary
+from chatloom.app.tool_calls import ToolUse, render_messages
+from chatloom.app.tools.builtins import builtin_registry
+from chatloom.app.tools.registry import ToolContext, ToolRegistry
 from chatloom.app.validation import off_loop
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 from chatloom.store import Conversation, Conversations, Database, Message, Messages, User, Users
 
 log = logging.getLogger(__name__)
 
-STATUS_FOR_FINISH = {"stop": "complete", "length": "incomplete", "abort": "stopped", "content_filter": "filtered"}
+STATUS_FOR_FINISH = {"stop": "complete", "tool_calls": "complete", "length": "incomplete", "abort": "stopped", "content_filter": "filtered"}
 UNSET = object()
 
 
@@ -48,10 +58,11 @@ class GenerationOptions:
     max_tokens: int | None = None
     temperature: float | None = None
     reasoning_effort: str | None = None  # low | medium | high: think before answering
+    tools: ToolUse | None = None  # the chat tools the model may call (set by the service)
 
     def ask(self, request_id: str) -> Ask:
         return Ask(user=self.user, model=self.model, max_tokens=self.max_tokens, temperature=self.temperature,
-                   reasoning_effort=self.reasoning_effort, request_id=request_id, param="text")
+                   reasoning_effort=self.reasoning_effort, request_id=request_id, param="text", tools=self.tools)
 
 
 @dataclass
@@ -82,6 +93,7 @@ class Generation:
 class _Outcome:
     answer: list[str] = field(default_factory=list)  # as shown: thinking and held-back text excluded
     thinking: list[str] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)  # tool calls and their results, in order
     finish_reason: str | None = None
     error: Exception | None = None
 
@@ -97,6 +109,8 @@ class ConversationService:
         self._running: dict[str, Generation | None] = {}
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
         self.draining = False  # shutting down: no new answers here
+        names = [n.strip() for n in settings.chat_tools.split(",") if n.strip()]
+        self.tools: ToolRegistry = builtin_registry(names)
 
     # -- starting generations ----------------------------------------------------------
     def running(self, conversation_id: str) -> Generation | None:
@@ -139,7 +153,7 @@ class ConversationService:
             claimed = await self._claim_fleet(conv.id)
             tree = Tree(await Messages(session).all_in(conv.id))
             parent = self._parent(tree, conv, parent_id)
-            run = await self.pipeline.open(options.ask(""), moderate=text)  # before any model work or saving
+            run = await self.pipeline.open(self._with_tools(options).ask(""), moderate=text)  # before model work
             text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # i12: large input
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history = [m.tokens for m in tree.path_to(parent)] if parent is not None else []
@@ -161,6 +175,12 @@ class ConversationService:
             if run is not None:
                 await run.close()
             raise
+
+    def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
+        if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
+            return options
+        return GenerationOptions(options.user, options.model, options.max_tokens, options.temperature,
+                                 options.reasoning_effort, self.tools.tool_use())
 
     @staticmethod
     def _parent(tree: Tree, conv: Conversation, parent_id: object) -> str | None:
@@ -184,7 +204,7 @@ class ConversationService:
         claimed = False
         try:
             claimed = await self._claim_fleet(conv.id)
-            run = await self.pipeline.open(options.ask(""))
+            run = await self.pipeline.open(self._with_tools(options).ask(""))
             target = await Messages(session).get(conv.id, message_id)
             if target is None:
                 raise not_found("message")
@@ -314,15 +334,30 @@ class ConversationService:
             if gen.prefix:  # the saved (or logged) text opens the assistant's turn; readers see it whole
                 if not gen.prefix_logged:  # i12 recovery: a fresh log
                     await self._write(gen, AnswerText(gen.prefix), out)
-                messages = messages + [{"role": "assistant", "content": gen.prefix}]
 
             async def position(n: int) -> None:
                 if not gen.log.closed:
                     await gen.log.append({"queue_position": n})
 
-            await run.admit(ChatPrompt(messages, continue_final=bool(gen.prefix)), position)
-            async for piece in run.stream():
-                await self._write(gen, piece, out)
+            tools = run.ask.tools
+            messages = render_messages(messages, tools)
+            # Recovery and takeover: the saved text is the open assistant turn the first round continues.
+            first = messages + [{"role": "assistant", "content": gen.prefix}] if gen.prefix else messages
+            await run.admit(ChatPrompt(first, continue_final=bool(gen.prefix)), position)
+            for round_no in range(self.settings.max_tool_calls_per_answer + 1):
+                text, calls = ([gen.prefix] if gen.prefix and round_no == 0 else []), []
+                async for piece in run.stream():
+                    await self._write(gen, piece, out)
+                    if isinstance(piece, AnswerText):
+                        text.append(piece.text)
+                    elif isinstance(piece, ToolCall):
+                        calls.append(piece)
+                if out.finish_reason != "tool_calls" or gen.stop_requested:
+                    break
+                messages = await self._run_tools(gen, run, messages, "".join(text), calls, out)
+                if gen.stop_requested:
+                    raise GenerationStopped
+                run.resume(ChatPrompt(messages), f"{gen.message_id}-round-{round_no + 1}")
         except (GenerationStopped, ConversationDeleted, SummaryAborted):
             out.finish_reason = "abort"
         except (ApiError, BadGenerationRequest, BackendError) as exc:  # quota top-up refused, queue timeout, backend
@@ -338,10 +373,33 @@ class ConversationService:
             out.error = exc
         await self._finish(gen, out)
 
+    async def _run_tools(self, gen: Generation, run: Run, messages: list[dict], text: str, calls: list[ToolCall],
+                         out: _Outcome) -> list[dict]:
+        """Run a round's calls; the prompt for the next round (the round's turn, then one turn per result)."""
+        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id)
+        budget = self.settings.max_tool_calls_per_answer
+        turns = [{"role": "assistant", "content": "\n".join([text] * bool(text) + [c.text() for c in calls])}]
+        for call in calls:
+            if len(out.steps) >= budget:
+                result_event = {"id": call.id, "name": call.name, "output": "",
+                                "error": f"the limit of {budget} tool calls per answer is reached"}
+                model_text = f"error: {result_event['error']}"
+            else:
+                result = await self.tools.run(call, ctx)
+                result_event, model_text = result.event(), result.model_text()
+            out.steps.append({"arguments": call.arguments, **result_event})
+            await gen.log.append({"tool_result": result_event})
+            turns.append({"role": "tool", "content": model_text})
+        if len(out.steps) >= budget:  # no more calls: the next round is read as plain text
+            run.ask = replace(run.ask, tools=replace(run.ask.tools, choice="none"))
+        return messages + turns
+
     @staticmethod
     async def _write(gen: Generation, piece: object, out: _Outcome) -> None:
+        if isinstance(piece, ToolCall):
+            await gen.log.append({"tool_call": {"id": piece.id, "name": piece.name, "arguments": piece.arguments}})
         # PostgreSQL text cannot hold NUL: drop it here, so what is streamed is exactly what is saved.
-        if isinstance(piece, AnswerText):
+        elif isinstance(piece, AnswerText):
             text = piece.text.replace("\x00", "")
             out.answer.append(text)
             await gen.log.append({"token": text})
@@ -365,7 +423,7 @@ class ConversationService:
             status = "error" if out.error else STATUS_FOR_FINISH.get(reason, "incomplete")
             text = "".join(out.answer)
             values = {"text": text, "tokens": self._count(text), "status": status,
-                      "reasoning": "".join(out.thinking) or None,
+                      "reasoning": "".join(out.thinking) or None, "tool_steps": out.steps or None,
                       "finish_reason": None if out.error else reason,
                       "prompt_tokens": gen.run.usage.prompt_tokens or None}
             if out.error is not None:

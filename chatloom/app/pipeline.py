@@ -13,8 +13,9 @@ through the same stages, in this order:
 
 `stream()` yields typed pieces, a union of small frozen dataclasses: `Thinking` and `AnswerText` as text
 arrives, then exactly one `Finished` (finish reason, `Usage`, `Timings`). Fronts match on the piece type
-and ignore types they do not know, so new kinds (tool-call pieces, say) can be added without breaking
-them. Prompts are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`); continuing an answer from
+and ignore types they do not know, so new kinds can be added without breaking them: `ToolCall` is one
+(a whole call the model made, picked out of its text when the ask has tools; see app/tool_calls.py).
+An ask may carry a `constraint` (JSON mode, a schema...) that the engine enforces token by token. Prompts are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`); continuing an answer from
 text already produced (after a crash or a lost replica) is another prompt kind to add here.
 
 `Run.stop()` may be called from any task: it leaves the queue (admit raises `GenerationStopped`) or
@@ -36,9 +37,10 @@ from chatloom.app.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.errors import ApiError
 from chatloom.app.settings import Settings
 from chatloom.app.tiers import Tier
+from chatloom.app.tool_calls import ToolCall, ToolCallParser, ToolUse
 from chatloom.app.traffic import Traffic
 from chatloom.app.validation import check_fits, off_loop
-from chatloom.serving import Backend, GenerationRequest, Timings, Usage
+from chatloom.serving import Backend, Constraint, GenerationRequest, Timings, Usage
 from chatloom.store import User
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -60,6 +62,8 @@ class Ask:
     reasoning_effort: str | None = None  # low | medium | high: think first (chat prompts only)
     request_id: str | None = None  # default: a fresh id
     param: str = "messages"  # the request field that errors about the prompt name
+    constraint: Constraint | None = None  # the answer must match this grammar
+    tools: ToolUse | None = None  # tools the model may call: its calls come out as ToolCall pieces
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ class Finished:
     timings: Timings | None = None
 
 
-Piece = Thinking | AnswerText | Finished
+Piece = Thinking | AnswerText | ToolCall | Finished
 
 
 class GenerationStopped(Exception):
@@ -278,13 +282,29 @@ class Run:
         if self.stopped:
             raise GenerationStopped
 
+    def resume(self, prompt: Prompt, request_id: str) -> None:
+        """Go on with the same answer from a longer prompt (the answer so far plus tool results), as a
+        new backend request under `request_id`: the admission slot is kept, the tokens used so far are
+        banked, and the reservation grows to cover the new round. The prompt repeats the previous one
+        token for token, so the engine's prefix cache serves it and only the new turns are computed."""
+        assert self._slot is not None, "admit() first"
+        self._extra = self._extra + self.usage
+        self.usage = Usage()
+        self.request_id = request_id
+        self.max_tokens = self.limits.max_tokens
+        sent, tokens = self._prepare(prompt)
+        self._fit(tokens)
+        self.traffic.extend(self._reservation, self.limits.tier,
+                            self._extra.total_tokens + tokens + self.max_tokens)
+
     # -- the model ------------------------------------------------------------------------------
     def _request(self) -> GenerationRequest:
         assert self._prepared is not None, "admit() first"
         sent, limits = self._prepared[1], self.limits
         req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
                                 top_p=limits.top_p, seed=self.ask.seed, stop=list(self.ask.stop),
-                                request_id=self.request_id, priority=-limits.tier.priority)  # low numbers run first
+                                request_id=self.request_id, priority=-limits.tier.priority,  # low numbers run first
+                                constraint=self.ask.constraint)
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
             req.continue_final = sent.continue_final
@@ -299,6 +319,8 @@ class Run:
         backend = self.pipeline.backend
         guard = self.traffic.output_guard()
         splitter = reasoning.ThinkingSplitter() if self.limits.effort is not None else None
+        tools = self.ask.tools
+        calls = ToolCallParser(tools.names()) if tools is not None and tools.active else None
         aborted = False
         self._streaming = True
         async with aclosing(backend.stream(self._request())) as deltas:
@@ -319,10 +341,14 @@ class Run:
                             yield Thinking(part)
                         else:
                             for shown in await guard.push(part):
-                                yield AnswerText(shown)
+                                for out in _split_calls(calls, shown):
+                                    yield out
                     if delta.finished and guard.verdict is None:
                         for shown in await guard.finish():
-                            yield AnswerText(shown)
+                            for out in _split_calls(calls, shown):
+                                yield out
+                        for out in _split_calls(calls, None):
+                            yield out
                     if guard.verdict is not None and not aborted:
                         # Caught before the user saw it: stop the model now; the run ends as content_filter.
                         self.traffic.output_blocked(guard)
@@ -331,6 +357,8 @@ class Run:
                             aborted = True
                 if delta.finished:
                     self.finish_reason = "content_filter" if guard.verdict else (delta.finish_reason or "stop")
+                    if calls is not None and calls.calls and self.finish_reason == "stop":
+                        self.finish_reason = "tool_calls"
                     self.timings = delta.metrics
                     yield Finished(self.finish_reason, delta.usage, delta.metrics)
 
@@ -361,6 +389,14 @@ class Run:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:
             self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage)
+
+
+def _split_calls(parser: ToolCallParser | None, text: str | None) -> list[AnswerText | ToolCall]:
+    """Answer text as pieces: plain text, or the tool calls found in it (text None: the answer ended)."""
+    if parser is None:
+        return [AnswerText(text)] if text else []
+    parts = parser.finish() if text is None else parser.push(text)
+    return [p if isinstance(p, ToolCall) else AnswerText(p) for p in parts if p]
 
 
 def _drop_cut_character(text: str) -> str:

@@ -56,6 +56,10 @@ class Settings:
     summary_keep_fraction: float = 0.5
     event_log_retention_s: float = 600.0
     title_chars: int = 60
+    # Tools the chat's model may call (comma-separated built-ins: calculator, time, search; "" for none),
+    # and how many calls one answer may make before it must answer in text.
+    chat_tools: str = "calculator,time,search"
+    max_tool_calls_per_answer: int = 4
 
     # Traffic control (tiers, quotas, admission, moderation): see chatloom/app/traffic.py.
     tiers_file: str | None = None  # TOML of tiers; default: built-in free/plus/pro (+ CHATLOOM_TIER_* env)

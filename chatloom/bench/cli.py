@@ -107,6 +107,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.set_defaults(func=_latency)
 
+    p = sub.add_parser("structured", help="constrained decoding: step time with JSON-schema masks vs free")
+    _common(p)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 32])
+    p.add_argument("--max-tokens", type=positive_int, default=48)
+    p.add_argument("--repeats", type=positive_int, default=2, help="rounds of free and masked, interleaved")
+    p.set_defaults(func=_structured)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")
@@ -260,6 +267,12 @@ def _spec(args) -> int:
     return _emit(run_spec(load_from_args(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
                           args.repeats, args.num_speculative_tokens, args.speculative_model,
                           not args.no_adaptive), args.table)
+
+def _structured(args) -> int:
+    from chatloom.bench.structured import run_structured
+
+    return _emit(run_structured(load_from_args(args), args.batch_sizes, args.max_tokens, args.repeats, args.seed),
+                 args.table)
 
 
 def _latency(args) -> int:

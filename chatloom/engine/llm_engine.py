@@ -23,6 +23,7 @@ from chatloom.engine.sequence import Sequence, SequenceStatus
 from chatloom.engine.spec_decode import build_speculative_decoder
 from chatloom.engine.spec_decode.calibrate import calibrate_decoder
 from chatloom.engine.stats import EngineSnapshot, EngineStats
+from chatloom.engine.structured.guide import GrammarGuide
 from chatloom.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed)
         self.eos_ids = list(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
+        self.guide = GrammarGuide(self.tokenizer, self.eos_ids)  # matchers of constrained requests
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._finished_outputs: deque[RequestOutput] = deque()
@@ -105,6 +107,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if params.constraint is not None:
+            self.guide.add(request_id, params.constraint)
         seq = Sequence(request_id, token_ids, params, priority)
         self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)
@@ -141,6 +145,12 @@ class LLMEngine:
         fwd = execute_isolated(self.runner, batch)
         outputs += [o for seq, exc in fwd.failed.items() if (o := self._fail(seq, f"the forward pass failed: {exc!r}"))]
         logits, argmax, sampled = fwd.logits, fwd.argmax, fwd.sampled
+        if sampled and len(self.guide):
+            # One logits row per sampled sequence plus one per proposal; constrained ones never propose,
+            # so their single row is masked here, before verification or sampling.
+            row_ids = [rid for s in sampled for rid in [s.request_id] + [""] * len(s.spec_token_ids)]
+            if self.guide.apply(logits, row_ids):
+                argmax = None  # masked rows: the runner's argmax may be a forbidden token
         failures: dict = {}
         if self.spec is not None:
             if not batch.prefills and not fwd.failed:
@@ -171,6 +181,7 @@ class LLMEngine:
             appended = 0
             for token in tokens:
                 seq.token_ids.append(token)
+                self.guide.advance(seq.request_id, token)
                 appended += 1
                 m = seq.metrics
                 m.num_output_tokens = seq.num_output_tokens
@@ -248,6 +259,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.forget(seq)
+        self.guide.remove(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()

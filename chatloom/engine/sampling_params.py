@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from chatloom.engine.structured.constraint import Constraint, ConstraintError
+
 # Below these, sampling is greedy: dividing logits by a smaller temperature overflows float32
 # (1e-40 is a denormal, 1e-320 rounds to 0), and a smaller nucleus keeps only the top token anyway.
 TEMPERATURE_FLOOR = 1e-5
@@ -27,6 +29,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Output limited to a grammar (JSON, schema, regex, choices); such a request never speculates.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +52,11 @@ class SamplingParams:
             raise InvalidRequest("min_tokens must be between 0 and max_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must not be empty")
+        if self.constraint is not None:
+            try:
+                self.constraint.check()
+            except ConstraintError as exc:
+                raise InvalidRequest(str(exc)) from None
 
     @property
     def greedy(self) -> bool:

@@ -7,7 +7,9 @@ from chatloom.serving.local import LocalBackend
 from chatloom.serving.multi_model import MultiModelBackend
 from chatloom.serving.remote import RemoteBackend, ReplicaError
 from chatloom.serving.router import Router, RouterConfig
+# Output constraints travel on GenerationRequest; the app builds them without reaching into the engine.
+from chatloom.engine.structured.constraint import Constraint, ConstraintError
 
 __all__ = ["Backend", "BackendError", "BackendNotReady", "BackendStats", "BadGenerationRequest", "Delta",
            "GenerationRequest", "Timings", "UnknownModel", "Usage", "LocalBackend", "MultiModelBackend",
-           "RemoteBackend", "ReplicaError", "Router", "RouterConfig"]
+           "RemoteBackend", "ReplicaError", "Router", "RouterConfig", "Constraint", "ConstraintError"]

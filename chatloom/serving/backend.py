@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from chatloom.engine.spec_decode.decoder import SpecDecodeStats
+from chatloom.engine.structured.constraint import Constraint
 
 
 class BackendError(Exception):
@@ -61,6 +62,9 @@ class GenerationRequest:
     # max_tokens) and streams only new text; the final counts cover the whole answer.
     resume_token_ids: list[int] = field(default_factory=list)
     resume_text: str = ""
+
+    # Output limited to a grammar (JSON mode, a schema, a regex, choices, forced tool calls).
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class LocalBackend(Backend):
         try:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                                    stop=list(request.stop))
+                                    stop=list(request.stop), constraint=request.constraint)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         return ids, params

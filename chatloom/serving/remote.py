@@ -363,6 +363,13 @@ class RemoteBackend(Backend):
 
 
 def sampling_params(request: GenerationRequest) -> SamplingParams:
+    """The engine's sampling values for a request sent to replicas (the remote backend and the router).
+    Output constraints are refused here: the replica protocol carries no grammar, and sending the
+    request unconstrained would break the promise a schema or a forced tool call makes."""
+    if request.constraint is not None:
+        raise BadGenerationRequest("structured output (response_format, forced tool calls) is not supported "
+                                   "by a remote or routed backend; send it to an in-process model",
+                                   "unsupported_constraint", "response_format")
     try:
         return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                               top_k=request.top_k, seed=request.seed, stop=list(request.stop))

@@ -6,7 +6,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from sqlalchemy import (BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, MetaData, String, Text,
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, MetaData, String, Text,
                         UniqueConstraint, false)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -109,6 +109,8 @@ class Message(Base):
     # While an answer is written: when its text was last saved (a stale one was left by a dead process).
     heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     interrupted_reason: Mapped[str | None] = mapped_column(Text)
+    # The answer's tool steps, in order: [{"id", "name", "arguments", "output", "error"}] (chat tools).
+    tool_steps: Mapped[list | None] = mapped_column(JSON)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

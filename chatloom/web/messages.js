@@ -58,6 +58,20 @@ function userMessage(m, actions, busy) {
   return node;
 }
 
+// The tools an answer used, each a collapsed step: "calculator · 391", opening to the arguments and result.
+function toolSteps(steps) {
+  if (!steps || !steps.length) return null;
+  return el('div', { class: 'tool-steps' }, steps.map((s) => {
+    const result = s.error ? `error: ${s.error}` : s.output;
+    const summary = result == null ? `Using ${s.name}…` : `Used ${s.name}: ${result.split('\n')[0].slice(0, 80)}`;
+    return el('details', { class: `tool-step${s.error ? ' failed' : ''}`, dataset: { tool: s.name } },
+      el('summary', { text: summary }),
+      el('div', { class: 'tool-label', text: 'Arguments' }), el('pre', { class: 'tool-args', text: s.arguments }),
+      el('div', { class: 'tool-label', text: 'Result' }),
+      el('pre', { class: 'tool-result', text: result ?? 'running…' }));
+  }));
+}
+
 function assistantMessage(m, actions, busy) {
   const node = el('div', { class: 'message assistant', dataset: { id: m.id, role: 'assistant', status: m.status } });
   const bubble = el('div', { class: 'bubble markdown' });
@@ -82,7 +96,8 @@ function assistantMessage(m, actions, busy) {
   const thought = m.reasoning || actions.thoughtOf?.(m.id);
   const thinking = thought ? el('details', { class: 'thinking' }, el('summary', {}, 'Thought about it'),
     el('div', { class: 'thought', text: thought })) : null;
-  node.append(...(thinking ? [thinking] : []), bubble, ...(line ? [line] : []), toolbar);
+  const steps = toolSteps(m.tool_steps);
+  node.append(...(thinking ? [thinking] : []), ...(steps ? [steps] : []), bubble, ...(line ? [line] : []), toolbar);
   return node;
 }
 
@@ -101,6 +116,7 @@ export function renderBranch(container, messages, actions, { runningId = null } 
 export function streamingMessage(id) {
   return el('div', { class: 'message assistant streaming', dataset: { id, role: 'assistant', status: 'streaming' } },
     el('details', { class: 'thinking', hidden: true }, el('summary', {}, 'Thinking…'), el('div', { class: 'thought' })),
+    el('div', { class: 'tool-steps-slot' }),
     el('div', { class: 'bubble markdown cursor' }),
     el('div', { class: 'status-line queue', hidden: true }));
 }
@@ -112,9 +128,18 @@ export function updateStreaming(node, run) {
     thinking.querySelector('.thought').textContent = run.thinking;
     thinking.querySelector('summary').textContent = run.text ? 'Thought about it' : 'Thinking…';
   }
+  const slot = node.querySelector('.tool-steps-slot');
+  if (run.steps.length && slot.dataset.drawn !== JSON.stringify(run.steps)) {
+    // Redrawn only when a step changes, so a step the user opened stays open while text streams.
+    const open = new Set([...slot.querySelectorAll('details[open]')].map((d) => d.dataset.index));
+    const steps = toolSteps(run.steps);
+    steps.querySelectorAll('details').forEach((d, i) => { d.dataset.index = i; if (open.has(String(i))) d.open = true; });
+    slot.replaceChildren(steps);
+    slot.dataset.drawn = JSON.stringify(run.steps);
+  }
   node.querySelector('.bubble').innerHTML = renderMarkdown(run.text);
   const queue = node.querySelector('.queue');
-  const waiting = run.queue != null && !run.text && !run.thinking;
+  const waiting = run.queue != null && !run.text && !run.thinking && !run.steps.length;
   queue.hidden = !waiting && !run.reconnecting;
   queue.textContent = run.reconnecting ? 'Reconnecting…'
     : waiting ? (run.queue > 0 ? `Waiting in queue: position ${run.queue}` : 'Starting…') : '';

@@ -1,4 +1,4 @@
-// One generation seen from the browser: the text and thinking so far, the last event id,
+// One generation seen from the browser: the text, thinking and tool steps so far, the last event id,
 // and the queue position. Every event is mirrored to sessionStorage, so a reloaded page can
 // show what it had and resume the stream after the last event it saw.
 import { readEvents } from './sse.js';
@@ -6,11 +6,12 @@ import { readEvents } from './sse.js';
 const KEY = 'chatloom.stream';
 
 export class Run {
-  constructor(convId, messageId, { text = '', thinking = '', lastEventId = 0 } = {}) {
+  constructor(convId, messageId, { text = '', thinking = '', steps = [], lastEventId = 0 } = {}) {
     this.convId = convId;
     this.messageId = messageId;
     this.text = text;
     this.thinking = thinking;
+    this.steps = steps; // tool calls, each with its result once it has one: {id, name, arguments, output, error}
     this.lastEventId = lastEventId;
     this.queue = null; // position while waiting for the model
     this.done = null; // the final {"done": true, ...} event
@@ -29,9 +30,9 @@ export class Run {
   }
 
   save() {
-    const { convId, messageId, text, thinking, lastEventId } = this;
+    const { convId, messageId, text, thinking, steps, lastEventId } = this;
     try {
-      sessionStorage.setItem(KEY, JSON.stringify({ convId, messageId, text, thinking, lastEventId }));
+      sessionStorage.setItem(KEY, JSON.stringify({ convId, messageId, text, thinking, steps, lastEventId }));
     } catch { /* storage full or disabled: resuming starts from the beginning */ }
   }
 
@@ -55,6 +56,11 @@ export class Run {
     }
     if (typeof data.token === 'string') { this.text += data.token; this.queue = null; }
     if (typeof data.thinking === 'string') { this.thinking += data.thinking; this.queue = null; }
+    if (data.tool_call) { this.steps.push({ ...data.tool_call, output: null, error: null }); this.queue = null; }
+    if (data.tool_result) {
+      const step = this.steps.find((s) => s.id === data.tool_result.id);
+      if (step) Object.assign(step, { output: data.tool_result.output, error: data.tool_result.error });
+    }
     if (data.queue_position != null) this.queue = data.queue_position;
     if (data.done) this.done = data;
   }

@@ -99,7 +99,8 @@ def make_settings(tmp_path, **overrides) -> Settings:
     # Cheap argon2 parameters: the tests sign up many users; production keeps the defaults.
     base = dict(data_dir=str(tmp_path), jwt_secret="test-secret-0123456789abcdef0123456789", argon2_time_cost=1,
                 argon2_memory_kib=1024, system_prompt="Be brief.", default_max_tokens=16,
-                default_temperature=0.0, shutdown_grace_s=0.0)
+                default_temperature=0.0, shutdown_grace_s=0.0,
+                chat_tools="")  # tool tests turn tools on
     base.update(overrides)
     return Settings(**base)
 

@@ -34,7 +34,9 @@ def _serve(tmp: Path, port: int) -> subprocess.Popen:
         "checkpoint_interval_s = 0.5", "recovery_stale_s = 2.0", "shutdown_drain_s = 1.0",
         "max_num_seqs = 4", "num_blocks = 256", "context_window = 2048", 'log_level = "warning"',
         'model = "tiny-random"', "default_max_tokens = 1500", "max_tokens_limit = 2000",
-        'moderation = "off"', 'system_prompt = "You follow instructions exactly."', 'default_tier = "pro"']) + "\n")
+        'moderation = "off"', 'system_prompt = "You follow instructions exactly."', 'default_tier = "pro"',
+        # No chat tools: their definitions would take 1,200 of the 2,048-token window and shorten the answer.
+        'chat_tools = ""']) + "\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CHATLOOM_KERNELS": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "chatloom.cli", "serve", "--config", str(config)], cwd=tmp,
                             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"serve-{time.time():.0f}.log", "w"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 
 from chatloom.serving import Backend, Delta, GenerationRequest
@@ -62,9 +63,22 @@ class ScriptedBackend(Backend):
             return " ".join(f"word{i}" for i in range(1, 400))
         return f"Answer number {n} to: {question} " + " ".join(["and", "some", "more", "words"] * 3) + " done."
 
+    @staticmethod
+    def tool_answer(messages: list[dict]) -> str | None:
+        """With chat tools offered: 'calculate X' calls the calculator, and the next round reports its result."""
+        if not messages or "<tools>" not in messages[0]["content"]:
+            return None
+        if messages[-1]["role"] == "tool":
+            return f"The answer is {messages[-1]['content']}."
+        expr = re.search(r"calculate (.+)", messages[-1]["content"])
+        if messages[-1]["role"] != "user" or expr is None:
+            return None
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expr.group(1).strip()}})
+        return f"I will use the calculator.\n<tool_call>\n{call}\n</tool_call>"
+
     async def stream(self, request: GenerationRequest):
         question = next((m["content"] for m in reversed(request.messages or []) if m["role"] == "user"), "")
-        text = self.answer_for(question)
+        text = self.tool_answer(request.messages or []) or self.answer_for(question)
         # Asked to reason (the app adds <think> instructions with a word budget): think first.
         system = next((m["content"] for m in request.messages or [] if m["role"] == "system"), "")
         budget = re.search(r"<think>.*at most about (\d+) words", system, re.S)

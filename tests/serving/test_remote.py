@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from chatloom.engine.sampling_params import SamplingParams
+from chatloom.serving import Constraint
 from chatloom.serving.backend import BackendNotReady, BadGenerationRequest, GenerationRequest
 from chatloom.serving.remote import RemoteBackend, ReplicaError, ReplicaModelMismatch, Timeouts
 
@@ -75,6 +76,10 @@ async def test_vllm_extra_parameters_and_refusals(fleet):
     try:
         with pytest.raises(BadGenerationRequest, match="top_k"):
             await collect(client, GenerationRequest(prompt="hi", top_k=-3))
+        # A replica cannot honour a grammar: refused with a clear 400, never sent unconstrained.
+        with pytest.raises(BadGenerationRequest, match="structured output") as refused:
+            await collect(client, GenerationRequest(prompt="hi", constraint=Constraint.json_object()))
+        assert refused.value.code == "unsupported_constraint"
     finally:
         await client.close()
 

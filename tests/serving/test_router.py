@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from chatloom.serving.backend import BackendError, BackendNotReady, GenerationRequest
+from chatloom.serving import Constraint
+from chatloom.serving.backend import BackendError, BackendNotReady, BadGenerationRequest, GenerationRequest
 from chatloom.serving.router import Router, RouterConfig
 
 from fleet_testing import ReplicaProcess
@@ -154,5 +155,8 @@ async def test_bad_replica_urls_fail_at_start_with_reasons_and_never_hang(fleet,
         assert [r.healthy for r in mixed.replicas] == [True, False]
         _, last = await collect(mixed, GenerationRequest(prompt="hi", max_tokens=2, temperature=0))
         assert last.finish_reason == "length"
+        # A grammar cannot travel to replicas: refused with a clear 400 rather than answered unconstrained.
+        with pytest.raises(BadGenerationRequest, match="structured output"):
+            await collect(mixed, GenerationRequest(prompt="hi", constraint=Constraint.regex("[0-9]+")))
     finally:
         await mixed.close()

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from chatloom.app.deps import AppContext, Ctx, CurrentUser, SessionDep
 from chatloom.app.errors import ApiError, error_body
 from chatloom.app.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
-from chatloom.app.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Run, Thinking
+from chatloom.app.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Run, Thinking, ToolCall
 from chatloom.app.sse import SSE_HEADERS, frame
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 
@@ -34,17 +34,30 @@ def _usage(u: Usage) -> dict:
 
 
 def _finish_reason(reason: str | None) -> str:
-    return reason if reason in ("length", "content_filter") else "stop"
+    return reason if reason in ("length", "content_filter", "tool_calls") else "stop"
+
+
+def _call_out(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 class _ChatFormat:
-    """chat.completion(.chunk) objects; the thinking goes in reasoning_content, as vLLM sends it."""
+    """chat.completion(.chunk) objects; the thinking goes in reasoning_content, as vLLM sends it.
+    A tool call streams as OpenAI's deltas: one with its index, id and name, then its arguments."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, reasoning: bool) -> None:
         self.reasoning = reasoning
+        self.calls_sent = 0
+
+    def tool_call_chunks(self, call: ToolCall) -> list[dict]:
+        index = self.calls_sent
+        self.calls_sent += 1
+        head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [{"delta": {"tool_calls": [head]}},
+                {"delta": {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}}]
 
     def opening(self) -> dict | None:
         return {"delta": {"role": "assistant", "content": ""}}
@@ -59,8 +72,10 @@ class _ChatFormat:
     def closing(self, reason: str) -> dict:
         return {"delta": {}, "finish_reason": reason}
 
-    def whole(self, answer: str, thinking: str, reason: str) -> dict:
-        message = {"role": "assistant", "content": answer, "refusal": None}
+    def whole(self, answer: str, thinking: str, reason: str, calls: list[ToolCall]) -> dict:
+        message = {"role": "assistant", "content": answer or (None if calls else ""), "refusal": None}
+        if calls:
+            message["tool_calls"] = [_call_out(c) for c in calls]
         if self.reasoning:
             message["reasoning_content"] = thinking
         return {"message": message, "finish_reason": reason}
@@ -79,7 +94,10 @@ class _CompletionFormat:
     def closing(self, reason: str) -> dict:
         return {"text": "", "finish_reason": reason}
 
-    def whole(self, answer: str, thinking: str, reason: str) -> dict:
+    def tool_call_chunks(self, call: ToolCall) -> list[dict]:
+        return []
+
+    def whole(self, answer: str, thinking: str, reason: str, calls: list[ToolCall]) -> dict:
         return {"text": answer, "finish_reason": reason}
 
 
@@ -113,7 +131,7 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
             "system_fingerprint": None}
 
     if not body.stream:
-        answer, thinking = [], []
+        answer, thinking, calls = [], [], []
         try:
             piece = first
             while piece is not None:
@@ -121,11 +139,13 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
                     answer.append(piece.text)
                 elif isinstance(piece, Thinking):
                     thinking.append(piece.text)
+                elif isinstance(piece, ToolCall):
+                    calls.append(piece)
                 piece = await anext(pieces, None)
         finally:
             await pieces.aclose()
             await run.close()
-        choice = fmt.whole("".join(answer), "".join(thinking), _finish_reason(run.finish_reason))
+        choice = fmt.whole("".join(answer), "".join(thinking), _finish_reason(run.finish_reason), calls)
         return JSONResponse({**base, "choices": [{"index": 0, "logprobs": None, **choice}], "usage": _usage(run.usage)})
 
     include_usage = body.include_usage
@@ -145,7 +165,10 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
             piece = first
             while piece is not None:
                 if isinstance(piece, Finished):
-                    yield chunk(fmt.closing(_finish_reason(piece.finish_reason)))
+                    yield chunk(fmt.closing(_finish_reason(run.finish_reason)))
+                elif isinstance(piece, ToolCall):
+                    for choice in fmt.tool_call_chunks(piece):
+                        yield chunk(choice)
                 elif (choice := fmt.piece(piece)) is not None:
                     yield chunk(choice)
                 piece = await anext(pieces, None)
@@ -163,8 +186,9 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionIn, ctx: Ctx, user: CurrentUser, session: SessionDep):
-    prompt = body.prompt()
-    ask = body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}")
+    tools = body.tool_use()
+    prompt = body.prompt(tools)
+    ask = body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools)
     return await _respond(ctx, body, ask, prompt, body.user_text(prompt), _ChatFormat(ask.reasoning_effort is not None),
                           session)
 

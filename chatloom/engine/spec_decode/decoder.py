@@ -74,7 +74,8 @@ class SpeculativeDecoder:
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids on every running sequence whose next step is a decode."""
         self._draft_probs.clear()
-        ready = [s for s in running if len(s) - s.num_computed_tokens == 1]
+        # Constrained requests never speculate: their grammar masks only the next token's row.
+        ready = [s for s in running if len(s) - s.num_computed_tokens == 1 and s.params.constraint is None]
         for seq in running:
             seq.spec_token_ids = []
         if not ready:
