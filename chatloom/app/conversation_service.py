@@ -357,7 +357,7 @@ class ConversationService:
                 messages = await self._run_tools(gen, run, messages, "".join(text), calls, out)
                 if gen.stop_requested:
                     raise GenerationStopped
-                run.resume(ChatPrompt(messages), f"{gen.message_id}-round-{round_no + 1}")
+                await run.resume(ChatPrompt(messages), f"{gen.message_id}-round-{round_no + 1}")
         except (GenerationStopped, ConversationDeleted, SummaryAborted):
             out.finish_reason = "abort"
         except (ApiError, BadGenerationRequest, BackendError) as exc:  # quota top-up refused, queue timeout, backend

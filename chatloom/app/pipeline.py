@@ -282,7 +282,7 @@ class Run:
         if self.stopped:
             raise GenerationStopped
 
-    def resume(self, prompt: Prompt, request_id: str) -> None:
+    async def resume(self, prompt: Prompt, request_id: str) -> None:
         """Go on with the same answer from a longer prompt (the answer so far plus tool results), as a
         new backend request under `request_id`: the admission slot is kept, the tokens used so far are
         banked, and the reservation grows to cover the new round. The prompt repeats the previous one
@@ -294,8 +294,8 @@ class Run:
         self.max_tokens = self.limits.max_tokens
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
-        self.traffic.extend(self._reservation, self.limits.tier,
-                            self._extra.total_tokens + tokens + self.max_tokens)
+        await self.traffic.extend(self._reservation, self.limits.tier,
+                                  self._extra.total_tokens + tokens + self.max_tokens)
 
     # -- the model ------------------------------------------------------------------------------
     def _request(self) -> GenerationRequest:
