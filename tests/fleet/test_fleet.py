@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from fleet_testing import set_tier
+from gateway_fleet_testing import set_tier
 
 pytestmark = pytest.mark.fleet
 
