@@ -376,7 +376,7 @@ async def _run_layers(loaded: LoadedModel, prompt_lengths: list[int], in_flight:
         settings = Settings(data_dir=data_dir, jwt_secret="bench-latency-" + "0" * 32, argon2_time_cost=1,
                             argon2_memory_kib=1024, system_prompt=SYSTEM_PROMPT, tiers_file=str(tiers),
                             max_num_seqs=engine_config.max_num_seqs, max_tokens_limit=max(4096, max_tokens),
-                            log_level="warning")
+                            log_level="warning", chat_tools="")  # tool definitions would lengthen one layer's prompt
         app = create_app(settings, backend)
         with LoopbackServer(app) as server:
             limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)

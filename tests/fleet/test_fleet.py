@@ -89,7 +89,9 @@ async def test_500_concurrent_requests_over_both_gateways_never_pass_the_quota(f
     assert len(ok) + len(refused) == 500, {r.status_code for r in replies}
     used = sum(r.json()["usage"]["total_tokens"] for r in ok)
     assert 0 < used <= 400, used  # the tier's 400 tokens a minute, over both gateways together
-    assert {str(r.url.port) for r in ok} == {str(g.port) for g in fleet.gateways}
+    # Both gateways enforce the one shared limit: each refused some of its own requests. (Which gateway's
+    # requests got the few grants is a race, so the grants may all come from one.)
+    assert {str(r.url.port) for r in refused} == {str(g.port) for g in fleet.gateways}
     for r in refused:
         assert int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
