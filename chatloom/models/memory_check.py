@@ -49,7 +49,7 @@ def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool) -> int:
             if kind in _KEPT_BYTES_PER_WEIGHT and keeps_quantized and not any(
                     u.name == "output.weight" for u in tensors):
                 total += int(n * _KEPT_BYTES_PER_WEIGHT[kind])  # and packed again as the tied head
-        elif keeps_quantized and kind in _KEPT_BYTES_PER_WEIGHT and len(t.shape) == 2:
+        elif keeps_quantized and kind in _KEPT_BYTES_PER_WEIGHT and len(t.shape) in (2, 3):  # 3: stacked experts
             total += int(n * _KEPT_BYTES_PER_WEIGHT[kind])
         else:
             total += n * float_bytes
