@@ -163,3 +163,31 @@ def test_refused_gguf_variants(tmp_path):
                        expert_gating_func=__import__("gguf").ExpertGatingFuncType.SIGMOID)
     with pytest.raises(ModelError, match="unsupported architecture 'gpt2'"):
         _metadata_only(tmp_path / "b.gguf", "gpt2", 2)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_sentencepiece_space_prefix(tmp_path, prefix):
+    """Gemma's GGUF tokenizers (SentencePiece, "llama" model) say add_space_prefix = false:
+    the text is not given a leading "▁", and decoding keeps a leading space."""
+    import gguf
+
+    from chatloom.models.tokenizer import from_gguf
+
+    tokens = ["<unk>", "<bos>", "<eos>", "▁", "h", "i", "hi", "▁hi", "!"] + [f"<0x{b:02X}>" for b in range(256)]
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gemma2")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -1.5, -1.0, -2.0] + [-10.0] * 256)
+    w.add_token_types([2, 3, 3] + [1] * 6 + [6] * 256)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_space_prefix(prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = from_gguf(open_gguf(tmp_path / "t.gguf"))
+    ids = tok.encode("hi hi!", add_special=False)
+    assert [tok.token_text(i) for i in ids] == (["▁hi", "▁hi", "!"] if prefix else ["hi", "▁hi", "!"])
+    assert tok.decode(ids) == "hi hi!"
+    assert tok.decode(tok.encode(" hi", add_special=False)) == " hi"
