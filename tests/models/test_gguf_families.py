@@ -124,6 +124,18 @@ def test_engine_batched_equals_alone(arch, tmp_path):
         assert alone.token_ids == out.token_ids
 
 
+def test_older_mixtral_files_with_one_tensor_per_expert(tmp_path):
+    cfg = tg.kquant_config("mixtral")
+    ref = tg.kquant_gguf(tmp_path / "m.gguf", cfg, seed=6, stack_experts=False)
+    names = {t.name for t in open_gguf(tmp_path / "m.gguf").tensors}
+    assert "blk.1.ffn_down.3.weight" in names and not any("_exps" in n for n in names)
+    folder = tc.write_hf_folder(tmp_path / "hf", cfg, ref)
+    loaded = load_model(str(tmp_path / "m.gguf"), "fp32")
+    assert loaded.config.num_experts == 4
+    ours, theirs = loaded.model.dense_logits(SEQS), tc.transformers_logits(tc.transformers_model(folder), SEQS)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) < 1e-3
+
+
 # -- what llama.cpp derives instead of storing --------------------------------------------
 
 def _metadata_only(path, arch: str, layers: int, **keys):

@@ -92,10 +92,12 @@ def _permute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
     return a.reshape(n_head, 2, rows // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
 
-def kquant_gguf(path: Path, cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+def kquant_gguf(path: Path, cfg: dict, seed: int = 0, stack_experts: bool = True) -> dict[str, torch.Tensor]:
     """Write `cfg`'s family as a K-quantized GGUF at `path`; return the same model's weights
     in Hugging Face naming (norms, routers and biases random floats, every matrix what gguf
-    dequantizes its blocks to), for a Hugging Face folder to compare against."""
+    dequantizes its blocks to), for a Hugging Face folder to compare against. Without
+    `stack_experts`, experts are written one 2-D tensor each (blk.N.ffn_gate.E.weight), as
+    older Mixtral files have them."""
     arch = cfg["model_type"]
     weights = tc.random_weights(cfg, seed)
     ref: dict[str, torch.Tensor] = {}
@@ -123,7 +125,12 @@ def kquant_gguf(path: Path, cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]
         else:
             tensors[gname] = (arr, kind)
     for stacked, parts in stacks.items():
-        tensors[stacked] = (np.stack([parts[e] for e in sorted(parts)]), kinds[stacked])
+        if stack_experts:
+            tensors[stacked] = (np.stack([parts[e] for e in sorted(parts)]), kinds[stacked])
+            continue
+        blk, bid, stem, kind = stacked.split(".")
+        for e in sorted(parts):  # ffn_gate_exps -> ffn_gate.E
+            tensors[f"{blk}.{bid}.{stem[:-len('_exps')]}.{e}.{kind}"] = (parts[e], kinds[stacked])
     _write(path, cfg, tensors)
     return ref
 
