@@ -26,12 +26,15 @@ import tiny_gguf as tg
 
 pytest.importorskip("transformers")
 
-FAMILIES = ["gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
 SEQS = [list(range(3, 43)), [7, 8, 9], [200, 5, 17, 90, 250, 1, 2, 3, 4, 33, 61, 62, 63, 120]]
 kernels = load_kernels()
 
 # What each file must make of its family (else the parity could pass with a feature off).
 EXPECT = {
+    "llama": dict(rope_interleaved=True, num_experts=0),
+    "qwen2": dict(attention_bias=True, rope_interleaved=False),
+    "qwen3": dict(qk_norm=True, rope_interleaved=False),
     "gemma2": dict(sandwich_norms=True, hidden_act="gelu_tanh", attn_softcap=5.0, final_softcap=3.0,
                    layer_windows=[6, None], attention_scale=64 ** -0.5, embedding_scale=16.0,
                    tie_word_embeddings=True),
