@@ -331,6 +331,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         cfg = describe_config(spec)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else int(args.memory_gib * 2**30)
     r = capacity(cfg, memory, args.context, args.dtype)
+    if args.weights:
+        r["weight_bytes"] = _weight_table(cfg, args.weights)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -347,7 +349,22 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     print(f"concurrent {n}-token conversations: {fmt_int(r['conversations'])}")
     if args.context > cfg.max_position:
         print(f"note: {n} tokens is longer than the model's context window ({fmt_int(cfg.max_position)})")
+    for kind, size in r.get("weight_bytes", {}).items():
+        how = "any file, every weight in bfloat16" if kind == "bf16-model" else f"{kind} file, fp32 model"
+        print(f"weights as loaded ({how}): {fmt_int(size)} bytes ({fmt_binary(size)})")
     return 0
+
+
+def _weight_table(cfg, which: str) -> dict[str, int]:
+    """Bytes of weights chatloom holds per file type (all of them, or one), plus the
+    --dtype bf16 model (any file, every weight dequantized to bfloat16)."""
+    from chatloom.models.weight_memory import FILE_TYPES, weight_bytes
+
+    kinds = FILE_TYPES if which == "all" else (which,)
+    table = {k: weight_bytes(cfg, k) for k in kinds}
+    if which == "all":
+        table["bf16-model"] = weight_bytes(cfg, "BF16", float_bytes=2, keeps_quantized=False)
+    return table
 
 
 # -- the parser and main ---------------------------------------------------------------
@@ -392,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per conversation (default 8000)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), default="fp16",
                    help="KV-cache dtype (default fp16)")
+    p.add_argument("--weights", choices=("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "all"),
+                   default=None, help="also print the memory the weights take in chatloom when the model's "
+                                      "file is stored this way (all: every type)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_capacity)
 

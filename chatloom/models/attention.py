@@ -88,7 +88,9 @@ def _window_mask(q_pos: torch.Tensor, context_len: int, window: int | None) -> t
 def _windowed_attention(q, k, v, k_pool, v_pool, batch: AttentionBatch, out: torch.Tensor, scale: float,
                         window: int | None, softcap: float | None) -> torch.Tensor:
     """Sliding-window and/or soft-capped attention, in PyTorch (the C++ kernel does neither).
-    The pool keeps every position; the window is applied by the mask."""
+    The pool keeps every position; the window is applied by the mask, and only the blocks
+    that can hold a key inside the window are read (decode: O(window) per token; a prefill
+    chunk: its own length plus the window)."""
     nd = batch.num_decode
     if nd:
         tables = batch.decode_block_tables.long()
@@ -112,11 +114,16 @@ def _windowed_attention(q, k, v, k_pool, v_pool, batch: AttentionBatch, out: tor
         s, e, n = seg.q_start, seg.q_start + seg.q_len, seg.context_len
         table = seg.block_table if seg.block_table is not None else (
             seg.kernel_table[0].long() if seg.kernel_table is not None else None)
+        lo = 0
         if table is None:  # the chunk is the whole context
             ks, vs = k[s:e], v[s:e]
         else:
-            ks, vs = k_pool[table].flatten(0, 1)[:n], v_pool[table].flatten(0, 1)[:n]
-        mask = _window_mask(torch.arange(n - seg.q_len, n), n, window)
+            if window is not None:
+                # Only the blocks that can hold a key some query of the chunk sees.
+                first = max(0, n - seg.q_len - window + 1) // k_pool.shape[1]
+                table, lo = table[first:], first * k_pool.shape[1]
+            ks, vs = k_pool[table].flatten(0, 1)[:n - lo], v_pool[table].flatten(0, 1)[:n - lo]
+        mask = _window_mask(torch.arange(n - seg.q_len, n), n, window)[:, lo:]
         res = _attend(q[s:e].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
                       vs.transpose(0, 1).unsqueeze(0), mask, False, scale, softcap)
         out[s:e] = res.squeeze(0).transpose(0, 1)

@@ -1,4 +1,7 @@
-"""Read a GGUF file: architecture, dequantized weights, tokenizer and chat template."""
+"""Read a GGUF file: architecture, weights (quantized blocks or dequantized), tokenizer and
+chat template. Metadata keys follow llama.cpp's conventions (the gguf package's Keys), and
+where llama.cpp derives a setting instead of storing it (Gemma's sliding-window pattern and
+attention scale, the experts' weight normalisation) this derives it the same way."""
 from __future__ import annotations
 
 import struct
@@ -8,19 +11,22 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from chatloom.models.packed_linear import QUANTIZED_KINDS, QuantizedWeight
-from chatloom.models.config import ModelConfig, ModelError, RopeScaling
+from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, Keys
 
-# GGUF tensor name stem -> Hugging Face name stem (per layer unless marked global).
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+from chatloom.models.config import ModelConfig, ModelError, RopeScaling
+from chatloom.models.gguf_names import hf_names
+from chatloom.models.packed_linear import QUANTIZED_KINDS, QuantizedWeight
+
+# GGUF general.architecture -> the family (Hugging Face model_type) it loads as. Mixtral files
+# say "llama" and carry experts; llama.cpp's own "mistral" files are Llama too.
+_FAMILIES = {
+    MODEL_ARCH_NAMES[MODEL_ARCH.LLAMA]: "llama", "mistral": "mistral",
+    MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2]: "qwen2", MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3]: "qwen3",
+    MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]: "qwen2_moe", MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]: "qwen3_moe",
+    MODEL_ARCH_NAMES[MODEL_ARCH.PHI3]: "phi3",
+    MODEL_ARCH_NAMES[MODEL_ARCH.GEMMA2]: "gemma2", MODEL_ARCH_NAMES[MODEL_ARCH.GEMMA3]: "gemma3_text",
 }
-# Families whose GGUF layout this loader reads (the others load from Hugging Face folders).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_ARCHITECTURES = tuple(_FAMILIES)
 
 
 # GGUF metadata value types: scalar struct formats by type id (8 = string, 9 = array).
@@ -177,11 +183,77 @@ def _rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> RopeScaling:
                        beta_slow=float(field(reader, f"{arch}.rope.scaling.yarn_beta_slow") or 1.0))
 
 
+def _key(key: str, arch: str) -> str:
+    return key.format(arch=arch)
+
+
+def _layer_windows(reader: GGUFFile, arch: str, family: str, layers: int) -> list[int | None] | None:
+    """Each layer's attention window. llama.cpp stores one window size and derives which
+    layers slide (Gemma 2: every other one, from the first; Gemma 3: five of every six),
+    unless the file states a pattern. Only the families whose Hugging Face layers slide read it."""
+    window = field(reader, _key(Keys.Attention.SLIDING_WINDOW, arch))
+    if not window or family not in ("gemma2", "gemma3_text", "phi3"):
+        return None
+    pattern = field(reader, _key(Keys.Attention.SLIDING_WINDOW_PATTERN, arch))
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ModelError(f"GGUF sliding-window pattern has {len(pattern)} entries for {layers} layers")
+        sliding = [bool(x) for x in pattern]
+    else:
+        # llama.cpp's set_swa_pattern(n): layer i slides when i % n < n - 1 (0: every layer).
+        n = int(pattern) if pattern is not None else {"gemma2": 2, "gemma3_text": 6}.get(family, 0)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return [int(window) if s else None for s in sliding] if any(sliding) else None
+
+
+def _gemma(reader: GGUFFile, arch: str, family: str, hidden: int, heads: int, head_dim: int,
+           layers: int) -> dict[str, Any]:
+    """Gemma 2/3 settings: the norms (stored as 1 + w already: llama.cpp's converter adds the
+    1), GELU, embedding scale, soft-caps and the attention scale, which GGUF files do not
+    store: llama.cpp uses 1/sqrt(hidden / heads) for the 27B models (their query_pre_attn_scalar)
+    and 1/sqrt(head_dim) for the others, recognising the 27B by its layer count."""
+    explicit = field(reader, _key(Keys.Attention.SCALE, arch))
+    big = layers == (46 if family == "gemma2" else 62)
+    scale = float(explicit) if explicit else (hidden // heads if big else head_dim) ** -0.5
+    attn_cap = field(reader, _key(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, arch))
+    final_cap = field(reader, _key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, arch))
+    return dict(sandwich_norms=True, hidden_act="gelu_tanh", embedding_scale=hidden ** 0.5,
+                attention_scale=scale, attn_softcap=float(attn_cap) if attn_cap else None,
+                final_softcap=float(final_cap) if final_cap else None)
+
+
+def _experts(reader: GGUFFile, arch: str, family: str, layers: int, ffn: int) -> dict[str, Any]:
+    """Mixture-of-experts settings. Which layers are MoE comes from the tensors present
+    (a router per MoE layer); the routing weights are renormalised as llama.cpp does per
+    family (Mixtral and Qwen3-MoE yes, Qwen2-MoE no) unless the file says."""
+    count = int(field(reader, _key(Keys.LLM.EXPERT_COUNT, arch)) or 0)
+    if not count:
+        return {}
+    gating = field(reader, _key(Keys.LLM.EXPERT_GATING_FUNC, arch))
+    if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
+        raise ModelError(f"expert gating function {gating} is not supported (softmax only)")
+    names = {t.name: t for t in reader.tensors}
+    norm = field(reader, _key(Keys.LLM.EXPERT_WEIGHTS_NORM, arch))
+    shared = field(reader, _key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, arch))
+    shexp = next((t for n, t in names.items() if n.endswith(".ffn_gate_shexp.weight")), None)
+    if not shared and shexp is not None:
+        shared = shexp.shape[0]
+    return dict(
+        num_experts=count,
+        num_experts_per_tok=int(field(reader, _key(Keys.LLM.EXPERT_USED_COUNT, arch)) or 0),
+        moe_intermediate_size=int(field(reader, _key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, arch)) or ffn),
+        norm_topk_prob=bool(norm) if norm is not None else family != "qwen2_moe",
+        shared_expert_intermediate_size=int(shared or 0) if shexp is not None else 0,
+        moe_layers=[f"blk.{i}.ffn_gate_inp.weight" in names for i in range(layers)],
+    )
+
+
 def read_config(reader: GGUFFile, name: str) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"unsupported architecture {arch!r} in a GGUF file (supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)}; other families load from Hugging Face folders)")
+    family = _FAMILIES[arch]
 
     def need(key: str) -> Any:
         v = field(reader, f"{arch}.{key}")
@@ -191,23 +263,36 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
+    layers = int(need("block_count"))
+    ffn = int(need("feed_forward_length"))
     head_dim = int(field(reader, f"{arch}.attention.key_length") or hidden // max(heads, 1))
     names = {t.name for t in reader.tensors}
     rot = field(reader, f"{arch}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
         raise ModelError(f"partial rotary embeddings ({rot} of {head_dim} dims) are not supported")
+    if "rope_factors_long.weight" in names:
+        raise ModelError("RoPE scaling 'longrope' (Phi-3 128k) is not supported")
     scaling = _rope_scaling(reader, arch, head_dim)
     # The embedding's rows are the model's vocabulary (it may be padded past the tokenizer's).
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = (embd.shape[0] if embd is not None and len(embd.shape) == 2 else None) \
         or field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     trained = int(need("context_length"))
+    extra: dict[str, Any] = {}
+    windows = _layer_windows(reader, arch, family, layers)
+    if family in ("gemma2", "gemma3_text"):
+        extra.update(_gemma(reader, arch, family, hidden, heads, head_dim, layers))
+        if family == "gemma3_text" and windows:  # llama.cpp's base for Gemma 3's sliding layers
+            extra["rope_local_theta"] = float(field(reader, _key(Keys.Rope.FREQ_BASE_SWA, arch)) or 10000.0)
+    moe = _experts(reader, arch, family, layers, ffn)
+    if moe and family in ("llama", "mistral"):
+        family = "mixtral"
     return ModelConfig(
-        architecture=arch,
+        architecture=family,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=ffn,
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
@@ -216,38 +301,42 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
         rope_theta=float(field(reader, f"{arch}.rope.freq_base") or 10000.0),
         rope_scaling=scaling,
         rope_trained_max_position=trained,
-        # llama.cpp's converter permutes Q/K of llama/mistral models for its interleaved RoPE;
-        # qwen2 and qwen3 keep the half-rotation ("neox") layout.
+        # llama.cpp's converter permutes Q/K of llama/mistral models (Mixtral included) for its
+        # interleaved RoPE; the other families keep the half-rotation ("neox") layout.
         rope_interleaved=arch in ("llama", "mistral"),
         tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        layer_windows=windows,
         name=name,
+        **extra,
+        **moe,
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        stem = _LAYER_NAMES.get(parts[2])
-        return stem and f"model.layers.{parts[1]}.{stem}.{parts[3]}"
-    stem = _GLOBAL_NAMES.get(parts[0])
-    return stem and f"{stem}.{parts[1]}"
+def _hf_weights(reader: GGUFFile, family: str) -> dict[str, tuple[GGUFTensor, int | None]]:
+    """Each Hugging Face weight the file holds: its tensor, and the expert's index in a stacked one."""
+    out = {}
+    for t in reader.tensors:
+        for name, index in hf_names(family, t.name, t.shape):
+            out[name] = (t, index)
+    return out
 
 
-def read_quantized(reader: GGUFFile) -> dict[str, QuantizedWeight]:
-    """The tensors stored in a block format our matmul kernels read as is (Q4_0, Q4_1,
-    Q8_0, Q4_K, Q5_K, Q6_K), raw, keyed by their Hugging Face name."""
+def read_quantized(reader: GGUFFile, family: str) -> dict[str, QuantizedWeight]:
+    """The weights stored in a block format our matmul kernels read as is (Q4_0, Q4_1,
+    Q8_0, Q4_K, Q5_K, Q6_K), raw, keyed by their Hugging Face name; each expert of a
+    stacked 3-D tensor is its own weight, a view of its rows."""
     from gguf.constants import GGML_QUANT_SIZES
 
     out = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None or t.tensor_type.name not in QUANTIZED_KINDS or len(t.shape) != 2:
+    for name, (t, index) in _hf_weights(reader, family).items():
+        if t.tensor_type.name not in QUANTIZED_KINDS or len(t.shape) != (2 if index is None else 3):
             continue
+        data = t.data if index is None else t.data[index]
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
-        rows, nbytes = t.shape
-        out[name] = QuantizedWeight(t.tensor_type.name, t.data, rows, nbytes // type_size * block)
+        rows, nbytes = data.shape
+        out[name] = QuantizedWeight(t.tensor_type.name, data, rows, nbytes // type_size * block)
     return out
 
 
@@ -255,26 +344,30 @@ class GGUFWeights:
     """Tensors of a GGUF file by Hugging Face name, dequantized to float32 only when asked
     for: layers that keep their quantized blocks never exist in float32 at all."""
 
-    def __init__(self, reader: GGUFFile) -> None:
-        self._tensors = {name: t for t in reader.tensors if (name := _hf_name(t.name)) is not None}
+    def __init__(self, reader: GGUFFile, family: str) -> None:
+        self._tensors = _hf_weights(reader, family)
 
     def get(self, name: str) -> torch.Tensor | None:
         from gguf import quants
 
-        t = self._tensors.get(name)
-        if t is None:
+        found = self._tensors.get(name)
+        if found is None:
             return None
+        t, index = found
         try:
-            arr = quants.dequantize(t.data, t.tensor_type)
+            arr = quants.dequantize(t.data if index is None else t.data[index], t.tensor_type)
         except Exception as exc:
             raise ModelError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
+        if arr.ndim == 1 and name.endswith("shared_expert_gate.weight"):
+            arr = arr.reshape(1, -1)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as a vector
         return torch.from_numpy(np.require(arr, dtype=np.float32, requirements=["C", "W"]))
 
     def kinds(self) -> dict[str, str]:
-        """Each tensor's storage type, by Hugging Face name."""
-        return {name: t.tensor_type.name for name, t in self._tensors.items()}
+        """Each weight's storage type, by Hugging Face name."""
+        return {name: t.tensor_type.name for name, (t, _) in self._tensors.items()}
 
 
-def read_weights(reader: GGUFFile) -> GGUFWeights:
-    """Every tensor, dequantized to float32 on demand, keyed by its Hugging Face name."""
-    return GGUFWeights(reader)
+def read_weights(reader: GGUFFile, family: str) -> GGUFWeights:
+    """Every weight of a `family` model (its ModelConfig.architecture), dequantized to
+    float32 on demand, keyed by its Hugging Face name."""
+    return GGUFWeights(reader, family)

@@ -146,8 +146,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         keeps = torch_dtype == torch.float32 and kernels_can_pack(load_kernels())
         check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps))
         tok = from_gguf(reader)
-        weights = gguf_loader.read_weights(reader)
-        quantized = gguf_loader.read_quantized(reader)
+        weights = gguf_loader.read_weights(reader, cfg.architecture)
+        quantized = gguf_loader.read_quantized(reader, cfg.architecture)
         _log_dequantized(weights.kinds(), torch_dtype)
     else:
         raise _unknown(spec)

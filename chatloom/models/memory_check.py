@@ -38,19 +38,41 @@ def available_memory_bytes() -> int | None:
     return min(found) if found else None
 
 
+# GGUF tensors the loader fuses into one matmul (QKV, gate + up): a fused layer keeps its
+# blocks only when every part can, and in the grouped layout (1.5 B/weight) when its parts'
+# types differ, as packed_linear.quantized_layout decides.
+_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up",
+          "ffn_gate_exps": "gate_up_exps", "ffn_up_exps": "gate_up_exps",
+          "ffn_gate_shexp": "gate_up_shexp", "ffn_up_shexp": "gate_up_shexp"}
+
+
+def _fused_key(name: str) -> tuple[str, str] | None:
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _FUSED and parts[3] == "weight":
+        return parts[1], _FUSED[parts[2]]
+    return None
+
+
 def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool) -> int:
     """Resident bytes of a GGUF file's tensors (gguf_loader.GGUFTensor list) once loaded."""
+    fused: dict[tuple[str, str], set[str]] = {}
+    for t in tensors:
+        key = _fused_key(t.name)
+        if key is not None:
+            fused.setdefault(key, set()).add(t.tensor_type.name)
     total = 0
     for t in tensors:
         kind = t.tensor_type.name
         n = _numel(t)
+        kinds = fused.get(_fused_key(t.name), {kind})
         if t.name == "token_embd.weight":
             total += n * float_bytes  # the embedding table is looked up in floats
             if kind in _KEPT_BYTES_PER_WEIGHT and keeps_quantized and not any(
                     u.name == "output.weight" for u in tensors):
                 total += int(n * _KEPT_BYTES_PER_WEIGHT[kind])  # and packed again as the tied head
-        elif keeps_quantized and kind in _KEPT_BYTES_PER_WEIGHT and len(t.shape) == 2:
-            total += int(n * _KEPT_BYTES_PER_WEIGHT[kind])
+        elif (keeps_quantized and kinds <= _KEPT_BYTES_PER_WEIGHT.keys()
+              and len(t.shape) in (2, 3)):  # 3: stacked experts
+            total += int(n * (_KEPT_BYTES_PER_WEIGHT["Q6_K"] if len(kinds) > 1 else _KEPT_BYTES_PER_WEIGHT[kind]))
         else:
             total += n * float_bytes
     return total

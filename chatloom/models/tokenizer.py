@@ -80,9 +80,13 @@ def from_gguf(reader: Any) -> TextTokenizer:
         scores = gf(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
         unk = gf(reader, "tokenizer.ggml.unknown_token_id", 0)
         tok = Tokenizer(models.Unigram(list(zip(tokens, map(float, scores))), unk_id=int(unk), byte_fallback=True))
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        # SentencePiece marks a word start with "▁" and (Llama, Mistral) adds one before the
+        # text; Gemma's files say add_space_prefix = false.
+        prefix = bool(gf(reader, "tokenizer.ggml.add_space_prefix", True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+                                              if prefix else [normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     else:
         raise ModelError(f"unsupported tokenizer model {kind!r} in GGUF file")
     special = [i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
