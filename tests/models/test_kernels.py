@@ -153,6 +153,29 @@ def test_quantized_linear_is_bit_identical_to_dequantized_float32(kind):
         torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
+def test_a_single_row_runs_several_panels_at_once_with_the_same_bits(kind, isa):
+    """One input row (a decode step) takes its own kernel, four panels at a time: 141 outputs
+    are groups of 4, 4 and 1 panels, the last one partly used. Every output must be the bits of
+    the float32 kernel on the dequantized weight, and of the same row inside a larger batch."""
+    from gguf import GGMLQuantizationType, quants
+
+    if isa != "auto" and isa not in kernels.float_linear_isas():
+        pytest.skip(f"this CPU has no {isa} path")
+    parts = [QuantizedWeight(kind, _random_blocks(kind, rows, 128, rows), rows, 128) for rows in (100, 41)]
+    dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
+                       for p in parts])
+    codes, scales = pack_quantized(parts)
+    bias = torch.randn(141)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(7))
+    batch = kernels.quantized_linear(x, codes, scales, 141, bias, isa)
+    for i in range(5):
+        one = kernels.quantized_linear(x[i:i + 1], codes, scales, 141, bias, isa)
+        assert torch.equal(one, kernels.packed_linear(x[i:i + 1], pack_weight(dense), 141, bias))
+        assert torch.equal(one[0], batch[i])
+
+
 def test_pack_linears_uses_quantized_weights_only_where_they_fit():
     lin_q, lin_f = torch.nn.Linear(64, 20, bias=False), torch.nn.Linear(64, 20, bias=False)
     model = torch.nn.ModuleDict({"q": lin_q, "f": lin_f})

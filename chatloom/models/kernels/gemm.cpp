@@ -92,6 +92,34 @@ inline void tile_quantized(const float* x, int64_t k_dim, const uint8_t* codes, 
   chatloom_kernels::store_tile<R>(los, his, bias, out, ldo, ncols);
 }
 
+// One input row (a decode step's shape) against NP panels at once. With a single row, each
+// panel's outputs are one FMA chain per register, so the core would wait on the FMA's latency
+// at every k; NP panels give NP independent chains. Every output's sum still runs over k in
+// the same order as tile_quantized<1>, so the results are the same bits.
+template <int NP, bool Q4>
+inline void row_quantized(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+                          const float* scales, int64_t scale_stride, __m256 (&lo)[NP], __m256 (&hi)[NP]) {
+  for (int i = 0; i < NP; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
+    __m256 d0[NP], d1[NP], m0[NP], m1[NP];
+    for (int i = 0; i < NP; ++i) {
+      const float* s = scales + i * scale_stride + kb * 2 * kPanel;
+      d0[i] = _mm256_loadu_ps(s), d1[i] = _mm256_loadu_ps(s + 8);
+      m0[i] = _mm256_loadu_ps(s + 16), m1[i] = _mm256_loadu_ps(s + 24);
+    }
+    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
+      const __m256 a = _mm256_broadcast_ss(x + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < NP; ++i) {
+        __m256 w0, w1;
+        dequantize_row<Q4>(codes + i * code_stride, k, d0[i], d1[i], m0[i], m1[i], w0, w1);
+        lo[i] = _mm256_fmadd_ps(a, w0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(a, w1, hi[i]);
+      }
+    }
+  }
+}
+
 // -- the AVX-512 tiles: lanes 0-7 are the AVX2 path's lo, 8-15 its hi, operation for operation --
 #define CHATLOOM_WIDE __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define CHATLOOM_HAVE_WIDE_PATH 1
@@ -138,6 +166,35 @@ CHATLOOM_WIDE void tile_quantized16(const float* x, int64_t k_dim, const uint8_t
     }
   }
   store_tile16<R>(acc, bias, out, ldo, ncols);
+}
+// row_quantized's AVX-512 twin: lanes 0-7 are its lo, 8-15 its hi, operation for operation.
+template <int NP, bool Q4>
+CHATLOOM_WIDE void row_quantized16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+                                   const float* scales, int64_t scale_stride, __m512 (&acc)[NP]) {
+  for (int i = 0; i < NP; ++i) acc[i] = _mm512_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
+    __m512 d[NP], m[NP];
+    for (int i = 0; i < NP; ++i) {
+      const float* s = scales + i * scale_stride + kb * 2 * kPanel;
+      d[i] = _mm512_loadu_ps(s), m[i] = _mm512_loadu_ps(s + kPanel);
+    }
+    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
+      const __m512 a = _mm512_set1_ps(x[k]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NP; ++i) {
+        const uint8_t* ci = codes + i * code_stride;
+        __m512i c;
+        if constexpr (Q4) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ci + k * 8));
+          c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+        } else {
+          c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci + k * kPanel)));
+        }
+        acc[i] = _mm512_fmadd_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d[i], m[i]), acc[i]);
+      }
+    }
+  }
 }
 #undef CHATLOOM_ROW
 
@@ -258,6 +315,84 @@ void dequantize_panel(const uint8_t* codes, const float* scales, int64_t k_dim, 
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int kRowPanels = 4;  // panels a single row runs at once: that many independent FMA chains
+
+// Stores NP panels' outputs for one row (the last panel may hold fewer than 16 features).
+template <int NP, bool Q4>
+void row_group(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride, const float* scales,
+               int64_t scale_stride, const float* bias, float* out, int64_t out_features, int64_t col0) {
+  __m256 lo[NP], hi[NP];
+  row_quantized<NP, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, lo, hi);
+  for (int i = 0; i < NP; ++i) {
+    const int64_t col = col0 + i * kPanel;
+    const __m256 l[1] = {lo[i]}, h[1] = {hi[i]};
+    chatloom_kernels::store_tile<1>(l, h, bias ? bias + col : nullptr, out + col, out_features,
+                                    std::min(kPanel, out_features - col));
+  }
+}
+
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+template <int NP, bool Q4>
+CHATLOOM_WIDE void row_group16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+                               const float* scales, int64_t scale_stride, const float* bias, float* out,
+                               int64_t out_features, int64_t col0) {
+  __m512 acc[NP];
+  row_quantized16<NP, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, acc);
+  for (int i = 0; i < NP; ++i) {
+    const int64_t col = col0 + i * kPanel;
+    const __m512 one[1] = {acc[i]};
+    store_tile16<1>(one, bias ? bias + col : nullptr, out + col, out_features, std::min(kPanel, out_features - col));
+  }
+}
+#endif
+
+template <bool Q4>
+void row_group_any(int64_t np, bool wide, const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+                   const float* scales, int64_t scale_stride, const float* bias, float* out, int64_t out_features,
+                   int64_t col0) {
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  if (wide) {
+    switch (np) {
+      case 4: row_group16<4, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+      case 3: row_group16<3, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+      case 2: row_group16<2, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+      default: row_group16<1, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+    }
+  }
+#endif
+  switch (np) {
+    case 4: row_group<4, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+    case 3: row_group<3, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+    case 2: row_group<2, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+    default: row_group<1, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
+  }
+}
+
+// x [1, K] against every quantized panel, kRowPanels panels per task (see row_quantized).
+torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes, const float* scales,
+                                   int64_t code_bytes, int64_t panels, int64_t out_features, const float* bias,
+                                   bool q4, bool wide) {
+  const int64_t k_dim = x.size(1);
+  auto out = torch::empty({1, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t code_stride = k_dim * code_bytes, scale_stride = (k_dim / kQuantBlock) * 2 * kPanel;
+  const int64_t groups = (panels + kRowPanels - 1) / kRowPanels;
+  const int64_t grain = std::max<int64_t>(1, 200000 / (2 * k_dim * kPanel * kRowPanels));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
+      const uint8_t* c = codes + p0 * code_stride;
+      const float* s = scales + p0 * scale_stride;
+      if (q4) row_group_any<true>(np, wide, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
+      else row_group_any<false>(np, wide, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
+    }
+  });
+  return out;
+}
+#endif
+
 // Runs `work(p, m0, m1, x, out, scratch)` for every (row block, panel) pair, panels split
 // across threads: it writes rows [m0, m1) of panel p's 16 output columns. `scratch` holds
 // one float32 panel per thread when `needs_scratch`.
@@ -349,6 +484,14 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const bool few_rows = x.size(0) <= 2 * kTileRows;
 #else
   const bool few_rows = false;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  // One row of 4-bit codes: the AVX2 row kernel unpacks nibbles in fewer instructions than the
+  // AVX-512 one (measured: 1.2-1.5x faster here), and both give the same bits; asking for avx512 by
+  // name still runs the AVX-512 one.
+  if (x.size(0) == 1)
+    return single_row_quantized(x.contiguous(), cp, sp, code_bytes, panels, out_features, b, q4,
+                                wide && (!q4 || isa == "avx512"));
 #endif
   return run_panels(x.contiguous(), panels, out_features, !few_rows,
                     [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float* scratch) {
