@@ -47,6 +47,11 @@ class AttentionBatch:
     decode_rows: torch.Tensor | None = None
     decode_kv_lens: torch.Tensor | None = None
 
+    @property
+    def decode_only(self) -> bool:
+        """Only decode queries, with the compiled kernel's tables (decode_attention applies)."""
+        return self.num_decode > 0 and not self.prefills and self.decode_rows is not None
+
     @classmethod
     def dense(cls, seq_lens: list[int]) -> "AttentionBatch":
         """Several whole sequences, no cache, each causal over itself."""

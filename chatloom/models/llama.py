@@ -104,6 +104,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: tuple[torch.Tensor, torch.Tensor] | None, batch: AttentionBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
+        kernels = batch.kernels
+        if (kernels is not None and cache is not None and batch.decode_only and self.q_norm is None
+                and self.window is None and self.softcap is None and qkv.dtype == torch.float32
+                and rope.cos.dtype == torch.float32 and hasattr(kernels, "decode_attention")):
+            # A decode step: rotary, the pool writes and attention in one native call (same bits).
+            o = kernels.decode_attention(qkv, positions, rope.cos, rope.sin, rope.interleaved, self.hq, self.hkv,
+                                         cache[0], cache[1], batch.slot_mapping, batch.decode_block_tables,
+                                         batch.decode_rows, batch.decode_kv_lens, self.scale)
+            return self.o_proj(o)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=1)
         q = q.view(-1, self.hq, self.d)
         k = k.view(-1, self.hkv, self.d)

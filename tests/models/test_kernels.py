@@ -192,3 +192,52 @@ def test_bundled_model_keeps_its_gguf_quantization(smollm2):
     assert model.layers[0].mlp.gate_up_proj.codes.shape[2] == 8  # Q4_1: two rows per byte
     assert isinstance(model.lm_head, QuantizedLinear)  # the tied Q8_0 embedding
     assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+def test_decode_attention_in_one_call_gives_the_step_by_step_bits(monkeypatch):
+    """A decode-only step takes decode_attention (rotary, pool writes and attention in one native
+    call). Against the step-by-step path on the same pool: the same logits and the same pool, bit
+    for bit, for sequences of different lengths, one carrying proposed tokens (speculative decoding)."""
+    from chatloom.engine.model_runner import ModelRunner
+    from chatloom.engine.sampling_params import SamplingParams
+    from chatloom.engine.scheduler import ScheduledBatch
+    from chatloom.engine.sequence import Sequence
+    from chatloom.models.attention import AttentionBatch
+
+    model = llama.DecoderForCausalLM(tiny_random_config()).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
+    assert pack_linears(model)
+    runner = ModelRunner(model, num_blocks=32, block_size=4)
+    gen = torch.Generator().manual_seed(3)
+    for k, v in runner.kv_caches:  # whatever earlier steps left in the pool
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    start = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    def batch():
+        seqs = []
+        for i, (ctx, table) in enumerate([(5, [3, 7]), (13, [0, 9, 4, 11]), (1, [20])]):
+            seq = Sequence(f"s{i}", list(range(10 + i, 11 + i + ctx)), SamplingParams(max_tokens=8))
+            seq.num_computed_tokens = ctx
+            seq.block_table = table
+            seqs.append(seq)
+        seqs[1].spec_token_ids = [5, 6]  # two proposed tokens ride along (positions 14, 15)
+        return ScheduledBatch(decodes=seqs)
+
+    kernels, fused_calls, plain_calls = load_kernels(), [], []
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: fused_calls.append(1) or real(*a))
+    fused_logits, _, _ = runner.execute(batch())
+    assert len(fused_calls) == 2  # one per layer
+    fused_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
+        k.copy_(k0)
+        v.copy_(v0)
+    monkeypatch.setattr(AttentionBatch, "decode_only", property(lambda self: plain_calls.append(1) and False))
+    plain_logits, _, _ = runner.execute(batch())
+    assert plain_calls and len(fused_calls) == 2  # the step-by-step path ran this time
+    assert torch.equal(fused_logits, plain_logits)
+    for (k, v), (fk, fv) in zip(runner.kv_caches, fused_pool):
+        assert torch.equal(k, fk) and torch.equal(v, fv)

@@ -6,6 +6,8 @@ using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over a paged KV pool", NoGil());
+  m.def("decode_attention", &decode_attention,
+        "a decode batch's attention from fused qkv: rotary, pool writes, paged attention (float32)", NoGil());
   m.def("packed_linear", &packed_linear, "x [M, K] @ W^T (+ bias) with W packed in 16-column panels (float32)", NoGil(),
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("isa") = "auto");

@@ -6,6 +6,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
                               double scale);
 
+// A decode-only batch's attention from the fused QKV projection [T, (Hq + 2 Hkv) D]: rotary, the
+// pool writes at slot_mapping and paged_attention in one call (decode_attention.cpp); [T, Hq D].
+torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                               bool interleaved, int64_t hq, int64_t hkv, torch::Tensor k_pool,
+                               torch::Tensor v_pool, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                               torch::Tensor rows, torch::Tensor kv_lens, double scale);
+
 // isa for the float32 matmuls: "auto" (CHATLOOM_KERNEL_ISA, else the best), "avx512" or "avx2".
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                             c10::optional<torch::Tensor> bias, const std::string& isa);
