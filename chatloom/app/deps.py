@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, AsyncIterator
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.auth import API_KEY_PREFIX, Passwords, Tokens, hash_api_key
@@ -57,7 +58,14 @@ def _unauthorized(message: str, code: str) -> ApiError:
     return ApiError(401, message, code, headers={"WWW-Authenticate": "Bearer"})
 
 
-async def current_user(request: Request, session: SessionDep) -> User:
+# Declares the bearer scheme in the OpenAPI schema of every route that needs a caller; the header itself is
+# read below, so a missing or malformed one gets this API's own 401 rather than FastAPI's 403.
+bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
+                    description="a session token (POST /auth/login or /auth/signup) or an API key (POST /auth/api-keys)")
+
+
+async def current_user(request: Request, session: SessionDep,
+                       _declared: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None) -> User:
     """The caller, from `Authorization: Bearer <session token | API key>`."""
     header = request.headers.get("authorization")
     if not header:

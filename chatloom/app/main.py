@@ -14,6 +14,7 @@ from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
 from chatloom.app.hotstate.state import build_hot_state, install_redis_errors, start_hot_state
+from chatloom.app import openapi_responses
 from chatloom.app.pipeline import Pipeline
 from chatloom.app.recovery import Sweeper, drain
 from chatloom.app.routes import admin, auth, conversations, health, openai, recovery, usage, web
@@ -95,7 +96,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
             await traffic.moderator.close()
             await db.close()
 
-    app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
+    # Every route can get the edge's 400/413 (validation.EdgeGuard); the rest is declared per route.
+    app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan, responses=openapi_responses.EDGE)
+    openapi_responses.install(app)
     app.state.ctx = ctx
     install_error_handlers(app)
     install_redis_errors(app, hot)
