@@ -10,6 +10,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from chatloom.app.auth import Passwords, Tokens
+from chatloom.app.caller_cache import CallerCache
 from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
+        callers=CallerCache(settings.auth_cache_s),
     )
 
     @asynccontextmanager

@@ -47,6 +47,7 @@ async def set_tier(username: str, body: TierIn, _admin: AdminUser, ctx: Ctx, ses
     if user is None:
         raise not_found("user")
     await session.commit()
+    ctx.callers.forget_user(user.id)  # the new tier applies from the next request
     return UserTierOut(username=user.username, tier=user.tier)
 
 

@@ -59,8 +59,9 @@ async def list_api_keys(user: CurrentUser, session: SessionDep) -> list[ApiKeyOu
 
 
 @router.delete("/api-keys/{key_id}", status_code=204, responses=errors(401, 404))
-async def revoke_api_key(key_id: str, user: CurrentUser, session: SessionDep) -> Response:
+async def revoke_api_key(key_id: str, user: CurrentUser, ctx: Ctx, session: SessionDep) -> Response:
     if not await ApiKeys(session).delete(user.id, key_id):
         raise not_found("api key")
     await session.commit()
+    ctx.callers.forget_user(user.id)  # the revoked key stops working here at once
     return Response(status_code=204)

@@ -54,7 +54,7 @@ async def _metrics_access(request: Request) -> None:
     if get_context(request).settings.metrics_public:
         return
     async for session in get_session(request):
-        require_admin(await current_user(request, session))
+        await require_admin(await current_user(request, session))
 
 
 @router.get("/metrics", dependencies=[Depends(_metrics_access)], response_class=PrometheusText,
