@@ -16,8 +16,8 @@ from chatloom.app.tiers import DEFAULT_TIERS
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
 
-from app_testing import make_settings, signup
-from traffic_testing import write_tiers
+from app_testing import make_settings, new_conversation, signup
+from traffic_testing import ScriptedBackend, write_tiers
 
 FREE, PRO = DEFAULT_TIERS["free"], DEFAULT_TIERS["pro"]
 
@@ -102,6 +102,29 @@ async def test_an_arrival_that_can_start_now_is_never_refused():
         q.refuse_if_full(PRO, 1)
     one.release()
     two.release()
+
+
+async def test_a_conversation_message_the_queue_cannot_take_is_refused_before_anything_is_saved(tmp_path):
+    backend = ScriptedBackend(["word "] * 10, delay_s=0.05)  # each answer holds its slot about 0.5 s
+    app = create_app(make_settings(tmp_path, admission_max_running=1, queue_max_wait_s=0.2), backend)
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}]}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            alice = await signup(c, "alice")
+            for _ in range(3):  # the pace: about 0.5 s a run, one slot, so the next place is 0.5 s away
+                assert (await c.post("/v1/chat/completions", json=body, headers=alice)).status_code == 200
+            admission = app.state.ctx.traffic.admission
+            assert admission.mean_run_s() is not None
+            busy, full = await new_conversation(c, alice), await new_conversation(c, alice)
+            holder = asyncio.create_task(c.post(f"/conversations/{busy}/messages", headers=alice, json={"text": "hi"}))
+            while admission.running == 0:  # the first answer holds the only slot
+                await asyncio.sleep(0.005)
+            r = await c.post(f"/conversations/{full}/messages", headers=alice, json={"text": "hello"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+            assert int(r.headers["retry-after"]) >= 1
+            # Nothing was saved for it: the message can simply be sent again later.
+            assert (await c.get(f"/conversations/{full}", headers=alice)).json()["messages"] == []
+            assert (await holder).status_code == 200
 
 
 async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp32):
