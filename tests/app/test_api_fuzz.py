@@ -182,3 +182,36 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     assert all(n >= 5 for n in tally.by_operation.values()), tally.by_operation
     assert tally.cases >= 10 * len(operations), summary
     assert len(tally.succeeded) >= 0.75 * len(operations), sorted(tally.succeeded)
+
+
+def test_the_schema_declares_errors_streams_and_metrics_as_sent(tmp_path):
+    schema = create_app(make_settings(tmp_path, model="tiny-random")).openapi()
+    components = schema["components"]["schemas"]
+    assert "HTTPValidationError" not in components and {"ErrorOut", "AnswerEvent"} <= set(components)
+    paths = schema["paths"]
+    error = {"$ref": "#/components/schemas/ErrorOut"}
+    for path, operations in paths.items():
+        for method, op in operations.items():
+            responses = op["responses"]
+            where = f"{method.upper()} {path}"
+            # The edge's answers, on every route.
+            assert {"400", "413"} <= set(responses), where
+            for status, response in responses.items():
+                if int(status) >= 400 and (path, status) != ("/readyz", "503"):  # its 503 says what is missing
+                    assert response["content"]["application/json"]["schema"] == error, (where, status)
+            if path.startswith("/v1/"):
+                assert "422" not in responses, where  # validation errors are 400 there
+            if op.get("security"):  # the bearer scheme: a route with a caller declares its 401
+                assert "401" in responses, where
+    stream = paths["/conversations/{conversation_id}/messages"]["post"]["responses"]["200"]["content"]
+    assert set(stream) == {"text/event-stream"}
+    data = stream["text/event-stream"]["itemSchema"]["properties"]["data"]
+    assert data["contentSchema"] == {"$ref": "#/components/schemas/AnswerEvent"}
+    chat = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert set(chat) == {"application/json", "text/event-stream"}
+    assert chat["application/json"]["schema"]["$ref"].endswith("/ChatCompletionOut")
+    metrics = paths["/metrics"]["get"]["responses"]
+    assert list(metrics["200"]["content"]) == ["text/plain; version=0.0.4; charset=utf-8"]
+    assert "429" in paths["/v1/completions"]["post"]["responses"]
+    assert "Retry-After" in paths["/v1/completions"]["post"]["responses"]["503"]["headers"]
+    assert "204" in paths["/conversations/{conversation_id}"]["delete"]["responses"]
