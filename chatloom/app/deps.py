@@ -95,26 +95,34 @@ async def current_user(request: Request, session: SessionDep,
         raise _unauthorized("the Authorization header must be 'Bearer <token or API key>'", "invalid_token")
     ctx = get_context(request)
     if credential.startswith(API_KEY_PREFIX):
-        cache_key = "key:" + hash_api_key(credential)
+        key_hash = hash_api_key(credential)
+        cache_key = "key:" + key_hash
         user = ctx.callers.get(cache_key)
         if user is None:
             keys = ApiKeys(session)
-            key = await keys.by_hash(cache_key[4:])
+            key = await keys.by_hash(key_hash)
             if key is None:
                 raise _unauthorized("invalid API key", "invalid_api_key")
             if await keys.touch(key):
                 await session.commit()
-            user = await Users(session).get(key.user_id)
+            user = await _look_up(ctx, session, cache_key, key.user_id)
     else:
         user_id = ctx.tokens.subject(credential)  # verified on every request; only the lookup is cached
         if user_id is None:
             raise _unauthorized("invalid or expired token", "invalid_token")
         cache_key = "usr:" + user_id
-        user = ctx.callers.get(cache_key) or await Users(session).get(user_id)
+        user = ctx.callers.get(cache_key) or await _look_up(ctx, session, cache_key, user_id)
+    request.state.user = user  # for the x-ratelimit-* headers on the response
+    return user
+
+
+async def _look_up(ctx: AppContext, session: AsyncSession, cache_key: str, user_id: str) -> User:
+    """The account from the database, remembered for auth_cache_s (from now: a hit does not extend it,
+    so changes made elsewhere are seen within that time however often the caller comes back)."""
+    user = await Users(session).get(user_id)
     if user is None:
         raise _unauthorized("the account behind this credential no longer exists", "invalid_token")
     ctx.callers.put(cache_key, user)
-    request.state.user = user  # for the x-ratelimit-* headers on the response
     return user
 
 

@@ -108,3 +108,16 @@ async def test_without_the_cache_every_request_looks_the_caller_up(tmp_path):
         for _ in range(3):
             assert (await c.get("/auth/me", headers=alice)).status_code == 200
         assert len([s for s in statements if "FROM users" in s]) == 3, statements
+
+
+async def test_a_caller_who_keeps_coming_back_is_still_looked_up_again_after_the_ttl(tmp_path):
+    # A hit must not extend the entry: a tier changed on another gateway is seen within auth_cache_s.
+    async with _app(tmp_path) as (app, c):
+        alice = await signup(c, "alice")
+        clock = Clock()
+        app.state.ctx.callers.clock = clock
+        statements = _count_queries(app)
+        for _ in range(4):
+            assert (await c.get("/auth/me", headers=alice)).status_code == 200
+            clock.now += 2.0  # every 2 s, with a 5 s time to live
+        assert len([s for s in statements if "FROM users" in s]) == 2, statements
