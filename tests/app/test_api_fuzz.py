@@ -11,8 +11,9 @@ and generates requests for every operation: valid ones (positive) and ones that 
 
 The caller is signed in (its bearer token on most requests, so the routes behind authentication are
 exercised, not only their 401), and is the server's admin (the first account). Path parameters are
-often the ids of a real conversation, answer, API key and user, so the routes go past their 404s.
-Generation is derandomized (a fixed seed) and bounded, so CI reruns the same cases in about a minute.
+often the ids of a real conversation, answer, API key and user (and body fields the served model, real
+tier names), so the routes go past their 404s.
+Generation is derandomized (a fixed seed) and bounded, so CI reruns the same 1,380 cases in about 20 s.
 
 Run it alone:  CHATLOOM_KERNELS=0 python -m pytest -q tests/app/test_api_fuzz.py -s
 """
