@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 import schemathesis
@@ -58,6 +59,7 @@ class Known:
 
     ids: dict[str, list[str]] = field(default_factory=dict)
     token: str = ""
+    answers_running: Callable[[], int] = lambda: 0
 
 
 @dataclass
@@ -114,6 +116,14 @@ def _use_known_values(case, data, known: Known, mode: GenerationMode) -> None:
                 where[name] = data.draw(st.sampled_from(values))
 
 
+def _let_answers_finish(known: Known) -> None:
+    """An answer keeps running after its stream is cut short; let it end, so the next cases on the
+    conversation reach their routes rather than its 409 (an answer is already being generated)."""
+    deadline = time.monotonic() + 10
+    while known.answers_running() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def _label(case) -> str:
     return f"{case.method} {case.path}"
 
@@ -137,6 +147,7 @@ def _fuzz_operation(operation, mode: GenerationMode, known: Known, tally: Tally)
         tally.statuses[response.status_code] += 1
         if 200 <= response.status_code < 300:
             tally.succeeded.add(_label(case))
+            _let_answers_finish(known)
         try:
             case.validate_response(response, checks=CHECKS, headers=headers)
         except (AssertionError, FailureGroup) as exc:  # one failed check, or several
@@ -165,6 +176,7 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     started = time.monotonic()
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     known = _seed(schema)
+    known.answers_running = app.state.ctx.conversations.running_count
     operations = [result.ok() for result in schema.get_all_operations()]
     # Deletions last, so the real ids stay valid for the other operations.
     operations.sort(key=lambda op: op.method.upper() == "DELETE")
@@ -182,7 +194,7 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     assert len(operations) >= MIN_OPERATIONS and len(tally.by_operation) == len(operations), summary
     assert all(n >= 5 for n in tally.by_operation.values()), tally.by_operation
     assert tally.cases >= 10 * len(operations), summary
-    assert len(tally.succeeded) >= 0.75 * len(operations), sorted(tally.succeeded)
+    assert len(tally.succeeded) >= 0.9 * len(operations), sorted(set(tally.by_operation) - tally.succeeded)
 
 
 def test_the_schema_declares_errors_streams_and_metrics_as_sent(tmp_path):
