@@ -12,8 +12,12 @@ The queue is bounded by what it can serve in time. Each generation's run time is
 ends; the service rate is the running slots over the mean run time. An arriving request whose
 expected wait (the requests ahead of it in its tier's order, or its tier's reserved share of the
 admissions, whichever is sooner) exceeds `max_wait_s` is refused at once with QueueFull (a 503 with
-Retry-After) instead of waiting out the timeout. Until a few runs are measured nothing is refused
-early: a guess at the rate would refuse work a fast engine could do.
+Retry-After) instead of waiting out the timeout. `refuse_if_full` makes that decision synchronously,
+before a ticket, a future or a task exists for the request, so callers can refuse a burst's excess in
+the same step that received it (a refusal then costs microseconds, not a turn of the event loop behind
+every other arrival). Until a few runs are measured nothing is refused early: the wait for a slot is
+bounded below only by how soon running generations end, and without a measured pace that bound is
+zero, so any earlier refusal would be a guess that refuses work a fast engine could do.
 With several gateways, `fleet` (a hotstate.fleet_shares.FleetShares) adds the other gateways'
 generations and admissions to both shares.
 """
@@ -56,6 +60,7 @@ class QueueFull(QueueTimeout):
 
 
 MIN_MEASURED_RUNS = 3  # runs measured before the queue refuses early
+_ARRIVING = 2 ** 62  # the seq of a request not yet in the queue: after every waiting one
 
 
 @dataclass(eq=False)
@@ -147,23 +152,31 @@ class AdmissionQueue:
     # -- admission ------------------------------------------------------------------
     async def admit(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
                     on_position: Callable[[int], Awaitable[None]] | None = None) -> Slot:
-        """Wait for room; raises QueueTimeout after max_wait_s. Cancelling the caller leaves the queue."""
+        """Wait for room; raises QueueFull at once, or QueueTimeout after max_wait_s. Cancelling the caller
+        leaves the queue."""
+        return await self.wait(self.enqueue(tier, prompt_tokens, kind, on_position))
+
+    def enqueue(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
+                on_position: Callable[[int], Awaitable[None]] | None = None) -> Ticket:
+        """Join the queue now, in the caller's step (or raise QueueFull); then wait(ticket) for the slot.
+        Joining synchronously matters under a burst: the next arrival, handled in the same turn of the
+        event loop, already counts this one when it asks refuse_if_full."""
+        self.refuse_if_full(tier, prompt_tokens, kind)
         ticket = Ticket(tier, prompt_tokens, kind, next(self._seq), on_position=on_position)
         ticket.future = asyncio.get_running_loop().create_future()
         self._waiting.append(ticket)
         self._dispatch()
         if not ticket.future.done():
-            expected = self.expected_wait(ticket)
-            if expected is not None and expected > self.max_wait_s:
-                self._leave(ticket)
-                if self.on_wait:
-                    self.on_wait(ticket, 0.0, False)
-                retry = int(min(60, max(1, math.ceil(expected - self.max_wait_s))))
-                raise QueueFull(expected, self.max_wait_s, retry)
             self._ensure_poller()
-            await self._announce()
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> Slot:
+        """The slot of an enqueued ticket; QueueTimeout once it has waited max_wait_s in all."""
         try:
-            await asyncio.wait_for(asyncio.shield(ticket.future), self.max_wait_s)
+            if not ticket.future.done():
+                await self._announce()
+            remaining = self.max_wait_s - (time.monotonic() - ticket.enqueued)
+            await asyncio.wait_for(asyncio.shield(ticket.future), max(0.0, remaining))
         except asyncio.TimeoutError:
             if ticket.future.done() and not ticket.future.cancelled():  # granted at the last moment
                 return ticket.future.result()
@@ -173,15 +186,40 @@ class AdmissionQueue:
                 self.on_wait(ticket, waited, False)
             raise QueueTimeout(waited, self.retry_after()) from None
         except BaseException:
-            if ticket.future.done() and not ticket.future.cancelled():
-                ticket.future.result().release()
-            else:
-                self._leave(ticket)
+            self.abandon(ticket)
             raise
         slot = ticket.future.result()
         if self.on_wait:
             self.on_wait(ticket, slot.waited_s, True)
         return slot
+
+    def abandon(self, ticket: Ticket) -> None:
+        """The ticket's request is gone: leave the queue, or hand back the slot it was granted."""
+        if ticket.future.done() and not ticket.future.cancelled():
+            ticket.future.result().release()
+        else:
+            self._leave(ticket)
+
+    def refuse_if_full(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE) -> None:
+        """Raise QueueFull if a request arriving now could not start at once and, at the measured pace,
+        would not get in within max_wait_s. Synchronous and side-effect free unless it refuses."""
+        arrival = Ticket(tier, prompt_tokens, kind, seq=_ARRIVING)
+        if self._could_start(arrival):
+            return
+        expected = self.expected_wait(arrival)
+        if expected is None or expected <= self.max_wait_s:
+            return
+        if self.on_wait:
+            self.on_wait(arrival, 0.0, False)
+        retry = int(min(60, max(1, math.ceil(expected - self.max_wait_s))))
+        raise QueueFull(expected, self.max_wait_s, retry)
+
+    def _could_start(self, arrival: Ticket) -> bool:
+        """Whether _dispatch would grant `arrival` at once if it joined the queue now."""
+        if self.running >= self.max_running:
+            return False
+        order = self._order(arrival)
+        return bool(order) and order[0] is arrival and self.has_room(arrival.prompt_tokens + self._pending_tokens)
 
     def mean_run_s(self) -> float | None:
         """The mean time a generation holds its slot, once enough runs are measured."""
@@ -190,14 +228,16 @@ class AdmissionQueue:
         return sum(self._run_times) / len(self._run_times)
 
     def expected_wait(self, ticket: Ticket) -> float | None:
-        """Seconds until `ticket` is admitted at the measured pace (None while unmeasured)."""
+        """Seconds until `ticket` (waiting, or arriving now) is admitted at the measured pace (None while
+        unmeasured)."""
         mean = self.mean_run_s()
         if mean is None:
             return None
         slots = self.reasoning_slots() if ticket.kind == REASONING else self.max_running
         rate = slots / mean  # admissions per second while every slot is busy
-        order = self._order()
-        ahead = order.index(ticket) if ticket in order else len(self._waiting) - 1
+        waiting = ticket in self._waiting
+        order = self._order(None if waiting else ticket)
+        ahead = order.index(ticket) if ticket in order else len(self._waiting) - (1 if waiting else 0)
         wait = (ahead + 1) / rate
         share = ticket.tier.reserved_share
         if share > 0:  # its tier is guaranteed this share of admissions, however many outrank it
@@ -236,9 +276,11 @@ class AdmissionQueue:
     def _eligible(self, t: Ticket) -> bool:
         return t.kind != REASONING or self.reasoning_running() < self.reasoning_slots()
 
-    def _order(self) -> list[Ticket]:
-        """Waiting tickets in the order they would be admitted if room appeared for all."""
-        eligible = [t for t in self._waiting if self._eligible(t)]
+    def _order(self, arriving: Ticket | None = None) -> list[Ticket]:
+        """Waiting tickets (and `arriving`, as if it had joined) in the order they would be admitted if
+        room appeared for all."""
+        candidates = self._waiting if arriving is None else [*self._waiting, arriving]
+        eligible = [t for t in candidates if self._eligible(t)]
         by_priority = sorted(eligible, key=lambda t: (-t.tier.priority, t.seq))
         starved = self._starved_tier(eligible)
         if starved is None:

@@ -10,6 +10,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatloom.serving import BackendError, BackendNotReady, BadGenerationRequest, UnknownModel
@@ -20,6 +21,19 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
          503: "service_unavailable", 500: "server_error", 502: "server_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what went wrong, in words meant for the person who sent the request")
+    type: str = Field(description="the class of error, as OpenAI names them (invalid_request_error, ...)")
+    param: str | None = Field(description="the field, parameter or header at fault, when one is")
+    code: str | None = Field(description="a stable machine-readable code (queue_full, invalid_text, ...)")
+
+
+class ErrorOut(BaseModel):
+    """The body of every error answer (what error_body builds); the OpenAPI schema declares it."""
+
+    error: ErrorDetail
 
 
 class ApiError(Exception):
@@ -62,7 +76,12 @@ def not_found(what: str = "conversation") -> ApiError:
 
 
 def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
+    return is_openai_path(request.url.path)
+
+
+def is_openai_path(path: str) -> bool:
+    """The OpenAI-compatible API, whose request validation errors are 400 (the product API's are 422)."""
+    return path.startswith("/v1/")
 
 
 def _describe(errors: list[dict]) -> tuple[str, str | None, str]:

@@ -10,10 +10,12 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from chatloom.app.auth import Passwords, Tokens
+from chatloom.app.caller_cache import CallerCache
 from chatloom.app.conversation_service import ConversationService
 from chatloom.app.deps import AppContext
 from chatloom.app.errors import install_error_handlers
 from chatloom.app.hotstate.state import build_hot_state, install_redis_errors, start_hot_state
+from chatloom.app import openapi_responses
 from chatloom.app.pipeline import Pipeline
 from chatloom.app.recovery import Sweeper, drain
 from chatloom.app.routes import admin, auth, conversations, health, openai, recovery, usage, web
@@ -60,6 +62,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
+        callers=CallerCache(settings.auth_cache_s),
     )
 
     @asynccontextmanager
@@ -95,7 +98,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
             await traffic.moderator.close()
             await db.close()
 
-    app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan)
+    # Every route can get the edge's 400/413 (validation.EdgeGuard); the rest is declared per route.
+    app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan, responses=openapi_responses.EDGE)
+    openapi_responses.install(app)
     app.state.ctx = ctx
     install_error_handlers(app)
     install_redis_errors(app, hot)

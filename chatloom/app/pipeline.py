@@ -5,8 +5,9 @@ through the same stages, in this order:
 
     run = await pipeline.open(ask, moderate=text)  # caps: model allowed for the tier, max_tokens defaulted,
                                                    #   limited and capped, effort capped; input moderation
-    await run.reserve(prompt or estimate)                # 400 context_length_exceeded if it can never fit (before
-                                                   #   any quota or queue), then the quota reservation (429)
+    await run.reserve(prompt or estimate)          # 400 context_length_exceeded if it can never fit (before
+                                                   #   any quota or queue), 503 queue_full at once if the queue
+                                                   #   could not take it in time, then the quota reservation (429)
     await run.admit(prompt, on_position)           # exact prompt, reservation topped up, admission (503)
     async for piece in run.stream(): ...           # backend.stream -> thinking split -> output guard
     await run.close()                              # release the slot, settle, meter, observe (idempotent)
@@ -251,10 +252,13 @@ class Run:
         check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
 
     async def reserve(self, prompt: Prompt | int) -> None:
-        """Refuse a prompt that can never fit, then reserve its tokens plus max_tokens from the quota.
-        Give the prompt itself, or (when it is assembled later) an estimate of its tokens."""
+        """Refuse a prompt that can never fit (400), refuse at once if the admission queue is full (503),
+        then reserve its tokens plus max_tokens from the quota. Give the prompt itself, or (when it is
+        assembled later) an estimate of its tokens."""
         tokens = prompt if isinstance(prompt, int) else self._prepare(prompt)[1]
         self._fit(tokens)
+        if not self.continuing:  # a taken-over run was admitted on its first gateway
+            self.refuse_if_full(tokens)
         self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
 
     async def admit(self, prompt: Prompt, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
@@ -268,19 +272,33 @@ class Run:
             await self.traffic.extend(self._reservation, self.limits.tier, tokens + self.max_tokens + self.summary_reserved)
         if self.stopped:
             raise GenerationStopped
-        kind = REASONING if self.limits.effort is not None else INTERACTIVE
-        self._queued = asyncio.ensure_future(self.traffic.admit(self.limits.tier, tokens, kind, on_position))
+        # Joins the queue in this step (a full queue refuses here: 503, nothing made for the request).
+        ticket = self.traffic.enqueue(self.limits.tier, tokens, self.kind, on_position)
+        self._queued = asyncio.ensure_future(self.traffic.wait(ticket))
         try:
             self._slot = await self._queued
         except asyncio.CancelledError:
+            self.traffic.admission.abandon(ticket)  # even if the wait was cancelled before it began
             # stop() cancelled the wait (not this task): the run ends as stopped, at no cost.
             if self.stopped and not asyncio.current_task().cancelling():
                 raise GenerationStopped from None
+            raise
+        except BaseException:
+            self.traffic.admission.abandon(ticket)
             raise
         finally:
             self._queued = None
         if self.stopped:
             raise GenerationStopped
+
+    @property
+    def kind(self) -> str:
+        """The admission class: reasoning answers have their own share of the slots."""
+        return REASONING if self.limits.effort is not None else INTERACTIVE
+
+    def refuse_if_full(self, prompt_tokens: int) -> None:
+        """503 at once if the admission queue could not take this run within its timeout."""
+        self.traffic.refuse_if_full(self.limits.tier, prompt_tokens, self.kind)
 
     async def resume(self, prompt: Prompt, request_id: str) -> None:
         """Go on with the same answer from a longer prompt (the answer so far plus tool results), as a

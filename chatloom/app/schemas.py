@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
 
 from chatloom.store import ApiKey, Conversation, Message, User
 
@@ -166,3 +166,76 @@ class ConversationDetail(ConversationOut):
 class StopOut(BaseModel):
     stopped: bool
     message_id: str | None
+
+
+# -- the events of an answer's stream (text/event-stream; each event's data is one of these, as JSON) ----
+
+class TokenEvent(BaseModel):
+    token: str  # the next piece of the answer's text
+
+
+class ThinkingEvent(BaseModel):
+    thinking: str  # the next piece of a reasoning answer's hidden thinking
+
+
+class QueuePositionEvent(BaseModel):
+    queue_position: int  # the answer's place in the admission queue, when it changes
+
+
+class ToolCallData(BaseModel):
+    id: str
+    name: str
+    arguments: str
+
+
+class ToolCallEvent(BaseModel):
+    tool_call: ToolCallData
+
+
+class ToolResultData(BaseModel):
+    id: str
+    name: str
+    output: str
+    error: str | None
+
+
+class ToolResultEvent(BaseModel):
+    tool_result: ToolResultData
+
+
+class StreamUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class DoneEvent(BaseModel):
+    """The last event of a finished answer."""
+
+    done: Literal[True]
+    message_id: str
+    user_message_id: str | None
+    conversation_id: str
+    status: str
+    finish_reason: str | None
+    usage: StreamUsage
+
+
+class StreamErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None
+    status: int  # what the HTTP status would have been, had the failure come before the stream began
+
+
+class ErrorEvent(BaseModel):
+    """`event: error`: the answer failed or was refused after its stream began (queue full or timed out,
+    generation failed); the last event."""
+
+    error: StreamErrorDetail
+    retry_after: int | None = None
+    message_id: str | None = None
+
+
+class AnswerEvent(RootModel[TokenEvent | ThinkingEvent | QueuePositionEvent | ToolCallEvent | ToolResultEvent
+                            | DoneEvent | ErrorEvent]):
+    """The data of one event of an answer's stream."""

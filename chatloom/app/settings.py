@@ -42,6 +42,9 @@ class Settings:
     argon2_time_cost: int = 3
     argon2_memory_kib: int = 65536
     allow_signup: bool = True
+    # A caller authenticated this recently is not looked up in the database again (0: always look up);
+    # a tier change or a revoked API key reaches other gateways within this time (this one at once).
+    auth_cache_s: float = 5.0
 
     # Conversations.
     system_prompt: str = DEFAULT_SYSTEM_PROMPT

@@ -3,7 +3,17 @@ from __future__ import annotations
 
 import json
 
+from fastapi.responses import StreamingResponse
+
 from chatloom.app.events import StreamEvent
+
+
+class EventStreamResponse(StreamingResponse):
+    """A server-sent event stream; as a route's response_class it makes the OpenAPI schema say
+    text/event-stream rather than JSON."""
+
+    media_type = "text/event-stream"
+
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # keep proxies from buffering
 

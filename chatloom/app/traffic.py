@@ -95,11 +95,33 @@ class Traffic:
     # -- admission ----------------------------------------------------------------------
     async def admit(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
                     on_position: Callable[[int], Awaitable[None]] | None = None) -> Slot:
+        return await self.wait(self.enqueue(tier, prompt_tokens, kind, on_position))
+
+    def enqueue(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
+                on_position: Callable[[int], Awaitable[None]] | None = None) -> Ticket:
+        """Join the admission queue now (503 at once if it could not take the request in time)."""
         try:
-            return await self.admission.admit(tier, prompt_tokens, kind, on_position)
+            return self.admission.enqueue(tier, prompt_tokens, kind, on_position)
         except QueueTimeout as exc:
-            self.metrics.queue_timeouts.inc()
-            raise ApiError(503, str(exc), exc.code, headers={"Retry-After": str(exc.retry_after)}) from None
+            raise self._busy(exc) from None
+
+    async def wait(self, ticket: Ticket) -> Slot:
+        """The slot of an enqueued request (503 after the queue timeout)."""
+        try:
+            return await self.admission.wait(ticket)
+        except QueueTimeout as exc:
+            raise self._busy(exc) from None
+
+    def refuse_if_full(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE) -> None:
+        """503 now (no await, nothing queued) if the queue could not take this request in time."""
+        try:
+            self.admission.refuse_if_full(tier, prompt_tokens, kind)
+        except QueueTimeout as exc:
+            raise self._busy(exc) from None
+
+    def _busy(self, exc: QueueTimeout) -> ApiError:
+        self.metrics.queue_timeouts.inc()
+        return ApiError(503, str(exc), exc.code, headers={"Retry-After": str(exc.retry_after)})
 
 
 def build_moderator(settings: Settings) -> Moderator:

@@ -1,5 +1,6 @@
 """Fast refusal under overload: the admission queue holds only what it can serve within
-queue_max_wait_s at the measured pace; the rest get a 503 with Retry-After at once."""
+queue_max_wait_s at the measured pace; the rest get a 503 with Retry-After at once, in the same step
+that received them (no database lookup, no task, no wait made for them)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,8 @@ from chatloom.app.tiers import DEFAULT_TIERS
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
 
-from app_testing import make_settings, signup
-from traffic_testing import write_tiers
+from app_testing import make_settings, new_conversation, signup
+from traffic_testing import ScriptedBackend, write_tiers
 
 FREE, PRO = DEFAULT_TIERS["free"], DEFAULT_TIERS["pro"]
 
@@ -68,6 +69,64 @@ async def test_arrivals_beyond_what_can_be_served_in_time_are_refused_at_once():
         s.release()
 
 
+async def test_a_burst_handled_in_one_step_is_bounded_as_it_arrives():
+    # Requests handled one after another without yielding to the event loop (as a burst is): each joins
+    # the queue synchronously, so the next already counts it, and the excess is refused right there.
+    q = AdmissionQueue(lambda tokens: True, max_running=2, max_wait_s=1.0)
+    await _measure(q, 4, 0.1)
+    held = [await q.admit(PRO, 1) for _ in range(2)]
+    for s in held:
+        s.started()
+    tickets, refused = [], 0
+    for _ in range(100):  # no await in this loop
+        try:
+            tickets.append(q.enqueue(PRO, 1))
+        except QueueFull:
+            refused += 1
+    assert len(tickets) == q.waiting and 5 <= q.waiting <= 40 and refused == 100 - q.waiting
+    q.refuse_if_full(FREE, 1)  # the free tier's reserved share still gets it in time: no refusal
+    for t in tickets:
+        q.abandon(t)
+    assert q.waiting == 0
+    for s in held:
+        s.release()
+
+
+async def test_an_arrival_that_can_start_now_is_never_refused():
+    q = AdmissionQueue(lambda tokens: True, max_running=2, max_wait_s=0.01)
+    await _measure(q, 4, 0.05)  # 2 slots / 0.05 s: a full queue's next place is 25 ms away, over 10 ms
+    one = await q.admit(PRO, 1)
+    q.refuse_if_full(PRO, 1)  # a slot is free
+    two = await q.admit(PRO, 1)
+    with pytest.raises(QueueFull):
+        q.refuse_if_full(PRO, 1)
+    one.release()
+    two.release()
+
+
+async def test_a_conversation_message_the_queue_cannot_take_is_refused_before_anything_is_saved(tmp_path):
+    backend = ScriptedBackend(["word "] * 10, delay_s=0.05)  # each answer holds its slot about 0.5 s
+    app = create_app(make_settings(tmp_path, admission_max_running=1, queue_max_wait_s=0.2), backend)
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}]}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            alice = await signup(c, "alice")
+            for _ in range(3):  # the pace: about 0.5 s a run, one slot, so the next place is 0.5 s away
+                assert (await c.post("/v1/chat/completions", json=body, headers=alice)).status_code == 200
+            admission = app.state.ctx.traffic.admission
+            assert admission.mean_run_s() is not None
+            busy, full = await new_conversation(c, alice), await new_conversation(c, alice)
+            holder = asyncio.create_task(c.post(f"/conversations/{busy}/messages", headers=alice, json={"text": "hi"}))
+            while admission.running == 0:  # the first answer holds the only slot
+                await asyncio.sleep(0.005)
+            r = await c.post(f"/conversations/{full}/messages", headers=alice, json={"text": "hello"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+            assert int(r.headers["retry-after"]) >= 1
+            # Nothing was saved for it: the message can simply be sent again later.
+            assert (await c.get(f"/conversations/{full}", headers=alice)).json()["messages"] == []
+            assert (await holder).status_code == 200
+
+
 async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp32):
     backend = LocalBackend(tiny_model_fp32, engine_config=EngineConfig(num_blocks=512, max_num_seqs=4))
     await backend.start()
@@ -87,36 +146,45 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
                 warm = await asyncio.gather(*(c.post("/v1/chat/completions", json=body, headers=alice)
                                               for _ in range(8)))
                 assert all(r.status_code == 200 for r in warm)
+                traffic = app.state.ctx.traffic
+                assert traffic.admission.mean_run_s() is not None  # the pace is measured: it may refuse early
+
+                burst = time.monotonic()
 
                 async def one():
                     t0 = time.monotonic()
                     r = await c.post("/v1/chat/completions", json=body, headers=alice)
-                    return r, time.monotonic() - t0
+                    end = time.monotonic()
+                    return r, end - t0, end - burst
 
                 results = await asyncio.gather(*(one() for _ in range(200)))
-                refused = [(r, s) for r, s in results if r.status_code == 503]
-                served = [(r, s) for r, s in results if r.status_code == 200]
-                early = [s for r, s in refused if r.json()["error"]["code"] == "queue_full"]
-                assert len(served) + len(refused) == 200, {r.status_code for r, _ in results}
+                refused = [(r, s, b) for r, s, b in results if r.status_code == 503]
+                served = [(r, s, b) for r, s, b in results if r.status_code == 200]
+                early = [(s, b) for r, s, b in refused if r.json()["error"]["code"] == "queue_full"]
+                assert len(served) + len(refused) == 200, {r.status_code for r, _, _ in results}
                 # The tiny model serves about a dozen 600-token answers in the 1 s the queue may take;
                 # the rest are refused.
-                assert len(served) >= 4 and len(early) >= 50, (len(served), len(early))
-                assert all(int(r.headers["retry-after"]) >= 1 for r, _ in refused)
-                median = statistics.median(early)
-                # Before the 1 s timeout: refused early, not after waiting it out. (A burst of 200 requests
-                # on one event loop of a 2-core box costs about half a second in plain CPU.)
-                assert median < 1.0, median
+                assert len(served) >= 4 and len(early) >= 150, (len(served), len(early))
+                assert all(int(r.headers["retry-after"]) >= 1 for r, _, _ in refused)
+                # The issue's bar: the excess is refused in well under 100 ms (each in the step that
+                # received it: the caller from the auth cache, the queue joined or refused synchronously).
+                median = statistics.median(s for s, _ in early)
+                assert median < 0.1, median
+                # Counted from the burst's first request, a refusal also waits for the requests handled
+                # before it on the one event loop (client and server here): far less than the timeout.
+                from_burst = statistics.median(b for _, b in early)
+                assert from_burst < settings.queue_max_wait_s / 2, from_burst
                 # Every admitted request streamed to its end.
-                for r, _ in served:
+                for r, _, _ in served:
                     assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason"' in r.text
                     assert "generation_failed" not in r.text
                 # Healthy afterwards: nothing left running, a new request is served at once.
                 assert (await c.get("/healthz")).status_code == 200
-                traffic = app.state.ctx.traffic
                 assert traffic.admission.waiting == 0 and traffic.admission.running == 0
                 r = await c.post("/v1/chat/completions", json={**body, "stream": False}, headers=alice)
                 assert r.status_code == 200
-                print(f"overload: served {len(served)}, refused early {len(early)} "
-                      f"(median {median * 1000:.0f} ms), timed out {len(refused) - len(early)}")
+                print(f"overload: served {len(served)}, refused early {len(early)} (median {median * 1000:.1f} ms "
+                      f"per request, {from_burst * 1000:.0f} ms from the burst's start), "
+                      f"timed out {len(refused) - len(early)}")
     finally:
         await backend.close()

@@ -5,17 +5,19 @@ from fastapi import APIRouter, Query
 
 from chatloom.app.deps import AdminUser, Ctx, SessionDep
 from chatloom.app.errors import ApiError, not_found
+from chatloom.app.openapi_responses import ADMIN, errors
 from chatloom.app.admission import REASONING
 from chatloom.app.reasoning import EFFORTS
 from chatloom.app.routes.usage import since
+from chatloom.app.validation import Offset
 from chatloom.app.traffic_schemas import (AdmissionOut, FeedbackItem, ReasoningCap, ReasoningIn,
                                           ReasoningOut, StatsOut, TierIn, TierOut, TiersOut, UsageReport, UserTierOut)
 from chatloom.store import FeedbackRows, UsageRows, Users
 
-router = APIRouter(prefix="/admin", tags=["admin"])
+router = APIRouter(prefix="/admin", tags=["admin"], responses=ADMIN)
 
 
-@router.get("/usage", response_model=UsageReport)
+@router.get("/usage", response_model=UsageReport, responses=errors(404))
 async def all_usage(_admin: AdminUser, session: SessionDep, days: int = Query(30, ge=1, le=366),
                     username: str | None = Query(None, max_length=64)) -> UsageReport:
     """Everyone's tokens per user, day and model (or one user's with ?username=)."""
@@ -30,12 +32,12 @@ async def all_usage(_admin: AdminUser, session: SessionDep, days: int = Query(30
 
 @router.get("/feedback", response_model=list[FeedbackItem])
 async def list_feedback(_admin: AdminUser, session: SessionDep, rating: str | None = Query(None, pattern="^(up|down)$"),
-                        limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0)) -> list[FeedbackItem]:
+                        limit: int = Query(50, ge=1, le=500), offset: Offset = 0) -> list[FeedbackItem]:
     """Everyone's thumbs, newest first (?rating=down for the complaints), with the rated answer."""
     return [FeedbackItem.row(f, name, m) for f, name, m in await FeedbackRows(session).page(limit, offset, rating)]
 
 
-@router.put("/users/{username}/tier", response_model=UserTierOut)
+@router.put("/users/{username}/tier", response_model=UserTierOut, responses=errors(404))
 async def set_tier(username: str, body: TierIn, _admin: AdminUser, ctx: Ctx, session: SessionDep) -> UserTierOut:
     tiers = ctx.traffic.tiers
     if body.tier not in tiers:
@@ -45,6 +47,7 @@ async def set_tier(username: str, body: TierIn, _admin: AdminUser, ctx: Ctx, ses
     if user is None:
         raise not_found("user")
     await session.commit()
+    ctx.callers.forget_user(user.id)  # the new tier applies from the next request
     return UserTierOut(username=user.username, tier=user.tier)
 
 

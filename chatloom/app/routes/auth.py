@@ -7,13 +7,14 @@ from sqlalchemy.exc import IntegrityError
 from chatloom.app.auth import new_api_key
 from chatloom.app.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.errors import ApiError, not_found
+from chatloom.app.openapi_responses import SIGNED_IN, errors
 from chatloom.app.schemas import ApiKeyCreated, ApiKeyIn, ApiKeyOut, Credentials, LoginIn, SessionOut, UserOut
 from chatloom.store import ApiKeys, Users
 
 router = APIRouter(prefix="/auth", tags=["auth"])
 
 
-@router.post("/signup", status_code=201, response_model=SessionOut)
+@router.post("/signup", status_code=201, response_model=SessionOut, responses=errors(403, 409))
 async def signup(body: Credentials, ctx: Ctx, session: SessionDep) -> SessionOut:
     users = Users(session)
     if not ctx.settings.allow_signup and await users.count() > 0:
@@ -30,7 +31,7 @@ async def signup(body: Credentials, ctx: Ctx, session: SessionDep) -> SessionOut
     return SessionOut(token=ctx.tokens.issue(user.id), user=UserOut.of(user))
 
 
-@router.post("/login", response_model=SessionOut)
+@router.post("/login", response_model=SessionOut, responses=errors(401))
 async def login(body: LoginIn, ctx: Ctx, session: SessionDep) -> SessionOut:
     user = await Users(session).by_username(body.username)
     # Same answer for a wrong name and a wrong password, so names cannot be probed.
@@ -39,12 +40,12 @@ async def login(body: LoginIn, ctx: Ctx, session: SessionDep) -> SessionOut:
     return SessionOut(token=ctx.tokens.issue(user.id), user=UserOut.of(user))
 
 
-@router.get("/me", response_model=UserOut)
+@router.get("/me", response_model=UserOut, responses=SIGNED_IN)
 async def me(user: CurrentUser) -> UserOut:
     return UserOut.of(user)
 
 
-@router.post("/api-keys", status_code=201, response_model=ApiKeyCreated)
+@router.post("/api-keys", status_code=201, response_model=ApiKeyCreated, responses=SIGNED_IN)
 async def create_api_key(user: CurrentUser, session: SessionDep, body: ApiKeyIn | None = None) -> ApiKeyCreated:
     key, prefix, key_hash = new_api_key()
     row = await ApiKeys(session).create(user.id, (body.name if body else "").strip(), prefix, key_hash)
@@ -52,14 +53,15 @@ async def create_api_key(user: CurrentUser, session: SessionDep, body: ApiKeyIn 
     return ApiKeyCreated(**ApiKeyOut.of(row).model_dump(), key=key)  # the only time the key is shown
 
 
-@router.get("/api-keys", response_model=list[ApiKeyOut])
+@router.get("/api-keys", response_model=list[ApiKeyOut], responses=SIGNED_IN)
 async def list_api_keys(user: CurrentUser, session: SessionDep) -> list[ApiKeyOut]:
     return [ApiKeyOut.of(k) for k in await ApiKeys(session).for_user(user.id)]
 
 
-@router.delete("/api-keys/{key_id}", status_code=204)
-async def revoke_api_key(key_id: str, user: CurrentUser, session: SessionDep) -> Response:
+@router.delete("/api-keys/{key_id}", status_code=204, responses=errors(401, 404))
+async def revoke_api_key(key_id: str, user: CurrentUser, ctx: Ctx, session: SessionDep) -> Response:
     if not await ApiKeys(session).delete(user.id, key_id):
         raise not_found("api key")
     await session.commit()
+    ctx.callers.forget_user(user.id)  # the revoked key stops working here at once
     return Response(status_code=204)

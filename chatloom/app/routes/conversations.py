@@ -3,7 +3,6 @@ resume a stream from any event id (all answers stream as SSE from the generation
 from __future__ import annotations
 
 from fastapi import APIRouter, Header, Query, Response
-from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
 from chatloom.app.branches import Tree
@@ -14,7 +13,8 @@ from chatloom.app.events import EventLog
 from chatloom.app.hotstate.stop_relay import stop_anywhere
 from chatloom.app.schemas import (ConversationDetail, ConversationIn, ConversationOut, GenerationIn, MessageIn,
                                   MessageOut, RenameIn, StopOut)
-from chatloom.app.sse import HEARTBEAT, SSE_HEADERS, frame_event
+from chatloom.app.openapi_responses import ANSWER_STREAM, CONVERSATION_ANSWER, OWN_CONVERSATION, SIGNED_IN, errors
+from chatloom.app.sse import HEARTBEAT, SSE_HEADERS, EventStreamResponse, frame_event
 from chatloom.app.validation import Offset
 from chatloom.store import Conversations, FeedbackRows, Message, Messages
 
@@ -23,28 +23,28 @@ router = APIRouter(prefix="/conversations", tags=["conversations"])
 HEARTBEAT_S = 15.0
 
 
-def _sse(log: EventLog, after: int, headers: dict[str, str]) -> StreamingResponse:
+def _sse(log: EventLog, after: int, headers: dict[str, str]) -> EventStreamResponse:
     """SSE from an event log. Leaving early only stops this reader, not the generation."""
     async def events():
         async for ev in log.read(after, heartbeat_s=HEARTBEAT_S):
             yield HEARTBEAT if ev is None else frame_event(ev)
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return EventStreamResponse(events(), headers={**SSE_HEADERS, **headers})
 
 
-def stream_response(gen: Generation) -> StreamingResponse:
+def stream_response(gen: Generation) -> EventStreamResponse:
     return _sse(gen.log, 0, {"X-Conversation-Id": gen.conversation_id, "X-Message-Id": gen.message_id,
                              "X-User-Message-Id": gen.user_message_id})
 
 
-@router.get("", response_model=list[ConversationOut])
+@router.get("", response_model=list[ConversationOut], responses=SIGNED_IN)
 async def list_conversations(user: CurrentUser, session: SessionDep, limit: int = Query(20, ge=1, le=100),
                              offset: Offset = 0) -> list[ConversationOut]:
     """Newest first."""
     return [ConversationOut.of(c) for c in await Conversations(session).page(user.id, limit, offset)]
 
 
-@router.post("", status_code=201, response_model=ConversationOut)
+@router.post("", status_code=201, response_model=ConversationOut, responses=SIGNED_IN)
 async def create_conversation(user: CurrentUser, session: SessionDep,
                               body: ConversationIn | None = None) -> ConversationOut:
     title = body.title.strip() if body and body.title and body.title.strip() else None
@@ -53,7 +53,7 @@ async def create_conversation(user: CurrentUser, session: SessionDep,
     return ConversationOut.of(conv)
 
 
-@router.get("/{conversation_id}", response_model=ConversationDetail)
+@router.get("/{conversation_id}", response_model=ConversationDetail, responses=OWN_CONVERSATION)
 async def read_conversation(ctx: Ctx, conv: OwnedConversation, user: CurrentUser, session: SessionDep,
                             leaf: str | None = Query(None, max_length=40)) -> ConversationDetail:
     """The active branch (or the branch through ?leaf=MESSAGE_ID), each message with its siblings,
@@ -71,7 +71,7 @@ async def read_conversation(ctx: Ctx, conv: OwnedConversation, user: CurrentUser
                   for m in branch])
 
 
-@router.patch("/{conversation_id}", response_model=ConversationOut)
+@router.patch("/{conversation_id}", response_model=ConversationOut, responses=OWN_CONVERSATION)
 async def rename_conversation(body: RenameIn, conv: OwnedConversation, session: SessionDep) -> ConversationOut:
     await Conversations(session).touch(conv.id, title=body.title)
     await session.commit()
@@ -79,7 +79,7 @@ async def rename_conversation(body: RenameIn, conv: OwnedConversation, session: 
     return ConversationOut.of(conv)
 
 
-@router.delete("/{conversation_id}", status_code=204)
+@router.delete("/{conversation_id}", status_code=204, responses=OWN_CONVERSATION | errors(503))
 async def delete_conversation(ctx: Ctx, conv: OwnedConversation, session: SessionDep) -> Response:
     await _stop(ctx, conv.id)
     await Conversations(session).delete(conv.id)
@@ -93,9 +93,10 @@ def _options(user, body: GenerationIn | None) -> GenerationOptions:
     return GenerationOptions(user, body.model, body.max_tokens, body.temperature, body.reasoning_effort)
 
 
-@router.post("/{conversation_id}/messages")
+@router.post("/{conversation_id}/messages", response_class=EventStreamResponse,
+             responses=ANSWER_STREAM | CONVERSATION_ANSWER)
 async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, session: SessionDep,
-                       user: CurrentUser) -> StreamingResponse:
+                       user: CurrentUser) -> EventStreamResponse:
     """Save the message and stream the answer: data: {"token"} events, then data: {"done": true, ...}.
     Omit parent_id to continue the active branch; give an earlier assistant message's id (or null
     for the first message) to branch off, as an edit does."""
@@ -104,15 +105,16 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
     return stream_response(gen)
 
 
-@router.post("/{conversation_id}/messages/{message_id}/regenerate")
+@router.post("/{conversation_id}/messages/{message_id}/regenerate", response_class=EventStreamResponse,
+             responses=ANSWER_STREAM | CONVERSATION_ANSWER)
 async def regenerate(message_id: str, ctx: Ctx, conv: OwnedConversation, session: SessionDep, user: CurrentUser,
-                     body: GenerationIn | None = None) -> StreamingResponse:
+                     body: GenerationIn | None = None) -> EventStreamResponse:
     """Stream a new answer beside an assistant message (or a new answer to a user message)."""
     gen = await ctx.conversations.regenerate(session, conv, message_id, _options(user, body))
     return stream_response(gen)
 
 
-@router.post("/{conversation_id}/stop", response_model=StopOut)
+@router.post("/{conversation_id}/stop", response_model=StopOut, responses=OWN_CONVERSATION | errors(503))
 async def stop(ctx: Ctx, conv: OwnedConversation) -> StopOut:
     """Abort the running answer (on whichever gateway runs it); returns once the partial answer is saved
     as 'stopped'."""
@@ -139,12 +141,13 @@ def _event_id(value: str | None, where: str) -> int:
     return n
 
 
-@router.get("/{conversation_id}/stream")
+@router.get("/{conversation_id}/stream", response_class=EventStreamResponse,
+            responses=ANSWER_STREAM | OWN_CONVERSATION | errors(503))
 async def resume_stream(ctx: Ctx, conv: OwnedConversation, session: SessionDep,
                         message_id: str | None = Query(None, max_length=40),
                         last_event_id: str | None = Query(None, max_length=20),
                         last_event_id_header: str | None = Header(None, alias="Last-Event-ID", max_length=20)
-                        ) -> StreamingResponse:
+                        ) -> EventStreamResponse:
     """The events of the conversation's newest answer (or of ?message_id=) after Last-Event-ID
     (header, as EventSource sends it on reconnect, or ?last_event_id=): live while it runs, the
     rest and its end once it has finished. Any number of clients may attach."""

@@ -12,20 +12,19 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.deps import AppContext, Ctx, CurrentUser, SessionDep
 from chatloom.app.errors import ApiError, error_body
+from chatloom.app.openai_out import ChatCompletionOut, CompletionOut, ModelList, ModelOut
 from chatloom.app.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
+from chatloom.app.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
 from chatloom.app.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Run, Thinking, ToolCall
-from chatloom.app.sse import SSE_HEADERS, frame
+from chatloom.app.sse import SSE_HEADERS, EventStreamResponse, frame
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-CREATED = int(time.time())
 
 
 def _usage(u: Usage) -> dict:
@@ -181,10 +180,10 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
             await run.close()
         yield frame("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStreamResponse(events(), headers=SSE_HEADERS)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=openai_stream("chat.completion.chunk", ChatCompletionOut) | OPENAI_ANSWER)
 async def chat_completions(body: ChatCompletionIn, ctx: Ctx, user: CurrentUser, session: SessionDep):
     tools = body.tool_use()
     prompt = body.prompt(tools)
@@ -193,7 +192,7 @@ async def chat_completions(body: ChatCompletionIn, ctx: Ctx, user: CurrentUser, 
                           session)
 
 
-@router.post("/completions")
+@router.post("/completions", responses=openai_stream("text_completion", CompletionOut) | OPENAI_ANSWER)
 async def completions(body: CompletionIn, ctx: Ctx, user: CurrentUser, session: SessionDep):
     """A plain-text continuation of `prompt` (text, or token ids), without the chat template."""
     prompt = body.to_prompt()
@@ -211,24 +210,12 @@ def _decode(ctx: AppContext, ids: list[int]) -> str:
         return ""
 
 
-class ModelOut(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = CREATED
-    owned_by: str = "chatloom"
-
-
-class ModelList(BaseModel):
-    object: str = "list"
-    data: list[ModelOut]
-
-
-@router.get("/models", response_model=ModelList)
+@router.get("/models", response_model=ModelList, responses=SIGNED_IN)
 async def list_models(ctx: Ctx, user: CurrentUser) -> ModelList:
     return ModelList(data=[ModelOut(id=m) for m in ctx.backend.model_ids])
 
 
-@router.get("/models/{model_id:path}", response_model=ModelOut)
+@router.get("/models/{model_id:path}", response_model=ModelOut, responses=errors(401, 404))
 async def get_model(model_id: str, ctx: Ctx, user: CurrentUser) -> ModelOut:
     if model_id not in ctx.backend.model_ids:
         raise ApiError(404, f"the model {model_id!r} does not exist", "model_not_found", "model")

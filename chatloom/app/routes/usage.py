@@ -7,11 +7,12 @@ from fastapi import APIRouter, Query
 
 from chatloom.app.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.errors import ApiError, not_found
+from chatloom.app.openapi_responses import SIGNED_IN, errors
 from chatloom.app.traffic_schemas import FeedbackIn, FeedbackOut, MyUsage, TierLimits, UsageReport
 from chatloom.app.usage import utc_day
 from chatloom.store import Conversations, FeedbackRows, Message, UsageRows
 
-router = APIRouter(tags=["usage"])
+router = APIRouter(tags=["usage"], responses=SIGNED_IN)
 
 
 def since(days: int) -> str:
@@ -19,7 +20,7 @@ def since(days: int) -> str:
     return utc_day((datetime.now(timezone.utc) - timedelta(days=days - 1)).timestamp())
 
 
-@router.get("/usage", response_model=MyUsage)
+@router.get("/usage", response_model=MyUsage, responses=errors(503))  # 503: the shared quota store (Redis) away
 async def my_usage(ctx: Ctx, user: CurrentUser, session: SessionDep,
                    days: int = Query(30, ge=1, le=366)) -> MyUsage:
     """Your tokens per day and model over the last `days` days, your tier and what is left of it now."""
@@ -44,7 +45,8 @@ async def _own_answer(session, user_id: str, message_id: str) -> Message:
     return msg
 
 
-@router.post("/messages/{message_id}/feedback", status_code=201, response_model=FeedbackOut)
+@router.post("/messages/{message_id}/feedback", status_code=201, response_model=FeedbackOut,
+             responses=errors(404))
 async def feedback(message_id: str, body: FeedbackIn, user: CurrentUser, session: SessionDep) -> FeedbackOut:
     """Thumbs up or down on one of your answers; sending again replaces your earlier feedback.
     The rating shows on the message in GET /conversations/{id}."""
@@ -54,7 +56,7 @@ async def feedback(message_id: str, body: FeedbackIn, user: CurrentUser, session
     return FeedbackOut.of(row)
 
 
-@router.get("/messages/{message_id}/feedback", response_model=FeedbackOut)
+@router.get("/messages/{message_id}/feedback", response_model=FeedbackOut, responses=errors(404))
 async def read_feedback(message_id: str, user: CurrentUser, session: SessionDep) -> FeedbackOut:
     """Your feedback on one of your answers (404 if you gave none)."""
     msg = await _own_answer(session, user.id, message_id)

@@ -1,0 +1,56 @@
+"""Recently authenticated callers, remembered for a few seconds, so a burst of requests from the same
+users does not queue behind the database.
+
+Every authenticated request used to look its caller up (the account behind a session token, or an
+API key and then its account): a database round trip through the connection pool and the driver's
+thread. Under a burst, 200 requests arriving at once waited for each other there before anything could
+decide to refuse them (issue 12: overload must be refused in well under 100 ms). The cache maps a
+credential (the user id a verified session token names, or an API key's hash) to a detached copy of
+the account for `ttl_s` seconds. Session tokens are still verified on every request; only the lookup
+is spared. Changes made through this gateway (a tier set, an API key revoked) drop the user's entries
+at once; other gateways see them within `ttl_s`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from chatloom.store import User
+
+_MAX_ENTRIES = 10_000  # a bound on memory; when full, the oldest entries go
+
+
+class CallerCache:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._entries: dict[str, tuple[float, User]] = {}  # credential key -> (expiry, account copy)
+
+    def get(self, key: str) -> User | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        expires, user = entry
+        if self.clock() >= expires:
+            del self._entries[key]
+            return None
+        return user
+
+    def put(self, key: str, user: User) -> None:
+        if self.ttl_s <= 0:
+            return
+        if len(self._entries) >= _MAX_ENTRIES:
+            for old in list(self._entries)[: _MAX_ENTRIES // 10]:  # insertion order: the oldest first
+                del self._entries[old]
+        self._entries[key] = (self.clock() + self.ttl_s, _detached_copy(user))
+
+    def forget_user(self, user_id: str) -> None:
+        """Drop every credential of this account (its tier changed, one of its keys was revoked)."""
+        for key in [k for k, (_, u) in self._entries.items() if u.id == user_id]:
+            del self._entries[key]
+
+
+def _detached_copy(user: User) -> User:
+    """A copy no database session owns, safe to hand to many requests at once."""
+    return User(id=user.id, username=user.username, password_hash=None, is_admin=user.is_admin, tier=user.tier,
+                created=user.created)
