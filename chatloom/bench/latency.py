@@ -45,6 +45,7 @@ from chatloom.bench.serve import ASKS, TOPICS
 from chatloom.engine import EngineConfig, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine
 from chatloom.engine.llm_engine import LLMEngine
+from chatloom.engine.thread_pool import then_release
 from chatloom.models.loader import LoadedModel
 
 LAYERS = ("engine", "async", "backend", "openai", "conversations")
@@ -395,7 +396,7 @@ async def _run_layers(loaded: LoadedModel, prompt_lengths: list[int], in_flight:
                             ids = [backend.encode_messages(m) for m in convs]
                             for layer in layers:
                                 if layer == "engine":
-                                    got = run_engine(engine, ids, params)
+                                    got = then_release(run_engine, engine, ids, params)  # see thread_pool.py
                                 elif layer == "async":
                                     got = await run_async(async_engine, ids, params)
                                 elif layer == "backend":

@@ -20,6 +20,7 @@ from chatloom.engine.llm_engine import LLMEngine
 from chatloom.engine.outputs import RequestOutput
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.engine.stats import EngineSnapshot
+from chatloom.engine.thread_pool import release_thread_pool
 from chatloom.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -94,12 +95,17 @@ class AsyncEngine:
                 pass
 
     def _loop(self) -> None:
+        busy = False
         while not self._stopped:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
+                if busy:  # going idle: other threads' torch work must not find this pool (thread_pool.py)
+                    release_thread_pool()
+                    busy = False
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
+            busy = True
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # not attributable to any one request (the engine isolates those)

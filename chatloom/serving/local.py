@@ -8,6 +8,7 @@ from typing import AsyncIterator
 
 from chatloom.engine import EngineConfig, InvalidRequest, RequestOutput, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from chatloom.engine.thread_pool import then_release
 from chatloom.models import LoadedModel, ModelError, load_model
 from chatloom.models.chat_template import encode_chat
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
@@ -52,10 +53,12 @@ class LocalBackend(Backend):
             try:
                 if self._loaded is None:
                     log.info("loading model %s", self._spec)
-                    self._loaded = await asyncio.to_thread(load_model, self._spec, self._dtype, self._int8_matmul,
-                                                           self._kv_cache_bytes, self._bf16_matmul)
-                # Allocating the KV pool takes a moment for big pools; keep the event loop free.
-                self._engine = await asyncio.to_thread(AsyncEngine.from_model, self._loaded, self._config)
+                    self._loaded = await asyncio.to_thread(then_release, load_model, self._spec, self._dtype,
+                                                           self._int8_matmul, self._kv_cache_bytes, self._bf16_matmul)
+                # Allocating the KV pool takes a moment for big pools; keep the event loop free. The
+                # executor thread keeps living: it gives back its OpenMP pool (engine/thread_pool.py).
+                self._engine = await asyncio.to_thread(then_release, AsyncEngine.from_model, self._loaded,
+                                                       self._config)
                 self._error = None
                 log.info("model %s ready (context window %d tokens)", self._loaded.id, self.context_window)
             except (ModelError, OSError, ValueError, RuntimeError) as exc:
