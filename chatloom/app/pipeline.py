@@ -252,14 +252,21 @@ class Run:
         check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
 
     async def reserve(self, prompt: Prompt | int) -> None:
-        """Refuse a prompt that can never fit (400), refuse at once if the admission queue is full (503),
-        then reserve its tokens plus max_tokens from the quota. Give the prompt itself, or (when it is
-        assembled later) an estimate of its tokens."""
+        """Refuse a prompt that can never fit (400), reserve its tokens plus max_tokens from the quota
+        (429 past it), then refuse at once if the admission queue is full (503, the reservation given
+        back). The user's own limit comes first: its 429 tells a client to slow down, where a 503 would
+        only say the server is busy. Give the prompt itself, or (when it is assembled later) an
+        estimate of its tokens."""
         tokens = prompt if isinstance(prompt, int) else self._prepare(prompt)[1]
         self._fit(tokens)
+        reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
         if not self.continuing:  # a taken-over run was admitted on its first gateway
-            self.refuse_if_full(tokens)
-        self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+            try:
+                self.refuse_if_full(tokens)
+            except ApiError:
+                await self.traffic.quotas.settle(reservation, 0)
+                raise
+        self._reservation = reservation
 
     async def admit(self, prompt: Prompt, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
         """Count the exact prompt, top the reservation up to it, and wait for room in the engine.

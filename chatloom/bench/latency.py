@@ -282,6 +282,8 @@ def instrumented(engine: LLMEngine):
     patch(engine.sampler, "sample", "sampling")
     patch(model, "logits_and_argmax", "sampling")  # its matmul is counted below as lm_head
     patch(llama, "paged_attention", "attention")
+    if getattr(engine.runner.kernels, "decode_attention", None) is not None:
+        patch(engine.runner.kernels, "decode_attention", "attention")  # a decode step's attention, in one call
     patch(detokenizer.IncrementalDetokenizer, "add", "detokenize")
     for m in model.modules():
         if isinstance(m, (KernelLinear, nn.Linear)):
