@@ -3,8 +3,10 @@
 completes it. Then SIGTERM mid-answer: the process drains for shutdown_drain_s and exits, the
 answer marked interrupted with its partial text.
 
-Uses the tiny random model (loads at once); with random weights an answer ends at its length
-limit rather than at a natural stop, so "complete" here means it ran to its end: finish 'length'."""
+Uses a small random-weight Llama written as a Hugging Face folder (loads at once): big enough that
+an answer of 1,900 tokens streams for several seconds (the 2-layer tiny-random model now finishes it
+before the kill), small enough to stay fast. With random weights an answer ends at its length limit
+rather than at a natural stop, so "complete" here means it ran to its end: finish 'length'."""
 from __future__ import annotations
 
 import json
@@ -23,6 +25,18 @@ from chatloom.app.recovery import SHUT_DOWN
 from app_testing import free_port, parse_sse
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "models"))
+from tiny_checkpoints import hf_config, random_weights, write_hf_folder  # noqa: E402
+
+
+def _model_folder(tmp: Path) -> Path:
+    """8 layers of width 384 (about 70 MB in float32): a few milliseconds per token without kernels."""
+    folder = tmp / "model"
+    if not (folder / "config.json").exists():
+        cfg = hf_config("llama", hidden_size=384, intermediate_size=1536, num_hidden_layers=8,
+                        num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+        write_hf_folder(folder, cfg, random_weights(cfg))
+    return folder
 QUESTION = "Count from 1 to 300, one number per line, nothing else."
 
 
@@ -33,7 +47,7 @@ def _serve(tmp: Path, port: int) -> subprocess.Popen:
         "argon2_time_cost = 1", "argon2_memory_kib = 1024", "default_temperature = 0.0",
         "checkpoint_interval_s = 0.5", "recovery_stale_s = 2.0", "shutdown_drain_s = 1.0",
         "max_num_seqs = 4", "num_blocks = 256", "context_window = 2048", 'log_level = "warning"',
-        'model = "tiny-random"', "default_max_tokens = 1500", "max_tokens_limit = 2000",
+        f'model = "{_model_folder(tmp)}"', "default_max_tokens = 1500", "max_tokens_limit = 2000",
         'moderation = "off"', 'system_prompt = "You follow instructions exactly."', 'default_tier = "pro"',
         # No chat tools: their definitions would take 1,200 of the 2,048-token window and shorten the answer.
         'chat_tools = ""']) + "\n")

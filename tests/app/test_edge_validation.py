@@ -12,7 +12,7 @@ import pytest
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
 
-from app_testing import app_client, make_settings, new_conversation, parse_sse, signup, tokens_of
+from app_testing import app_client, make_settings, new_conversation, parse_sse, signup
 from traffic_testing import write_tiers
 
 MODEL = "tiny-random"
@@ -176,7 +176,8 @@ async def test_a_bystanders_stream_survives_every_bad_sampling_value(client, ali
     assert r.status_code == 200
     done = [e.data for e in events if isinstance(e.data, dict) and e.data.get("done")]
     assert done and done[0]["status"] in ("complete", "incomplete"), events
-    assert tokens_of(events)
+    # Sampled at 0.8, the tiny model may end with EOS at once: an answer of one token is still an answer.
+    assert done[0]["usage"]["completion_tokens"] >= 1 and not any(e.event == "error" for e in events)
     for resp in results[1:]:
         assert resp.status_code == 200, resp.text
         assert "generation_failed" not in resp.text and resp.text.rstrip().endswith("data: [DONE]")

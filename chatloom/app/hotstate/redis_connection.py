@@ -17,6 +17,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # What "Redis is out of reach" looks like from redis-py (connection refused, reset, timed out).
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+COMMAND_CONNECTIONS = 32  # sockets per gateway for plain commands (blocking reads have their own)
+POOL_WAIT_S = 10.0  # longest wait for a free socket; Redis down fails at connect, long before this
 
 
 class RedisHub:
@@ -26,8 +28,13 @@ class RedisHub:
         self.url = url
         # One quick retry covers a connection Redis closed while idle (a restart); a second failure is real.
         retry = Retry(NoBackoff(), 1)
-        self.commands: redis.Redis = redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                                    retry=retry, health_check_interval=5)
+        # Commands share a bounded pool: a burst (hundreds of requests at once) waits its turn for one of
+        # COMMAND_CONNECTIONS sockets instead of opening a socket each, which made Redis answer some of
+        # them after the 1 s timeout, and those requests got 503s with Redis perfectly healthy.
+        pool = redis.BlockingConnectionPool.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                                     retry=retry, health_check_interval=5,
+                                                     max_connections=COMMAND_CONNECTIONS, timeout=POOL_WAIT_S)
+        self.commands: redis.Redis = redis.Redis.from_pool(pool)  # closes the pool with the client
         self.blocking: redis.Redis = redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=None,
                                                     retry=retry, health_check_interval=5)
 
