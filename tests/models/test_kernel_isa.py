@@ -102,7 +102,7 @@ def test_bf16_packing_and_layers_of_a_model(tiny_model_fp32):
 
 # -- the float32 matmuls (exact mode): AVX-512 must give the AVX2 path's bits --------------------
 
-@pytest.mark.parametrize("rows", [1, 4, 6, 12, 13, 100])
+@pytest.mark.parametrize("rows", [1, 2, 4, 6, 7, 12, 13, 100])
 def test_float_paths_give_the_same_bits(rows):
     from chatloom.models.packed_linear import pack_weight
 
@@ -116,7 +116,7 @@ def test_float_paths_give_the_same_bits(rows):
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 50])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 50, 100])
 def test_quantized_float_paths_give_the_same_bits(kind, rows):
 
     if "avx512" not in kernels.float_linear_isas():

@@ -176,6 +176,32 @@ def test_a_single_row_runs_several_panels_at_once_with_the_same_bits(kind, isa):
         assert torch.equal(one[0], batch[i])
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
+def test_a_few_rows_run_several_panels_at_once_with_the_same_bits(kind, isa):
+    """2-12 rows (a small batch, or proposed tokens being verified) run each tile of rows against
+    several panels at once: 141 outputs are 9 panels, groups of 4, 4 and 1, with sub-groups of
+    4, 3, 2 and 1 depending on the rows. Every row must get the bits it gets alone and the bits
+    of the float32 kernel on the dequantized weight."""
+    from gguf import GGMLQuantizationType, quants
+
+    if isa != "auto" and isa not in kernels.float_linear_isas():
+        pytest.skip(f"this CPU has no {isa} path")
+    parts = [QuantizedWeight(kind, _random_blocks(kind, rows, 128, rows), rows, 128) for rows in (100, 41)]
+    dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
+                       for p in parts])
+    codes, scales = pack_quantized(parts)
+    packed = pack_weight(dense)
+    bias = torch.randn(141)
+    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(11))
+    alone = [kernels.quantized_linear(x[i:i + 1], codes, scales, 141, bias, isa) for i in range(12)]
+    for rows in range(2, 13):
+        batch = kernels.quantized_linear(x[:rows], codes, scales, 141, bias, isa)
+        assert torch.equal(batch, kernels.packed_linear(x[:rows], packed, 141, bias)), rows
+        for i in range(rows):
+            assert torch.equal(batch[i], alone[i][0]), (rows, i)
+
+
 def test_pack_linears_uses_quantized_weights_only_where_they_fit():
     lin_q, lin_f = torch.nn.Linear(64, 20, bias=False), torch.nn.Linear(64, 20, bias=False)
     model = torch.nn.ModuleDict({"q": lin_q, "f": lin_f})

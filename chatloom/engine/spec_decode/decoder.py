@@ -64,6 +64,7 @@ class SpeculativeDecoder:
         self.stats = SpecDecodeStats()
         self.rule: Rule = exact_rule
         self._draft_probs: dict[str, torch.Tensor] = {}
+        self._sources: dict[str, int] = {}  # request id -> Proposal.source of this step's proposal
 
     # -- before scheduling ----------------------------------------------------------
     def _cap(self, seq: Sequence) -> int:
@@ -74,6 +75,7 @@ class SpeculativeDecoder:
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids on every running sequence whose next step is a decode."""
         self._draft_probs.clear()
+        self._sources.clear()
         # Constrained requests never speculate: their grammar masks only the next token's row.
         ready = [s for s in running if len(s) - s.num_computed_tokens == 1 and s.params.constraint is None]
         for seq in running:
@@ -90,13 +92,15 @@ class SpeculativeDecoder:
         else:
             proposals = self.proposer.propose(ready, caps)
             if self.adaptive:
+                rates = [self.acceptance.rate(s.request_id, p.source) for s, p in zip(ready, proposals)]
                 ks = plan_lengths(rates, [len(p.tokens) for p in proposals], self.cost)
             else:
                 ks = [len(p.tokens) for p in proposals]
-            pairs = [(seq, Proposal(prop.tokens[:k], None if prop.probs is None else prop.probs[:k]))
+            pairs = [(seq, Proposal(prop.tokens[:k], None if prop.probs is None else prop.probs[:k], prop.source))
                      for seq, prop, k in zip(ready, proposals, ks) if k > 0]
         for seq, prop in pairs:
             seq.spec_token_ids = list(prop.tokens)
+            self._sources[seq.request_id] = prop.source
             if prop.probs is not None:
                 self._draft_probs[seq.request_id] = prop.probs
         if not pairs:
@@ -138,7 +142,7 @@ class SpeculativeDecoder:
                                         seq.generator or sampler.generator, self.rule)
             out[i] = tokens
             kept = len(tokens) - 1
-            self.acceptance.record(seq.request_id, len(proposed), kept)
+            self.acceptance.record(seq.request_id, len(proposed), kept, self._sources.get(seq.request_id, 0))
             st = self.stats
             st.num_drafts += 1
             st.num_draft_tokens += len(proposed)

@@ -74,29 +74,38 @@ class CostModel:
 
 @dataclass
 class AcceptanceTracker:
-    """Per-sequence rate at which proposals are kept, as a decaying ratio of kept to tried
-    positions (a position is tried when every proposal before it was kept); new sequences
-    start from the engine-wide rate."""
+    """Rate at which proposals are kept, as decaying ratios of kept to tried positions (a
+    position is tried when every proposal before it was kept), per proposal source (for
+    n-gram lookup, the match length: a long match is kept far more often than a short one):
+    engine-wide, and per sequence. A sequence's estimate starts from the engine-wide rate of
+    the source at hand and moves with its own record for that source."""
 
     prior: float = 0.5
     decay: float = 0.8
-    _seq: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (kept, tried)
+    _seq: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)  # id -> source -> (kept, tried)
+    _source: dict[int, tuple[float, float]] = field(default_factory=dict)  # source -> (kept, tried)
     _all: tuple[float, float] = (0.0, 0.0)
 
-    def record(self, request_id: str, proposed: int, kept: int) -> None:
+    def record(self, request_id: str, proposed: int, kept: int, source: int = 0) -> None:
         if proposed <= 0:
             return
         tried = kept + (1 if kept < proposed else 0)
-        s, t = self._seq.get(request_id, (0.0, 0.0))
-        self._seq[request_id] = (self.decay * s + kept, self.decay * t + tried)
+        mine = self._seq.setdefault(request_id, {})
+        s, t = mine.get(source, (0.0, 0.0))
+        mine[source] = (self.decay * s + kept, self.decay * t + tried)
+        s, t = self._source.get(source, (0.0, 0.0))
+        self._source[source] = (0.98 * s + kept, 0.98 * t + tried)
         s, t = self._all
         self._all = (0.98 * s + kept, 0.98 * t + tried)
 
-    def rate(self, request_id: str) -> float:
-        kept, tried = self._seq.get(request_id, (0.0, 0.0))
+    def rate(self, request_id: str, source: int = 0) -> float:
+        kept, tried = self._seq.get(request_id, {}).get(source, (0.0, 0.0))
         gs, gt = self._all
         base = gs / gt if gt > 0 else self.prior
-        # Two pseudo-tries at the engine-wide rate keep one unlucky step from ruling a sequence out.
+        ss, st = self._source.get(source, (0.0, 0.0))
+        if st >= 4:  # enough history for this source to speak for itself
+            base = ss / st
+        # Two pseudo-tries at the source's rate keep one unlucky step from ruling a sequence out.
         return min(0.99, (kept + 2 * base) / (tried + 2))
 
     def forget(self, request_id: str) -> None:

@@ -21,6 +21,10 @@ class Proposal:
     # The proposer's own distribution for each proposed token ([len(tokens), vocab]), when
     # it sampled them; None for a deterministic guess (a point mass on each token).
     probs: torch.Tensor | None = None
+    # What kind of guess this is, for the planner's acceptance estimate: for n-gram lookup the
+    # length of the match (a 4-token match is kept far more often than a 1-token one); 0 when
+    # the proposer has no such distinction.
+    source: int = 0
 
 
 class Proposer(Protocol):
@@ -57,25 +61,29 @@ class _NgramIndex:
                     self.last[n][tuple(tokens[end + 1 - n:end + 1])] = end
         self.indexed = max(self.indexed, len(tokens) - 1)
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """The continuation of the longest n-gram match of the suffix, most recent first."""
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """The continuation of the longest n-gram match of the suffix, most recent first, and n."""
         self.update(tokens)
         for n in reversed(self.sizes):
             if len(tokens) < n:
                 continue
             end = self.last[n].get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end + 1:end + 1 + k]
-        return []
+                return tokens[end + 1:end + 1 + k], n
+        return [], 0
 
 
 class NgramProposer:
     """Prompt lookup: propose what followed the longest recent earlier match of the last
-    n tokens (n from max_n down to min_n) in the prompt and the output so far."""
+    n tokens (n from max_n down to min_n) in the prompt and the output so far.
+
+    Matches as short as one token are proposed too: the planner knows (Proposal.source) how
+    often each match length is kept and proposes little or nothing after a weak match, while
+    a step that checks one or two extra tokens costs almost nothing more at a small batch."""
 
     costly = False
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError("n-gram sizes must satisfy 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
@@ -90,7 +98,8 @@ class NgramProposer:
             index = self._index.get(seq.request_id)
             if index is None:
                 index = self._index[seq.request_id] = _NgramIndex(self.min_n, self.max_n)
-            out.append(Proposal(index.lookup(seq.token_ids, k)))
+            tokens, n = index.lookup(seq.token_ids, k)
+            out.append(Proposal(tokens, source=n))
         return out
 
     def verified(self, seq: Sequence) -> None:

@@ -144,6 +144,27 @@ CHATLOOM_WIDE void tile16(const float* x, int64_t k_dim, const float* panel, con
   store_tile16<R>(acc, bias, out, ldo, ncols);
 }
 
+// Two panels at once (the first always full: only the last panel of a layer is partial). A
+// tile of 6 rows against one panel is 6 FMA chains, fewer than the core needs in flight to
+// hide the FMA's latency; two panels make 12. Each output's chain is tile16's, so the same bits.
+template <int R>
+CHATLOOM_WIDE void tile16x2(const float* x, int64_t k_dim, const float* pa, const float* pb, const float* bias,
+                            float* out, int64_t ldo, int64_t ncols_b) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 wa = _mm512_loadu_ps(pa + k * kPanel), wb = _mm512_loadu_ps(pb + k * kPanel);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * k_dim + k]);
+      a0[r] = _mm512_fmadd_ps(xv, wa, a0[r]);
+      a1[r] = _mm512_fmadd_ps(xv, wb, a1[r]);
+    }
+  }
+  store_tile16<R>(a0, bias, out, ldo, kPanel);
+  store_tile16<R>(a1, bias ? bias + kPanel : nullptr, out + kPanel, ldo, ncols_b);
+}
+
 template <int R, bool Q4>
 CHATLOOM_WIDE void tile_quantized16(const float* x, int64_t k_dim, const uint8_t* codes, const float* scales,
                                     const float* bias, float* out, int64_t ldo, int64_t ncols) {
@@ -247,6 +268,26 @@ inline void panel_rows(const float* x, int64_t k_dim, const float* panel, const 
     default: break;
   }
 }
+
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+// All tiles of two neighbouring panels (pb null: pa alone) for rows [m0, m1), AVX-512 only.
+inline void panel_pair_rows(const float* x, int64_t k_dim, const float* pa, const float* pb, const float* bias,
+                            float* out, int64_t ldo, int64_t ncols_b, int64_t m0, int64_t m1) {
+  if (pb == nullptr) return panel_rows(x, k_dim, pa, bias, out, ldo, ncols_b, m0, m1, true);
+  for (int64_t m = m0; m < m1; m += kTileRows) {
+    const float* xs = x + m * k_dim;
+    float* os = out + m * ldo;
+    switch (std::min(kTileRows, m1 - m)) {
+      case 6: tile16x2<6>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
+      case 5: tile16x2<5>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
+      case 4: tile16x2<4>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
+      case 3: tile16x2<3>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
+      case 2: tile16x2<2>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
+      default: tile16x2<1>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
+    }
+  }
+}
+#endif
 
 // "avx512" (true) or "avx2" (false): the argument, else CHATLOOM_KERNEL_ISA, else the best there is.
 bool has_wide_path() {
@@ -391,14 +432,127 @@ torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes,
   });
   return out;
 }
+
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+// R rows (a small batch, or one sequence's proposed tokens being verified) against NP panels
+// at once. One panel at a time gives a tile of R < 6 rows only R FMA chains, so the core
+// waits on the FMA's latency at every k; NP panels give R x NP chains, and each weight row
+// is still expanded once for all R rows. Every output's sum runs over k in the order of
+// tile_quantized16<R>, so the results are the same bits.
+template <int R, int NP, bool Q4>
+CHATLOOM_WIDE void tile_panels16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+                                 const float* scales, int64_t scale_stride, const float* bias, float* out,
+                                 int64_t ldo, int64_t out_features, int64_t col0) {
+  __m512 acc[NP][R];
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
+    __m512 d[NP], m[NP];
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      const float* s = scales + i * scale_stride + kb * 2 * kPanel;
+      d[i] = _mm512_loadu_ps(s), m[i] = _mm512_loadu_ps(s + kPanel);
+    }
+    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
+      __m512 w[NP];
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i) {
+        const uint8_t* ci = codes + i * code_stride;
+        __m512i c;
+        if constexpr (Q4) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ci + k * 8));
+          c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)));
+        } else {
+          c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci + k * kPanel)));
+        }
+        w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d[i], m[i]);
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+#pragma GCC unroll 4
+        for (int i = 0; i < NP; ++i) acc[i][r] = _mm512_fmadd_ps(a, w[i], acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NP; ++i) {
+    const int64_t col = col0 + i * kPanel;
+    store_tile16<R>(acc[i], bias ? bias + col : nullptr, out + col, ldo, std::min(kPanel, out_features - col));
+  }
+}
+
+// Panels per call for a tile of R rows: enough chains to cover the FMA latency (R x NP >= 8)
+// while the accumulators, expanded weights and scales stay within the 32 vector registers.
+constexpr int panels_for_rows(int64_t rows) { return rows <= 3 ? 4 : 2; }
+
+template <int R, bool Q4>
+CHATLOOM_WIDE void tile_rows16(int64_t np, const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+                               const float* scales, int64_t scale_stride, const float* bias, float* out, int64_t ldo,
+                               int64_t out_features, int64_t col0) {
+  constexpr int kMax = panels_for_rows(R);
+  for (int64_t i = 0; i < np;) {
+    const int64_t n = std::min<int64_t>(kMax, np - i);
+    const uint8_t* c = codes + i * code_stride;
+    const float* s = scales + i * scale_stride;
+    const int64_t col = col0 + i * kPanel;
+    switch (n) {
+      case 4: tile_panels16<R, (kMax >= 4 ? 4 : 1), Q4>(x, k_dim, c, code_stride, s, scale_stride, bias, out, ldo, out_features, col); break;
+      case 3: tile_panels16<R, (kMax >= 3 ? 3 : 1), Q4>(x, k_dim, c, code_stride, s, scale_stride, bias, out, ldo, out_features, col); break;
+      case 2: tile_panels16<R, 2, Q4>(x, k_dim, c, code_stride, s, scale_stride, bias, out, ldo, out_features, col); break;
+      default: tile_panels16<R, 1, Q4>(x, k_dim, c, code_stride, s, scale_stride, bias, out, ldo, out_features, col); break;
+    }
+    i += n;
+  }
+}
+
+// x [M, K] (M up to two tiles of 6 rows) against every quantized panel, kRowPanels panels per
+// task; within a task each tile of rows runs against as many of them at once as fit.
+torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes, const float* scales,
+                                   int64_t code_bytes, int64_t panels, int64_t out_features, const float* bias,
+                                   bool q4) {
+  const int64_t m_dim = x.size(0), k_dim = x.size(1);
+  auto out = torch::empty({m_dim, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t code_stride = k_dim * code_bytes, scale_stride = (k_dim / kQuantBlock) * 2 * kPanel;
+  const int64_t groups = (panels + kRowPanels - 1) / kRowPanels;
+  const int64_t grain = std::max<int64_t>(1, 200000 / (2 * m_dim * k_dim * kPanel * kRowPanels));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
+      const uint8_t* c = codes + p0 * code_stride;
+      const float* s = scales + p0 * scale_stride;
+      for (int64_t m = 0; m < m_dim; m += kTileRows) {
+        const float* xm = xp + m * k_dim;
+        float* om = op + m * out_features;
+#define CHATLOOM_ROWS(R)                                                                                              \
+  case R:                                                                                                           \
+    if (q4) tile_rows16<R, true>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel); \
+    else tile_rows16<R, false>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel); \
+    break;
+        switch (std::min(kTileRows, m_dim - m)) {
+          CHATLOOM_ROWS(1) CHATLOOM_ROWS(2) CHATLOOM_ROWS(3) CHATLOOM_ROWS(4) CHATLOOM_ROWS(5) CHATLOOM_ROWS(6)
+          default: break;
+        }
+#undef CHATLOOM_ROWS
+      }
+    }
+  });
+  return out;
+}
+#endif
 #endif
 
-// Runs `work(p, m0, m1, x, out, scratch)` for every (row block, panel) pair, panels split
-// across threads: it writes rows [m0, m1) of panel p's 16 output columns. `scratch` holds
-// one float32 panel per thread when `needs_scratch`.
+// Runs `work(p, m0, m1, x, out, scratch)` for every (row block, item) pair, items split
+// across threads: it writes rows [m0, m1) of item p's output columns (an item is
+// `panels_per_item` panels of 16; `panels` counts items). `scratch` holds one item's float32
+// panels per thread when `needs_scratch`.
 template <typename PanelWork>
 torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, bool needs_scratch,
-                         PanelWork work) {
+                         PanelWork work, int64_t panels_per_item = 1) {
   const int64_t m_dim = x.size(0), k_dim = x.size(1);
   auto out = torch::empty({m_dim, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -406,10 +560,10 @@ torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, 
   for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
     const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
     // Enough panels per thread that a chunk is worth waking a thread for.
-    const int64_t flops_per_panel = 2 * (m1 - m0) * k_dim * kPanel;
-    const int64_t grain = std::max<int64_t>(1, 200000 / flops_per_panel);
+    const int64_t flops_per_item = 2 * (m1 - m0) * k_dim * kPanel * panels_per_item;
+    const int64_t grain = std::max<int64_t>(1, 200000 / flops_per_item);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(needs_scratch ? k_dim * kPanel : 0);
+      std::vector<float> scratch(needs_scratch ? k_dim * kPanel * panels_per_item : 0);
       for (int64_t p = begin; p < end; ++p) work(p, m0, m1, xp, op, scratch.data());
     });
   }
@@ -453,6 +607,19 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
   const float* b = checked_bias(bias, out_features, keep);
   const float* wp = packed.data_ptr<float>();
   const int64_t k_dim = packed.size(1);
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  if (wide) {  // panels in pairs (see tile16x2)
+    const int64_t panels = packed.size(0);
+    return run_panels(x.contiguous(), (panels + 1) / 2, out_features, false,
+                      [&](int64_t g, int64_t m0, int64_t m1, const float* xp, float* op, float*) {
+                        const int64_t p = 2 * g, col = p * kPanel;
+                        const float* pb = p + 1 < panels ? wp + (p + 1) * k_dim * kPanel : nullptr;
+                        const int64_t ncols_b = std::min(kPanel, out_features - col - (pb ? kPanel : 0));
+                        panel_pair_rows(xp, k_dim, wp + p * k_dim * kPanel, pb, b ? b + col : nullptr, op + col,
+                                        out_features, ncols_b, m0, m1);
+                      }, 2);
+  }
+#endif
   return run_panels(x.contiguous(), packed.size(0), out_features, false,
                     [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float*) {
                       const int64_t col = p * kPanel;
@@ -492,6 +659,30 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   if (x.size(0) == 1)
     return single_row_quantized(x.contiguous(), cp, sp, code_bytes, panels, out_features, b, q4,
                                 wide && (!q4 || isa == "avx512"));
+#endif
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  // 2-12 rows: every row tile against several panels at once (see tile_panels16).
+  if (wide && few_rows)
+    return few_rows_quantized16(x.contiguous(), cp, sp, code_bytes, panels, out_features, b, q4);
+#endif
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  if (wide) {  // many rows: panels in pairs, each expanded once into the scratch (see tile16x2)
+    const int64_t scale_stride = (k_dim / kQuantBlock) * 2 * kPanel;
+    return run_panels(x.contiguous(), (panels + 1) / 2, out_features, true,
+                      [&](int64_t g, int64_t m0, int64_t m1, const float* xp, float* op, float* scratch) {
+      const int64_t p = 2 * g, col = p * kPanel;
+      const bool pair = p + 1 < panels;
+      for (int64_t i = 0; i < (pair ? 2 : 1); ++i) {
+        const uint8_t* c = cp + (p + i) * k_dim * code_bytes;
+        const float* s = sp + (p + i) * scale_stride;
+        if (q4) dequantize_panel<true>(c, s, k_dim, scratch + i * k_dim * kPanel);
+        else dequantize_panel<false>(c, s, k_dim, scratch + i * k_dim * kPanel);
+      }
+      const int64_t ncols_b = std::min(kPanel, out_features - col - (pair ? kPanel : 0));
+      panel_pair_rows(xp, k_dim, scratch, pair ? scratch + k_dim * kPanel : nullptr, b ? b + col : nullptr, op + col,
+                      out_features, ncols_b, m0, m1);
+    }, 2);
+  }
 #endif
   return run_panels(x.contiguous(), panels, out_features, !few_rows,
                     [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float* scratch) {
