@@ -5,7 +5,9 @@ that are seldom kept, it proposes nothing."""
 from __future__ import annotations
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+from chatloom.engine.sequence import Sequence
 from chatloom.engine.spec_decode.planner import AcceptanceTracker, CostModel, plan_lengths
+from chatloom.engine.spec_decode.proposer import NgramProposer
 
 
 def cost(flat_until: int, base: float = 0.02, per_token: float = 0.001) -> CostModel:
@@ -58,6 +60,30 @@ def test_acceptance_tracker_follows_the_sequence():
         t.record("bad", 4, 0)
     assert t.rate("good") > 0.8 > 0.3 > t.rate("bad")
     assert 0.2 < t.rate("new") < 0.8  # starts from the engine-wide rate
+
+
+def test_acceptance_is_tracked_per_source():
+    """Proposals from long n-gram matches are kept, those from one-token matches are not: a
+    sequence's poor one-token record must not hold back its long matches, and a new sequence
+    starts from each source's engine-wide rate."""
+    t = AcceptanceTracker()
+    for _ in range(10):
+        t.record("a", 4, 4, source=4)
+        t.record("a", 4, 0, source=1)
+    assert t.rate("a", source=4) > 0.8 > 0.2 > t.rate("a", source=1)
+    assert t.rate("new", source=4) > 0.8 > 0.2 > t.rate("new", source=1)
+    assert 0.2 < t.rate("new", source=2) < 0.8  # no history for this source: the engine-wide rate
+    t.forget("a")
+    assert t.rate("a", source=1) == t.rate("new", source=1)
+
+
+def test_ngram_proposals_name_their_match_length():
+    seq = Sequence("a", [5, 1, 2, 3, 9, 1, 2, 3], SamplingParams())
+    prop = NgramProposer(min_n=1, max_n=4).propose([seq], [2])[0]
+    assert prop.tokens == [9, 1] and prop.source == 3
+    seq.token_ids += [5]
+    prop = NgramProposer(min_n=1, max_n=4).propose([seq], [2])[0]
+    assert prop.tokens == [1, 2] and prop.source == 1
 
 
 def test_engine_switches_off_when_tokens_cost_their_full_price(tiny_model):
