@@ -109,7 +109,15 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
   const int64_t heads_per_job = n_tokens >= 4 ? hkv : 1;
   const int64_t jobs_per_token = hkv / heads_per_job;
   const int64_t row_stride = hkv * d;  // values per cached position
-  at::parallel_for(0, n_tokens * jobs_per_token, 1, [&](int64_t begin, int64_t end) {
+  // Waking the second thread costs more than a short step's whole attention (a chat's first few
+  // hundred positions at batch 1): below about 64K multiply-adds it all runs on this thread. Each
+  // job's arithmetic does not depend on which thread runs it, so the bits are the same.
+  int64_t work = 0;
+  for (int64_t i = 0; i < n_tokens; ++i) work += (int64_t)kv_lens[i];
+  work *= 2 * hq * d;
+  const int64_t jobs = n_tokens * jobs_per_token;
+  const int64_t grain = work < (int64_t)1 << 16 ? jobs : 1;
+  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
     std::vector<Acc> scores, acc, qv, mx, sum;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / jobs_per_token;
