@@ -77,13 +77,14 @@ class Sampler:
                     except (IndexError, RuntimeError) as exc:
                         failures[row] = SamplingError(f"cannot ban stop tokens {banned}: {exc}")
                     banned_any = True
-        # A row with NaN logits has no meaningful token, greedy or not.
-        nan_rows = torch.isnan(logits).any(dim=-1).tolist()
+        if argmax is None or banned_any:
+            argmax = logits.argmax(dim=-1)
+        # A row with NaN logits has no meaningful token, greedy or not. argmax ranks NaN above every
+        # number, so such a row's argmax points at a NaN: one look per row instead of a vocabulary pass.
+        nan_rows = torch.isnan(logits.gather(1, argmax.view(-1, 1))).view(-1).tolist()
         for row, bad in enumerate(nan_rows):
             if bad and row not in failures:
                 failures[row] = SamplingError("the model produced NaN logits for this sequence")
-        if argmax is None or banned_any:
-            argmax = logits.argmax(dim=-1)
         out: list[int | None] = argmax.tolist()
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failures]
         if rows:

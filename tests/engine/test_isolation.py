@@ -137,3 +137,25 @@ async def test_async_bystander_streams_survive_a_failing_request(tiny_model, set
         assert results[1:] == solo
     finally:
         aeng.shutdown()
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("given_argmax", [True, False])
+def test_a_row_with_nan_logits_fails_alone(greedy, given_argmax):
+    """One NaN anywhere in a row (not only at its largest logit) fails that row, and only that row,
+    whether the runner's argmax comes with the logits or the sampler computes it."""
+    import torch
+
+    from chatloom.engine.sampler import Sampler
+    from chatloom.engine.sequence import Sequence
+
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 777] = float("nan")
+    logits[3, 0] = float("nan")
+    params = SamplingParams(max_tokens=4, temperature=0.0 if greedy else 0.8, seed=1)
+    seqs = [Sequence(f"r{i}", [1, 2, 3], params) for i in range(4)]
+    argmax = logits.argmax(dim=-1) if given_argmax else None
+    tokens, failures = Sampler(seed=0).sample(logits, seqs, [0], argmax)
+    assert set(failures) == {1, 3} and "NaN" in str(failures[1])
+    assert tokens[1] is None and tokens[3] is None
+    assert all(0 <= t < 1000 for i, t in enumerate(tokens) if i in (0, 2))
