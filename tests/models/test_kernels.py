@@ -153,12 +153,9 @@ def test_quantized_linear_is_bit_identical_to_dequantized_float32(kind):
         torch.testing.assert_close(layer(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
-def test_a_single_row_runs_several_panels_at_once_with_the_same_bits(kind, isa):
-    """One input row (a decode step) takes its own kernel, four panels at a time: 141 outputs
-    are groups of 4, 4 and 1 panels, the last one partly used. Every output must be the bits of
-    the float32 kernel on the dequantized weight, and of the same row inside a larger batch."""
+def _nine_panels(kind: str, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused layer of 100 + 41 outputs over 128 inputs (9 panels, the last partly used): its
+    packed codes and scales, and the weight as gguf dequantizes it. Skips where `isa` is missing."""
     from gguf import GGMLQuantizationType, quants
 
     if isa != "auto" and isa not in kernels.float_linear_isas():
@@ -167,6 +164,16 @@ def test_a_single_row_runs_several_panels_at_once_with_the_same_bits(kind, isa):
     dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
                        for p in parts])
     codes, scales = pack_quantized(parts)
+    return codes, scales, dense
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
+def test_a_single_row_runs_several_panels_at_once_with_the_same_bits(kind, isa):
+    """One input row (a decode step) takes its own kernel, four panels at a time: 141 outputs
+    are groups of 4, 4 and 1 panels, the last one partly used. Every output must be the bits of
+    the float32 kernel on the dequantized weight, and of the same row inside a larger batch."""
+    codes, scales, dense = _nine_panels(kind, isa)
     bias = torch.randn(141)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(7))
     batch = kernels.quantized_linear(x, codes, scales, 141, bias, isa)
@@ -183,14 +190,7 @@ def test_a_few_rows_run_several_panels_at_once_with_the_same_bits(kind, isa):
     several panels at once: 141 outputs are 9 panels, groups of 4, 4 and 1, with sub-groups of
     4, 3, 2 and 1 depending on the rows. Every row must get the bits it gets alone and the bits
     of the float32 kernel on the dequantized weight."""
-    from gguf import GGMLQuantizationType, quants
-
-    if isa != "auto" and isa not in kernels.float_linear_isas():
-        pytest.skip(f"this CPU has no {isa} path")
-    parts = [QuantizedWeight(kind, _random_blocks(kind, rows, 128, rows), rows, 128) for rows in (100, 41)]
-    dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
-                       for p in parts])
-    codes, scales = pack_quantized(parts)
+    codes, scales, dense = _nine_panels(kind, isa)
     packed = pack_weight(dense)
     bias = torch.randn(141)
     x = torch.randn(12, 128, generator=torch.Generator().manual_seed(11))

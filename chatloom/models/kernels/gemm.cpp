@@ -166,29 +166,6 @@ CHATLOOM_WIDE void tile16x2(const float* x, int64_t k_dim, const float* pa, cons
   store_tile16<R>(a1, bias ? bias + kPanel : nullptr, out + kPanel, ldo, ncols_b);
 }
 
-template <int R, bool Q4>
-CHATLOOM_WIDE void tile_quantized16(const float* x, int64_t k_dim, const uint8_t* codes, const float* scales,
-                                    const float* bias, float* out, int64_t ldo, int64_t ncols) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m128i low4 = _mm_set1_epi8(15);
-  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
-    const float* s = scales + kb * 2 * kPanel;
-    const __m512 d = _mm512_loadu_ps(s), m = _mm512_loadu_ps(s + kPanel);
-    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
-      __m512i c;
-      if constexpr (Q4) {  // byte j: feature j (low nibble), feature j + 8 (high nibble)
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8));
-        c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)));
-      } else {
-        c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel)));
-      }
-      const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k_dim + k]), w, acc[r]);
-    }
-  }
-  store_tile16<R>(acc, bias, out, ldo, ncols);
-}
 // A Q4_1 panel's 16 codes at one k as floats: byte j holds feature j (low nibble) and j + 8
 // (high). The 8 bytes are broadcast as one load, widened to 32-bit lanes, shifted by 0 (lanes
 // 0-7) or 4 (lanes 8-15), and looked up in a table of 0..15, which reads only each lane's low 4
@@ -200,22 +177,33 @@ CHATLOOM_WIDE inline __m512 nibbles16(const uint8_t* bytes, __m512i shift, __m51
   return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shift), values);
 }
 
-// row_quantized's AVX-512 twin: lanes 0-7 are its lo, 8-15 its hi, operation for operation.
-template <int NP, bool Q4>
-CHATLOOM_WIDE void row_quantized16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
-                                   const float* scales, int64_t scale_stride, __m512 (&acc)[NP]) {
-  for (int i = 0; i < NP; ++i) acc[i] = _mm512_setzero_ps();
+// R rows (a small batch, or one sequence's proposed tokens being verified) against NP panels
+// at once. One panel at a time gives a tile of R < 6 rows only R FMA chains, so the core
+// waits on the FMA's latency at every k; NP panels give R x NP chains, and each weight row
+// is still expanded once for all R rows. Every output is one FMA chain over k in the order of
+// tile<R> and of the AVX2 row kernel (lanes 0-7 their lo, 8-15 their hi), so the results are
+// the same bits on every path; R = 1 is a single row's kernel.
+template <int R, int NP, bool Q4>
+CHATLOOM_WIDE void tile_panels16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+                                 const float* scales, int64_t scale_stride, const float* bias, float* out,
+                                 int64_t ldo, int64_t out_features, int64_t col0) {
+  __m512 acc[NP][R];
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
   const __m512i nibble_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
   const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
     __m512 d[NP], m[NP];
+#pragma GCC unroll 4
     for (int i = 0; i < NP; ++i) {
       const float* s = scales + i * scale_stride + kb * 2 * kPanel;
       d[i] = _mm512_loadu_ps(s), m[i] = _mm512_loadu_ps(s + kPanel);
     }
     for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
-      const __m512 a = _mm512_set1_ps(x[k]);
-#pragma GCC unroll 8
+      __m512 w[NP];
+#pragma GCC unroll 4
       for (int i = 0; i < NP; ++i) {
         const uint8_t* ci = codes + i * code_stride;
         __m512 code;
@@ -224,11 +212,22 @@ CHATLOOM_WIDE void row_quantized16(const float* x, int64_t k_dim, const uint8_t*
         } else {
           code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci + k * kPanel))));
         }
-        acc[i] = _mm512_fmadd_ps(a, _mm512_fmadd_ps(code, d[i], m[i]), acc[i]);
+        w[i] = _mm512_fmadd_ps(code, d[i], m[i]);
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+#pragma GCC unroll 4
+        for (int i = 0; i < NP; ++i) acc[i][r] = _mm512_fmadd_ps(a, w[i], acc[i][r]);
       }
     }
   }
+  for (int i = 0; i < NP; ++i) {
+    const int64_t col = col0 + i * kPanel;
+    store_tile16<R>(acc[i], bias ? bias + col : nullptr, out + col, ldo, std::min(kPanel, out_features - col));
+  }
 }
+
 #undef CHATLOOM_ROW
 
 #else  // portable fallback: the same loop order, left to the compiler's vectorizer
@@ -385,35 +384,10 @@ void row_group(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code
   }
 }
 
-#ifdef CHATLOOM_HAVE_WIDE_PATH
-template <int NP, bool Q4>
-CHATLOOM_WIDE void row_group16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
-                               const float* scales, int64_t scale_stride, const float* bias, float* out,
-                               int64_t out_features, int64_t col0) {
-  __m512 acc[NP];
-  row_quantized16<NP, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, acc);
-  for (int i = 0; i < NP; ++i) {
-    const int64_t col = col0 + i * kPanel;
-    const __m512 one[1] = {acc[i]};
-    store_tile16<1>(one, bias ? bias + col : nullptr, out + col, out_features, std::min(kPanel, out_features - col));
-  }
-}
-#endif
-
 template <bool Q4>
-void row_group_any(int64_t np, bool wide, const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
+void row_group_any(int64_t np, const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
                    const float* scales, int64_t scale_stride, const float* bias, float* out, int64_t out_features,
                    int64_t col0) {
-#ifdef CHATLOOM_HAVE_WIDE_PATH
-  if (wide) {
-    switch (np) {
-      case 4: row_group16<4, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
-      case 3: row_group16<3, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
-      case 2: row_group16<2, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
-      default: row_group16<1, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
-    }
-  }
-#endif
   switch (np) {
     case 4: row_group<4, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
     case 3: row_group<3, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
@@ -422,10 +396,11 @@ void row_group_any(int64_t np, bool wide, const float* x, int64_t k_dim, const u
   }
 }
 
-// x [1, K] against every quantized panel, kRowPanels panels per task (see row_quantized).
+// x [1, K] against every quantized panel with the AVX2 row kernel, kRowPanels panels per task
+// (see row_quantized).
 torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes, const float* scales,
                                    int64_t code_bytes, int64_t panels, int64_t out_features, const float* bias,
-                                   bool q4, bool wide) {
+                                   bool q4) {
   const int64_t k_dim = x.size(1);
   auto out = torch::empty({1, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -438,64 +413,14 @@ torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes,
       const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
       const uint8_t* c = codes + p0 * code_stride;
       const float* s = scales + p0 * scale_stride;
-      if (q4) row_group_any<true>(np, wide, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
-      else row_group_any<false>(np, wide, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
+      if (q4) row_group_any<true>(np, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
+      else row_group_any<false>(np, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
     }
   });
   return out;
 }
 
 #ifdef CHATLOOM_HAVE_WIDE_PATH
-// R rows (a small batch, or one sequence's proposed tokens being verified) against NP panels
-// at once. One panel at a time gives a tile of R < 6 rows only R FMA chains, so the core
-// waits on the FMA's latency at every k; NP panels give R x NP chains, and each weight row
-// is still expanded once for all R rows. Every output's sum runs over k in the order of
-// tile_quantized16<R>, so the results are the same bits.
-template <int R, int NP, bool Q4>
-CHATLOOM_WIDE void tile_panels16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
-                                 const float* scales, int64_t scale_stride, const float* bias, float* out,
-                                 int64_t ldo, int64_t out_features, int64_t col0) {
-  __m512 acc[NP][R];
-#pragma GCC unroll 4
-  for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-  const __m512i nibble_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
-  const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
-    __m512 d[NP], m[NP];
-#pragma GCC unroll 4
-    for (int i = 0; i < NP; ++i) {
-      const float* s = scales + i * scale_stride + kb * 2 * kPanel;
-      d[i] = _mm512_loadu_ps(s), m[i] = _mm512_loadu_ps(s + kPanel);
-    }
-    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
-      __m512 w[NP];
-#pragma GCC unroll 4
-      for (int i = 0; i < NP; ++i) {
-        const uint8_t* ci = codes + i * code_stride;
-        __m512 code;
-        if constexpr (Q4) {
-          code = nibbles16(ci + k * 8, nibble_shift, nibble_values);
-        } else {
-          code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci + k * kPanel))));
-        }
-        w[i] = _mm512_fmadd_ps(code, d[i], m[i]);
-      }
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
-#pragma GCC unroll 4
-        for (int i = 0; i < NP; ++i) acc[i][r] = _mm512_fmadd_ps(a, w[i], acc[i][r]);
-      }
-    }
-  }
-  for (int i = 0; i < NP; ++i) {
-    const int64_t col = col0 + i * kPanel;
-    store_tile16<R>(acc[i], bias ? bias + col : nullptr, out + col, ldo, std::min(kPanel, out_features - col));
-  }
-}
-
 // Panels per call for a tile of R rows: enough chains to cover the FMA latency (R x NP >= 8)
 // while the accumulators, expanded weights and scales stay within the 32 vector registers.
 constexpr int panels_for_rows(int64_t rows) { return rows <= 3 ? 4 : 2; }
@@ -520,7 +445,7 @@ CHATLOOM_WIDE void tile_rows16(int64_t np, const float* x, int64_t k_dim, const 
   }
 }
 
-// x [M, K] (M up to two tiles of 6 rows) against every quantized panel, kRowPanels panels per
+// x [M, K] (M up to two tiles of 6 rows) on AVX-512 against every quantized panel, kRowPanels panels per
 // task; within a task each tile of rows runs against as many of them at once as fit.
 torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes, const float* scales,
                                    int64_t code_bytes, int64_t panels, int64_t out_features, const float* bias,
@@ -636,7 +561,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_f
                     [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float*) {
                       const int64_t col = p * kPanel;
                       panel_rows(xp, k_dim, wp + p * k_dim * kPanel, b ? b + col : nullptr, op + col, out_features,
-                                 std::min(kPanel, out_features - col), m0, m1, wide);
+                                 std::min(kPanel, out_features - col), m0, m1);
                     });
 }
 
@@ -664,18 +589,17 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
 #else
   const bool few_rows = false;
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
-  // One row of 4-bit codes: the AVX2 row kernel unpacks nibbles in fewer instructions than the
-  // AVX-512 one (measured: 1.2-1.5x faster here), and both give the same bits; asking for avx512 by
-  // name still runs the AVX-512 one.
-  if (x.size(0) == 1)
-    return single_row_quantized(x.contiguous(), cp, sp, code_bytes, panels, out_features, b, q4,
-                                wide && (!q4 || isa == "avx512"));
-#endif
 #ifdef CHATLOOM_HAVE_WIDE_PATH
-  // 2-12 rows: every row tile against several panels at once (see tile_panels16).
-  if (wide && few_rows)
+  // One row of 4-bit codes takes the AVX2 row kernel: it unpacks nibbles in fewer instructions
+  // (measured 1.2-1.5x faster on Zen 4), with the same bits; asking for avx512 by name still runs
+  // the AVX-512 one. Otherwise up to 12 rows run every row tile against several panels at once.
+  const bool avx2_row = x.size(0) == 1 && q4 && isa != "avx512";
+  if (wide && few_rows && !avx2_row)
     return few_rows_quantized16(x.contiguous(), cp, sp, code_bytes, panels, out_features, b, q4);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (x.size(0) == 1)
+    return single_row_quantized(x.contiguous(), cp, sp, code_bytes, panels, out_features, b, q4);
 #endif
 #ifdef CHATLOOM_HAVE_WIDE_PATH
   if (wide) {  // many rows: panels in pairs, each expanded once into the scratch (see tile16x2)
@@ -707,21 +631,11 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
       for (int64_t m = m0; m < m1; m += kTileRows) {
         const float* xm = xp + m * k_dim;
         float* om = op + m * out_features + col;
-#ifdef CHATLOOM_HAVE_WIDE_PATH
-#define CHATLOOM_FEW(R)                                                                     \
-  case R:                                                                                   \
-    if (wide && q4) tile_quantized16<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols); \
-    else if (wide) tile_quantized16<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols); \
-    else if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);     \
-    else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);            \
-    break;
-#else
 #define CHATLOOM_FEW(R)                                                                \
   case R:                                                                              \
     if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);     \
     else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);       \
     break;
-#endif
         switch (std::min(kTileRows, m1 - m)) {
           CHATLOOM_FEW(1) CHATLOOM_FEW(2) CHATLOOM_FEW(3) CHATLOOM_FEW(4) CHATLOOM_FEW(5) CHATLOOM_FEW(6)
           default: break;
@@ -733,6 +647,6 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
 #endif
     if (q4) dequantize_panel<true>(c, s, k_dim, scratch);
     else dequantize_panel<false>(c, s, k_dim, scratch);
-    panel_rows(xp, k_dim, scratch, bp, op + col, out_features, ncols, m0, m1, wide);
+    panel_rows(xp, k_dim, scratch, bp, op + col, out_features, ncols, m0, m1);
   });
 }
