@@ -83,8 +83,9 @@ class SpeculativeDecoder:
         if not ready:
             return
         caps = [self._cap(s) for s in ready]
-        rates = [self.acceptance.rate(s.request_id) for s in ready]
         if self.proposer.costly:
+            # Lengths are planned before proposing, so there is no proposal source to go by yet.
+            rates = [self.acceptance.rate(s.request_id) for s in ready]
             ks = plan_lengths(rates, caps, self.cost, self.draft_cost) if self.adaptive else caps
             chosen = [i for i, k in enumerate(ks) if k > 0]
             proposals = self.proposer.propose([ready[i] for i in chosen], [ks[i] for i in chosen])
