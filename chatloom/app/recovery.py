@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
 
+from chatloom.app.background import cancel_requested, stop_loop
 from chatloom.app.errors import ApiError, not_found
 from chatloom.app.branches import Tree
 from chatloom.store import Conversations, Database, Message, Messages
@@ -142,13 +143,13 @@ class Sweeper:
             await asyncio.sleep(max(0.5, self.service.settings.recovery_stale_s / 2))
             try:
                 await self.sweep()
-            except Exception:
+            except Exception as exc:
+                if cancel_requested():
+                    raise asyncio.CancelledError from exc
                 log.exception("recovery sweep failed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_loop(self._task)
 
 
 async def drain(service: ConversationService, deadline_s: float) -> None:

@@ -16,6 +16,8 @@ from collections import deque
 
 import redis.asyncio as redis
 
+from chatloom.app.background import cancel_requested, stop_loop
+
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +77,8 @@ class FleetShares:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep the last view, try again
+                if cancel_requested():
+                    raise asyncio.CancelledError from exc
                 log.debug("fleet shares not synced: %s", exc)
             await asyncio.sleep(self.interval_s)
 
@@ -114,9 +118,7 @@ class FleetShares:
         self.recent = deque((r.decode() for r in recent), maxlen=self.window)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_loop(self._task)
         try:
             await self.client.delete(self._gateway_key(self.gateway))
             await self.client.srem(self._gateways, self.gateway)

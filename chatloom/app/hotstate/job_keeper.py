@@ -12,6 +12,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from chatloom.app.background import cancel_requested, stop_loop
 from chatloom.app.hotstate.jobs import JobRecord, Jobs
 from chatloom.app.quotas import QuotaStore, Reservation
 
@@ -42,6 +43,8 @@ class JobKeeper:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: leases may lapse; try again
+                if cancel_requested():
+                    raise asyncio.CancelledError from exc
                 log.warning("job leases not renewed: %s", exc)
             await asyncio.sleep(self.jobs.lease_s / 3)
 
@@ -78,9 +81,7 @@ class JobKeeper:
             await self.jobs.release(record.conversation_id)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_loop(self._task)
         for task in list(self._taking):
             task.cancel()
         await asyncio.gather(*self._taking, return_exceptions=True)

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 
 import redis.asyncio as redis
 
+from chatloom.app.background import cancel_requested, stop_loop
 from chatloom.app.events import EventLogStore
 from chatloom.app.hotstate.jobs import Jobs
 
@@ -67,13 +68,13 @@ class RedisStopRelay(StopRelay):
                 raise
             except Exception as exc:  # Redis gone: listen again once it is back
                 self.listening.clear()
+                if cancel_requested():
+                    raise asyncio.CancelledError from exc
                 log.warning("stop relay lost Redis (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_loop(self._task)
 
 
 async def _quietly(awaitable: Awaitable[object]) -> None:
