@@ -221,6 +221,21 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def native_weights(self, kernels):
+        """This layer for the C++ decoder stack (kernels.DecodeLayerWeights, sharing the weights),
+        or None unless it is the plain Llama shape the stack runs: no query/key norms, sliding
+        window, soft-capping or sandwich norms, a SiLU MLP, and every matmul a kernel layer."""
+        attn, mlp = self.self_attn, self.mlp
+        if (self.sandwich or attn.q_norm is not None or attn.window is not None or attn.softcap is not None
+                or type(mlp) is not MLP or mlp.act != "silu"):
+            return None
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        natives = [m.native() if isinstance(m, KernelLinear) else None for m in linears]
+        if any(n is None for n in natives):
+            return None
+        return kernels.DecodeLayerWeights(self.input_layernorm.weight.detach(),
+                                          self.post_attention_layernorm.weight.detach(), *natives)
+
 
 class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -233,6 +248,31 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Decode steps run the whole stack in one C++ call where the model allows it (same bits);
+        # off, they go layer by layer through the modules (the bench's breakdown times those).
+        self.native_decode = True
+        self._decode_stack = None  # built on the first decode step: None = not yet, False = cannot
+
+    def decode_stack(self):
+        """The C++ decoder stack for decode steps (kernels.DecodeStack), or None when this model
+        cannot use one. Built once, after the weights are packed; it shares their storage."""
+        if self._decode_stack is None:
+            self._decode_stack = self._build_decode_stack() or False
+        return self._decode_stack or None
+
+    def _build_decode_stack(self):
+        cfg = self.config
+        kernels = load_kernels()
+        if (kernels is None or not hasattr(kernels, "DecodeStack") or cfg.embedding_scale is not None
+                or self.rope_local is not None or self.rope.cos.dtype != torch.float32
+                or self.embed_tokens.weight.dtype != torch.float32 or self.norm.weight.dtype != torch.float32):
+            return None
+        layers = [layer.native_weights(kernels) for layer in self.layers]
+        if any(w is None for w in layers):
+            return None
+        attn = self.layers[0].self_attn
+        return kernels.DecodeStack(layers, self.norm.weight.detach(), self.norm.eps, self.rope.cos, self.rope.sin,
+                                   self.rope.interleaved, attn.hq, attn.hkv, attn.scale)
 
     def build_rope(self) -> None:
         """The RoPE tables; Gemma 3's sliding-window layers have their own base."""
@@ -248,6 +288,11 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream may be updated in place
+        if (self.native_decode and kv_caches and batch.decode_only
+                and (stack := self.decode_stack()) is not None):
+            return stack.forward(x, positions, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
+                                 batch.slot_mapping, batch.decode_block_tables, batch.decode_rows,
+                                 batch.decode_kv_lens)
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale
         residual = None

@@ -44,6 +44,11 @@ class KernelLinear(nn.Module):
     in_features: int
     out_features: int
 
+    def native(self):
+        """This layer as the C++ decoder stack holds it (kernels.NativeLinear, sharing the
+        weights), or None when the stack cannot run it."""
+        return None
+
 
 class PackedLinear(KernelLinear):
     """y = x @ W^T + b for float32 x [T, in_features], through the packed-weight kernel."""
@@ -68,8 +73,22 @@ class PackedLinear(KernelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.packed_linear(x, self.packed, self.out_features, self.bias)
 
+    def native(self):
+        return _native(self._kernels, NATIVE_PACKED, self.packed, None, self.bias, None, self.out_features)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+# Which kernel a NativeLinear calls (NativeLinear::Kind in kernels/decode_stack.h).
+NATIVE_PACKED, NATIVE_QUANTIZED, NATIVE_INT8, NATIVE_GROUPED, NATIVE_GROUPED_INT8, NATIVE_BF16 = range(6)
+
+
+def _native(kernels, kind: int, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
+            m_panels: torch.Tensor | None, out_features: int):
+    if not hasattr(kernels, "NativeLinear"):
+        return None
+    return kernels.NativeLinear(kind, weight, scales, bias, m_panels, out_features)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -113,6 +132,9 @@ class BF16Linear(KernelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.bf16_linear(x, self.packed, self.out_features, self.bias)
+
+    def native(self):
+        return _native(self._kernels, NATIVE_BF16, self.packed, None, self.bias, None, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
@@ -334,6 +356,15 @@ class QuantizedLinear(KernelLinear):
                 y += self._kernels.packed_linear(sums, self.m_panels, self.out_features)
             return y
         return self._kernels.quantized_linear(x, self.codes, self.scales, self.out_features, self.bias)
+
+    def native(self):
+        """The same choice of kernel as forward."""
+        if self.group == GROUP:
+            kind = NATIVE_GROUPED_INT8 if self.int8_activations else NATIVE_GROUPED
+        else:
+            kind = NATIVE_INT8 if self.int8_activations else NATIVE_QUANTIZED
+        return _native(self._kernels, kind, self.codes, self.scales, self.bias,
+                       self.m_panels if kind == NATIVE_INT8 else None, self.out_features)
 
     def extra_repr(self) -> str:
         kind = "4-bit" if self.codes.shape[2] in (8, 32) else "8-bit"

@@ -51,10 +51,18 @@ def test_tiny_model_answer_streams_into_the_page(browser, engine_server):
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
         sign_up(page)
         assert page.locator("#model option").first.inner_text() == "tiny-random"
+        # The tiny model can finish its answer within milliseconds, before a selector poll would see
+        # the streaming state: an observer records it as it happens.
+        page.evaluate("""() => {
+            window.sawStreaming = false;
+            new MutationObserver(() => {
+                if (document.querySelector('.message.streaming')) window.sawStreaming = true;
+            }).observe(document.body, {subtree: true, childList: true, attributes: true});
+        }""")
         page.fill("#input", "Hello, engine")
         page.press("#input", "Enter")
-        page.wait_for_selector(".message.streaming")
         wait_js(page, "document.body.dataset.answers === '1'", timeout_s=60)
+        assert page.evaluate("window.sawStreaming")
         answer = page.locator("#messages .message.assistant").last
         assert answer.get_attribute("data-status") in ("complete", "incomplete")
         assert answer.locator(".bubble").inner_text().strip()

@@ -15,6 +15,8 @@ from chatloom.models.packed_linear import (PackedLinear, QuantizedLinear, Quanti
 from chatloom.models.registry import tiny_random_config
 from chatloom.models.weights import random_model
 
+import tiny_checkpoints as tc
+
 kernels = load_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
 
@@ -119,27 +121,13 @@ def test_float64_models_are_left_unpacked():
     assert isinstance(model.lm_head, torch.nn.Linear)
 
 
-def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Raw GGUF blocks [rows, cols/32 * block bytes]: random codes, finite fp16 scales."""
-    rng = np.random.default_rng(seed)
-    nb = cols // 32
-    scale = lambda: rng.uniform(-0.05, 0.05, (rows, nb, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
-    if kind == "Q8_0":
-        parts = [scale(), rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)]
-    elif kind == "Q4_1":
-        parts = [scale(), scale(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
-    else:  # Q4_0
-        parts = [scale(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
-    return np.concatenate(parts, axis=-1).reshape(rows, -1)
-
-
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_quantized_linear_is_bit_identical_to_dequantized_float32(kind):
     """Weights kept 4/8-bit and expanded in the kernel give exactly what dequantizing with
     gguf at load time and running the float32 kernel gives (fused parts, odd row counts)."""
     from gguf import GGMLQuantizationType, quants
 
-    parts = [QuantizedWeight(kind, _random_blocks(kind, rows, 96, rows), rows, 96) for rows in (20, 13)]
+    parts = [QuantizedWeight(kind, tc.random_blocks(kind, rows, 96, rows), rows, 96) for rows in (20, 13)]
     dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
                        for p in parts])
     codes, scales = pack_quantized(parts)
@@ -160,7 +148,7 @@ def _nine_panels(kind: str, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch
 
     if isa != "auto" and isa not in kernels.float_linear_isas():
         pytest.skip(f"this CPU has no {isa} path")
-    parts = [QuantizedWeight(kind, _random_blocks(kind, rows, 128, rows), rows, 128) for rows in (100, 41)]
+    parts = [QuantizedWeight(kind, tc.random_blocks(kind, rows, 128, rows), rows, 128) for rows in (100, 41)]
     dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
                        for p in parts])
     codes, scales = pack_quantized(parts)
@@ -205,7 +193,7 @@ def test_a_few_rows_run_several_panels_at_once_with_the_same_bits(kind, isa):
 def test_pack_linears_uses_quantized_weights_only_where_they_fit():
     lin_q, lin_f = torch.nn.Linear(64, 20, bias=False), torch.nn.Linear(64, 20, bias=False)
     model = torch.nn.ModuleDict({"q": lin_q, "f": lin_f})
-    good = [QuantizedWeight("Q8_0", _random_blocks("Q8_0", 20, 64, 0), 20, 64)]
+    good = [QuantizedWeight("Q8_0", tc.random_blocks("Q8_0", 20, 64, 0), 20, 64)]
     assert pack_linears(model, {"q": good, "f": [QuantizedWeight("Q8_0", good[0].raw, 20, 32)]})
     assert isinstance(model["q"], QuantizedLinear)
     assert isinstance(model["f"], PackedLinear)  # wrong shape: falls back to float32 panels
@@ -218,52 +206,3 @@ def test_bundled_model_keeps_its_gguf_quantization(smollm2):
     assert model.layers[0].mlp.gate_up_proj.codes.shape[2] == 8  # Q4_1: two rows per byte
     assert isinstance(model.lm_head, QuantizedLinear)  # the tied Q8_0 embedding
     assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
-
-
-def test_decode_attention_in_one_call_gives_the_step_by_step_bits(monkeypatch):
-    """A decode-only step takes decode_attention (rotary, pool writes and attention in one native
-    call). Against the step-by-step path on the same pool: the same logits and the same pool, bit
-    for bit, for sequences of different lengths, one carrying proposed tokens (speculative decoding)."""
-    from chatloom.engine.model_runner import ModelRunner
-    from chatloom.engine.sampling_params import SamplingParams
-    from chatloom.engine.scheduler import ScheduledBatch
-    from chatloom.engine.sequence import Sequence
-    from chatloom.models.attention import AttentionBatch
-
-    model = llama.DecoderForCausalLM(tiny_random_config()).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
-    assert pack_linears(model)
-    runner = ModelRunner(model, num_blocks=32, block_size=4)
-    gen = torch.Generator().manual_seed(3)
-    for k, v in runner.kv_caches:  # whatever earlier steps left in the pool
-        k.copy_(torch.randn(k.shape, generator=gen))
-        v.copy_(torch.randn(v.shape, generator=gen))
-    start = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-
-    def batch():
-        seqs = []
-        for i, (ctx, table) in enumerate([(5, [3, 7]), (13, [0, 9, 4, 11]), (1, [20])]):
-            seq = Sequence(f"s{i}", list(range(10 + i, 11 + i + ctx)), SamplingParams(max_tokens=8))
-            seq.num_computed_tokens = ctx
-            seq.block_table = table
-            seqs.append(seq)
-        seqs[1].spec_token_ids = [5, 6]  # two proposed tokens ride along (positions 14, 15)
-        return ScheduledBatch(decodes=seqs)
-
-    kernels, fused_calls, plain_calls = load_kernels(), [], []
-    real = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a: fused_calls.append(1) or real(*a))
-    fused_logits, _, _ = runner.execute(batch())
-    assert len(fused_calls) == 2  # one per layer
-    fused_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
-        k.copy_(k0)
-        v.copy_(v0)
-    monkeypatch.setattr(AttentionBatch, "decode_only", property(lambda self: plain_calls.append(1) and False))
-    plain_logits, _, _ = runner.execute(batch())
-    assert plain_calls and len(fused_calls) == 2  # the step-by-step path ran this time
-    assert torch.equal(fused_logits, plain_logits)
-    for (k, v), (fk, fv) in zip(runner.kv_caches, fused_pool):
-        assert torch.equal(k, fk) and torch.equal(v, fv)

@@ -278,6 +278,21 @@ def transformers_logits(model, seqs: list[list[int]]) -> list[torch.Tensor]:
     return [model(torch.tensor([s])).logits[0].float() for s in seqs]
 
 
+def random_blocks(kind: str, rows: int, cols: int, seed: int, scale: float = 0.05) -> np.ndarray:
+    """Raw GGUF Q4_0 / Q4_1 / Q8_0 blocks [rows, cols/32 * block bytes]: random codes, finite fp16
+    scales in [-scale, scale]."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    fp16 = lambda: rng.uniform(-scale, scale, (rows, nb, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if kind == "Q8_0":
+        parts = [fp16(), rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)]
+    elif kind == "Q4_1":
+        parts = [fp16(), fp16(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
+    else:  # Q4_0
+        parts = [fp16(), rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
 def random_kquant_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Raw GGUF K-quant blocks [rows, cols / 256 * block bytes]: random codes and scales."""
     from chatloom.bench.kquant_matmul import random_blocks

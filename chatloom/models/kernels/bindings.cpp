@@ -1,4 +1,4 @@
-#include "kernels.h"
+#include "decode_stack.h"
 
 // Every kernel runs without the GIL (its arguments are converted before, its result after): the
 // engine thread's matmuls then leave the interpreter to the event loop that streams the tokens.
@@ -40,5 +40,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [T, H] (float32)", NoGil());
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (float32)", NoGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up [T, 2I] (float32)", NoGil());
+  pybind11::class_<NativeLinear>(m, "NativeLinear", "one linear layer as the kernels see it (decode_stack.h)")
+      .def(pybind11::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, int64_t>(),
+           pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales"), pybind11::arg("bias"),
+           pybind11::arg("m_panels"), pybind11::arg("out_features"));
+  pybind11::class_<DecodeLayerWeights>(m, "DecodeLayerWeights", "a Llama-shaped layer's weights")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, NativeLinear, NativeLinear, NativeLinear, NativeLinear>(),
+           pybind11::arg("input_norm"), pybind11::arg("post_norm"), pybind11::arg("qkv"), pybind11::arg("o"),
+           pybind11::arg("gate_up"), pybind11::arg("down"));
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder stack in one call (float32)")
+      .def(pybind11::init<std::vector<DecodeLayerWeights>, torch::Tensor, double, torch::Tensor, torch::Tensor, bool,
+                          int64_t, int64_t, double>(),
+           pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("eps"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("interleaved"), pybind11::arg("hq"), pybind11::arg("hkv"),
+           pybind11::arg("scale"))
+      .def("forward", &DecodeStack::forward, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
+           pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"));
   m.def("rotary", &rotary, "rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions (float32)", NoGil());
 }

@@ -103,20 +103,21 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
                                  int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
                                  int64_t block_size, int64_t table_width, double scale) {
   const int64_t group = hq / hkv;
-  // With several query tokens, one job takes all KV heads of a token, so each cached
-  // position is read as one contiguous run (hkv * d values) that prefetchers stream well.
-  // With very few tokens, split by KV head instead so both cores have work.
-  const int64_t heads_per_job = n_tokens >= 4 ? hkv : 1;
-  const int64_t jobs_per_token = hkv / heads_per_job;
-  const int64_t row_stride = hkv * d;  // values per cached position
   // Waking the second thread costs more than a short step's whole attention (a chat's first few
-  // hundred positions at batch 1): below about 64K multiply-adds it all runs on this thread. Each
-  // job's arithmetic does not depend on which thread runs it, so the bits are the same.
+  // hundred positions at batch 1): below about 64K multiply-adds it all runs on this thread.
   int64_t work = 0;
   for (int64_t i = 0; i < n_tokens; ++i) work += (int64_t)kv_lens[i];
   work *= 2 * hq * d;
+  const bool one_thread = work < (int64_t)1 << 16;
+  // With several query tokens (or one thread doing it all), one job takes all KV heads of a token,
+  // so each cached position is read as one contiguous run (hkv * d values) that prefetchers
+  // stream well. With very few tokens on two threads, split by KV head so both cores have work.
+  // A query head's arithmetic is the same whichever job or thread runs it, so the bits are too.
+  const int64_t heads_per_job = n_tokens >= 4 || one_thread ? hkv : 1;
+  const int64_t jobs_per_token = hkv / heads_per_job;
+  const int64_t row_stride = hkv * d;  // values per cached position
   const int64_t jobs = n_tokens * jobs_per_token;
-  const int64_t grain = work < (int64_t)1 << 16 ? jobs : 1;
+  const int64_t grain = one_thread ? jobs : 1;
   at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
     std::vector<Acc> scores, acc, qv, mx, sum;
     for (int64_t job = begin; job < end; ++job) {

@@ -1,0 +1,169 @@
+"""The decode step's decoder stack in one native call (kernels/decode_stack.cpp).
+
+It must give the bits of the layer-by-layer module path for every kind of matmul layer a model can
+have (float32 panels, bfloat16, GGUF 4/8-bit and K-quants, with float or int8 activations), for a
+batch mixing sequence lengths and proposed tokens, in the logits and in the KV pool it writes; and
+models it cannot run must keep the module path.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import chatloom.models.llama as llama
+from chatloom.engine.model_runner import ModelRunner
+from chatloom.engine.sampling_params import SamplingParams
+from chatloom.engine.scheduler import ScheduledBatch
+from chatloom.engine.sequence import Sequence
+from chatloom.models.config import ModelConfig
+from chatloom.models.kernels import load_kernels
+from chatloom.models.packed_linear import QuantizedWeight, bf16_matmul_supported, int8_matmul_supported, pack_linears
+from chatloom.models.registry import tiny_random_config
+
+import tiny_checkpoints as tc
+
+kernels = load_kernels()
+pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "DecodeStack"),
+                                reason="C++ kernels unavailable")
+
+# K-quants need 256 input features per super-block.
+CONFIG = ModelConfig(architecture="llama", vocab_size=300, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64, max_position=512, rope_theta=10000.0,
+                     name="stack-test")
+
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _model(cfg: ModelConfig = CONFIG) -> llama.DecoderForCausalLM:
+    model = llama.DecoderForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    return model
+
+
+def _quantized(model: llama.DecoderForCausalLM, kinds: list[str]) -> dict[str, list[QuantizedWeight]]:
+    """Every decoder matmul as GGUF blocks: one part per kind in `kinds`, rows split between them
+    (two different kinds make a fused layer of the grouped layout)."""
+    out, seed = {}, 0
+    for i, layer in enumerate(model.layers):
+        for name in LINEARS:
+            lin = layer.get_submodule(name)
+            n, k = lin.out_features, lin.in_features
+            sizes = [n // len(kinds)] * (len(kinds) - 1)
+            sizes.append(n - sum(sizes))
+            parts = []
+            for kind, rows in zip(kinds, sizes):
+                seed += 1
+                raw = tc.random_kquant_blocks(kind, rows, k, seed) if kind.endswith("_K") else tc.random_blocks(kind, rows, k, seed, 0.02)
+                parts.append(QuantizedWeight(kind, raw, rows, k))
+            out[f"layers.{i}.{name}"] = parts
+    return out
+
+
+def _batch() -> ScheduledBatch:
+    """Three decoding sequences of different lengths, one carrying two proposed tokens."""
+    seqs = []
+    for i, (ctx, table) in enumerate([(5, [3, 7]), (13, [0, 9, 4, 11]), (1, [20])]):
+        seq = Sequence(f"s{i}", list(range(10 + i, 11 + i + ctx)), SamplingParams(max_tokens=8))
+        seq.num_computed_tokens = ctx
+        seq.block_table = table
+        seqs.append(seq)
+    seqs[1].spec_token_ids = [5, 6]
+    return ScheduledBatch(decodes=seqs)
+
+
+def _runner(model: llama.DecoderForCausalLM) -> tuple[ModelRunner, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A runner whose pool holds random K/V (whatever earlier steps left), and a copy of that pool."""
+    runner = ModelRunner(model, num_blocks=32, block_size=4)
+    gen = torch.Generator().manual_seed(3)
+    for k, v in runner.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    return runner, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+
+def _both_paths(model: llama.DecoderForCausalLM, monkeypatch) -> None:
+    """One decode step through the stack and through the modules, from the same pool: same bits."""
+    runner, start = _runner(model)
+    python_calls = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: python_calls.append(1) or real(*a))
+
+    native_logits, _, _ = runner.execute(_batch())
+    assert model.decode_stack() is not None and not python_calls  # the stack ran, not the modules
+    native_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
+        k.copy_(k0)
+        v.copy_(v0)
+    model.native_decode = False
+    module_logits, _, _ = runner.execute(_batch())
+    assert len(python_calls) == len(model.layers)
+    assert torch.equal(native_logits, module_logits)
+    for (k, v), (nk, nv) in zip(runner.kv_caches, native_pool):
+        assert torch.equal(k, nk) and torch.equal(v, nv)
+
+
+def test_decode_attention_in_one_call_gives_the_step_by_step_bits(monkeypatch):
+    """Layer by layer, a decode step's rotary, pool writes and attention are one native call
+    (decode_attention) instead of a dozen tensor operations: the same logits and pool, bit for bit."""
+    from chatloom.models.attention import AttentionBatch
+
+    model = _model(tiny_random_config())
+    assert pack_linears(model)
+    model.native_decode = False
+    runner, start = _runner(model)
+    fused_calls, plain_calls = [], []
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a: fused_calls.append(1) or real(*a))
+    fused_logits, _, _ = runner.execute(_batch())
+    assert len(fused_calls) == len(model.layers)
+    fused_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
+        k.copy_(k0)
+        v.copy_(v0)
+    monkeypatch.setattr(AttentionBatch, "decode_only", property(lambda self: plain_calls.append(1) and False))
+    plain_logits, _, _ = runner.execute(_batch())
+    assert plain_calls and len(fused_calls) == len(model.layers)  # the step-by-step path ran this time
+    assert torch.equal(fused_logits, plain_logits)
+    for (k, v), (fk, fv) in zip(runner.kv_caches, fused_pool):
+        assert torch.equal(k, fk) and torch.equal(v, fv)
+
+
+def test_float32_panels(monkeypatch):
+    model = _model()
+    assert pack_linears(model)
+    _both_paths(model, monkeypatch)
+
+
+@pytest.mark.skipif(not bf16_matmul_supported(kernels), reason="no bf16 matmul")
+def test_bfloat16_weights(monkeypatch):
+    model = _model()
+    assert pack_linears(model, bf16_weights=True)
+    _both_paths(model, monkeypatch)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("kinds", [["Q4_1"], ["Q8_0"], ["Q4_0"], ["Q4_K"], ["Q5_K"], ["Q6_K"], ["Q4_1", "Q8_0"]],
+                         ids=lambda k: "+".join(k))
+def test_gguf_quantized_weights(kinds, int8, monkeypatch):
+    if int8 and not int8_matmul_supported(kernels):
+        pytest.skip("no int8 matmul on this CPU")
+    model = _model()
+    assert pack_linears(model, _quantized(model, kinds), int8_activations=int8)
+    _both_paths(model, monkeypatch)
+
+
+@pytest.mark.parametrize("change", [{"qk_norm": True}, {"sandwich_norms": True}, {"embedding_scale": 2.0}])
+def test_models_the_stack_cannot_run_keep_the_module_path(change):
+    cfg = dataclasses.replace(tiny_random_config(), **change)
+    model = _model(cfg)
+    assert pack_linears(model)
+    assert model.decode_stack() is None
+
+
+def test_unpacked_model_has_no_stack():
+    model = _model(tiny_random_config())  # nn.Linear layers: no kernel layers to hand over
+    assert model.decode_stack() is None
