@@ -4,7 +4,7 @@
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
-                              double scale);
+                              double scale, const std::string& isa = "auto");
 
 // A decode-only batch's attention from the fused QKV projection [T, (Hq + 2 Hkv) D]: rotary, the
 // pool writes at slot_mapping and paged_attention in one call (decode_attention.cpp); [T, Hq D].

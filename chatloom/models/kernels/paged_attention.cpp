@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 // The three inner loops, portable: the compiler vectorizes what it can.
@@ -97,11 +100,97 @@ struct Avx2F32Ops {
 };
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Four scores from four 16-lane partial sums: [sum(a0), sum(a1), sum(a2), sum(a3)].
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto halves = [](__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  };
+  const __m256 c01 = _mm256_hadd_ps(halves(a0), halves(a1));
+  const __m256 c23 = _mm256_hadd_ps(halves(a2), halves(a3));
+  const __m256 d = _mm256_hadd_ps(c01, c23);
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// One job's attention in AVX-512 for float32 heads of 16 * D16 values. Pass 1 scores four cached
+// positions at a time (four independent multiply-add chains, one shuffle tree for the four sums)
+// instead of one dot product and one horizontal sum per position; pass 2 keeps each head's
+// accumulator in registers. `offs[t]`: where position t's row starts in the pools. Every score is
+// reduced the same way wherever it falls (a short last group is padded with zeros), so a query's
+// result depends on its own keys only, never on the batch around it.
+template <int D16>
+static void attend_avx512(const float* qv, const float* kp, const float* vp, const int64_t* offs, int64_t len,
+                          int64_t h0, int64_t heads_per_job, int64_t group, float* scores, float* mx, float* sum,
+                          float* out) {
+  constexpr int64_t d = 16 * D16;
+  for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+    const int64_t kv_head = (h0 + hh) * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t j = hh * group + g;
+      __m512 q[D16];
+      for (int c = 0; c < D16; ++c) q[c] = _mm512_loadu_ps(qv + j * d + 16 * c);
+      float* sc = scores + j * len;
+      __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::max());
+      for (int64_t t = 0; t < len; t += 4) {
+        __m512 a[4];
+        for (int i = 0; i < 4; ++i) {
+          a[i] = _mm512_setzero_ps();
+          if (t + i < len) {
+            const float* krow = kp + offs[t + i] + kv_head;
+            for (int c = 0; c < D16; ++c) a[i] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(krow + 16 * c), a[i]);
+          }
+        }
+        const __m128 s4 = reduce4(a[0], a[1], a[2], a[3]);
+        const int64_t n = std::min<int64_t>(4, len - t);
+        const __mmask16 keep = (__mmask16)((1u << n) - 1);
+        _mm512_mask_storeu_ps(sc + t, keep, _mm512_castps128_ps512(s4));
+        best = _mm512_mask_max_ps(best, keep, best, _mm512_castps128_ps512(s4));
+      }
+      mx[j] = _mm512_reduce_max_ps(best);
+    }
+  }
+  for (int64_t j = 0; j < heads_per_job * group; ++j) sum[j] = Avx2F32Ops::exp_shift(scores + j * len, len, mx[j]);
+  for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+    const int64_t kv_head = (h0 + hh) * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t j = hh * group + g;
+      __m512 acc[D16];
+      for (int c = 0; c < D16; ++c) acc[c] = _mm512_setzero_ps();
+      const float* sc = scores + j * len;
+      for (int64_t t = 0; t < len; ++t) {
+        const __m512 p = _mm512_set1_ps(sc[t]);
+        const float* vrow = vp + offs[t] + kv_head;
+        for (int c = 0; c < D16; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vrow + 16 * c), acc[c]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / sum[j]);
+      for (int c = 0; c < D16; ++c) _mm512_storeu_ps(out + j * d + 16 * c, _mm512_mul_ps(acc[c], inv));
+    }
+  }
+}
+#endif
+
+// The attention's instruction path: "auto" is AVX-512 where the build has it unless
+// CHATLOOM_KERNEL_ISA=avx2 (read once); "avx512" and "avx2" force one (tests compare them).
+static bool use_avx512_attention(const std::string& isa) {
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  static const bool by_default = [] {
+    const char* env = std::getenv("CHATLOOM_KERNEL_ISA");
+    return !(env && std::string(env) == "avx2");
+  }();
+  TORCH_CHECK(isa == "auto" || isa == "avx512" || isa == "avx2", "unknown attention path '", isa,
+              "': use auto, avx512 or avx2");
+  return isa == "auto" ? by_default : isa == "avx512";
+#else
+  TORCH_CHECK(isa == "auto" || isa == "avx2", "the attention's ", isa, " path is not available on this CPU or build");
+  return false;
+#endif
+}
+
 template <typename T, typename Acc, typename Ops>
 static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int32_t* tables,
                                  const int32_t* rows, const int32_t* kv_lens, T* out,
                                  int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
-                                 int64_t block_size, int64_t table_width, double scale) {
+                                 int64_t block_size, int64_t table_width, double scale, bool wide) {
   const int64_t group = hq / hkv;
   // Waking the second thread costs more than a short step's whole attention (a chat's first few
   // hundred positions at batch 1): below about 64K multiply-adds it all runs on this thread.
@@ -118,8 +207,11 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
   const int64_t row_stride = hkv * d;  // values per cached position
   const int64_t jobs = n_tokens * jobs_per_token;
   const int64_t grain = one_thread ? jobs : 1;
+  // Heads of 16, 32, 64 or 128 float32 values take the AVX-512 path where the build has it.
+  const int64_t wide16 = wide && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
   at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
     std::vector<Acc> scores, acc, qv, mx, sum;
+    std::vector<int64_t> offs;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / jobs_per_token;
       const int64_t h0 = (job % jobs_per_token) * heads_per_job;
@@ -133,6 +225,27 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
       sum.assign(nq, (Acc)0);
       const T* qi = q + (i * hq + h0 * group) * d;
       for (int64_t x = 0; x < nq * d; ++x) qv[x] = (Acc)qi[x] * (Acc)scale;
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<Ops, Avx2F32Ops>) {
+        if (wide16 > 0) {
+          offs.resize(len);
+          for (int64_t t = 0; t < len; ++t)
+            offs[t] = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride;
+          T* o = out + (i * hq + h0 * group) * d;
+          auto run = [&](auto d16) {
+            attend_avx512<decltype(d16)::value>(qv.data(), kp, vp, offs.data(), len, h0, heads_per_job, group,
+                                                scores.data(), mx.data(), sum.data(), o);
+          };
+          switch (wide16) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 4: run(std::integral_constant<int, 4>{}); break;
+            default: run(std::integral_constant<int, 8>{}); break;
+          }
+          continue;
+        }
+      }
+#endif
 
       // Pass 1: scores of every query head against every cached key.
       for (int64_t t = 0; t < len; ++t) {
@@ -168,7 +281,8 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
-                              double scale) {
+                              double scale, const std::string& isa) {
+  const bool wide = use_avx512_attention(isa);
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && rows.scalar_type() == torch::kInt32 &&
               kv_lens.scalar_type() == torch::kInt32, "int32 tables");
@@ -180,18 +294,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   if (q.scalar_type() == torch::kFloat32 && d % 16 == 0) {
     paged_attention_impl<float, float, Avx2F32Ops>(q.data_ptr<float>(), k_pool.data_ptr<float>(),
         v_pool.data_ptr<float>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(),
-        kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale);
+        kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale, wide);
     return out;
   }
 #endif
   if (q.scalar_type() == torch::kFloat32) {
     paged_attention_impl<float, float, PortableOps<float, float>>(
         q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
-        out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale);
+        out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale, wide);
   } else if (q.scalar_type() == torch::kFloat64) {
     paged_attention_impl<double, double, PortableOps<double, double>>(
         q.data_ptr<double>(), k_pool.data_ptr<double>(), v_pool.data_ptr<double>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
-        out.data_ptr<double>(), n, hq, hkv, d, bs, block_tables.size(1), scale);
+        out.data_ptr<double>(), n, hq, hkv, d, bs, block_tables.size(1), scale, wide);
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and float64");
   }

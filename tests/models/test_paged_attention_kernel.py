@@ -1,0 +1,84 @@
+"""The C++ paged attention (kernels/paged_attention.cpp) on each instruction path.
+
+Every path must match a float64 reference over the gathered keys, and give a query the same bits
+whether it runs alone or in a batch (and whichever thread split the batch's size picks), for head
+sizes the AVX-512 path takes (16-128) and one it leaves to AVX2 (80), GQA groups of 1-4, lengths
+that do and do not fill its groups of four positions.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatloom.models.kernels import load_kernels
+
+kernels = load_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
+
+
+def _paths() -> list[str]:
+    q, pool = torch.zeros(1, 1, 16), torch.zeros(1, 1, 1, 16)
+    table, one = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    paths = ["avx2"]
+    try:
+        kernels.paged_attention(q, pool, pool, table, torch.zeros(1, dtype=torch.int32), one, 1.0, "avx512")
+        paths.append("avx512")
+    except RuntimeError:
+        pass
+    return paths
+
+
+PATHS = _paths() if kernels is not None else []
+
+
+def _case(d: int, hq: int, hkv: int, lens: list[int], block_size: int = 4, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = width * len(lens) + 3
+    k_pool = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    v_pool = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[: width * len(lens)].view(len(lens), width).to(torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    return q, k_pool, v_pool, tables, torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def _reference(q, k_pool, v_pool, tables, kv_lens, scale) -> torch.Tensor:
+    bs, hkv = k_pool.shape[1], k_pool.shape[2]
+    out = []
+    for i, n in enumerate(kv_lens.tolist()):
+        slots = [int(tables[i, t // bs]) * bs + t % bs for t in range(n)]
+        k = k_pool.view(-1, hkv, k_pool.shape[3])[slots].double()  # [n, hkv, d]
+        v = v_pool.view(-1, hkv, v_pool.shape[3])[slots].double()
+        group = q.shape[1] // hkv
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("d,hq,hkv", [(16, 4, 2), (32, 4, 4), (64, 9, 3), (128, 8, 2), (80, 4, 1)])
+def test_matches_float64_reference(path, d, hq, hkv):
+    lens = [1, 3, 4, 5, 17, 130, 301]
+    q, kp, vp, tables, rows, kv_lens = _case(d, hq, hkv, lens)
+    out = kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, d ** -0.5, path)
+    torch.testing.assert_close(out, _reference(q, kp, vp, tables, kv_lens, d ** -0.5), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (16, 4, 2)])
+def test_a_query_gets_the_same_bits_alone_or_in_a_batch(path, d, hq, hkv):
+    # Alone, a short query runs on one thread with all heads in one job; in a batch of seven with
+    # long ones the work is split over threads: its bits must not change.
+    lens = [2, 7, 400, 9, 1000, 33, 5]
+    q, kp, vp, tables, rows, kv_lens = _case(d, hq, hkv, lens, block_size=16, seed=1)
+    batch = kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, 0.125, path)
+    for i in range(len(lens)):
+        alone = kernels.paged_attention(q[i:i + 1], kp, vp, tables, rows[i:i + 1], kv_lens[i:i + 1], 0.125, path)
+        assert torch.equal(alone[0], batch[i]), (path, i)
+
+
+def test_an_unknown_path_is_refused():
+    q, kp, vp, tables, rows, kv_lens = _case(16, 2, 1, [3])
+    with pytest.raises(RuntimeError, match="attention path"):
+        kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, 0.25, "avx1024")
