@@ -64,13 +64,15 @@ def _engine(loaded: LoadedModel, speculative: str, k: int, num_blocks: int, max_
 
 
 def _timed_rounds(engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int, max_tokens: int,
-                  repeats: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+                  repeats: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]], dict[str, float]]:
     """Prompts in groups of `batch`, each group run to completion by every engine in turn
     (the order alternating group by group), so a noisy neighbour's bursts land on every
-    mode alike. Seconds per mode and round, and each mode's outputs."""
+    mode alike. Seconds per mode and round, each mode's outputs, and each mode's TPOT in ms
+    (all rounds' requests: time from first to last token over tokens after the first)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     seconds = {m: [0.0] * repeats for m in engines}
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
+    streaming = {m: [0.0, 0] for m in engines}  # seconds after the first token, tokens after the first
     turn = 0
     for r in range(repeats):
         for i in range(0, len(prompts), batch):
@@ -80,9 +82,14 @@ def _timed_rounds(engines: dict[str, LLMEngine], prompts: list[list[int]], batch
                 t0 = time.perf_counter()
                 outs = engines[mode].generate(prompts[i:i + batch], params, use_tqdm=False)
                 seconds[mode][r] += time.perf_counter() - t0
+                for o in outs:
+                    if o.num_output_tokens > 1:
+                        streaming[mode][0] += o.metrics.last_token_time - o.metrics.first_token_time
+                        streaming[mode][1] += o.num_output_tokens - 1
                 if r == 0:
                     outputs[mode] += [o.token_ids for o in outs]
-    return seconds, outputs
+    tpot = {m: round(1e3 * t / n, 3) if n else None for m, (t, n) in streaming.items()}
+    return seconds, outputs, tpot
 
 
 def _spec_summary(before: dict, after: dict) -> dict:
@@ -109,13 +116,16 @@ def run_spec(loaded: LoadedModel, batch_sizes: tuple[int, ...] = (1, 8), max_tok
         prompts = _prompts(loaded, convs[:num_prompts])
         for batch in batch_sizes:
             before = {m: engines[m].spec.stats.as_dict() for m in spec_modes}
-            seconds, outs = _timed_rounds(engines, prompts, batch, max_tokens, repeats)
+            seconds, outs, tpot = _timed_rounds(engines, prompts, batch, max_tokens, repeats)
             tokens = {m: sum(len(x) for x in o) for m, o in outs.items()}
             rate = {m: tokens[m] / statistics.median(seconds[m]) for m in seconds}
             row = {"workload": name, "batch": batch, "prompts": len(prompts), "output_tokens": tokens,
                    "seconds": {m: [round(x, 3) for x in v] for m, v in seconds.items()},
                    "output_tokens_per_s": {m: round(v, 2) for m, v in rate.items()},
                    "speedup": round(rate["ngram"] / rate["off"], 3),
+                   # The streaming pace a reader sees, without the prefill both modes share.
+                   "tpot_ms": tpot,
+                   "tpot_speedup": round(tpot["off"] / tpot["ngram"], 3) if tpot["off"] and tpot["ngram"] else None,
                    **_spec_summary(before["ngram"], engines["ngram"].spec.stats.as_dict()),
                    "identical_outputs": sum(a == b for a, b in zip(outs["off"], outs["ngram"]))}
             if draft:

@@ -96,6 +96,8 @@ def test_spec_bench_reports_on_and_off(tiny_model):
         assert r["identical_outputs"] == r["prompts"] == 2 and r["draft"]["identical_outputs"] == 2
         assert r["output_tokens"]["off"] == r["output_tokens"]["ngram"] > 0
         assert r["speedup"] > 0 and r["draft"]["draft_tokens"] > 0
+        assert r["tpot_ms"]["off"] > 0 and r["tpot_ms"]["ngram"] > 0
+        assert r["tpot_speedup"] == round(r["tpot_ms"]["off"] / r["tpot_ms"]["ngram"], 3)
     assert all(r["draft_tokens"] > 0 for r in result["results"] if r["workload"] == "repeating")
     assert set(result["targets_met"]) == {"repeating_batch1_at_least_1.5x", "never_below_0.95x_elsewhere"}
 
