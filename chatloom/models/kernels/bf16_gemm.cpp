@@ -23,7 +23,7 @@
 namespace {
 
 using chatloom_kernels::kPanel;
-constexpr int64_t kTileRows = 6;
+using chatloom_kernels::kTileRows;
 constexpr int64_t kRowBlock = 96;
 
 inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
@@ -164,14 +164,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
         for (int64_t m = m0; m < m1; m += kTileRows) {
           const uint32_t* xm = xq.data() + (m - m0) * pairs;
           float* o = op + m * out_features + col;
-          switch (std::min(kTileRows, m1 - m)) {
-            case 6: run_tile<6>(hw, xm, pairs, panel, b, o, out_features, ncols); break;
-            case 5: run_tile<5>(hw, xm, pairs, panel, b, o, out_features, ncols); break;
-            case 4: run_tile<4>(hw, xm, pairs, panel, b, o, out_features, ncols); break;
-            case 3: run_tile<3>(hw, xm, pairs, panel, b, o, out_features, ncols); break;
-            case 2: run_tile<2>(hw, xm, pairs, panel, b, o, out_features, ncols); break;
-            default: run_tile<1>(hw, xm, pairs, panel, b, o, out_features, ncols); break;
-          }
+          chatloom_kernels::with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+            run_tile<decltype(r)::value>(hw, xm, pairs, panel, b, o, out_features, ncols);
+          });
         }
       }
     });

@@ -25,7 +25,8 @@
 namespace {
 
 using chatloom_kernels::kPanel;
-constexpr int64_t kTileRows = 6;
+using chatloom_kernels::kTileRows;
+using chatloom_kernels::with_tile_rows;
 constexpr int64_t kRowBlock = 96;  // input rows kept hot in cache while all panels pass
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -253,30 +254,19 @@ inline void panel_rows(const float* x, int64_t k_dim, const float* panel, const 
     for (int64_t m = m0; m < m1; m += kTileRows) {
       const float* xs = x + m * k_dim;
       float* os = out + m * ldo;
-      switch (std::min(kTileRows, m1 - m)) {
-        case 6: tile16<6>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-        case 5: tile16<5>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-        case 4: tile16<4>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-        case 3: tile16<3>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-        case 2: tile16<2>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-        default: tile16<1>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-      }
+      with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+        tile16<decltype(r)::value>(xs, k_dim, panel, bias, os, ldo, ncols);
+      });
     }
     return;
   }
 #endif
-  int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows)
-    tile<6>(x + m * k_dim, k_dim, panel, bias, out + m * ldo, ldo, ncols);
-  const float* xs = x + m * k_dim;
-  float* os = out + m * ldo;
-  switch (m1 - m) {
-    case 5: tile<5>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 4: tile<4>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 3: tile<3>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 2: tile<2>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 1: tile<1>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    default: break;
+  for (int64_t m = m0; m < m1; m += kTileRows) {
+    const float* xs = x + m * k_dim;
+    float* os = out + m * ldo;
+    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+      tile<decltype(r)::value>(xs, k_dim, panel, bias, os, ldo, ncols);
+    });
   }
 }
 
@@ -288,14 +278,9 @@ inline void panel_pair_rows(const float* x, int64_t k_dim, const float* pa, cons
   for (int64_t m = m0; m < m1; m += kTileRows) {
     const float* xs = x + m * k_dim;
     float* os = out + m * ldo;
-    switch (std::min(kTileRows, m1 - m)) {
-      case 6: tile16x2<6>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
-      case 5: tile16x2<5>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
-      case 4: tile16x2<4>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
-      case 3: tile16x2<3>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
-      case 2: tile16x2<2>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
-      default: tile16x2<1>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b); break;
-    }
+    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+      tile16x2<decltype(r)::value>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b);
+    });
   }
 }
 #endif
@@ -466,16 +451,11 @@ torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes,
       for (int64_t m = 0; m < m_dim; m += kTileRows) {
         const float* xm = xp + m * k_dim;
         float* om = op + m * out_features;
-#define CHATLOOM_ROWS(R)                                                                                              \
-  case R:                                                                                                           \
-    if (q4) tile_rows16<R, true>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel); \
-    else tile_rows16<R, false>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel); \
-    break;
-        switch (std::min(kTileRows, m_dim - m)) {
-          CHATLOOM_ROWS(1) CHATLOOM_ROWS(2) CHATLOOM_ROWS(3) CHATLOOM_ROWS(4) CHATLOOM_ROWS(5) CHATLOOM_ROWS(6)
-          default: break;
-        }
-#undef CHATLOOM_ROWS
+        with_tile_rows(std::min(kTileRows, m_dim - m), [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          if (q4) tile_rows16<R, true>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
+          else tile_rows16<R, false>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
+        });
       }
     }
   });
@@ -635,16 +615,11 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
       for (int64_t m = m0; m < m1; m += kTileRows) {
         const float* xm = xp + m * k_dim;
         float* om = op + m * out_features + col;
-#define CHATLOOM_FEW(R)                                                                \
-  case R:                                                                              \
-    if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);     \
-    else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);       \
-    break;
-        switch (std::min(kTileRows, m1 - m)) {
-          CHATLOOM_FEW(1) CHATLOOM_FEW(2) CHATLOOM_FEW(3) CHATLOOM_FEW(4) CHATLOOM_FEW(5) CHATLOOM_FEW(6)
-          default: break;
-        }
-#undef CHATLOOM_FEW
+        with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);
+          else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);
+        });
       }
       return;
     }

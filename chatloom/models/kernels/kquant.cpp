@@ -31,6 +31,8 @@
 namespace {
 
 using chatloom_kernels::kPanel;
+using chatloom_kernels::kTileRows;
+using chatloom_kernels::with_tile_rows;
 constexpr int64_t kGroup = 16;  // weights per scale along K
 constexpr int64_t kRowBlock = 96;
 
@@ -116,34 +118,24 @@ void tile_codes(const float* x, int64_t k_dim, const int8_t* codes, const float*
 
 void rows_from_codes(const float* x, int64_t k_dim, const int8_t* codes, const float* scales, const float* bias,
                      float* out, int64_t ldo, int64_t ncols, int64_t m0, int64_t m1) {
-  for (int64_t m = m0; m < m1; m += 6) {
+  for (int64_t m = m0; m < m1; m += kTileRows) {
     const float* xs = x + m * k_dim;
     float* os = out + m * ldo;
-    switch (std::min<int64_t>(6, m1 - m)) {
-      case 6: tile_codes<6>(xs, k_dim, codes, scales, bias, os, ldo, ncols); break;
-      case 5: tile_codes<5>(xs, k_dim, codes, scales, bias, os, ldo, ncols); break;
-      case 4: tile_codes<4>(xs, k_dim, codes, scales, bias, os, ldo, ncols); break;
-      case 3: tile_codes<3>(xs, k_dim, codes, scales, bias, os, ldo, ncols); break;
-      case 2: tile_codes<2>(xs, k_dim, codes, scales, bias, os, ldo, ncols); break;
-      default: tile_codes<1>(xs, k_dim, codes, scales, bias, os, ldo, ncols); break;
-    }
+    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+      tile_codes<decltype(r)::value>(xs, k_dim, codes, scales, bias, os, ldo, ncols);
+    });
   }
 }
 #endif
 
 void rows(const float* x, int64_t k_dim, const float* panel, const float* bias, float* out, int64_t ldo,
           int64_t ncols, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + 6 <= m1; m += 6) tile<6>(x + m * k_dim, k_dim, panel, bias, out + m * ldo, ldo, ncols);
-  const float* xs = x + m * k_dim;
-  float* os = out + m * ldo;
-  switch (m1 - m) {
-    case 5: tile<5>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 4: tile<4>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 3: tile<3>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 2: tile<2>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    case 1: tile<1>(xs, k_dim, panel, bias, os, ldo, ncols); break;
-    default: break;
+  for (int64_t m = m0; m < m1; m += kTileRows) {
+    const float* xs = x + m * k_dim;
+    float* os = out + m * ldo;
+    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+      tile<decltype(r)::value>(xs, k_dim, panel, bias, os, ldo, ncols);
+    });
   }
 }
 

@@ -220,9 +220,8 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
       const int32_t* table = tables + (int64_t)rows[i] * table_width;
       scores.resize(nq * len);  // [query head][position]
       qv.resize(nq * d);
-      acc.assign(nq * d, (Acc)0);
-      mx.assign(nq, -std::numeric_limits<Acc>::max());
-      sum.assign(nq, (Acc)0);
+      mx.resize(nq);
+      sum.resize(nq);
       const T* qi = q + (i * hq + h0 * group) * d;
       for (int64_t x = 0; x < nq * d; ++x) qv[x] = (Acc)qi[x] * (Acc)scale;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -246,6 +245,8 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
         }
       }
 #endif
+      acc.assign(nq * d, (Acc)0);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<Acc>::max());
 
       // Pass 1: scores of every query head against every cached key.
       for (int64_t t = 0; t < len; ++t) {

@@ -1,8 +1,10 @@
-// What the matmul kernels (gemm.cpp, int8_gemm.cpp) share: outputs come in panels of 16
-// features, and a tile of rows x 16 accumulates in pairs of AVX registers.
+// What the matmul kernels (gemm.cpp, int8_gemm.cpp, bf16_gemm.cpp, kquant.cpp) share: outputs come in
+// panels of 16 features, a tile of rows x 16 accumulates in pairs of AVX registers, and the float
+// kernels' tiles take their row count as a template argument.
 #pragma once
 #include <cstdint>
 #include <algorithm>
+#include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -10,6 +12,21 @@
 namespace chatloom_kernels {
 
 constexpr int64_t kPanel = 16;  // output features per panel
+constexpr int64_t kTileRows = 6;  // rows per tile of the float32 and bf16 kernels
+
+// Calls tile(std::integral_constant<int, R>{}) with R = rows (1 to kTileRows): each row count is its
+// own instantiation of a tile kernel, so a run of rows is dispatched on its length once.
+template <typename Tile>
+inline void with_tile_rows(int64_t rows, Tile&& tile) {
+  switch (rows) {
+    case 6: tile(std::integral_constant<int, 6>{}); break;
+    case 5: tile(std::integral_constant<int, 5>{}); break;
+    case 4: tile(std::integral_constant<int, 4>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    default: tile(std::integral_constant<int, 1>{}); break;
+  }
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Adds the bias (when given) and writes R rows of a tile: features 0-7 of row r are in
