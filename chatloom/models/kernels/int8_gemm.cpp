@@ -244,6 +244,58 @@ CHATLOOM_VNNI void tile_vnni(const int8_t* q, const float* dx, const float* sx, 
   const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_add_ps(acc[r], bv));
 }
+
+// R rows x NP panels of 4-bit codes at once, for many rows (prefill, big batches): each panel's
+// nibbles are unpacked once for R rows (tile_vnni unpacks them once per 3), and the R x NP
+// dot products give the multiply-add units independent chains. Every (row, panel) pair runs
+// the same integer sums and the same float steps in the same order as tile_vnni, so the bits
+// are the same.
+constexpr int kVnniRows = 6, kVnniPanels = 2;
+
+template <int R, int NP>
+CHATLOOM_VNNI void tile_vnni_q4x(const int8_t* q, const float* dx, const float* sx, int64_t k_dim,
+                                 const uint8_t* codes, int64_t panel_bytes, const float* scales,
+                                 int64_t scale_stride, const float* bias, float* out, int64_t ldo,
+                                 int64_t out_features, int64_t col0) {
+  const int64_t nb = k_dim / kBlock;
+  __m512 acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < NP; ++p) isum[r][p] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      __m512i w[NP];
+      for (int p = 0; p < NP; ++p) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * panel_bytes + (b * 8 + g) * 32));
+        w[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low4);
+      }
+      const int8_t* xg = q + b * kBlock + g * 4;
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xg + r * k_dim));
+        for (int p = 0; p < NP; ++p) isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], w[p], xv);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const float* s = scales + p * scale_stride + b * 2 * kPanel;
+      const __m512 dw = _mm512_loadu_ps(s), mw = _mm512_loadu_ps(s + kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(dx[r * nb + b]);
+        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][p]), _mm512_mul_ps(dw, d), acc[r][p]);
+        acc[r][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc[r][p]);
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t col = col0 + p * kPanel;
+    const __mmask16 keep = (__mmask16)((1u << std::min<int64_t>(kPanel, out_features - col)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo + col, keep, _mm512_add_ps(acc[r][p], bv));
+  }
+}
 #endif
 
 // -- choosing the path --------------------------------------------------------------------------
@@ -387,6 +439,49 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     }
 #undef CHATLOOM_TILES
   };
+#ifdef CHATLOOM_HAVE_VNNI_PATH
+  if (isa == Isa::kAvx512Vnni && !q8) {  // 4-bit codes on VNNI: tiles of rows x pairs of panels
+    const int64_t scale_stride = nb * 2 * kPanel, pairs = (panels + kVnniPanels - 1) / kVnniPanels;
+    for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
+      const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
+      const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel * kVnniPanels));
+      at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t pp = begin; pp < end; ++pp) {
+          const int64_t p = pp * kVnniPanels, np = std::min<int64_t>(kVnniPanels, panels - p);
+          const uint8_t* c = cp + p * panel_bytes;
+          const float* s = sp + p * scale_stride;
+          for (int64_t m = m0; m < m1; m += kVnniRows) {
+            const int64_t r = std::min<int64_t>(kVnniRows, m1 - m);
+            const int8_t* qm = q.data() + m * k_dim;
+            const float *dm = dx.data() + m * nb, *sm = sx.data() + m * nb;
+            float* o = op + m * out_features;
+            auto run = [&](auto rows, auto pans) {
+              tile_vnni_q4x<decltype(rows)::value, decltype(pans)::value>(qm, dm, sm, k_dim, c, panel_bytes, s,
+                                                                          scale_stride, bp, o, out_features,
+                                                                          out_features, p * kPanel);
+            };
+            auto with_rows = [&](auto pans) {
+              switch (r) {
+                case 6: run(std::integral_constant<int, (kVnniRows >= 6 ? 6 : 1)>{}, pans); break;
+                case 5: run(std::integral_constant<int, (kVnniRows >= 5 ? 5 : 1)>{}, pans); break;
+                case 4: run(std::integral_constant<int, (kVnniRows >= 4 ? 4 : 1)>{}, pans); break;
+                case 3: run(std::integral_constant<int, 3>{}, pans); break;
+                case 2: run(std::integral_constant<int, 2>{}, pans); break;
+                default: run(std::integral_constant<int, 1>{}, pans); break;
+              }
+            };
+            switch (np) {
+              case 3: with_rows(std::integral_constant<int, (kVnniPanels >= 3 ? 3 : 1)>{}); break;
+              case 2: with_rows(std::integral_constant<int, (kVnniPanels >= 2 ? 2 : 1)>{}); break;
+              default: with_rows(std::integral_constant<int, 1>{}); break;
+            }
+          }
+        }
+      });
+    }
+    return out;
+  }
+#endif
   // Three rows per tile for 4-bit codes; two for 8-bit, whose dot products need more registers.
   const int64_t tile_rows = q8 ? 2 : kTileRows;
   for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
