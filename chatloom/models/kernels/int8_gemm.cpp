@@ -296,6 +296,53 @@ CHATLOOM_VNNI void tile_vnni_q4x(const int8_t* q, const float* dx, const float* 
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo + col, keep, _mm512_add_ps(acc[r][p], bv));
   }
 }
+
+// The same tiles for 8-bit codes. vpdpbusd multiplies unsigned by signed bytes; tile_vnni moves
+// each code's sign onto the activation, two instructions per row and group. Here the codes are
+// shifted into unsigned range instead (c + 128, one xor per panel and group) and the shift is
+// taken back once per block from the integer sum: sum((c + 128) q) - 128 sum(q) = sum(c q),
+// exactly. `qsum` holds each row's per-block sum of q.
+template <int R, int NP>
+CHATLOOM_VNNI void tile_vnni_q8x(const int8_t* q, const float* dx, const int32_t* qsum, int64_t k_dim,
+                                 const uint8_t* codes, int64_t panel_bytes, const float* scales,
+                                 int64_t scale_stride, const float* bias, float* out, int64_t ldo,
+                                 int64_t out_features, int64_t col0) {
+  const int64_t nb = k_dim / kBlock;
+  __m512 acc[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  const __m512i bias128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[R][NP];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < NP; ++p) isum[r][p] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      __m512i w[NP];
+      for (int p = 0; p < NP; ++p)
+        w[p] = _mm512_xor_si512(_mm512_loadu_si512(codes + p * panel_bytes + (b * 8 + g) * 64), bias128);
+      const int8_t* xg = q + b * kBlock + g * 4;
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xg + r * k_dim));
+        for (int p = 0; p < NP; ++p) isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], w[p], xv);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512 dw = _mm512_loadu_ps(scales + p * scale_stride + b * 2 * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512i exact = _mm512_sub_epi32(isum[r][p], _mm512_set1_epi32(128 * qsum[r * nb + b]));
+        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])),
+                                    acc[r][p]);
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t col = col0 + p * kPanel;
+    const __mmask16 keep = (__mmask16)((1u << std::min<int64_t>(kPanel, out_features - col)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo + col, keep, _mm512_add_ps(acc[r][p], bv));
+  }
+}
 #endif
 
 // -- choosing the path --------------------------------------------------------------------------
@@ -440,8 +487,17 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #undef CHATLOOM_TILES
   };
 #ifdef CHATLOOM_HAVE_VNNI_PATH
-  if (isa == Isa::kAvx512Vnni && !q8) {  // 4-bit codes on VNNI: tiles of rows x pairs of panels
+  if (isa == Isa::kAvx512Vnni) {  // VNNI: tiles of rows x pairs of panels
     const int64_t scale_stride = nb * 2 * kPanel, pairs = (panels + kVnniPanels - 1) / kVnniPanels;
+    std::vector<int32_t> qsum;
+    if (q8) {  // each row's block sums of q, for tile_vnni_q8x
+      qsum.resize(m_dim * nb);
+      for (int64_t i = 0; i < m_dim * nb; ++i) {
+        int32_t t = 0;
+        for (int64_t k = 0; k < kBlock; ++k) t += q[i * kBlock + k];
+        qsum[i] = t;
+      }
+    }
     for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
       const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
       const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel * kVnniPanels));
@@ -456,9 +512,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
             const float *dm = dx.data() + m * nb, *sm = sx.data() + m * nb;
             float* o = op + m * out_features;
             auto run = [&](auto rows, auto pans) {
-              tile_vnni_q4x<decltype(rows)::value, decltype(pans)::value>(qm, dm, sm, k_dim, c, panel_bytes, s,
-                                                                          scale_stride, bp, o, out_features,
-                                                                          out_features, p * kPanel);
+              constexpr int R = decltype(rows)::value, NP = decltype(pans)::value;
+              if (q8)
+                tile_vnni_q8x<R, NP>(qm, dm, qsum.data() + m * nb, k_dim, c, panel_bytes, s, scale_stride, bp, o,
+                                     out_features, out_features, p * kPanel);
+              else
+                tile_vnni_q4x<R, NP>(qm, dm, sm, k_dim, c, panel_bytes, s, scale_stride, bp, o, out_features,
+                                     out_features, p * kPanel);
             };
             auto with_rows = [&](auto pans) {
               switch (r) {
