@@ -15,8 +15,10 @@ moderators it holds back the newest few pieces.
 from __future__ import annotations
 
 import abc
+import functools
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import regex  # partial matching: which trailing text could still become a match
@@ -46,10 +48,11 @@ class Moderator(abc.ABC):
     async def close(self) -> None:
         """Release connections (a remote moderator's)."""
 
-    def safe_prefix(self, text: str) -> int | None:
+    def safe_prefix(self, text: str, cuts: Sequence[int] | None = None) -> int | None:
         """How many leading characters of `text` (which check_output passed) no continuation can
         turn into a violation; None when this moderator cannot tell (the guard then holds back
-        a fixed number of pieces)."""
+        a fixed number of pieces). With `cuts` (ascending), only those lengths matter: the answer
+        may be the largest safe one of them (0 when none is), which can be cheaper to find."""
         return None
 
 
@@ -66,7 +69,7 @@ class NoModerator(Moderator):
     async def check_output(self, text: str) -> Verdict | None:
         return None
 
-    def safe_prefix(self, text: str) -> int | None:
+    def safe_prefix(self, text: str, cuts: Sequence[int] | None = None) -> int | None:
         return len(text)
 
 
@@ -117,6 +120,9 @@ _CONTRACTIONS = [(re.compile(p), r) for p, r in [
 ]]
 
 
+# Cached: the guard checks a window and then asks where it may cut the same window, and the cut
+# points it tries are prefixes it asked about one piece earlier.
+@functools.lru_cache(maxsize=64)
 def normalize(text: str) -> str:
     """Lower case, leetspeak to letters, punctuation to spaces, spaced-out letters joined, contractions and
     slang spelled out ("Im gonna" -> "i am going to"), single spaces."""
@@ -155,9 +161,10 @@ class LexiconModerator(Moderator):
     async def check_output(self, text: str) -> Verdict | None:
         return self._check(text)
 
-    def safe_prefix(self, text: str) -> int:
+    def safe_prefix(self, text: str, cuts: Sequence[int] | None = None) -> int:
         """The text before the earliest place where a phrase could be starting (a partial match
-        running to the end of the normalized text); all of it when there is none."""
+        running to the end of the normalized text); all of it when there is none. With `cuts`,
+        the largest of them that ends before that place (0 when none does)."""
         if self._any is None:
             return len(text)
         norm = normalize(text)
@@ -165,6 +172,14 @@ class LexiconModerator(Moderator):
         if m is None:
             return len(text)
         start = m.start()
+        if cuts is not None:
+            # The guard releases whole pieces, so only the few piece boundaries matter: try them from
+            # the last, usually one normalization, instead of a binary search over every length.
+            for cut in reversed(cuts):
+                prefix = normalize(text[:cut])
+                if cut <= len(text) and len(prefix) <= start and norm.startswith(prefix):
+                    return cut
+            return 0
         # The longest raw prefix whose normalized form ends before the open phrase. The normalized
         # length of a prefix almost never shrinks as the prefix grows, so a binary search finds it;
         # where slang spelled out at the cut makes the prefix read differently from the whole text
@@ -226,8 +241,11 @@ class OutputGuard:
             self._held.clear()
             return []
         out: list[str] = []
-        held_text = "".join(self._held)
-        safe = self.moderator.safe_prefix(self._shown_tail + held_text)
+        cuts, at = [], len(self._shown_tail)
+        for piece in self._held:
+            at += len(piece)
+            cuts.append(at)
+        safe = self.moderator.safe_prefix(self._shown_tail + "".join(self._held), cuts)
         if safe is not None:
             releasable = safe - len(self._shown_tail)  # characters of the held text
             while self._held and len(self._held[0]) <= releasable:

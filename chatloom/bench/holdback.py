@@ -24,7 +24,7 @@ async def measure(backend, prompts: list[str], max_tokens: int, holdback: int) -
     from chatloom.serving import GenerationRequest
 
     class _Fixed(LexiconModerator):  # the same checks, without knowing what is safe
-        def safe_prefix(self, text: str) -> None:
+        def safe_prefix(self, text: str, cuts=None) -> None:
             return None
 
     delays = {"partial": ([], [], []), "fixed": ([], [], [])}  # first delay, piece delays, check us

@@ -35,7 +35,7 @@ async def test_ordinary_text_passes(text):
 class _OpaqueModerator(LexiconModerator):
     """A moderator that cannot say what is safe (like a remote API): the guard holds back pieces."""
 
-    def safe_prefix(self, text: str) -> None:
+    def safe_prefix(self, text: str, cuts=None) -> None:
         return None
 
 
