@@ -163,10 +163,12 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
                 early = [(s, b) for r, s, b in refused if r.json()["error"]["code"] == "queue_full"]
                 assert len(served) + len(refused) == 200, {r.status_code for r, _, _ in results}
                 # The tiny model serves a dozen to a few dozen 600-token answers (by the machine's speed)
-                # in the 1 s the queue may take; the rest are refused, nearly all at once rather than
-                # after queueing (a few queued on a pace estimate the burst then outran).
+                # in the 1 s the queue may take; the rest are refused, most at once, the others after at
+                # most the queue's wait (queued on a pace estimate the burst then outran), never longer.
                 assert len(served) >= 4 and len(refused) >= 100, (len(served), len(refused))
-                assert len(early) >= 0.8 * len(refused), (len(early), len(refused))
+                assert len(early) >= 0.5 * len(refused), (len(early), len(refused))
+                late = [s for r, s, _ in refused if r.json()["error"]["code"] != "queue_full"]
+                assert all(s < settings.queue_max_wait_s + 2.0 for s in late), max(late)
                 assert all(int(r.headers["retry-after"]) >= 1 for r, _, _ in refused)
                 # The bar: the excess is refused in well under 100 ms (each in the step that
                 # received it: the caller from the auth cache, the queue joined or refused synchronously).
