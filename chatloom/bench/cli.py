@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.set_defaults(func=_roofline)
 
-    p = sub.add_parser("spec", help="speculative decoding on vs off: batch 1 and 8, repeating and plain chat")
+    p = sub.add_parser("spec", help="speculative decoding on vs off: batch 1 and 8, repeating, mixed and plain chat")
     _common(p)
     p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=positive_int, default=128)

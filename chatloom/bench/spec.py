@@ -1,9 +1,11 @@
 """Speculative decoding on against off, in one run, greedy, at batch 1 and batch 8.
 
-Two workloads: `repeating`, where the answer repeats the prompt (rewrite or fix a given
-paragraph or code, a multi-turn chat quoting an earlier turn), which is where proposals
-are kept; and `chat`, plain questions, where they mostly are not and the planner should
-switch speculation off. Both engines are built once and the rounds alternate which goes
+Three workloads: `repeating`, where the answer repeats the prompt (fix or rewrite a given
+paragraph, an earlier turn written out again), which is where proposals are kept; `mixed`,
+requests for a repeat that the small model answers its own way about half the time; and
+`chat`, plain questions, where proposals mostly fail and the planner should switch
+speculation off. Each row reports how much of the answer really repeats the prompt
+(`repeat_fraction`). Both engines are built once and the rounds alternate which goes
 first group by group, so a busy neighbour on a shared machine slows both alike. Prefix caching is off:
 a repeated round must cost what the first did.
 """
@@ -25,7 +27,34 @@ CODE = ("def average(values):\n    total = 0\n    for v in values:\n        tota
 EMAIL = ("Hi team, the release is moved to Friday because the database migration needs one more "
          "day of testing. Please finish your reviews by Thursday noon and tell me if anything blocks you.")
 
+STORY = ("Once upon a time there was a litle girl named Mia who lived in a small vilage by the sea. Every "
+         "morning she walked to the harbor to watch the fishing boats come in, and she dreamed of sailing to far "
+         "away lands.")
+NOTICE = ("Dear residents, the water will be turned off on Tuesday from 9 am to 3 pm while the pipes in the "
+          "basement are replaced. Please store some water in advance. We are sorry for the inconvenience.")
+RECIPE = ("Mix two cups of flour with one cup of sugar. Add three eggs and half a cup of milk, then stir until "
+          "smooth. Pour the batter into a pan and bake for thirty minutes at 180 degrees.")
+
+# Requests whose answer repeats the prompt, as the bundled model answers them: its greedy answer to
+# each is at least 90% tokens inside 3-grams of the prompt (`repeat_fraction` in the output checks
+# this on every run). Fixing a text, rewriting it with one change, quoting an earlier turn.
 REPEATING: list[list[dict]] = [
+    [{"role": "user", "content": f"Fix the spelling and grammar in this paragraph and write it out again:\n\n{PARAGRAPH}"}],
+    [{"role": "user", "content": f"Rewrite this email word for word, but replace Friday with Monday:\n\n{EMAIL}"}],
+    [{"role": "user", "content": f"Here is a paragraph:\n\n{PARAGRAPH}"},
+     {"role": "assistant", "content": "I have read it."},
+     {"role": "user", "content": "Write the paragraph out again with the spelling fixed."}],
+    [{"role": "user", "content": f"Fix the spelling and grammar in this paragraph and write it out again:\n\n{STORY}"}],
+    [{"role": "user", "content": f"Rewrite this notice word for word, but replace Tuesday with Thursday:\n\n{NOTICE}"}],
+    [{"role": "user", "content": f"Copy this recipe exactly, but change three eggs to two eggs:\n\n{RECIPE}"}],
+    [{"role": "user", "content": f"Repeat this paragraph, correcting only the mistakes:\n\n{STORY}"}],
+    [{"role": "user", "content": f"Format this email as a bulleted list, keeping every sentence as it is:\n\n{EMAIL}"}],
+]
+# Requests that ask for a repeat which a 135M model often does not give: it rewrites the code
+# its own way, or answers the quote request with a summary (repeat fractions of 0.0-0.5 on
+# half of them). The first set the bench used; kept to show what speculation does when the
+# proposals are only sometimes right.
+MIXED: list[list[dict]] = [
     [{"role": "user", "content": f"Fix the spelling and grammar in this paragraph and write it out again:\n\n{PARAGRAPH}"}],
     [{"role": "user", "content": f"There is a bug in this Python code. Fix it and print the whole corrected code:\n\n{CODE}"}],
     [{"role": "user", "content": f"Rewrite this email word for word, but replace Friday with Monday:\n\n{EMAIL}"}],
@@ -49,7 +78,7 @@ CHAT: list[list[dict]] = [[{"role": "user", "content": q}] for q in (
     "How do I start learning to play the guitar?",
     "Why do cats purr?",
 )]
-WORKLOADS = {"repeating": REPEATING, "chat": CHAT}
+WORKLOADS = {"repeating": REPEATING, "mixed": MIXED, "chat": CHAT}
 
 
 def _prompts(loaded: LoadedModel, convs: list[list[dict]]) -> list[list[int]]:
@@ -92,6 +121,21 @@ def _timed_rounds(engines: dict[str, LLMEngine], prompts: list[list[int]], batch
     return seconds, outputs, tpot
 
 
+def repeat_fraction(prompts: list[list[int]], answers: list[list[int]], n: int = 3) -> float:
+    """Share of answer tokens inside an n-gram that also occurs in the answer's prompt: how
+    much of what the model wrote it copied."""
+    copied = total = 0
+    for prompt, answer in zip(prompts, answers):
+        grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+        inside: set[int] = set()
+        for i in range(len(answer) - n + 1):
+            if tuple(answer[i:i + n]) in grams:
+                inside.update(range(i, i + n))
+        copied += len(inside)
+        total += len(answer)
+    return round(copied / total, 3) if total else 0.0
+
+
 def _spec_summary(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in after if k != "spec_decode_acceptance_rate"}
     drafted, drafts = d["spec_decode_num_draft_tokens"], d["spec_decode_num_drafts"]
@@ -120,6 +164,7 @@ def run_spec(loaded: LoadedModel, batch_sizes: tuple[int, ...] = (1, 8), max_tok
             tokens = {m: sum(len(x) for x in o) for m, o in outs.items()}
             rate = {m: tokens[m] / statistics.median(seconds[m]) for m in seconds}
             row = {"workload": name, "batch": batch, "prompts": len(prompts), "output_tokens": tokens,
+                   "repeat_fraction": repeat_fraction(prompts, outs["off"]),
                    "seconds": {m: [round(x, 3) for x in v] for m, v in seconds.items()},
                    "output_tokens_per_s": {m: round(v, 2) for m, v in rate.items()},
                    "speedup": round(rate["ngram"] / rate["off"], 3),

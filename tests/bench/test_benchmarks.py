@@ -91,15 +91,27 @@ def test_spec_bench_reports_on_and_off(tiny_model):
     result = run_spec(tiny_model, batch_sizes=(1, 2), max_tokens=12, num_prompts=2, k=3,
                       draft="self-layers:1", adaptive=False)
     assert [(r["workload"], r["batch"]) for r in result["results"]] == [
-        ("repeating", 1), ("repeating", 2), ("chat", 1), ("chat", 2)]
+        ("repeating", 1), ("repeating", 2), ("mixed", 1), ("mixed", 2), ("chat", 1), ("chat", 2)]
     for r in result["results"]:
         assert r["identical_outputs"] == r["prompts"] == 2 and r["draft"]["identical_outputs"] == 2
         assert r["output_tokens"]["off"] == r["output_tokens"]["ngram"] > 0
         assert r["speedup"] > 0 and r["draft"]["draft_tokens"] > 0
         assert r["tpot_ms"]["off"] > 0 and r["tpot_ms"]["ngram"] > 0
         assert r["tpot_speedup"] == round(r["tpot_ms"]["off"] / r["tpot_ms"]["ngram"], 3)
+        assert 0.0 <= r["repeat_fraction"] <= 1.0
     assert all(r["draft_tokens"] > 0 for r in result["results"] if r["workload"] == "repeating")
     assert set(result["targets_met"]) == {"repeating_batch1_at_least_1.5x", "never_below_0.95x_elsewhere"}
+
+
+def test_repeat_fraction_counts_copied_tokens():
+    from chatloom.bench.spec import repeat_fraction
+
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert repeat_fraction([prompt], [[2, 3, 4, 5]]) == 1.0
+    assert repeat_fraction([prompt], [[9, 8, 7, 6]]) == 0.0
+    # [3, 4, 5] is copied, 9 and 7 are not; the second answer copies nothing.
+    assert repeat_fraction([prompt, prompt], [[9, 3, 4, 5, 7], [7, 7, 7]]) == 0.375
+    assert repeat_fraction([prompt], [[]]) == 0.0
 
 
 def test_spec_bench_rejects_a_bad_draft_model():
