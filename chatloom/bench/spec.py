@@ -35,38 +35,49 @@ NOTICE = ("Dear residents, the water will be turned off on Tuesday from 9 am to 
 RECIPE = ("Mix two cups of flour with one cup of sugar. Add three eggs and half a cup of milk, then stir until "
           "smooth. Pour the batter into a pan and bake for thirty minutes at 180 degrees.")
 
+FIX_SPELLING = "Fix the spelling and grammar in this paragraph and write it out again"
+REPEAT_CORRECTED = "Repeat this paragraph, correcting only the mistakes"
+EMAIL_TO_MONDAY = "Rewrite this email word for word, but replace Friday with Monday"
+EMAIL_AS_LIST = "Format this email as a bulleted list, keeping every sentence as it is"
+
+
+def _ask(instruction: str, text: str) -> list[dict]:
+    """One user turn: an instruction, then the text it is about."""
+    return [{"role": "user", "content": f"{instruction}:\n\n{text}"}]
+
+
 # Requests whose answer repeats the prompt, as the bundled model answers them: its greedy answer to
-# each is at least 90% tokens inside 3-grams of the prompt (`repeat_fraction` in the output checks
+# each is at least 90% tokens inside 3-grams of the prompt (`repeat_fraction` in the output reports
 # this on every run). Fixing a text, rewriting it with one change, quoting an earlier turn.
 REPEATING: list[list[dict]] = [
-    [{"role": "user", "content": f"Fix the spelling and grammar in this paragraph and write it out again:\n\n{PARAGRAPH}"}],
-    [{"role": "user", "content": f"Rewrite this email word for word, but replace Friday with Monday:\n\n{EMAIL}"}],
+    _ask(FIX_SPELLING, PARAGRAPH),
+    _ask(EMAIL_TO_MONDAY, EMAIL),
     [{"role": "user", "content": f"Here is a paragraph:\n\n{PARAGRAPH}"},
      {"role": "assistant", "content": "I have read it."},
      {"role": "user", "content": "Write the paragraph out again with the spelling fixed."}],
-    [{"role": "user", "content": f"Fix the spelling and grammar in this paragraph and write it out again:\n\n{STORY}"}],
-    [{"role": "user", "content": f"Rewrite this notice word for word, but replace Tuesday with Thursday:\n\n{NOTICE}"}],
-    [{"role": "user", "content": f"Copy this recipe exactly, but change three eggs to two eggs:\n\n{RECIPE}"}],
-    [{"role": "user", "content": f"Repeat this paragraph, correcting only the mistakes:\n\n{STORY}"}],
-    [{"role": "user", "content": f"Format this email as a bulleted list, keeping every sentence as it is:\n\n{EMAIL}"}],
+    _ask(FIX_SPELLING, STORY),
+    _ask("Rewrite this notice word for word, but replace Tuesday with Thursday", NOTICE),
+    _ask("Copy this recipe exactly, but change three eggs to two eggs", RECIPE),
+    _ask(REPEAT_CORRECTED, STORY),
+    _ask(EMAIL_AS_LIST, EMAIL),
 ]
 # Requests that ask for a repeat which a 135M model often does not give: it rewrites the code
 # its own way, or answers the quote request with a summary (repeat fractions of 0.0-0.5 on
 # half of them). The first set the bench used; kept to show what speculation does when the
 # proposals are only sometimes right.
 MIXED: list[list[dict]] = [
-    [{"role": "user", "content": f"Fix the spelling and grammar in this paragraph and write it out again:\n\n{PARAGRAPH}"}],
-    [{"role": "user", "content": f"There is a bug in this Python code. Fix it and print the whole corrected code:\n\n{CODE}"}],
-    [{"role": "user", "content": f"Rewrite this email word for word, but replace Friday with Monday:\n\n{EMAIL}"}],
-    [{"role": "user", "content": f"Copy this code exactly, adding a docstring to each function:\n\n{CODE}"}],
+    _ask(FIX_SPELLING, PARAGRAPH),
+    _ask("There is a bug in this Python code. Fix it and print the whole corrected code", CODE),
+    _ask(EMAIL_TO_MONDAY, EMAIL),
+    _ask("Copy this code exactly, adding a docstring to each function", CODE),
     [{"role": "user", "content": f"Please remember this note: {EMAIL}"},
      {"role": "assistant", "content": "Noted. I will remember it."},
      {"role": "user", "content": "Quote my note back to me exactly, then say in one line what it asks."}],
-    [{"role": "user", "content": f"Repeat this paragraph, correcting only the mistakes:\n\n{PARAGRAPH}"}],
+    _ask(REPEAT_CORRECTED, PARAGRAPH),
     [{"role": "user", "content": f"Here is my code:\n{CODE}"},
      {"role": "assistant", "content": "Thanks, I see two functions, average and largest."},
      {"role": "user", "content": "Show the average function again, fixed, in a code block."}],
-    [{"role": "user", "content": f"Format this email as a bulleted list, keeping every sentence as it is:\n\n{EMAIL}"}],
+    _ask(EMAIL_AS_LIST, EMAIL),
 ]
 CHAT: list[list[dict]] = [[{"role": "user", "content": q}] for q in (
     "Tell me a short story about a robot who learns to paint.",
