@@ -122,11 +122,11 @@ def test_quantized_float_paths_give_the_same_bits(kind, rows):
     if "avx512" not in kernels.float_linear_isas():
         pytest.skip("this CPU has no avx512 path")
     int8_layer, dense = _layer(kind, 45, 160, rows)
-    from chatloom.models.packed_linear import from_int8_layout
-    codes = from_int8_layout(int8_layer.codes)  # back to the float kernel's layout
+    from chatloom.models.packed_linear import from_int8_layout, to_float_kernel_layout
+    codes, scales = to_float_kernel_layout(from_int8_layout(int8_layer.codes), int8_layer.scales)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    wide = kernels.quantized_linear(x, codes, int8_layer.scales, 45, None, "avx512")
-    assert torch.equal(wide, kernels.quantized_linear(x, codes, int8_layer.scales, 45, None, "avx2"))
+    wide = kernels.quantized_linear(x, codes, scales, 45, None, "avx512")
+    assert torch.equal(wide, kernels.quantized_linear(x, codes, scales, 45, None, "avx2"))
     torch.testing.assert_close(wide.double(), x.double() @ dense.double().t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="unknown instruction set"):
-        kernels.quantized_linear(x, codes, int8_layer.scales, 45, None, "neon")
+        kernels.quantized_linear(x, codes, scales, 45, None, "neon")

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import chatloom.models.llama as llama
 from chatloom.models.kernels import load_kernels
 from chatloom.models.packed_linear import (PackedLinear, QuantizedLinear, QuantizedWeight, pack_linears,
-                                           pack_quantized, pack_weight, unpack_weight)
+                                           from_float_kernel_layout, pack_quantized, pack_weight,
+                                           to_float_kernel_layout,
+                                           unpack_weight)
 from chatloom.models.registry import tiny_random_config
 from chatloom.models.weights import random_model
 
@@ -130,9 +132,9 @@ def test_quantized_linear_is_bit_identical_to_dequantized_float32(kind):
     parts = [QuantizedWeight(kind, tc.random_blocks(kind, rows, 96, rows), rows, 96) for rows in (20, 13)]
     dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
                        for p in parts])
-    codes, scales = pack_quantized(parts)
-    layer = QuantizedLinear(codes, scales, 33, None, kernels)
+    layer = QuantizedLinear(*pack_quantized(parts), 33, None, kernels)
     assert torch.equal(layer.weight, dense)
+    codes, scales = layer.codes, layer.scales  # the float kernel's layout (to_float_kernel_layout)
     bias = torch.randn(33)
     for rows in (1, 4, 6, 9, 13):  # up to 12 rows expand weights in registers, more use a scratch panel
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
@@ -151,7 +153,7 @@ def _nine_panels(kind: str, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch
     parts = [QuantizedWeight(kind, tc.random_blocks(kind, rows, 128, rows), rows, 128) for rows in (100, 41)]
     dense = torch.cat([torch.from_numpy(quants.dequantize(p.raw, GGMLQuantizationType[kind]).astype(np.float32))
                        for p in parts])
-    codes, scales = pack_quantized(parts)
+    codes, scales = to_float_kernel_layout(*pack_quantized(parts))
     return codes, scales, dense
 
 
@@ -188,6 +190,31 @@ def test_a_few_rows_run_several_panels_at_once_with_the_same_bits(kind, isa):
         assert torch.equal(batch, kernels.packed_linear(x[:rows], packed, 141, bias)), rows
         for i in range(rows):
             assert torch.equal(batch[i], alone[i][0]), (rows, i)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
+def test_float_kernel_layout_round_trips_and_keeps_the_bits(kind):
+    """to_float_kernel_layout keeps every value: 4-bit codes as words of 8 depths, scales in float16
+    only where each is exactly one (GGUF's Q4_1 and Q8_0 store them so; Q4_K's products need
+    float32). The kernel gives the same bits from either scale dtype, on every path and row count."""
+    parts = [QuantizedWeight(kind, tc.random_blocks(kind, rows, 256, rows), rows, 256) for rows in (20, 13)]
+    codes, scales = pack_quantized(parts)
+    fast_codes, fast_scales = to_float_kernel_layout(codes, scales)
+    assert fast_scales.dtype == (torch.float32 if kind == "Q4_K" else torch.float16)
+    back_codes, back_scales = from_float_kernel_layout(fast_codes, fast_scales)
+    assert torch.equal(back_codes, codes)
+    same_bits = dict(rtol=0, atol=0, equal_nan=True)  # random K-quant blocks hold some inf * 0 scales
+    torch.testing.assert_close(back_scales, scales, **same_bits)
+    if codes.shape[2] == 8:  # depth 8g + t of feature j is nibble t of word j in group g
+        words = fast_codes.view(torch.int32).view(codes.shape[0], -1, 16)
+        k, j = 13, 11
+        assert (words[1, k // 8, j] >> (4 * (k % 8))) & 15 == (codes[1, k, j % 8] >> (4 * (j // 8))) & 15
+    for isa in ["auto"] + kernels.float_linear_isas():
+        for rows in (1, 5, 13):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(kernels.quantized_linear(x, fast_codes, fast_scales, 33, None, isa),
+                                       kernels.quantized_linear(x, fast_codes, fast_scales.float(), 33, None, isa),
+                                       **same_bits)
 
 
 def test_pack_linears_uses_quantized_weights_only_where_they_fit():

@@ -29,6 +29,30 @@ using chatloom_kernels::kTileRows;
 using chatloom_kernels::with_tile_rows;
 constexpr int64_t kRowBlock = 96;  // input rows kept hot in cache while all panels pass
 
+// Block scales of quantized panels, float32 or float16 (see to_float_kernel_layout in
+// packed_linear.py: float16 only where every value is exactly one, so widening loses nothing).
+// Arithmetic is in elements, as on a pointer.
+struct ScalePtr {
+  const void* p;
+  bool half;
+  ScalePtr operator+(int64_t n) const {
+    return {half ? static_cast<const void*>(static_cast<const uint16_t*>(p) + n)
+                 : static_cast<const void*>(static_cast<const float*>(p) + n), half};
+  }
+  float at(int64_t i) const {
+    return half ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(p)[i])
+                : static_cast<const float*>(p)[i];
+  }
+};
+
+// 4-bit codes: each 8 depths of a panel are 16 uint32 words, word j holding feature j's codes at
+// depths 8g..8g+7, depth 8g+t in bits 4t..4t+3 (to_float_kernel_layout).
+inline int nibble_at(const uint8_t* codes, int64_t k, int64_t j) {
+  uint32_t word;
+  std::memcpy(&word, codes + (k >> 3) * 64 + 4 * j, sizeof(word));
+  return (word >> (4 * (k & 7))) & 15;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 
 // Accumulators are named variables, not arrays: GCC keeps them in registers then.
@@ -53,6 +77,20 @@ inline void tile(const float* x, int64_t k_dim, const float* panel, const float*
   chatloom_kernels::store_tile<R>(los, his, bias, out, ldo, ncols);
 }
 
+// Eight of a panel's block scales from element i, as float32.
+inline __m256 load_scales8(ScalePtr s, int64_t i) {
+  if (s.half) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(s.p) + i)));
+#else
+    alignas(32) float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = s.at(i + j);
+    return _mm256_load_ps(f);
+#endif
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(s.p) + i);
+}
+
 // A GGUF block-quantized panel's 16 weights at row k: the same arithmetic as gguf's
 // dequantizer (d * code + m with the product exact), so every path sees identical values.
 template <bool Q4>
@@ -60,9 +98,11 @@ inline void dequantize_row(const uint8_t* codes, int64_t k, __m256 d0, __m256 d1
                            __m256& w0, __m256& w1) {
   __m256 lo, hi;
   if constexpr (Q4) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    const __m256i* words = reinterpret_cast<const __m256i*>(codes + (k >> 3) * 64);
+    const __m128i shift = _mm_cvtsi32_si128(4 * static_cast<int>(k & 7));
+    const __m256i low4 = _mm256_set1_epi32(15);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256(words), shift), low4));
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256(words + 1), shift), low4));
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel));
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -76,14 +116,14 @@ inline void dequantize_row(const uint8_t* codes, int64_t k, __m256 d0, __m256 d1
 // few rows a decode step is bound by reading weights, and a float32 scratch round trip
 // would cost more than the FMAs. Same FMA order as `tile`, so the same results.
 template <int R, bool Q4>
-inline void tile_quantized(const float* x, int64_t k_dim, const uint8_t* codes, const float* scales,
+inline void tile_quantized(const float* x, int64_t k_dim, const uint8_t* codes, ScalePtr scales,
                            const float* bias, float* out, int64_t ldo, int64_t ncols) {
   __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
   __m256 lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
   for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
-    const float* s = scales + kb * 2 * kPanel;
-    const __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
-    const __m256 m0 = _mm256_loadu_ps(s + 16), m1 = _mm256_loadu_ps(s + 24);
+    const ScalePtr s = scales + kb * 2 * kPanel;
+    const __m256 d0 = load_scales8(s, 0), d1 = load_scales8(s, 8);
+    const __m256 m0 = load_scales8(s, 16), m1 = load_scales8(s, 24);
     for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
       __m256 w0, w1;
       dequantize_row<Q4>(codes, k, d0, d1, m0, m1, w0, w1);
@@ -100,14 +140,14 @@ inline void tile_quantized(const float* x, int64_t k_dim, const uint8_t* codes, 
 // the same order as tile_quantized<1>, so the results are the same bits.
 template <int NP, bool Q4>
 inline void row_quantized(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
-                          const float* scales, int64_t scale_stride, __m256 (&lo)[NP], __m256 (&hi)[NP]) {
+                          ScalePtr scales, int64_t scale_stride, __m256 (&lo)[NP], __m256 (&hi)[NP]) {
   for (int i = 0; i < NP; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
     __m256 d0[NP], d1[NP], m0[NP], m1[NP];
     for (int i = 0; i < NP; ++i) {
-      const float* s = scales + i * scale_stride + kb * 2 * kPanel;
-      d0[i] = _mm256_loadu_ps(s), d1[i] = _mm256_loadu_ps(s + 8);
-      m0[i] = _mm256_loadu_ps(s + 16), m1[i] = _mm256_loadu_ps(s + 24);
+      const ScalePtr s = scales + i * scale_stride + kb * 2 * kPanel;
+      d0[i] = load_scales8(s, 0), d1[i] = load_scales8(s, 8);
+      m0[i] = load_scales8(s, 16), m1[i] = load_scales8(s, 24);
     }
     for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
       const __m256 a = _mm256_broadcast_ss(x + k);
@@ -167,15 +207,10 @@ CHATLOOM_WIDE void tile16x2(const float* x, int64_t k_dim, const float* pa, cons
   store_tile16<R>(a1, bias ? bias + kPanel : nullptr, out + kPanel, ldo, ncols_b);
 }
 
-// A Q4_1 panel's 16 codes at one k as floats: byte j holds feature j (low nibble) and j + 8
-// (high). The 8 bytes are broadcast as one load, widened to 32-bit lanes, shifted by 0 (lanes
-// 0-7) or 4 (lanes 8-15), and looked up in a table of 0..15, which reads only each lane's low 4
-// bits: four vector operations instead of seven, and exactly float(code) as before.
-CHATLOOM_WIDE inline __m512 nibbles16(const uint8_t* bytes, __m512i shift, __m512 values) {
-  int64_t eight;
-  std::memcpy(&eight, bytes, sizeof(eight));
-  const __m128i b = _mm_set1_epi64x(eight);
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shift), values);
+// Sixteen of a panel's block scales from element i, as float32.
+CHATLOOM_WIDE inline __m512 load_scales16(ScalePtr s, int64_t i) {
+  if (s.half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(s.p) + i)));
+  return _mm512_loadu_ps(static_cast<const float*>(s.p) + i);
 }
 
 // R rows (a small batch, or one sequence's proposed tokens being verified) against NP panels
@@ -184,42 +219,63 @@ CHATLOOM_WIDE inline __m512 nibbles16(const uint8_t* bytes, __m512i shift, __m51
 // is still expanded once for all R rows. Every output is one FMA chain over k in the order of
 // tile<R> and of the AVX2 row kernel (lanes 0-7 their lo, 8-15 their hi), so the results are
 // the same bits on every path; R = 1 is a single row's kernel.
+//
+// 4-bit codes: one 64-byte load holds a panel's codes for 8 depths (lane j: feature j, 4 bits a
+// depth). vpermps reads only the low 4 bits of each index lane, so looking the lanes up in a table
+// of 0..15 gives depth t's codes as floats, and a shift by 4 moves to the next depth: two vector
+// operations per 16 codes, where unpacking bytes took four.
 template <int R, int NP, bool Q4>
 CHATLOOM_WIDE void tile_panels16(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
-                                 const float* scales, int64_t scale_stride, const float* bias, float* out,
+                                 ScalePtr scales, int64_t scale_stride, const float* bias, float* out,
                                  int64_t ldo, int64_t out_features, int64_t col0) {
   __m512 acc[NP][R];
 #pragma GCC unroll 4
   for (int i = 0; i < NP; ++i)
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-  const __m512i nibble_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
   const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
     __m512 d[NP], m[NP];
 #pragma GCC unroll 4
     for (int i = 0; i < NP; ++i) {
-      const float* s = scales + i * scale_stride + kb * 2 * kPanel;
-      d[i] = _mm512_loadu_ps(s), m[i] = _mm512_loadu_ps(s + kPanel);
+      const ScalePtr s = scales + i * scale_stride + kb * 2 * kPanel;
+      d[i] = load_scales16(s, 0), m[i] = load_scales16(s, kPanel);
     }
-    for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
-      __m512 w[NP];
+    if constexpr (Q4) {
+      for (int64_t k8 = kb * 32; k8 < (kb + 1) * 32; k8 += 8) {
+        __m512i v[NP];
 #pragma GCC unroll 4
-      for (int i = 0; i < NP; ++i) {
-        const uint8_t* ci = codes + i * code_stride;
-        __m512 code;
-        if constexpr (Q4) {
-          code = nibbles16(ci + k * 8, nibble_shift, nibble_values);
-        } else {
-          code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ci + k * kPanel))));
-        }
-        w[i] = _mm512_fmadd_ps(code, d[i], m[i]);
-      }
+        for (int i = 0; i < NP; ++i) v[i] = _mm512_loadu_si512(codes + i * code_stride + k8 * 8);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          __m512 w[NP];
+#pragma GCC unroll 4
+          for (int i = 0; i < NP; ++i) {
+            w[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v[i], nibble_values), d[i], m[i]);
+            v[i] = _mm512_srli_epi32(v[i], 4);
+          }
 #pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+          for (int r = 0; r < R; ++r) {
+            const __m512 a = _mm512_set1_ps(x[r * k_dim + k8 + t]);
 #pragma GCC unroll 4
-        for (int i = 0; i < NP; ++i) acc[i][r] = _mm512_fmadd_ps(a, w[i], acc[i][r]);
+            for (int i = 0; i < NP; ++i) acc[i][r] = _mm512_fmadd_ps(a, w[i], acc[i][r]);
+          }
+        }
+      }
+    } else {
+      for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
+        __m512 w[NP];
+#pragma GCC unroll 4
+        for (int i = 0; i < NP; ++i) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * code_stride + k * kPanel));
+          w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d[i], m[i]);
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+          const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+#pragma GCC unroll 4
+          for (int i = 0; i < NP; ++i) acc[i][r] = _mm512_fmadd_ps(a, w[i], acc[i][r]);
+        }
       }
     }
   }
@@ -318,18 +374,18 @@ bool use_wide(const std::string& requested) {
 // per-thread scratch right before its tiles run, with the same arithmetic as gguf's
 // dequantizer (w = d * code + m, the product exact in float32), so results are
 // bit-identical to the float32 packed path on the dequantized weights.
-//   Q4_1 codes [P, K, 8] uint8: byte j holds row j (low nibble) and row j + 8 (high).
-//   Q8_0 codes [P, K, 16] int8.
-//   scales [P, K / 32, 2, 16] float32: d for the panel's 16 rows, then m (zero for Q8_0).
+//   4-bit codes [P, K, 8] uint8: 8 depths of a panel in 16 uint32 words (see nibble_at).
+//   8-bit codes [P, K, 16] int8.
+//   scales [P, K / 32, 2, 16] float32 or float16: d for the panel's 16 rows, then m (zero for Q8_0).
 constexpr int64_t kQuantBlock = 32;
 
 template <bool Q4>
-void dequantize_panel(const uint8_t* codes, const float* scales, int64_t k_dim, float* dst) {
+void dequantize_panel(const uint8_t* codes, ScalePtr scales, int64_t k_dim, float* dst) {
   for (int64_t kb = 0; kb < k_dim / kQuantBlock; ++kb) {
-    const float* s = scales + kb * 2 * kPanel;
+    const ScalePtr s = scales + kb * 2 * kPanel;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
-    const __m256 m0 = _mm256_loadu_ps(s + 16), m1 = _mm256_loadu_ps(s + 24);
+    const __m256 d0 = load_scales8(s, 0), d1 = load_scales8(s, 8);
+    const __m256 m0 = load_scales8(s, 16), m1 = load_scales8(s, 24);
     for (int64_t k = kb * kQuantBlock; k < (kb + 1) * kQuantBlock; ++k) {
       __m256 w0, w1;
       dequantize_row<Q4>(codes, k, d0, d1, m0, m1, w0, w1);
@@ -341,12 +397,11 @@ void dequantize_panel(const uint8_t* codes, const float* scales, int64_t k_dim, 
       for (int64_t j = 0; j < kPanel; ++j) {
         float code;
         if constexpr (Q4) {
-          const uint8_t byte = codes[k * 8 + (j % 8)];
-          code = (float)(j < 8 ? (byte & 15) : (byte >> 4));
+          code = (float)nibble_at(codes, k, j);
         } else {
           code = (float)reinterpret_cast<const int8_t*>(codes)[k * kPanel + j];
         }
-        dst[k * kPanel + j] = std::fma(code, s[j], s[kPanel + j]);
+        dst[k * kPanel + j] = std::fma(code, s.at(j), s.at(kPanel + j));
       }
 #endif
   }
@@ -357,7 +412,7 @@ constexpr int kRowPanels = 4;  // panels a single row runs at once: that many in
 
 // Stores NP panels' outputs for one row (the last panel may hold fewer than 16 features).
 template <int NP, bool Q4>
-void row_group(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride, const float* scales,
+void row_group(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride, ScalePtr scales,
                int64_t scale_stride, const float* bias, float* out, int64_t out_features, int64_t col0) {
   __m256 lo[NP], hi[NP];
   row_quantized<NP, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, lo, hi);
@@ -371,7 +426,7 @@ void row_group(const float* x, int64_t k_dim, const uint8_t* codes, int64_t code
 
 template <bool Q4>
 void row_group_any(int64_t np, const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
-                   const float* scales, int64_t scale_stride, const float* bias, float* out, int64_t out_features,
+                   ScalePtr scales, int64_t scale_stride, const float* bias, float* out, int64_t out_features,
                    int64_t col0) {
   switch (np) {
     case 4: row_group<4, Q4>(x, k_dim, codes, code_stride, scales, scale_stride, bias, out, out_features, col0); return;
@@ -383,7 +438,7 @@ void row_group_any(int64_t np, const float* x, int64_t k_dim, const uint8_t* cod
 
 // x [1, K] against every quantized panel with the AVX2 row kernel, kRowPanels panels per task
 // (see row_quantized).
-torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes, const float* scales,
+torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes, ScalePtr scales,
                                    int64_t code_bytes, int64_t panels, int64_t out_features, const float* bias,
                                    bool q4) {
   const int64_t k_dim = x.size(1);
@@ -397,7 +452,7 @@ torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes,
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
       const uint8_t* c = codes + p0 * code_stride;
-      const float* s = scales + p0 * scale_stride;
+      const ScalePtr s = scales + p0 * scale_stride;
       if (q4) row_group_any<true>(np, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
       else row_group_any<false>(np, xp, k_dim, c, code_stride, s, scale_stride, bias, op, out_features, p0 * kPanel);
     }
@@ -413,13 +468,13 @@ constexpr int panels_for_rows(int64_t rows) { return rows <= 4 ? 4 : 3; }
 
 template <int R, bool Q4>
 CHATLOOM_WIDE void tile_rows16(int64_t np, const float* x, int64_t k_dim, const uint8_t* codes, int64_t code_stride,
-                               const float* scales, int64_t scale_stride, const float* bias, float* out, int64_t ldo,
+                               ScalePtr scales, int64_t scale_stride, const float* bias, float* out, int64_t ldo,
                                int64_t out_features, int64_t col0) {
   constexpr int kMax = panels_for_rows(R);
   for (int64_t i = 0; i < np;) {
     const int64_t n = std::min<int64_t>(kMax, np - i);
     const uint8_t* c = codes + i * code_stride;
-    const float* s = scales + i * scale_stride;
+    const ScalePtr s = scales + i * scale_stride;
     const int64_t col = col0 + i * kPanel;
     switch (n) {
       case 4: tile_panels16<R, (kMax >= 4 ? 4 : 1), Q4>(x, k_dim, c, code_stride, s, scale_stride, bias, out, ldo, out_features, col); break;
@@ -433,7 +488,7 @@ CHATLOOM_WIDE void tile_rows16(int64_t np, const float* x, int64_t k_dim, const 
 
 // x [M, K] (M up to two tiles of 6 rows) on AVX-512 against every quantized panel, kRowPanels panels per
 // task; within a task each tile of rows runs against as many of them at once as fit.
-torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes, const float* scales,
+torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes, ScalePtr scales,
                                    int64_t code_bytes, int64_t panels, int64_t out_features, const float* bias,
                                    bool q4) {
   const int64_t m_dim = x.size(0), k_dim = x.size(1);
@@ -447,7 +502,7 @@ torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes,
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
       const uint8_t* c = codes + p0 * code_stride;
-      const float* s = scales + p0 * scale_stride;
+      const ScalePtr s = scales + p0 * scale_stride;
       for (int64_t m = 0; m < m_dim; m += kTileRows) {
         const float* xm = xp + m * k_dim;
         float* om = op + m * out_features;
@@ -555,13 +610,14 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(codes.scalar_type() == (q4 ? torch::kUInt8 : torch::kInt8), "codes dtype");
   const int64_t panels = codes.size(0), k_dim = codes.size(1);
   TORCH_CHECK(k_dim % kQuantBlock == 0, "K must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
-              scales.sizes() == torch::IntArrayRef({panels, k_dim / kQuantBlock, 2, kPanel}), "scales shape");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kFloat16) &&
+              scales.is_contiguous() && scales.sizes() == torch::IntArrayRef({panels, k_dim / kQuantBlock, 2, kPanel}),
+              "scales must be contiguous float32 or float16 [P, K / 32, 2, 16]");
   check_input(x, k_dim, panels, out_features);
   torch::Tensor keep;
   const float* b = checked_bias(bias, out_features, keep);
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* sp = scales.data_ptr<float>();
+  const ScalePtr sp{scales.data_ptr(), scales.scalar_type() == torch::kFloat16};
   const int64_t code_bytes = codes.size(2);
   // Up to two tiles of rows, expanding each weight row in registers (twice at most) beats
   // the scratch panel's store and reload.
@@ -592,7 +648,7 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
       const bool pair = p + 1 < panels;
       for (int64_t i = 0; i < (pair ? 2 : 1); ++i) {
         const uint8_t* c = cp + (p + i) * k_dim * code_bytes;
-        const float* s = sp + (p + i) * scale_stride;
+        const ScalePtr s = sp + (p + i) * scale_stride;
         if (q4) dequantize_panel<true>(c, s, k_dim, scratch + i * k_dim * kPanel);
         else dequantize_panel<false>(c, s, k_dim, scratch + i * k_dim * kPanel);
       }
@@ -605,7 +661,7 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   return run_panels(x.contiguous(), panels, out_features, !few_rows,
                     [&](int64_t p, int64_t m0, int64_t m1, const float* xp, float* op, float* scratch) {
     const uint8_t* c = cp + p * k_dim * code_bytes;
-    const float* s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
+    const ScalePtr s = sp + p * (k_dim / kQuantBlock) * 2 * kPanel;
     const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
     const float* bp = b ? b + col : nullptr;
 #if defined(__AVX2__) && defined(__FMA__)
