@@ -1,4 +1,4 @@
-"""The decode step's decoder stack in one native call (kernels/decode_stack.cpp).
+"""The decode step's decoder stack in one native call (kernels/decode_stack.cpp, decode_team.cpp).
 
 It must give the bits of the layer-by-layer module path for every kind of matmul layer a model can
 have (float32 panels, bfloat16, GGUF 4/8-bit and K-quants, with float or int8 activations), for a
@@ -85,21 +85,33 @@ def _runner(model: llama.DecoderForCausalLM) -> tuple[ModelRunner, list[tuple[to
     return runner, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
 
 
-def _both_paths(model: llama.DecoderForCausalLM, monkeypatch) -> None:
+def _wide_batch() -> ScheduledBatch:
+    """Seven decoding sequences with a proposed token each: 14 queries, more than the team path takes."""
+    seqs = []
+    for i in range(7):
+        seq = Sequence(f"w{i}", list(range(10 + i, 14 + 2 * i)), SamplingParams(max_tokens=8))
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        seq.block_table = [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]
+        seq.spec_token_ids = [7 + i]
+        seqs.append(seq)
+    return ScheduledBatch(decodes=seqs)
+
+
+def _both_paths(model: llama.DecoderForCausalLM, monkeypatch, batch=_batch) -> None:
     """One decode step through the stack and through the modules, from the same pool: same bits."""
     runner, start = _runner(model)
     python_calls = []
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a: python_calls.append(1) or real(*a))
 
-    native_logits, _, _ = runner.execute(_batch())
+    native_logits, _, _ = runner.execute(batch())
     assert model.decode_stack() is not None and not python_calls  # the stack ran, not the modules
     native_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     for (k, v), (k0, v0) in zip(runner.kv_caches, start):
         k.copy_(k0)
         v.copy_(v0)
     model.native_decode = False
-    module_logits, _, _ = runner.execute(_batch())
+    module_logits, _, _ = runner.execute(batch())
     assert len(python_calls) == len(model.layers)
     assert torch.equal(native_logits, module_logits)
     for (k, v), (nk, nv) in zip(runner.kv_caches, native_pool):
@@ -154,6 +166,37 @@ def test_gguf_quantized_weights(kinds, int8, monkeypatch):
     model = _model()
     assert pack_linears(model, _quantized(model, kinds), int8_activations=int8)
     _both_paths(model, monkeypatch)
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+@pytest.mark.parametrize("kinds", [["Q4_1"], ["Q8_0"], ["Q4_K"]], ids=lambda k: "+".join(k))
+def test_exact_quantized_models_step_on_one_team_of_threads(kinds, monkeypatch):
+    """Every matmul quantized with float activations (the default, exact mode): decode steps of up to 12
+    queries run on one team of threads (decode_team.cpp), with the module path's bits whether profiled
+    or not; wider batches take the call-by-call stack, also with the same bits."""
+    model = _model()
+    assert pack_linears(model, _quantized(model, kinds))
+    stack = model.decode_stack()
+    assert stack.team_path
+    stack.set_profiling(True)
+    _both_paths(model, monkeypatch)
+    parts = stack.profile()
+    assert parts.pop("steps") == 1
+    assert set(parts) == {"input_norm", "qkv", "attention", "o", "post_norm", "gate_up", "silu", "down"}
+    assert all(v >= 0 for v in parts.values()) and parts["gate_up"] > 0
+    model.native_decode = True
+    _both_paths(model, monkeypatch, _wide_batch)
+    assert stack.profile()["steps"] == 1  # the 14-query step did not run on the team
+
+
+def test_int8_and_grouped_models_keep_the_call_by_call_stack():
+    model = _model()
+    assert pack_linears(model, _quantized(model, ["Q4_1", "Q8_0"]))  # fused parts of two kinds: grouped layout
+    assert not model.decode_stack().team_path
+    if int8_matmul_supported(kernels):
+        model = _model()
+        assert pack_linears(model, _quantized(model, ["Q4_1"]), int8_activations=True)
+        assert not model.decode_stack().team_path
 
 
 @pytest.mark.parametrize("change", [{"qk_norm": True}, {"sandwich_norms": True}, {"embedding_scale": 2.0}])

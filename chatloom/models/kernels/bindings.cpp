@@ -1,5 +1,7 @@
 #include "decode_stack.h"
 
+#include <pybind11/stl.h>
+
 // Every kernel runs without the GIL (its arguments are converted before, its result after): the
 // engine thread's matmuls then leave the interpreter to the event loop that streams the tokens.
 using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -59,6 +61,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("scale"))
       .def("forward", &DecodeStack::forward, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
            pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
-           pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"));
+           pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
+      .def("set_profiling", &DecodeStack::set_profiling, "time each part of the team path's steps (resets the sums)",
+           pybind11::arg("on"))
+      .def("profile", &DecodeStack::profile, "seconds per part of the team path's steps while profiling, and steps")
+      .def_property_readonly("team_path", &DecodeStack::team_path,
+                             "whether decode steps run on one team of threads (every matmul quantized, AVX-512)");
   m.def("rotary", &rotary, "rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions (float32)", NoGil());
 }

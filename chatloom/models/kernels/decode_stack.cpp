@@ -7,6 +7,8 @@
 // result has the same bits; only the glue between them goes.
 #include "decode_stack.h"
 
+#include <algorithm>
+
 namespace {
 
 // y = x @ W^T (+ bias) through the kernel the Python layer would call (packed_linear.py).
@@ -52,6 +54,41 @@ DecodeStack::DecodeStack(std::vector<DecodeLayerWeights> layers, torch::Tensor f
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), cos_(std::move(cos)),
       sin_(std::move(sin)), interleaved_(interleaved), hq_(hq), hkv_(hkv), scale_(scale) {
   TORCH_CHECK(!layers_.empty(), "a decoder stack needs at least one layer");
+  const auto tasks = [](const NativeLinear& l) {
+    return quantized_panels(l.weight, l.scales, l.bias, l.out_features);
+  };
+  const bool all_quantized = std::all_of(layers_.begin(), layers_.end(), [](const DecodeLayerWeights& w) {
+    for (const NativeLinear* l : {&w.qkv, &w.o, &w.gate_up, &w.down})
+      if (l->kind != NativeLinear::kQuantized) return false;
+    return true;
+  });
+  if (all_quantized && quantized_tasks_supported())
+    for (const auto& w : layers_) team_.push_back({tasks(w.qkv), tasks(w.o), tasks(w.gate_up), tasks(w.down)});
+  if (!team_.empty() && !team_shape_ok()) team_.clear();
+}
+
+// The team path's buffers and raw loops assume one Llama shape for every layer.
+bool DecodeStack::team_shape_ok() const {
+  const TeamLayer& a = team_[0];
+  const int64_t hidden = a.qkv.k_dim, heads = hq_ + 2 * hkv_;
+  if (heads <= 0 || hkv_ <= 0 || hq_ % hkv_ != 0 || a.qkv.out_features % heads != 0) return false;
+  const int64_t d = a.qkv.out_features / heads;
+  if (d % 2 != 0 || a.o.k_dim != hq_ * d || a.o.out_features != hidden || a.gate_up.k_dim != hidden ||
+      a.gate_up.out_features != 2 * a.down.k_dim || a.down.out_features != hidden)
+    return false;
+  if (cos_.scalar_type() != torch::kFloat32 || sin_.scalar_type() != torch::kFloat32 || !cos_.is_contiguous() ||
+      !sin_.is_contiguous() || cos_.dim() != 2 || cos_.size(1) != d / 2 || sin_.sizes() != cos_.sizes() ||
+      final_norm_.numel() != hidden || final_norm_.scalar_type() != torch::kFloat32 || !final_norm_.is_contiguous())
+    return false;
+  for (size_t i = 0; i < team_.size(); ++i) {
+    const TeamLayer& b = team_[i];
+    const QuantizedPanels *x[4] = {&a.qkv, &a.o, &a.gate_up, &a.down}, *y[4] = {&b.qkv, &b.o, &b.gate_up, &b.down};
+    for (int j = 0; j < 4; ++j)
+      if (x[j]->k_dim != y[j]->k_dim || x[j]->out_features != y[j]->out_features) return false;
+    for (const torch::Tensor* norm : {&layers_[i].input_norm, &layers_[i].post_norm})
+      if (norm->numel() != hidden || norm->scalar_type() != torch::kFloat32 || !norm->is_contiguous()) return false;
+  }
+  return true;
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
@@ -60,6 +97,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, con
   const size_t n = layers_.size();
   TORCH_CHECK(k_pools.size() == n && v_pools.size() == n, "one K and one V pool per layer");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, hidden]");
+  if (!team_.empty() && x.size(0) <= kMaxTaskRows)
+    return forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
   // The residual stream is x itself, updated in place (the embedding output is a fresh tensor).
   torch::Tensor residual = x;
   torch::Tensor h;

@@ -2,6 +2,10 @@
 #pragma once
 #include "kernels.h"
 
+#include <array>
+#include <map>
+#include <string>
+
 // One linear layer as the kernels see it; `kind` names the kernel its Python module calls.
 struct NativeLinear {
   enum Kind : int64_t { kPacked = 0, kQuantized = 1, kInt8 = 2, kGrouped = 3, kGroupedInt8 = 4, kBF16 = 5 };
@@ -31,8 +35,28 @@ class DecodeStack {
                         const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const;
 
+  // Wall time per part of the team path's decode steps (decode_team.cpp), summed while profiling is
+  // on: the serial parts as the leading thread ran them, each matmul from its start to the barrier
+  // after it. For `chatloom bench latency`'s breakdown; off by default (two clock reads per part).
+  void set_profiling(bool on);
+  std::map<std::string, double> profile() const;  // seconds per part, and "steps"
+  bool team_path() const { return !team_.empty(); }
+
  private:
+  // Every layer's matmuls are few-row quantized tasks (decode_team.cpp); empty when they are not.
+  struct TeamLayer {
+    QuantizedPanels qkv, o, gate_up, down;
+  };
+  torch::Tensor forward_team(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
+                             const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping,
+                             torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const;
+
+  bool team_shape_ok() const;
+
   std::vector<DecodeLayerWeights> layers_;
+  std::vector<TeamLayer> team_;
+  bool profiling_ = false;
+  mutable std::array<int64_t, 9> profile_ns_{};  // the parts in kTeamParts order, then the step count
   torch::Tensor final_norm_;
   double eps_;
   torch::Tensor cos_, sin_;

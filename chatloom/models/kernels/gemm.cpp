@@ -486,8 +486,28 @@ CHATLOOM_WIDE void tile_rows16(int64_t np, const float* x, int64_t k_dim, const 
   }
 }
 
+// Rows x [M, K] (M up to two tiles of 6 rows) against the kRowPanels quantized panels of group g, on
+// AVX-512: each tile of rows runs against as many of them at once as fit.
+CHATLOOM_WIDE void quantized_group16(const float* xp, int64_t m_dim, int64_t k_dim, const uint8_t* codes,
+                                     int64_t code_bytes, ScalePtr scales, int64_t panels, int64_t out_features,
+                                     const float* bias, bool q4, float* op, int64_t g) {
+  const int64_t code_stride = k_dim * code_bytes, scale_stride = (k_dim / kQuantBlock) * 2 * kPanel;
+  const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
+  const uint8_t* c = codes + p0 * code_stride;
+  const ScalePtr s = scales + p0 * scale_stride;
+  for (int64_t m = 0; m < m_dim; m += kTileRows) {
+    const float* xm = xp + m * k_dim;
+    float* om = op + m * out_features;
+    with_tile_rows(std::min(kTileRows, m_dim - m), [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      if (q4) tile_rows16<R, true>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
+      else tile_rows16<R, false>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
+    });
+  }
+}
+
 // x [M, K] (M up to two tiles of 6 rows) on AVX-512 against every quantized panel, kRowPanels panels per
-// task; within a task each tile of rows runs against as many of them at once as fit.
+// task (quantized_group16).
 torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes, ScalePtr scales,
                                    int64_t code_bytes, int64_t panels, int64_t out_features, const float* bias,
                                    bool q4) {
@@ -498,21 +518,9 @@ torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes,
   const int64_t code_stride = k_dim * code_bytes, scale_stride = (k_dim / kQuantBlock) * 2 * kPanel;
   const int64_t groups = (panels + kRowPanels - 1) / kRowPanels;
   const int64_t grain = std::max<int64_t>(1, 200000 / (2 * m_dim * k_dim * kPanel * kRowPanels));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
-      const uint8_t* c = codes + p0 * code_stride;
-      const ScalePtr s = scales + p0 * scale_stride;
-      for (int64_t m = 0; m < m_dim; m += kTileRows) {
-        const float* xm = xp + m * k_dim;
-        float* om = op + m * out_features;
-        with_tile_rows(std::min(kTileRows, m_dim - m), [&](auto r) {
-          constexpr int R = decltype(r)::value;
-          if (q4) tile_rows16<R, true>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
-          else tile_rows16<R, false>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
-        });
-      }
-    }
+  chatloom_kernels::parallel_for_dynamic(groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      quantized_group16(xp, m_dim, k_dim, codes, code_bytes, scales, panels, out_features, bias, q4, op, g);
   });
   return out;
 }
@@ -682,4 +690,52 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
     else dequantize_panel<false>(c, s, k_dim, scratch);
     panel_rows(xp, k_dim, scratch, bp, op + col, out_features, ncols, m0, m1);
   });
+}
+
+// -- the few-row quantized matmul as tasks, for callers that split the work themselves --
+QuantizedPanels quantized_panels(const torch::Tensor& codes, const torch::Tensor& scales,
+                                 const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (codes.size(2) == 8 || codes.size(2) == kPanel),
+              "codes must be contiguous [P, K, 8] (4-bit) or [P, K, 16] (8-bit)");
+  QuantizedPanels w;
+  w.q4 = codes.size(2) == 8;
+  TORCH_CHECK(codes.scalar_type() == (w.q4 ? torch::kUInt8 : torch::kInt8), "codes dtype");
+  w.panels = codes.size(0);
+  w.k_dim = codes.size(1);
+  TORCH_CHECK(w.k_dim % kQuantBlock == 0, "K must be a multiple of 32");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kFloat16) &&
+              scales.is_contiguous() && scales.sizes() == torch::IntArrayRef({w.panels, w.k_dim / kQuantBlock, 2, kPanel}),
+              "scales must be contiguous float32 or float16 [P, K / 32, 2, 16]");
+  TORCH_CHECK(out_features > (w.panels - 1) * kPanel && out_features <= w.panels * kPanel,
+              "out_features does not match the packed panels");
+  w.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  w.scales = scales.data_ptr();
+  w.half_scales = scales.scalar_type() == torch::kFloat16;
+  w.out_features = out_features;
+  w.bias = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out_features,
+                "bias shape");
+    w.bias = bias->data_ptr<float>();
+  }
+  return w;
+}
+
+bool quantized_tasks_supported() {
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  return use_wide("auto");
+#else
+  return false;
+#endif
+}
+
+int64_t quantized_tasks(const QuantizedPanels& w) { return (w.panels + kRowPanels - 1) / kRowPanels; }
+
+void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task) {
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  quantized_group16(x, m_dim, w.k_dim, w.codes, w.q4 ? 8 : kPanel, ScalePtr{w.scales, w.half_scales}, w.panels,
+                    w.out_features, w.bias, w.q4, out, task);
+#else
+  TORCH_CHECK(false, "the quantized matmul's task path needs AVX-512");
+#endif
 }

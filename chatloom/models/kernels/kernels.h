@@ -1,6 +1,7 @@
 // Entry points of chatloom's C++ kernels (bound to Python in bindings.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <vector>
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
@@ -55,3 +56,48 @@ torch::Tensor grouped_quantized_linear(torch::Tensor x, torch::Tensor codes, tor
 
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
                                   c10::optional<torch::Tensor> bias);
+
+// The few-row (at most kMaxTaskRows) quantized matmul of quantized_linear ("auto" path) split into
+// tasks of 4 panels, for a caller that schedules them on its own threads (decode_stack.cpp): the same
+// kernels, so the same bits. Only where quantized_tasks_supported() (the AVX-512 path is in use).
+struct QuantizedPanels {
+  const uint8_t* codes;
+  const void* scales;
+  bool half_scales, q4;
+  int64_t k_dim, panels, out_features;
+  const float* bias;
+};
+constexpr int64_t kMaxTaskRows = 12;
+QuantizedPanels quantized_panels(const torch::Tensor& codes, const torch::Tensor& scales,
+                                 const c10::optional<torch::Tensor>& bias, int64_t out_features);
+bool quantized_tasks_supported();
+int64_t quantized_tasks(const QuantizedPanels& w);
+// Rows x [m_dim, K] against task `task`'s panels, into their columns of out [m_dim, out_features].
+void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task);
+
+// -- raw-pointer forms of the layer ops, for a caller that runs them on its own threads
+// (decode_team.cpp). The tensor functions above run these same functions, so the bits agree. --
+
+// Per-thread scratch of attention jobs, reused from job to job.
+template <typename Acc>
+struct JobScratch {
+  std::vector<Acc> scores, acc, qv, mx, sum;
+  std::vector<int64_t> offs;
+};
+using AttentionScratch = JobScratch<float>;
+
+// The float32 attention paged_attention ("auto" path) computes for one query token's heads that
+// share KV heads [h0, h0 + heads): q and out are the token's rows [hq * d].
+void attention_job(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t len,
+                   int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0, int64_t heads,
+                   AttentionScratch& scratch, float* out);
+
+// Rows [rows, h] of rms_norm; of add_rms_norm (residual += x in place, out = its norm).
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t h, float eps);
+void add_rms_norm_rows(const float* x, float* residual, const float* w, float* out, int64_t rows, int64_t h,
+                       float eps);
+// Rows of silu_and_mul: gate_up [rows, 2 inter] -> out [rows, inter].
+void silu_and_mul_rows(const float* gate_up, float* out, int64_t rows, int64_t inter);
+// One token's heads [heads, d] (rows d apart) rotated by the tables' rows for its position, into dst.
+void rotary_heads(const float* src, float* dst, int64_t heads, int64_t d, const float* cos_row, const float* sin_row,
+                  bool interleaved);

@@ -25,6 +25,59 @@ inline void norm_row(const float* x, const float* w, float* out, int64_t n, floa
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
 
+}  // namespace
+
+__attribute__((noinline)) void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t h,
+                                             float eps) {
+  for (int64_t t = 0; t < rows; ++t) norm_row(x + t * h, w, out + t * h, h, eps);
+}
+
+__attribute__((noinline)) void add_rms_norm_rows(const float* x, float* residual, const float* w, float* out,
+                                                 int64_t rows, int64_t h, float eps) {
+  for (int64_t t = 0; t < rows; ++t) {
+    float* r = residual + t * h;
+    const float* xi = x + t * h;
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) r[i] += xi[i];
+    norm_row(r, w, out + t * h, h, eps);
+  }
+}
+
+__attribute__((noinline)) void silu_and_mul_rows(const float* gate_up, float* out, int64_t rows, int64_t inter) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* g = gate_up + t * 2 * inter;
+    const float* u = g + inter;
+    float* o = out + t * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+__attribute__((noinline)) void rotary_heads(const float* src, float* dst, int64_t heads, int64_t d, const float* c,
+                                            const float* s, bool interleaved) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * d;
+    float* y = dst + h * d;
+    if (interleaved) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x[2 * i], b = x[2 * i + 1];
+        y[2 * i] = a * c[i] - b * s[i];
+        y[2 * i + 1] = b * c[i] + a * s[i];
+      }
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        y[i] = a * c[i] - b * s[i];
+        y[i + half] = b * c[i] + a * s[i];
+      }
+    }
+  }
+}
+
+namespace {
+
 void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "float32 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
@@ -40,7 +93,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), grain_for(h), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) norm_row(xp + t * h, wp, op + t * h, h, (float)eps);
+    rms_norm_rows(xp + b * h, wp, op + b * h, e - b, h, (float)eps);
   });
   return out;
 }
@@ -55,13 +108,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), grain_for(h), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      float* r = rp + t * h;
-      const float* xi = xp + t * h;
-#pragma omp simd
-      for (int64_t i = 0; i < h; ++i) r[i] += xi[i];
-      norm_row(r, wp, op + t * h, h, (float)eps);
-    }
+    add_rms_norm_rows(xp + b * h, rp + b * h, wp, op + b * h, e - b, h, (float)eps);
   });
   return out;
 }
@@ -76,13 +123,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, t_dim, grain_for(inter), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* g = gp + t * 2 * inter;
-      const float* u = g + inter;
-      float* o = op + t * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    silu_and_mul_rows(gp + b * 2 * inter, op + b * inter, e - b, inter);
   });
   return out;
 }
@@ -108,26 +149,8 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
   for (int64_t t = 0; t < t_dim; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range");
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   auto rotate = [&](const float* src, int64_t src_stride, float* dst, int64_t heads, int64_t t) {
-    const float* c = cp + pos[t] * half;
-    const float* s = sp + pos[t] * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* x = src + t * src_stride + h * d;
-      float* y = dst + (t * heads + h) * d;
-      if (interleaved) {
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x[2 * i], b = x[2 * i + 1];
-          y[2 * i] = a * c[i] - b * s[i];
-          y[2 * i + 1] = b * c[i] + a * s[i];
-        }
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x[i], b = x[i + half];
-          y[i] = a * c[i] - b * s[i];
-          y[i + half] = b * c[i] + a * s[i];
-        }
-      }
-    }
+    rotary_heads(src + t * src_stride, dst + t * heads * d, heads, d, cp + pos[t] * half, sp + pos[t] * half,
+                 interleaved);
   };
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();

@@ -186,6 +186,84 @@ static bool use_avx512_attention(const std::string& isa) {
 #endif
 }
 
+// One job: query token qi's heads that share KV heads [h0, h0 + heads_per_job) against the first `len`
+// positions of the sequence whose block table is `table`, into o. Every path (paged_attention's
+// threads, the decode team's) runs this one copy of the code, so a query head's bits do not depend
+// on who runs it. wide16: the AVX-512 path's head size / 16, or 0.
+template <typename T, typename Acc, typename Ops>
+__attribute__((noinline)) static void attend_job(const T* qi, const T* kp, const T* vp, const int32_t* table,
+                                                 int64_t len, int64_t hkv, int64_t d, int64_t group,
+                                                 int64_t block_size, double scale, int64_t h0, int64_t heads_per_job,
+                                                 int64_t wide16, JobScratch<Acc>& sc, T* o) {
+  const int64_t row_stride = hkv * d;  // values per cached position
+  const int64_t nq = heads_per_job * group;  // query heads handled by this job
+  sc.scores.resize(nq * len);  // [query head][position]
+  sc.qv.resize(nq * d);
+  sc.mx.resize(nq);
+  sc.sum.resize(nq);
+  auto& scores = sc.scores;
+  auto& qv = sc.qv;
+  auto& mx = sc.mx;
+  auto& sum = sc.sum;
+  for (int64_t x = 0; x < nq * d; ++x) qv[x] = (Acc)qi[x] * (Acc)scale;
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<Ops, Avx2F32Ops>) {
+    if (wide16 > 0) {
+      sc.offs.resize(len);
+      for (int64_t t = 0; t < len; ++t)
+        sc.offs[t] = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride;
+      auto run = [&](auto d16) {
+        attend_avx512<decltype(d16)::value>(qv.data(), kp, vp, sc.offs.data(), len, h0, heads_per_job, group,
+                                            scores.data(), mx.data(), sum.data(), o);
+      };
+      switch (wide16) {
+        case 1: run(std::integral_constant<int, 1>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        default: run(std::integral_constant<int, 8>{}); break;
+      }
+      return;
+    }
+  }
+#endif
+  auto& acc = sc.acc;
+  acc.assign(nq * d, (Acc)0);
+  std::fill(mx.begin(), mx.end(), -std::numeric_limits<Acc>::max());
+
+  // Pass 1: scores of every query head against every cached key.
+  for (int64_t t = 0; t < len; ++t) {
+    const T* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+    for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t j = hh * group + g;
+        const Acc s = Ops::dot(qv.data() + j * d, krow + hh * d, d);
+        scores[j * len + t] = s;
+        mx[j] = std::max(mx[j], s);
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) sum[j] = Ops::exp_shift(scores.data() + j * len, len, mx[j]);
+  // Pass 2: probability-weighted sum of the values.
+  for (int64_t t = 0; t < len; ++t) {
+    const T* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+    for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t j = hh * group + g;
+        Ops::axpy(acc.data() + j * d, scores[j * len + t], vrow + hh * d, d);
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    const Acc inv = (Acc)1 / sum[j];
+    for (int64_t x = 0; x < d; ++x) o[j * d + x] = (T)(acc[j * d + x] * inv);
+  }
+}
+
+// Heads of 16, 32, 64 or 128 float32 values take the AVX-512 path where the build has it.
+static int64_t wide16_for(bool wide, int64_t d) {
+  return wide && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
+}
+
 template <typename T, typename Acc, typename Ops>
 static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int32_t* tables,
                                  const int32_t* rows, const int32_t* kv_lens, T* out,
@@ -204,80 +282,35 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
   // A query head's arithmetic is the same whichever job or thread runs it, so the bits are too.
   const int64_t heads_per_job = n_tokens >= 4 || one_thread ? hkv : 1;
   const int64_t jobs_per_token = hkv / heads_per_job;
-  const int64_t row_stride = hkv * d;  // values per cached position
   const int64_t jobs = n_tokens * jobs_per_token;
   const int64_t grain = one_thread ? jobs : 1;
-  // Heads of 16, 32, 64 or 128 float32 values take the AVX-512 path where the build has it.
-  const int64_t wide16 = wide && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
+  const int64_t wide16 = wide16_for(wide, d);
   at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> scores, acc, qv, mx, sum;
-    std::vector<int64_t> offs;
+    JobScratch<Acc> scratch;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / jobs_per_token;
       const int64_t h0 = (job % jobs_per_token) * heads_per_job;
-      const int64_t nq = heads_per_job * group;  // query heads handled by this job
-      const int64_t len = kv_lens[i];
-      const int32_t* table = tables + (int64_t)rows[i] * table_width;
-      scores.resize(nq * len);  // [query head][position]
-      qv.resize(nq * d);
-      mx.resize(nq);
-      sum.resize(nq);
-      const T* qi = q + (i * hq + h0 * group) * d;
-      for (int64_t x = 0; x < nq * d; ++x) qv[x] = (Acc)qi[x] * (Acc)scale;
-#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<Ops, Avx2F32Ops>) {
-        if (wide16 > 0) {
-          offs.resize(len);
-          for (int64_t t = 0; t < len; ++t)
-            offs[t] = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride;
-          T* o = out + (i * hq + h0 * group) * d;
-          auto run = [&](auto d16) {
-            attend_avx512<decltype(d16)::value>(qv.data(), kp, vp, offs.data(), len, h0, heads_per_job, group,
-                                                scores.data(), mx.data(), sum.data(), o);
-          };
-          switch (wide16) {
-            case 1: run(std::integral_constant<int, 1>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            case 4: run(std::integral_constant<int, 4>{}); break;
-            default: run(std::integral_constant<int, 8>{}); break;
-          }
-          continue;
-        }
-      }
-#endif
-      acc.assign(nq * d, (Acc)0);
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<Acc>::max());
-
-      // Pass 1: scores of every query head against every cached key.
-      for (int64_t t = 0; t < len; ++t) {
-        const T* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
-        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t j = hh * group + g;
-            const Acc sc = Ops::dot(qv.data() + j * d, krow + hh * d, d);
-            scores[j * len + t] = sc;
-            mx[j] = std::max(mx[j], sc);
-          }
-        }
-      }
-      for (int64_t j = 0; j < nq; ++j) sum[j] = Ops::exp_shift(scores.data() + j * len, len, mx[j]);
-      // Pass 2: probability-weighted sum of the values.
-      for (int64_t t = 0; t < len; ++t) {
-        const T* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
-        for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t j = hh * group + g;
-            Ops::axpy(acc.data() + j * d, scores[j * len + t], vrow + hh * d, d);
-          }
-        }
-      }
-      T* o = out + (i * hq + h0 * group) * d;
-      for (int64_t j = 0; j < nq; ++j) {
-        const Acc inv = (Acc)1 / sum[j];
-        for (int64_t x = 0; x < d; ++x) o[j * d + x] = (T)(acc[j * d + x] * inv);
-      }
+      const int64_t first = (i * hq + h0 * group) * d;
+      attend_job<T, Acc, Ops>(q + first, kp, vp, tables + (int64_t)rows[i] * table_width, kv_lens[i], hkv, d,
+                              group, block_size, scale, h0, heads_per_job, wide16, scratch, out + first);
     }
   });
+}
+
+void attention_job(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t len,
+                   int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0, int64_t heads,
+                   AttentionScratch& scratch, float* out) {
+  const int64_t group = hq / hkv, first = h0 * group * d;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 16 == 0) {
+    attend_job<float, float, Avx2F32Ops>(q + first, k_pool, v_pool, table, len, hkv, d, group, block_size, scale,
+                                         h0, heads, wide16_for(use_avx512_attention("auto"), d), scratch,
+                                         out + first);
+    return;
+  }
+#endif
+  attend_job<float, float, PortableOps<float, float>>(q + first, k_pool, v_pool, table, len, hkv, d, group,
+                                                      block_size, scale, h0, heads, 0, scratch, out + first);
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
