@@ -111,12 +111,17 @@ _INVISIBLE = re.compile("[\u00ad\u200b-\u200f\u2060\ufeff]")  # soft hyphen, zer
 # Letters written apart ("k i l l", "k.i.l.l"): three or more single letters in a row are one word.
 _SPACED_LETTERS = re.compile(r"\b(?:[a-z] ){2,}[a-z]\b")
 # Contractions and spoken forms, spelled out so one pattern covers "I'm going to", "Im gonna", "I'll".
-_CONTRACTIONS = [(re.compile(p), r) for p, r in [
-    (r"\b(i|you|we|they|he|she) ?'ll\b", r"\1 will"), (r"\b(i) ?'m\b", r"\1 am"), (r"\bim\b", "i am"),
-    (r"\b(you|we|they) ?'re\b", r"\1 are"), (r"\b(he|she|it) ?'s\b", r"\1 is"),
-    (r"\bgonna\b", "going to"), (r"\bwanna\b", "want to"), (r"\bgotta\b", "got to"),
-    (r"\bu\b", "you"), (r"\br\b", "are"), (r"\bur\b", "your"), (r"\bya\b", "you"), (r"\bgon\b", "going to"),
-    (r"\bwill ?n't\b|\bwont\b", "will not"), (r"\bn't\b", " not"), (r"'", ""),
+# Each comes with the substrings one of which any match contains: the output guard normalizes its
+# window on every token, and a cheap `in` test skips most of these scans over ordinary text.
+_CONTRACTIONS = [(re.compile(p), r, needles) for p, r, needles in [
+    (r"\b(i|you|we|they|he|she) ?'ll\b", r"\1 will", ("'ll",)), (r"\b(i) ?'m\b", r"\1 am", ("'m",)),
+    (r"\bim\b", "i am", ("im",)),
+    (r"\b(you|we|they) ?'re\b", r"\1 are", ("'re",)), (r"\b(he|she|it) ?'s\b", r"\1 is", ("'s",)),
+    (r"\bgonna\b", "going to", ("gonna",)), (r"\bwanna\b", "want to", ("wanna",)),
+    (r"\bgotta\b", "got to", ("gotta",)),
+    (r"\bu\b", "you", ("u",)), (r"\br\b", "are", ("r",)), (r"\bur\b", "your", ("ur",)),
+    (r"\bya\b", "you", ("ya",)), (r"\bgon\b", "going to", ("gon",)),
+    (r"\bwill ?n't\b|\bwont\b", "will not", ("n't", "wont")), (r"\bn't\b", " not", ("n't",)), (r"'", "", ("'",)),
 ]]
 
 
@@ -131,8 +136,9 @@ def normalize(text: str) -> str:
     t = _NON_WORD.sub(" ", t)
     t = _SPACES.sub(" ", t).strip()
     t = _SPACED_LETTERS.sub(lambda m: m.group(0).replace(" ", ""), t)
-    for pattern, replacement in _CONTRACTIONS:
-        t = pattern.sub(replacement, t)
+    for pattern, replacement, needles in _CONTRACTIONS:
+        if any(needle in t for needle in needles):
+            t = pattern.sub(replacement, t)
     return _SPACES.sub(" ", t).strip()
 
 
@@ -142,6 +148,10 @@ class LexiconModerator(Moderator):
         # One alternation per category, whole words only; the category order decides ties.
         self._patterns = [(cat, re.compile(r"\b(?:" + "|".join(f"(?:{p})" for p in phrases) + r")\b"))
                           for cat, phrases in self.lexicon.items() if phrases]
+        # Every category at once: one scan tells whether any matches (nearly always not), so the
+        # per-category scans that name the verdict run only on a hit.
+        every = [p for phrases in self.lexicon.values() for p in phrases]
+        self._any_full = re.compile(r"\b(?:" + "|".join(f"(?:{p})" for p in every) + r")\b") if every else None
         # All categories in one pattern for the partial-match search (a phrase's start, still open).
         self._any = regex.compile(r"\b(?:" + "|".join(f"(?:{p})" for phrases in self.lexicon.values()
                                                       for p in phrases) + r")\b") if self._patterns else None
@@ -149,6 +159,8 @@ class LexiconModerator(Moderator):
 
     def _check(self, text: str) -> Verdict | None:
         norm = normalize(text)
+        if self._any_full is None or self._any_full.search(norm) is None:
+            return None
         for category, pattern in self._patterns:
             m = pattern.search(norm)
             if m:

@@ -7,9 +7,10 @@ OpenAI's shape so the official SDKs raise their usual exceptions.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -61,12 +62,16 @@ class _ChatFormat:
     def opening(self) -> dict | None:
         return {"delta": {"role": "assistant", "content": ""}}
 
-    def piece(self, piece: Piece) -> dict | None:
+    def text_field(self, piece: Piece) -> str | None:
+        """The delta field a text piece goes in (None: not sent)."""
         if isinstance(piece, AnswerText):
-            return {"delta": {"content": piece.text}}
+            return "content"
         if isinstance(piece, Thinking):
-            return {"delta": {"reasoning_content": piece.text}}
+            return "reasoning_content"
         return None
+
+    def text_choice(self, field: str, text: str) -> dict:
+        return {"delta": {field: text}}
 
     def closing(self, reason: str) -> dict:
         return {"delta": {}, "finish_reason": reason}
@@ -87,8 +92,11 @@ class _CompletionFormat:
     def opening(self) -> dict | None:
         return None
 
-    def piece(self, piece: Piece) -> dict | None:
-        return {"text": piece.text} if isinstance(piece, AnswerText) else None
+    def text_field(self, piece: Piece) -> str | None:
+        return "text" if isinstance(piece, AnswerText) else None
+
+    def text_choice(self, field: str, text: str) -> dict:
+        return {field: text}
 
     def closing(self, reason: str) -> dict:
         return {"text": "", "finish_reason": reason}
@@ -98,6 +106,28 @@ class _CompletionFormat:
 
     def whole(self, answer: str, thinking: str, reason: str, calls: list[ToolCall]) -> dict:
         return {"text": answer, "finish_reason": reason}
+
+
+_MARK = "\u0000chatloom-text\u0000"
+_MARK_JSON = json.dumps(_MARK).encode()
+
+
+class _TextChunks:
+    """The SSE bytes of a stream's text chunks. Consecutive chunks differ only in their text, so the
+    JSON around it is encoded once per field and each token costs one json.dumps of its own text
+    (the bytes are the same as `chunk(...)` would give: a JSON string never holds a raw newline)."""
+
+    def __init__(self, chunk: Callable[[dict], bytes], fmt) -> None:
+        self._chunk = chunk
+        self._fmt = fmt
+        self._frames: dict[str, tuple[bytes, bytes]] = {}
+
+    def __call__(self, field: str, text: str) -> bytes:
+        parts = self._frames.get(field)
+        if parts is None:
+            head, tail = self._chunk(self._fmt.text_choice(field, _MARK)).split(_MARK_JSON)
+            parts = self._frames[field] = (head, tail)
+        return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
 
 async def _start(ctx: AppContext, ask: Ask, prompt: Prompt, moderate: str,
@@ -156,6 +186,8 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
             data["usage"] = None
         return frame(data)
 
+    text_chunk = _TextChunks(chunk, fmt)
+
     async def events():
         try:
             opening = fmt.opening()
@@ -168,8 +200,8 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
                 elif isinstance(piece, ToolCall):
                     for choice in fmt.tool_call_chunks(piece):
                         yield chunk(choice)
-                elif (choice := fmt.piece(piece)) is not None:
-                    yield chunk(choice)
+                elif (field := fmt.text_field(piece)) is not None:
+                    yield text_chunk(field, piece.text)
                 piece = await anext(pieces, None)
             if include_usage:
                 yield frame({**base, "object": fmt.chunk_object, "choices": [], "usage": _usage(run.usage)})
