@@ -1,23 +1,27 @@
 // A decode step's decoder stack on one team of threads (DecodeStack::forward_team).
 //
 // At batch 1 a step is 30 layers x 4 matmuls of 10-50 us each. Run as separate parallel regions,
-// every matmul pays a fork and a join, splits its panels between the threads in advance (so a
-// thread that the OS hands to the event loop for a moment holds up the whole matmul), and the
-// second core idles through every serial part. Here one OpenMP region spans the whole stack, on
-// buffers allocated once per step: the leading thread does the small serial parts (norms, rotary and
-// the pool writes, SiLU) through the same raw functions as the tensor kernels, and each matmul's tasks
-// (4 panels each) and the attention's jobs (a token's KV head each) go to whichever thread asks next,
-// from shared counters. A task or job computes exactly what quantized_linear or paged_attention
-// computes for its outputs, and every output belongs to one of them, so the bits are the same.
+// every matmul pays a fork and a join and splits its panels between the threads in advance, and the
+// second core idles through every serial part. On a 2-core machine the gateway's event loop also
+// takes a core for a moment at every token: a thread it displaces then holds up every join.
 //
-// A step at batch 1 is bound by reading the weights from memory, and the memory sits idle while the
-// leading thread does a serial part. So meanwhile the other threads prefetch the first lines of the
-// next matmul's weights (prefetch_while): its first tasks then start from cache.
+// Here one OpenMP region spans the whole stack, on buffers allocated once per step, as a chain of
+// phases: per layer the QKV matmul, the attention, O, gate/up and down. A phase's work items (a
+// matmul's tasks of 4 panels, the attention's jobs of one token's KV head) go to whichever thread asks
+// next, from a shared counter, and the thread that finishes a phase's last item runs the small serial
+// part that follows (rotary and the pool writes, a norm, SiLU) and opens the next phase. No thread
+// ever waits for another to arrive, only for work it needs to be done, so when the OS takes one
+// thread away the others carry the step on. Threads waiting for a phase to open prefetch its weights:
+// a step is bound by reading them from memory, which would otherwise idle through the serial parts.
+//
+// A task or job computes exactly what quantized_linear or paged_attention computes for its outputs,
+// and the serial parts run the same raw functions as the tensor kernels, so the bits are the same.
 #include "decode_stack.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
@@ -33,31 +37,31 @@ int64_t now_ns() {
       .count();
 }
 
-// Runs the tasks of one matmul that this thread wins from `next` (shared by the team).
-void run_tasks(const QuantizedPanels& w, const float* x, int64_t rows, float* out, std::atomic<int64_t>& next) {
-  const int64_t n = quantized_tasks(w);
-  for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < n;)
-    run_quantized_task(w, x, rows, out, task);
-}
-
-// Prefetches `w`'s codes, and the scales that go with them, in claims of kClaim bytes from a cursor
-// the idle threads share, until `done` is set or the weights run out.
-void prefetch_while(const std::atomic<bool>& done, std::atomic<int64_t>& cursor, const QuantizedPanels& w) {
+// Prefetches the next kClaim bytes of `w`'s codes, and the scales that go with them, from a cursor the
+// waiting threads share. False when the weights are all claimed.
+bool prefetch_some(std::atomic<int64_t>& cursor, const QuantizedPanels& w) {
   constexpr int64_t kClaim = 1024, kLine = 64;
   const int64_t code_bytes = w.panels * w.k_dim * (w.q4 ? 8 : 16);
   const int64_t scale_bytes = w.panels * (w.k_dim / 32) * 2 * 16 * (w.half_scales ? 2 : 4);
+  const int64_t at = cursor.fetch_add(kClaim, std::memory_order_relaxed);
+  if (at >= code_bytes) return false;
   const char* codes = reinterpret_cast<const char*>(w.codes);
   const char* scales = static_cast<const char*>(w.scales);
-  while (!done.load(std::memory_order_acquire)) {
-    const int64_t at = cursor.fetch_add(kClaim, std::memory_order_relaxed);
-    if (at >= code_bytes) return;
-    const int64_t end = std::min(code_bytes, at + kClaim);
-    for (int64_t b = at; b < end; b += kLine) _mm_prefetch(codes + b, _MM_HINT_T1);
-    // Tasks read codes and scales at the same pace: panel p's scales are at p's share of the scales.
-    for (int64_t b = at * scale_bytes / code_bytes / kLine * kLine; b < end * scale_bytes / code_bytes; b += kLine)
-      _mm_prefetch(scales + b, _MM_HINT_T1);
-  }
+  const int64_t end = std::min(code_bytes, at + kClaim);
+  for (int64_t b = at; b < end; b += kLine) _mm_prefetch(codes + b, _MM_HINT_T1);
+  // Tasks read codes and scales at the same pace: panel p's scales are at p's share of the scales.
+  for (int64_t b = at * scale_bytes / code_bytes / kLine * kLine; b < end * scale_bytes / code_bytes; b += kLine)
+    _mm_prefetch(scales + b, _MM_HINT_T1);
+  return true;
 }
+
+// One per phase of a step: the work items' counters and whether the phase is open.
+struct Phase {
+  std::atomic<int64_t> next{0}, done{0};
+  std::atomic<bool> open{false};
+  std::atomic<int64_t> prefetched{0};
+  int64_t opened_ns = 0, serial_ns = 0;  // when profiling: when it opened, when its serial part began
+};
 
 }  // namespace
 
@@ -82,7 +86,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   const TeamLayer& shape = team_[0];  // every layer has this shape (checked when the stack was built)
   const int64_t t = x.size(0), hidden = shape.qkv.k_dim, inter = shape.down.k_dim;
   const int64_t d = shape.qkv.out_features / (hq_ + 2 * hkv_), q_width = hq_ * d, kv_width = hkv_ * d;
-  TORCH_CHECK(x.is_contiguous() && x.size(1) == hidden, "x must be a contiguous [T, hidden]");
+  TORCH_CHECK(x.is_contiguous() && t >= 1 && x.size(1) == hidden, "x must be a contiguous [T, hidden], T >= 1");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == t,
               "one int64 position per token");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == t,
@@ -121,61 +125,58 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   float *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
   float *attnp = attn.data_ptr<float>(), *op = o.data_ptr<float>(), *gup = gate_up.data_ptr<float>();
   float *actp = act.data_ptr<float>(), *downp = down.data_ptr<float>(), *hp = h.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
   const float eps = (float)eps_;
-  // Per matmul, then per attention: the next task or job to hand out.
-  std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[5 * n]);
-  for (size_t i = 0; i < 5 * n; ++i) next[i].store(0, std::memory_order_relaxed);
-  std::atomic<bool> serial_done{false};  // the leading thread is through its serial part
-  std::atomic<int64_t> prefetched{0};  // the idle threads' cursor into the next matmul's codes
   const bool timed = profiling_;
 
-  // The residual stream is x itself, updated in place (the embedding output is a fresh tensor).
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    const bool lead = omp_get_thread_num() == 0;
-    AttentionScratch scratch;
-    int64_t mark = lead && timed ? now_ns() : 0;
-    // Charges the time since the last mark to part `p` (the leading thread, when profiling).
-    const auto charge = [&](int p) {
-      if (lead && timed) {
-        const int64_t now = now_ns();
-        profile_ns_[p] += now - mark;
-        mark = now;
+  // Per layer: QKV, attention, O, gate/up, down.
+  constexpr int kPerLayer = 5;
+  const int64_t phases = kPerLayer * (int64_t)n;
+  std::unique_ptr<Phase[]> phase(new Phase[phases + 1]);
+  const auto items = [&](int64_t k) -> int64_t {
+    const TeamLayer& l = team_[k / kPerLayer];
+    switch (k % kPerLayer) {
+      case 0: return quantized_tasks(l.qkv);
+      case 1: return t * hkv_;
+      case 2: return quantized_tasks(l.o);
+      case 3: return quantized_tasks(l.gate_up);
+      default: return quantized_tasks(l.down);
+    }
+  };
+  const auto weights = [&](int64_t k) -> const QuantizedPanels* {  // the matmul phase k runs, or null
+    const TeamLayer& l = team_[k / kPerLayer];
+    switch (k % kPerLayer) {
+      case 0: return &l.qkv;
+      case 1: return nullptr;
+      case 2: return &l.o;
+      case 3: return &l.gate_up;
+      default: return &l.down;
+    }
+  };
+  const auto run_item = [&](int64_t k, int64_t item, AttentionScratch& scratch) {
+    const size_t i = k / kPerLayer;
+    const TeamLayer& l = team_[i];
+    switch (k % kPerLayer) {
+      case 0: run_quantized_task(l.qkv, hp, t, qkvp, item); break;
+      case 1: {
+        const int64_t j = item / hkv_;
+        attention_job(qp + j * q_width, k_pools[i].data_ptr<float>(), v_pools[i].data_ptr<float>(),
+                      tables + (int64_t)row[j] * width, lens[j], hq_, hkv_, d, block_size, scale_, item % hkv_, 1,
+                      scratch, attnp + j * q_width);
+        break;
       }
-    };
-    // The leading thread's serial part while the others prefetch the weights of the matmul that
-    // follows it; then the whole team waits for it.
-    const auto serial = [&](const auto& part, const QuantizedPanels& next_matmul) {
-      if (lead) {
-        part();
-        serial_done.store(true, std::memory_order_release);
-      } else {
-        prefetch_while(serial_done, prefetched, next_matmul);
-      }
-#pragma omp barrier
-      // Ready for the next serial part; nobody reads these again before the barrier after this matmul.
-      if (lead) {
-        serial_done.store(false, std::memory_order_relaxed);
-        prefetched.store(0, std::memory_order_relaxed);
-      }
-    };
-    for (size_t i = 0; i < n; ++i) {
-      const TeamLayer& l = team_[i];
-      const DecodeLayerWeights& w = layers_[i];
-      const float* input_norm = w.input_norm.data_ptr<float>();
-      serial([&] {
-        if (i == 0) rms_norm_rows(xp, input_norm, hp, t, hidden, eps);
-        else add_rms_norm_rows(downp, xp, input_norm, hp, t, hidden, eps);
-      }, l.qkv);
-      charge(0);
-      run_tasks(l.qkv, hp, t, qkvp, next[5 * i]);
-#pragma omp barrier
-      charge(1);
-      // Rotary, and this step's keys and values into the pools (as decode_attention does), then the
-      // attention itself, one job per (token, KV head), shared out like the matmuls' tasks.
-      float* k_pool = k_pools[i].data_ptr<float>();
-      float* v_pool = v_pools[i].data_ptr<float>();
-      serial([&] {
+      case 2: run_quantized_task(l.o, attnp, t, op, item); break;
+      case 3: run_quantized_task(l.gate_up, hp, t, gup, item); break;
+      default: run_quantized_task(l.down, actp, t, downp, item); break;
+    }
+  };
+  // What follows phase k once all its items are done, run by the thread that finished the last one.
+  const auto serial_after = [&](int64_t k) {
+    const size_t i = k / kPerLayer;
+    switch (k % kPerLayer) {
+      case 0: {  // rotary, and this step's keys and values into the pools (as decode_attention does)
+        float* k_pool = k_pools[i].data_ptr<float>();
+        float* v_pool = v_pools[i].data_ptr<float>();
         for (int64_t j = 0; j < t; ++j) {
           const float* row_qkv = qkvp + j * shape.qkv.out_features;
           const float *c = cos + pos[j] * (d / 2), *s = sin + pos[j] * (d / 2);
@@ -183,30 +184,58 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
           rotary_heads(row_qkv + q_width, k_pool + slot[j] * kv_width, hkv_, d, c, s, interleaved_);
           std::memcpy(v_pool + slot[j] * kv_width, row_qkv + q_width + kv_width, kv_width * sizeof(float));
         }
-      }, l.o);
-      for (int64_t job; (job = next[5 * i + 4].fetch_add(1, std::memory_order_relaxed)) < t * hkv_;) {
-        const int64_t j = job / hkv_;
-        attention_job(qp + j * q_width, k_pool, v_pool, tables + (int64_t)row[j] * width, lens[j], hq_, hkv_, d,
-                      block_size, scale_, job % hkv_, 1, scratch, attnp + j * q_width);
+        break;
       }
-#pragma omp barrier
-      charge(2);
-      run_tasks(l.o, attnp, t, op, next[5 * i + 1]);
-#pragma omp barrier
-      charge(3);
-      serial([&] { add_rms_norm_rows(op, xp, w.post_norm.data_ptr<float>(), hp, t, hidden, eps); }, l.gate_up);
-      charge(4);
-      run_tasks(l.gate_up, hp, t, gup, next[5 * i + 2]);
-#pragma omp barrier
-      charge(5);
-      serial([&] { silu_and_mul_rows(gup, actp, t, inter); }, l.down);
-      charge(6);
-      run_tasks(l.down, actp, t, downp, next[5 * i + 3]);
-#pragma omp barrier
-      charge(7);
+      case 1: break;
+      case 2: add_rms_norm_rows(op, xp, layers_[i].post_norm.data_ptr<float>(), hp, t, hidden, eps); break;
+      case 3: silu_and_mul_rows(gup, actp, t, inter); break;
+      default:  // the residual stream (x itself, updated in place) into the next layer's norm, or the final one
+        if (i + 1 < n) add_rms_norm_rows(downp, xp, layers_[i + 1].input_norm.data_ptr<float>(), hp, t, hidden, eps);
+        else add_rms_norm_rows(downp, xp, final_norm_.data_ptr<float>(), outp, t, hidden, eps);
+    }
+  };
+
+  rms_norm_rows(xp, layers_[0].input_norm.data_ptr<float>(), hp, t, hidden, eps);
+  phase[0].opened_ns = timed ? now_ns() : 0;
+  phase[0].open.store(true, std::memory_order_release);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    AttentionScratch scratch;
+    for (int64_t k = 0; k < phases; ++k) {
+      Phase& ph = phase[k];
+      // Until the phase opens: prefetch its weights while they last, then spin, yielding after a while
+      // in case the thread we wait for shares this core.
+      const QuantizedPanels* w = weights(k);
+      for (int spins = 0; !ph.open.load(std::memory_order_acquire);) {
+        if (w != nullptr && prefetch_some(ph.prefetched, *w)) continue;
+        _mm_pause();
+        if (++spins > 4000) sched_yield();
+      }
+      const int64_t n_items = items(k);
+      for (int64_t item; (item = ph.next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+        run_item(k, item, scratch);
+        if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == n_items) {
+          if (timed) ph.serial_ns = now_ns();
+          serial_after(k);
+          if (timed) phase[k + 1].opened_ns = now_ns();
+          phase[k + 1].open.store(true, std::memory_order_release);
+        }
+      }
     }
   }
-  if (timed) ++profile_ns_[8];
-  add_rms_norm_rows(downp, xp, final_norm_.data_ptr<float>(), out.data_ptr<float>(), t, hidden, eps);
+  if (timed) {
+    // Parts in kTeamParts order: input_norm, qkv, attention, o, post_norm, gate_up, silu, down.
+    for (int64_t k = 0; k < phases; ++k) {
+      const int64_t work = phase[k].serial_ns - phase[k].opened_ns, after = phase[k + 1].opened_ns - phase[k].serial_ns;
+      switch (k % kPerLayer) {
+        case 0: profile_ns_[1] += work; profile_ns_[2] += after; break;  // rotary counts as attention
+        case 1: profile_ns_[2] += work + after; break;
+        case 2: profile_ns_[3] += work; profile_ns_[4] += after; break;
+        case 3: profile_ns_[5] += work; profile_ns_[6] += after; break;
+        default: profile_ns_[7] += work; profile_ns_[0] += after; break;  // the next layer's (or final) norm
+      }
+    }
+    ++profile_ns_[8];
+  }
   return out;
 }
