@@ -182,11 +182,36 @@ def test_exact_quantized_models_step_on_one_team_of_threads(kinds, monkeypatch):
     _both_paths(model, monkeypatch)
     parts = stack.profile()
     assert parts.pop("steps") == 1
+    assert parts.pop("redone") >= 0  # items run again because a thread was stopped holding them
     assert set(parts) == {"input_norm", "qkv", "attention", "o", "post_norm", "gate_up", "silu", "down"}
     assert all(v >= 0 for v in parts.values()) and parts["gate_up"] > 0
     model.native_decode = True
     _both_paths(model, monkeypatch, _wide_batch)
     assert stack.profile()["steps"] == 1  # the 14-query step did not run on the team
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+def test_a_thread_stopped_holding_an_item_does_not_hold_up_the_step(monkeypatch):
+    """When the OS stops a thread of the team in the middle of an item (here the second thread sleeps
+    2 ms before every item it takes), the other runs that item again and carries the step on; the
+    sleeper finishes its items late, from inputs the team has moved past, into buffers nobody reads
+    any more: the step keeps the module path's bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of two, even on a machine with one core
+    try:
+        model = _model()
+        assert pack_linears(model, _quantized(model, ["Q4_1"]))
+        stack = model.decode_stack()
+        stack.set_profiling(True)
+        stack.set_test_stall(2_000_000, 1)
+        for _ in range(5):  # the sleeper may find every item taken before it asks, in a whole step
+            _both_paths(model, monkeypatch)
+            model.native_decode = True
+            if stack.profile()["redone"] > 0:
+                break
+        assert stack.profile()["redone"] > 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_int8_and_grouped_models_keep_the_call_by_call_stack():

@@ -64,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
       .def("set_profiling", &DecodeStack::set_profiling, "time each part of the team path's steps (resets the sums)",
            pybind11::arg("on"))
+      .def("set_test_stall", &DecodeStack::set_test_stall,
+           "for tests: the team's second thread sleeps ns before an item of every every-th phase", NoGil())
       .def("profile", &DecodeStack::profile, "seconds per part of the team path's steps while profiling, and steps")
       .def_property_readonly("team_path", &DecodeStack::team_path,
                              "whether decode steps run on one team of threads (every matmul quantized, AVX-512)");

@@ -39,7 +39,10 @@ class DecodeStack {
   // on: the serial parts as the leading thread ran them, each matmul from its start to the barrier
   // after it. For `chatloom bench latency`'s breakdown; off by default (two clock reads per part).
   void set_profiling(bool on);
-  std::map<std::string, double> profile() const;  // seconds per part, and "steps"
+  std::map<std::string, double> profile() const;  // seconds per part, "steps", and "redone" items
+  // For tests: the team's second thread sleeps `ns` before it runs an item of every `every`-th phase,
+  // as if the OS had stopped it holding the item (0: never).
+  void set_test_stall(int64_t ns, int64_t every);
   bool team_path() const { return !team_.empty(); }
 
  private:
@@ -56,7 +59,9 @@ class DecodeStack {
   std::vector<DecodeLayerWeights> layers_;
   std::vector<TeamLayer> team_;
   bool profiling_ = false;
-  mutable std::array<int64_t, 9> profile_ns_{};  // the parts in kTeamParts order, then the step count
+  // The parts in kTeamParts order, the step count, then the items redone (counted while profiling).
+  mutable std::array<int64_t, 10> profile_ns_{};
+  int64_t stall_ns_ = 0, stall_every_ = 0;
   torch::Tensor final_norm_;
   double eps_;
   torch::Tensor cos_, sin_;

@@ -10,8 +10,9 @@
 // matmul's tasks of 4 panels, the attention's jobs of one token's KV head) go to whichever thread asks
 // next, from a shared counter, and the thread that finishes a phase's last item runs the small serial
 // part that follows (rotary and the pool writes, a norm, SiLU) and opens the next phase. No thread
-// ever waits for another to arrive, only for work it needs to be done, so when the OS takes one
-// thread away the others carry the step on. Threads waiting for a phase to open prefetch its weights:
+// ever waits for another to arrive, only for work it needs to be done; and a thread that waits long
+// for an item the OS stopped another thread in the middle of runs that item again itself, so when the
+// OS takes one thread away the others carry the step on. Threads waiting for a phase to open prefetch its weights:
 // a step is bound by reading them from memory, which would otherwise idle through the serial parts.
 //
 // A task or job computes exactly what quantized_linear or paged_attention computes for its outputs,
@@ -27,6 +28,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 namespace {
 
@@ -55,6 +57,10 @@ bool prefetch_some(std::atomic<int64_t>& cursor, const QuantizedPanels& w) {
   return true;
 }
 
+// How long a thread waits for a phase to open before it redoes an unfinished item of the phase before:
+// several times an item's usual length (2-20 us), so a thread that is merely slower is left alone.
+constexpr int64_t kRedoAfterNs = 25000;
+
 // One per phase of a step: the work items' counters and whether the phase is open.
 struct Phase {
   std::atomic<int64_t> next{0}, done{0};
@@ -70,10 +76,17 @@ void DecodeStack::set_profiling(bool on) {
   profile_ns_.fill(0);
 }
 
+void DecodeStack::set_test_stall(int64_t ns, int64_t every) {
+  TORCH_CHECK(ns >= 0 && every >= 0, "stall and period must be >= 0");
+  stall_ns_ = ns;
+  stall_every_ = every;
+}
+
 std::map<std::string, double> DecodeStack::profile() const {
   std::map<std::string, double> out;
   for (int i = 0; i < 8; ++i) out[kTeamParts[i]] = profile_ns_[i] * 1e-9;
   out["steps"] = (double)profile_ns_[8];
+  out["redone"] = (double)profile_ns_[9];
   return out;
 }
 
@@ -116,16 +129,26 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const float *cos = cos_.data_ptr<float>(), *sin = sin_.data_ptr<float>();
 
+  // The matmuls' and the attention's outputs get a buffer per layer: a thread the OS stopped in the
+  // middle of an item, which another thread has since redone (see the loop below), may finish it late,
+  // after the team moved on and its inputs changed; it then writes into a layer's buffer nobody reads
+  // any more. Every input an item reads is rewritten only after its phase's outputs have been used.
   const auto opts = x.options();
-  torch::Tensor qkv = torch::empty({t, shape.qkv.out_features}, opts), q = torch::empty({t, q_width}, opts);
-  torch::Tensor attn = torch::empty({t, q_width}, opts), o = torch::empty({t, hidden}, opts);
-  torch::Tensor gate_up = torch::empty({t, 2 * inter}, opts), act = torch::empty({t, inter}, opts);
-  torch::Tensor down = torch::empty({t, hidden}, opts), h = torch::empty({t, hidden}, opts);
+  const int64_t L = (int64_t)n;
+  torch::Tensor qkv = torch::empty({L, t, shape.qkv.out_features}, opts), q = torch::empty({t, q_width}, opts);
+  torch::Tensor attn = torch::empty({L, t, q_width}, opts), o = torch::empty({L, t, hidden}, opts);
+  torch::Tensor gate_up = torch::empty({L, t, 2 * inter}, opts), act = torch::empty({t, inter}, opts);
+  torch::Tensor down = torch::empty({L, t, hidden}, opts), h = torch::empty({t, hidden}, opts);
   torch::Tensor out = torch::empty({t, hidden}, opts);
-  float *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
-  float *attnp = attn.data_ptr<float>(), *op = o.data_ptr<float>(), *gup = gate_up.data_ptr<float>();
-  float *actp = act.data_ptr<float>(), *downp = down.data_ptr<float>(), *hp = h.data_ptr<float>();
+  float *xp = x.data_ptr<float>(), *qkv_all = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
+  float *attn_all = attn.data_ptr<float>(), *o_all = o.data_ptr<float>(), *gu_all = gate_up.data_ptr<float>();
+  float *actp = act.data_ptr<float>(), *down_all = down.data_ptr<float>(), *hp = h.data_ptr<float>();
   float* outp = out.data_ptr<float>();
+  const auto qkv_of = [&](size_t i) { return qkv_all + (int64_t)i * t * shape.qkv.out_features; };
+  const auto attn_of = [&](size_t i) { return attn_all + (int64_t)i * t * q_width; };
+  const auto o_of = [&](size_t i) { return o_all + (int64_t)i * t * hidden; };
+  const auto gu_of = [&](size_t i) { return gu_all + (int64_t)i * t * 2 * inter; };
+  const auto down_of = [&](size_t i) { return down_all + (int64_t)i * t * hidden; };
   const float eps = (float)eps_;
   const bool timed = profiling_;
 
@@ -157,17 +180,17 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     const size_t i = k / kPerLayer;
     const TeamLayer& l = team_[i];
     switch (k % kPerLayer) {
-      case 0: run_quantized_task(l.qkv, hp, t, qkvp, item); break;
+      case 0: run_quantized_task(l.qkv, hp, t, qkv_of(i), item); break;
       case 1: {
         const int64_t j = item / hkv_;
         attention_job(qp + j * q_width, k_pools[i].data_ptr<float>(), v_pools[i].data_ptr<float>(),
                       tables + (int64_t)row[j] * width, lens[j], hq_, hkv_, d, block_size, scale_, item % hkv_, 1,
-                      scratch, attnp + j * q_width);
+                      scratch, attn_of(i) + j * q_width);
         break;
       }
-      case 2: run_quantized_task(l.o, attnp, t, op, item); break;
-      case 3: run_quantized_task(l.gate_up, hp, t, gup, item); break;
-      default: run_quantized_task(l.down, actp, t, downp, item); break;
+      case 2: run_quantized_task(l.o, attn_of(i), t, o_of(i), item); break;
+      case 3: run_quantized_task(l.gate_up, hp, t, gu_of(i), item); break;
+      default: run_quantized_task(l.down, actp, t, down_of(i), item); break;
     }
   };
   // What follows phase k once all its items are done, run by the thread that finished the last one.
@@ -178,7 +201,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
         float* k_pool = k_pools[i].data_ptr<float>();
         float* v_pool = v_pools[i].data_ptr<float>();
         for (int64_t j = 0; j < t; ++j) {
-          const float* row_qkv = qkvp + j * shape.qkv.out_features;
+          const float* row_qkv = qkv_of(i) + j * shape.qkv.out_features;
           const float *c = cos + pos[j] * (d / 2), *s = sin + pos[j] * (d / 2);
           rotary_heads(row_qkv, qp + j * q_width, hq_, d, c, s, interleaved_);
           rotary_heads(row_qkv + q_width, k_pool + slot[j] * kv_width, hkv_, d, c, s, interleaved_);
@@ -187,14 +210,38 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
         break;
       }
       case 1: break;
-      case 2: add_rms_norm_rows(op, xp, layers_[i].post_norm.data_ptr<float>(), hp, t, hidden, eps); break;
-      case 3: silu_and_mul_rows(gup, actp, t, inter); break;
+      case 2: add_rms_norm_rows(o_of(i), xp, layers_[i].post_norm.data_ptr<float>(), hp, t, hidden, eps); break;
+      case 3: silu_and_mul_rows(gu_of(i), actp, t, inter); break;
       default:  // the residual stream (x itself, updated in place) into the next layer's norm, or the final one
-        if (i + 1 < n) add_rms_norm_rows(downp, xp, layers_[i + 1].input_norm.data_ptr<float>(), hp, t, hidden, eps);
-        else add_rms_norm_rows(downp, xp, final_norm_.data_ptr<float>(), outp, t, hidden, eps);
+        if (i + 1 < n) add_rms_norm_rows(down_of(i), xp, layers_[i + 1].input_norm.data_ptr<float>(), hp, t, hidden, eps);
+        else add_rms_norm_rows(down_of(i), xp, final_norm_.data_ptr<float>(), outp, t, hidden, eps);
     }
   };
 
+  // One flag per work item: set by whoever finishes the item first. Only that finish counts towards
+  // the phase's `done`, so an item run twice still completes its phase once.
+  std::vector<int64_t> first_item(phases + 1, 0);
+  for (int64_t k = 0; k < phases; ++k) first_item[k + 1] = first_item[k] + items(k);
+  std::unique_ptr<std::atomic<uint8_t>[]> finished(new std::atomic<uint8_t>[first_item[phases]]);
+  for (int64_t f = 0; f < first_item[phases]; ++f) finished[f].store(0, std::memory_order_relaxed);
+  const auto finish = [&](int64_t k, int64_t item) {
+    if (finished[first_item[k] + item].exchange(1, std::memory_order_acq_rel) != 0) return;
+    Phase& ph = phase[k];
+    if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == items(k)) {
+      if (timed) ph.serial_ns = now_ns();
+      serial_after(k);
+      if (timed) phase[k + 1].opened_ns = now_ns();
+      phase[k + 1].open.store(true, std::memory_order_release);
+    }
+  };
+  // An item of phase k that was handed out but is not finished yet, or -1.
+  const auto unfinished = [&](int64_t k) -> int64_t {
+    for (int64_t item = 0, n_items = items(k); item < n_items; ++item)
+      if (finished[first_item[k] + item].load(std::memory_order_acquire) == 0) return item;
+    return -1;
+  };
+
+  std::atomic<int64_t> redone{0};
   rms_norm_rows(xp, layers_[0].input_norm.data_ptr<float>(), hp, t, hidden, eps);
   phase[0].opened_ns = timed ? now_ns() : 0;
   phase[0].open.store(true, std::memory_order_release);
@@ -204,22 +251,32 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     for (int64_t k = 0; k < phases; ++k) {
       Phase& ph = phase[k];
       // Until the phase opens: prefetch its weights while they last, then spin, yielding after a while
-      // in case the thread we wait for shares this core.
+      // in case the thread we wait for shares this core. A phase that stays shut long after every item
+      // of the one before was handed out has an item whose thread the OS has stopped (on a 2-core
+      // machine the gateway's event loop takes a core at every token): run that item again here, so
+      // the step goes on at the pace of the threads still running rather than waiting for it.
       const QuantizedPanels* w = weights(k);
+      const int64_t since = now_ns();
       for (int spins = 0; !ph.open.load(std::memory_order_acquire);) {
         if (w != nullptr && prefetch_some(ph.prefetched, *w)) continue;
         _mm_pause();
-        if (++spins > 4000) sched_yield();
+        if ((++spins & 63) == 0 && k > 0 && now_ns() - since > kRedoAfterNs) {
+          const int64_t item = unfinished(k - 1);
+          if (item >= 0) {
+            if (timed) redone.fetch_add(1, std::memory_order_relaxed);
+            run_item(k - 1, item, scratch);
+            finish(k - 1, item);
+            continue;
+          }
+        }
+        if (spins > 4000) sched_yield();
       }
       const int64_t n_items = items(k);
       for (int64_t item; (item = ph.next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+        if (stall_ns_ > 0 && stall_every_ > 0 && k % stall_every_ == 0 && omp_get_thread_num() == 1)
+          std::this_thread::sleep_for(std::chrono::nanoseconds(stall_ns_));
         run_item(k, item, scratch);
-        if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == n_items) {
-          if (timed) ph.serial_ns = now_ns();
-          serial_after(k);
-          if (timed) phase[k + 1].opened_ns = now_ns();
-          phase[k + 1].open.store(true, std::memory_order_release);
-        }
+        finish(k, item);
       }
     }
   }
@@ -236,6 +293,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
       }
     }
     ++profile_ns_[8];
+    profile_ns_[9] += redone.load();
   }
   return out;
 }
