@@ -1,6 +1,8 @@
 """Owns the KV pool and turns one scheduled batch into one forward pass."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from chatloom.engine.scheduler import ScheduledBatch
@@ -33,6 +35,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
         dtype = model.embed_tokens.weight.dtype
         self.kernels = load_kernels() if use_kernels and dtype in (torch.float32, torch.float64) else None
+        # Called just before each forward's native code (which runs without the GIL): AsyncEngine
+        # hands the previous step's outputs to the event loop there.
+        self.before_forward: Callable[[], None] | None = None
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
         bs = self.block_size
@@ -113,8 +118,14 @@ class ModelRunner:
         """Run the batch; returns logits and their row-wise argmax for the sequences that
         produce a token now, and those sequences."""
         ids, positions, attn, rows = self._prepare(batch)
-        hidden = self.model(ids, positions, attn, self.kv_caches)
         sampled = list(batch.decodes) + [s for s, n in batch.prefills if s.num_computed_tokens + n == len(s)]
+        if len(rows) == len(ids):  # every query gives logits: a decode step may take them from the stack
+            fused = self.model.decode_logits(ids, positions, attn, self.kv_caches, self.before_forward)
+            if fused is not None:
+                return fused[0], fused[1], sampled
+        if self.before_forward is not None:
+            self.before_forward()
+        hidden = self.model(ids, positions, attn, self.kv_caches)
         if not rows:
             return hidden.new_empty(0), None, sampled
         logits, argmax = self.model.logits_and_argmax(hidden[rows])

@@ -8,6 +8,8 @@ kernels) shared by all of them.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -271,8 +273,15 @@ class DecoderForCausalLM(nn.Module):
         if any(w is None for w in layers):
             return None
         attn = self.layers[0].self_attn
-        return kernels.DecodeStack(layers, self.norm.weight.detach(), self.norm.eps, self.rope.cos, self.rope.sin,
-                                   self.rope.interleaved, attn.hq, attn.hkv, attn.scale)
+        stack = kernels.DecodeStack(layers, self.norm.weight.detach(), self.norm.eps, self.rope.cos, self.rope.sin,
+                                    self.rope.interleaved, attn.hq, attn.hkv, attn.scale)
+        # The head joins the stack's call where it can (a quantized head on the team path); the
+        # stack then returns the logits and their argmax (decode_logits).
+        if self.config.final_softcap is None and isinstance(self.lm_head, KernelLinear):
+            head = self.lm_head.native()
+            if head is not None:
+                stack.set_head(head)
+        return stack
 
     def build_rope(self) -> None:
         """The RoPE tables; Gemma 3's sliding-window layers have their own base."""
@@ -300,6 +309,26 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.layer_ropes[i],
                                 kv_caches[i] if kv_caches else None, batch)
         return self.norm(x, residual)
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                      before_native: Callable[[], None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode-only step's logits [T, vocab] and their argmax [T] for every query, in one native
+        call with the decoder stack: forward then logits_and_argmax, the same bits, without a
+        second pass over the logits or the Python between them. None where the stack has no head.
+        `before_native` runs right before that call, with nothing after it that lets the GIL go."""
+        if not (self.native_decode and kv_caches and batch.decode_only):
+            return None
+        stack = self.decode_stack()
+        if stack is None or not stack.has_head:
+            return None
+        x = self.embed_tokens(input_ids)  # a fresh tensor: the stack updates it in place
+        k_pools, v_pools = [c[0] for c in kv_caches], [c[1] for c in kv_caches]
+        if before_native is not None:
+            before_native()
+        return stack.forward_logits(x, positions, k_pools, v_pools, batch.slot_mapping, batch.decode_block_tables,
+                                    batch.decode_rows, batch.decode_kv_lens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties)."""

@@ -167,6 +167,27 @@ async def test_async_engine_streams_and_cancelling_aborts(tiny_model_fp32):
         engine.shutdown()
 
 
+async def test_async_engine_hands_outputs_over_as_the_next_forward_starts(tiny_model_fp32):
+    """A step's outputs reach the event loop just before the next step's forward (after its Python,
+    which the woken event loop would otherwise hold up at every GIL hand-off), and the last ones at
+    once, with no step to wait for."""
+    engine = AsyncEngine.from_model(tiny_model_fp32, EngineConfig(num_blocks=256, block_size=4))
+    try:
+        runner, events = engine.engine.runner, []
+        hand_over, prepare = runner.before_forward, runner._prepare
+        runner.before_forward = lambda: events.append(("hand_over", len(engine._pending))) or hand_over()
+        runner._prepare = lambda batch: events.append(("prepare", 0)) or prepare(batch)
+        outs = [out async for out in engine.stream("hello there", SamplingParams(max_tokens=12, temperature=0,
+                                                                                  ignore_eos=True))]
+        assert len(outs) == 12 and outs[-1].finished and not engine._pending
+        assert [e for e, _ in events] == ["prepare", "hand_over"] * 12  # each forward after its step's Python
+        # The prefill had nothing to hand over; each decode step's forward handed over one output; the last
+        # went at once.
+        assert [n for e, n in events if e == "hand_over"] == [0] + [1] * 11
+    finally:
+        engine.shutdown()
+
+
 async def test_a_failed_step_fails_its_requests_but_not_the_engine(tiny_model_fp32):
     engine = AsyncEngine.from_model(tiny_model_fp32, EngineConfig(num_blocks=64))
     try:

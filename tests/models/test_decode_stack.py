@@ -183,8 +183,9 @@ def test_exact_quantized_models_step_on_one_team_of_threads(kinds, monkeypatch):
     parts = stack.profile()
     assert parts.pop("steps") == 1
     assert parts.pop("redone") >= 0  # items run again because a thread was stopped holding them
-    assert set(parts) == {"input_norm", "qkv", "attention", "o", "post_norm", "gate_up", "silu", "down"}
+    assert set(parts) == {"input_norm", "qkv", "attention", "o", "post_norm", "gate_up", "silu", "down", "head"}
     assert all(v >= 0 for v in parts.values()) and parts["gate_up"] > 0
+    assert parts["head"] == 0 and not stack.has_head  # a float32 head stays a module of its own
     model.native_decode = True
     _both_paths(model, monkeypatch, _wide_batch)
     assert stack.profile()["steps"] == 1  # the 14-query step did not run on the team
@@ -212,6 +213,68 @@ def test_a_thread_stopped_holding_an_item_does_not_hold_up_the_step(monkeypatch)
         assert stack.profile()["redone"] > 0
     finally:
         torch.set_num_threads(threads)
+
+
+def _with_quantized_head(model: llama.DecoderForCausalLM, kinds: list[str], head_kind: str
+                         ) -> dict[str, list[QuantizedWeight]]:
+    quantized = _quantized(model, kinds)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size  # 300: the last task is partial
+    quantized["lm_head"] = [QuantizedWeight(head_kind, tc.random_blocks(head_kind, vocab, hidden, 99, 0.02), vocab,
+                                            hidden)]
+    return quantized
+
+
+def _both_heads(model: llama.DecoderForCausalLM, batch=_batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step with the head in the stack's call and one through the modules, from the
+    same pool: the same logits and KV pool, bit for bit, and the argmax of torch.argmax."""
+    runner, start = _runner(model)
+    logits, argmax, _ = runner.execute(batch())
+    native_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
+        k.copy_(k0)
+        v.copy_(v0)
+    model.native_decode = False
+    module_logits, module_argmax, _ = runner.execute(batch())
+    model.native_decode = True
+    assert logits.shape == (len(module_argmax), model.config.vocab_size)
+    assert torch.equal(logits.view(torch.int32), module_logits.view(torch.int32))  # bits, NaNs too
+    assert torch.equal(argmax, module_argmax) and torch.equal(argmax, logits.argmax(dim=-1))
+    for (k, v), (nk, nv) in zip(runner.kv_caches, native_pool):
+        assert torch.equal(k, nk) and torch.equal(v, nv)
+    return logits, argmax
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+@pytest.mark.parametrize("head_kind", ["Q8_0", "Q4_1"])
+def test_a_quantized_head_runs_as_the_teams_last_phase(head_kind):
+    """A quantized head joins the stack's call (decode_logits): its tasks are the team's last phase
+    and find their columns' best logit as they finish. Logits, argmax and pool are those of the
+    module path, on the team (up to 12 queries) and on the wider call-by-call path."""
+    model = _model()
+    assert pack_linears(model, _with_quantized_head(model, ["Q4_1"], head_kind))
+    stack = model.decode_stack()
+    assert stack.team_path and stack.has_head
+    stack.set_profiling(True)
+    _both_heads(model)
+    assert stack.profile()["head"] > 0 and stack.profile()["steps"] == 1
+    _both_heads(model, _wide_batch)
+    assert stack.profile()["steps"] == 1  # 14 queries: forward, then the head's kernel
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+def test_the_fused_argmax_ranks_like_torch_argmax():
+    """Equal logits: the first wins. A NaN ranks above every number, and the first NaN wins."""
+    model = _model()
+    assert pack_linears(model, _with_quantized_head(model, ["Q4_1"], "Q8_0"))
+    scales = model.lm_head.scales  # [panels, K / 32, 2, 16]: d, then m
+    scales.zero_()  # every logit 0.0
+    _, argmax = _both_heads(model)
+    assert argmax.tolist() == [0, 0, 0, 0, 0]
+    scales[13, 0, 0, 3] = float("nan")  # feature 13 * 16 + 3 = 211, in the fourth task
+    scales[17, 0, 0, 0] = float("nan")  # 272, a later NaN
+    scales[2, 0, 0, 5] = 1000.0  # a large number does not beat a NaN
+    logits, argmax = _both_heads(model)
+    assert argmax.tolist() == [211] * 5 and torch.isnan(logits[:, 272]).all()
 
 
 def test_int8_and_grouped_models_keep_the_call_by_call_stack():

@@ -62,6 +62,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
            pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
            pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
+      .def("set_head", &DecodeStack::set_head, "run this head in forward_logits (taken only where the team path can)",
+           pybind11::arg("head"))
+      .def_property_readonly("has_head", &DecodeStack::has_head, "whether set_head took a head")
+      .def("forward_logits", &DecodeStack::forward_logits, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
+           pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
       .def("set_profiling", &DecodeStack::set_profiling, "time each part of the team path's steps (resets the sums)",
            pybind11::arg("on"))
       .def("set_test_stall", &DecodeStack::set_test_stall,

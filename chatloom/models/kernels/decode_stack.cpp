@@ -113,3 +113,28 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, con
   }
   return add_rms_norm(h, residual, final_norm_, eps_);
 }
+
+void DecodeStack::set_head(const NativeLinear& head) {
+  head_.reset();
+  if (team_.empty() || head.kind != NativeLinear::kQuantized) return;
+  const QuantizedPanels panels = quantized_panels(head.weight, head.scales, head.bias, head.out_features);
+  if (panels.k_dim != team_[0].qkv.k_dim) return;
+  head_ = head;
+  head_panels_ = panels;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
+    torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
+    const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor rows, torch::Tensor kv_lens) const {
+  TORCH_CHECK(head_.has_value(), "this stack has no head (set_head took none)");
+  TORCH_CHECK(k_pools.size() == layers_.size() && v_pools.size() == layers_.size(), "one K and one V pool per layer");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, hidden]");
+  if (x.size(0) <= kMaxTaskRows) {
+    torch::Tensor logits, argmax;
+    forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens, &logits, &argmax);
+    return {logits, argmax};
+  }
+  auto logits = run_linear(*head_, forward(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens));
+  return {logits, logits.argmax(1)};
+}

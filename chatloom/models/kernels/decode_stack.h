@@ -5,6 +5,7 @@
 #include <array>
 #include <map>
 #include <string>
+#include <tuple>
 
 // One linear layer as the kernels see it; `kind` names the kernel its Python module calls.
 struct NativeLinear {
@@ -35,6 +36,20 @@ class DecodeStack {
                         const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const;
 
+  // The output head, run by forward_logits. Taken only where the team path can run it (a
+  // quantized head over the hidden size); has_head() tells whether it was.
+  void set_head(const NativeLinear& head);
+  bool has_head() const { return head_.has_value(); }
+  // forward's arguments; returns the head's logits [T, vocab] and each row's argmax [T] (int64, the
+  // first maximum; a NaN counts as the maximum, as in torch.argmax). On the team path the head is
+  // the team's last phase and the argmax is taken as its tasks finish; wider batches run forward,
+  // then the head's kernel. Either way, the bits of forward followed by the head's module.
+  std::tuple<torch::Tensor, torch::Tensor> forward_logits(torch::Tensor x, torch::Tensor positions,
+                                                          const std::vector<torch::Tensor>& k_pools,
+                                                          const std::vector<torch::Tensor>& v_pools,
+                                                          torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                                          torch::Tensor rows, torch::Tensor kv_lens) const;
+
   // Wall time per part of the team path's decode steps (decode_team.cpp), summed while profiling is
   // on: the serial parts as the leading thread ran them, each matmul from its start to the barrier
   // after it. For `chatloom bench latency`'s breakdown; off by default (two clock reads per part).
@@ -50,17 +65,21 @@ class DecodeStack {
   struct TeamLayer {
     QuantizedPanels qkv, o, gate_up, down;
   };
+  // The team path: returns the final norm's output; with `head`, also the logits and argmax.
   torch::Tensor forward_team(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
                              const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping,
-                             torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const;
+                             torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
+                             torch::Tensor* logits = nullptr, torch::Tensor* argmax = nullptr) const;
 
   bool team_shape_ok() const;
 
   std::vector<DecodeLayerWeights> layers_;
   std::vector<TeamLayer> team_;
+  c10::optional<NativeLinear> head_;  // the head's weights (set_head), kept alive for head_panels_
+  QuantizedPanels head_panels_{};
   bool profiling_ = false;
   // The parts in kTeamParts order, the step count, then the items redone (counted while profiling).
-  mutable std::array<int64_t, 10> profile_ns_{};
+  mutable std::array<int64_t, 11> profile_ns_{};
   int64_t stall_ns_ = 0, stall_every_ = 0;
   torch::Tensor final_norm_;
   double eps_;

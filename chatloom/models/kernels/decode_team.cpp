@@ -6,7 +6,9 @@
 // takes a core for a moment at every token: a thread it displaces then holds up every join.
 //
 // Here one OpenMP region spans the whole stack, on buffers allocated once per step, as a chain of
-// phases: per layer the QKV matmul, the attention, O, gate/up and down. A phase's work items (a
+// phases: per layer the QKV matmul, the attention, O, gate/up and down, and (forward_logits) the
+// output head, whose tasks also find their columns' best logit, so that the step's argmax is a
+// reduction over one value per task rather than another pass over the vocabulary. A phase's work items (a
 // matmul's tasks of 4 panels, the attention's jobs of one token's KV head) go to whichever thread asks
 // next, from a shared counter, and the thread that finishes a phase's last item runs the small serial
 // part that follows (rotary and the pool writes, a norm, SiLU) and opens the next phase. No thread
@@ -32,7 +34,8 @@
 
 namespace {
 
-constexpr const char* kTeamParts[8] = {"input_norm", "qkv", "attention", "o", "post_norm", "gate_up", "silu", "down"};
+constexpr const char* kTeamParts[9] = {"input_norm", "qkv", "attention", "o", "post_norm", "gate_up", "silu", "down",
+                                       "head"};
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -61,6 +64,19 @@ bool prefetch_some(std::atomic<int64_t>& cursor, const QuantizedPanels& w) {
 // several times an item's usual length (2-20 us), so a thread that is merely slower is left alone.
 constexpr int64_t kRedoAfterNs = 25000;
 
+// Whether logit v ranks above the best so far, as torch.argmax ranks them: a NaN above every number,
+// and between equals the first one seen (callers go in index order). NaNs are told by their bits:
+// the kernels build with -ffast-math, under which std::isnan is always false.
+inline bool is_nan(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+inline bool ranks_above(float v, float best) {
+  if (is_nan(best)) return false;
+  return is_nan(v) || v > best;
+}
+
 // One per phase of a step: the work items' counters and whether the phase is open.
 struct Phase {
   std::atomic<int64_t> next{0}, done{0};
@@ -84,16 +100,17 @@ void DecodeStack::set_test_stall(int64_t ns, int64_t every) {
 
 std::map<std::string, double> DecodeStack::profile() const {
   std::map<std::string, double> out;
-  for (int i = 0; i < 8; ++i) out[kTeamParts[i]] = profile_ns_[i] * 1e-9;
-  out["steps"] = (double)profile_ns_[8];
-  out["redone"] = (double)profile_ns_[9];
+  for (int i = 0; i < 9; ++i) out[kTeamParts[i]] = profile_ns_[i] * 1e-9;
+  out["steps"] = (double)profile_ns_[9];
+  out["redone"] = (double)profile_ns_[10];
   return out;
 }
 
 torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions,
                                         const std::vector<torch::Tensor>& k_pools,
                                         const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping,
-                                        torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const {
+                                        torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
+                                        torch::Tensor* logits, torch::Tensor* argmax) const {
   // Everything is checked here: the team's parts are raw loops that must not fail halfway.
   const size_t n = layers_.size();
   const TeamLayer& shape = team_[0];  // every layer has this shape (checked when the stack was built)
@@ -144,19 +161,35 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   float *attn_all = attn.data_ptr<float>(), *o_all = o.data_ptr<float>(), *gu_all = gate_up.data_ptr<float>();
   float *actp = act.data_ptr<float>(), *down_all = down.data_ptr<float>(), *hp = h.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  const auto qkv_of = [&](size_t i) { return qkv_all + (int64_t)i * t * shape.qkv.out_features; };
-  const auto attn_of = [&](size_t i) { return attn_all + (int64_t)i * t * q_width; };
-  const auto o_of = [&](size_t i) { return o_all + (int64_t)i * t * hidden; };
-  const auto gu_of = [&](size_t i) { return gu_all + (int64_t)i * t * 2 * inter; };
-  const auto down_of = [&](size_t i) { return down_all + (int64_t)i * t * hidden; };
+  const auto per_layer = [t](float* all, int64_t width) {  // layer i's [t, width] rows of a buffer
+    return [=](size_t i) { return all + (int64_t)i * t * width; };
+  };
+  const auto qkv_of = per_layer(qkv_all, shape.qkv.out_features), attn_of = per_layer(attn_all, q_width);
+  const auto o_of = per_layer(o_all, hidden), gu_of = per_layer(gu_all, 2 * inter), down_of = per_layer(down_all, hidden);
   const float eps = (float)eps_;
   const bool timed = profiling_;
 
-  // Per layer: QKV, attention, O, gate/up, down.
+  // With the head: its logits, and per task and row the best logit of the task's columns and where.
+  const bool with_head = logits != nullptr && argmax != nullptr;
+  TORCH_CHECK(!with_head || head_.has_value(), "this stack has no head");
+  const int64_t vocab = with_head ? head_panels_.out_features : 0;
+  const int64_t head_tasks = with_head ? quantized_tasks(head_panels_) : 0;
+  if (with_head) {
+    *logits = torch::empty({t, vocab}, opts);
+    *argmax = torch::empty({t}, opts.dtype(torch::kInt64));
+  }
+  std::vector<float> best_value(head_tasks * t);
+  std::vector<int64_t> best_index(head_tasks * t);
+  float* logits_p = with_head ? logits->data_ptr<float>() : nullptr;
+  int64_t* argmax_p = with_head ? argmax->data_ptr<int64_t>() : nullptr;
+
+  // Per layer: QKV, attention, O, gate/up, down; then, with the head, one phase for it.
   constexpr int kPerLayer = 5;
-  const int64_t phases = kPerLayer * (int64_t)n;
+  const int64_t layer_phases = kPerLayer * (int64_t)n, head_phase = layer_phases;
+  const int64_t phases = layer_phases + (with_head ? 1 : 0);
   std::unique_ptr<Phase[]> phase(new Phase[phases + 1]);
   const auto items = [&](int64_t k) -> int64_t {
+    if (k == head_phase) return head_tasks;
     const TeamLayer& l = team_[k / kPerLayer];
     switch (k % kPerLayer) {
       case 0: return quantized_tasks(l.qkv);
@@ -167,6 +200,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     }
   };
   const auto weights = [&](int64_t k) -> const QuantizedPanels* {  // the matmul phase k runs, or null
+    if (k == head_phase) return &head_panels_;
     const TeamLayer& l = team_[k / kPerLayer];
     switch (k % kPerLayer) {
       case 0: return &l.qkv;
@@ -177,6 +211,19 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     }
   };
   const auto run_item = [&](int64_t k, int64_t item, AttentionScratch& scratch) {
+    if (k == head_phase) {  // the task's logits, and each row's best of them
+      run_quantized_task(head_panels_, outp, t, logits_p, item);
+      const int64_t c0 = item * kTaskFeatures, c1 = std::min(vocab, c0 + kTaskFeatures);
+      for (int64_t r = 0; r < t; ++r) {
+        const float* row_logits = logits_p + r * vocab;
+        int64_t at = c0;
+        for (int64_t c = c0 + 1; c < c1; ++c)
+          if (ranks_above(row_logits[c], row_logits[at])) at = c;
+        best_value[item * t + r] = row_logits[at];
+        best_index[item * t + r] = at;
+      }
+      return;
+    }
     const size_t i = k / kPerLayer;
     const TeamLayer& l = team_[i];
     switch (k % kPerLayer) {
@@ -195,6 +242,15 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   };
   // What follows phase k once all its items are done, run by the thread that finished the last one.
   const auto serial_after = [&](int64_t k) {
+    if (k == head_phase) {  // each row's argmax: the tasks' bests, in column order
+      for (int64_t r = 0; r < t; ++r) {
+        int64_t best = 0;
+        for (int64_t task = 1; task < head_tasks; ++task)
+          if (ranks_above(best_value[task * t + r], best_value[best * t + r])) best = task;
+        argmax_p[r] = best_index[best * t + r];
+      }
+      return;
+    }
     const size_t i = k / kPerLayer;
     switch (k % kPerLayer) {
       case 0: {  // rotary, and this step's keys and values into the pools (as decode_attention does)
@@ -227,7 +283,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   const auto finish = [&](int64_t k, int64_t item) {
     if (finished[first_item[k] + item].exchange(1, std::memory_order_acq_rel) != 0) return;
     Phase& ph = phase[k];
-    if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == items(k)) {
+    if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == first_item[k + 1] - first_item[k]) {
       if (timed) ph.serial_ns = now_ns();
       serial_after(k);
       if (timed) phase[k + 1].opened_ns = now_ns();
@@ -255,18 +311,24 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
       // of the one before was handed out has an item whose thread the OS has stopped (on a 2-core
       // machine the gateway's event loop takes a core at every token): run that item again here, so
       // the step goes on at the pace of the threads still running rather than waiting for it.
+      // The clock is read only once the thread spins (most phases are open when a thread gets there).
       const QuantizedPanels* w = weights(k);
-      const int64_t since = now_ns();
+      int64_t since = -1;
       for (int spins = 0; !ph.open.load(std::memory_order_acquire);) {
         if (w != nullptr && prefetch_some(ph.prefetched, *w)) continue;
         _mm_pause();
-        if ((++spins & 63) == 0 && k > 0 && now_ns() - since > kRedoAfterNs) {
-          const int64_t item = unfinished(k - 1);
-          if (item >= 0) {
-            if (timed) redone.fetch_add(1, std::memory_order_relaxed);
-            run_item(k - 1, item, scratch);
-            finish(k - 1, item);
-            continue;
+        if ((++spins & 63) == 0 && k > 0) {
+          const int64_t now = now_ns();
+          if (since < 0) {
+            since = now;
+          } else if (now - since > kRedoAfterNs) {
+            const int64_t item = unfinished(k - 1);
+            if (item >= 0) {
+              if (timed) redone.fetch_add(1, std::memory_order_relaxed);
+              run_item(k - 1, item, scratch);
+              finish(k - 1, item);
+              continue;
+            }
           }
         }
         if (spins > 4000) sched_yield();
@@ -281,9 +343,13 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     }
   }
   if (timed) {
-    // Parts in kTeamParts order: input_norm, qkv, attention, o, post_norm, gate_up, silu, down.
+    // Parts in kTeamParts order: input_norm, qkv, attention, o, post_norm, gate_up, silu, down, head.
     for (int64_t k = 0; k < phases; ++k) {
       const int64_t work = phase[k].serial_ns - phase[k].opened_ns, after = phase[k + 1].opened_ns - phase[k].serial_ns;
+      if (k == head_phase) {
+        profile_ns_[8] += work + after;
+        continue;
+      }
       switch (k % kPerLayer) {
         case 0: profile_ns_[1] += work; profile_ns_[2] += after; break;  // rotary counts as attention
         case 1: profile_ns_[2] += work + after; break;
@@ -292,8 +358,8 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
         default: profile_ns_[7] += work; profile_ns_[0] += after; break;  // the next layer's (or final) norm
       }
     }
-    ++profile_ns_[8];
-    profile_ns_[9] += redone.load();
+    ++profile_ns_[9];
+    profile_ns_[10] += redone.load();
   }
   return out;
 }

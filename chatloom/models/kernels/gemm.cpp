@@ -729,7 +729,10 @@ bool quantized_tasks_supported() {
 #endif
 }
 
-int64_t quantized_tasks(const QuantizedPanels& w) { return (w.panels + kRowPanels - 1) / kRowPanels; }
+int64_t quantized_tasks(const QuantizedPanels& w) {
+  static_assert(kRowPanels * kPanel == kTaskFeatures, "a task is kRowPanels panels");
+  return (w.panels + kRowPanels - 1) / kRowPanels;
+}
 
 void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task) {
 #ifdef CHATLOOM_HAVE_WIDE_PATH

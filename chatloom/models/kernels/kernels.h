@@ -68,6 +68,7 @@ struct QuantizedPanels {
   const float* bias;
 };
 constexpr int64_t kMaxTaskRows = 12;
+constexpr int64_t kTaskFeatures = 64;  // output features per task: columns [task * 64, task * 64 + 64)
 QuantizedPanels quantized_panels(const torch::Tensor& codes, const torch::Tensor& scales,
                                  const c10::optional<torch::Tensor>& bias, int64_t out_features);
 bool quantized_tasks_supported();
