@@ -113,20 +113,22 @@ class ModelRunner:
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None, list[Sequence]]:
         """Run the batch; returns logits and their row-wise argmax for the sequences that
         produce a token now, and those sequences."""
         ids, positions, attn, rows = self._prepare(batch)
         sampled = list(batch.decodes) + [s for s, n in batch.prefills if s.num_computed_tokens + n == len(s)]
         if len(rows) == len(ids):  # every query gives logits: a decode step may take them from the stack
+            # Native code only (no autograd to turn off): every torch call saved counts here, as each
+            # step's Python runs on caches the step's weights have just flushed.
             fused = self.model.decode_logits(ids, positions, attn, self.kv_caches, self.before_forward)
             if fused is not None:
                 return fused[0], fused[1], sampled
-        if self.before_forward is not None:
-            self.before_forward()
-        hidden = self.model(ids, positions, attn, self.kv_caches)
-        if not rows:
-            return hidden.new_empty(0), None, sampled
-        logits, argmax = self.model.logits_and_argmax(hidden[rows])
-        return logits, argmax, sampled
+        with torch.inference_mode():
+            if self.before_forward is not None:
+                self.before_forward()
+            hidden = self.model(ids, positions, attn, self.kv_caches)
+            if not rows:
+                return hidden.new_empty(0), None, sampled
+            logits, argmax = self.model.logits_and_argmax(hidden[rows])
+            return logits, argmax, sampled

@@ -81,9 +81,9 @@ class Sampler:
             argmax = logits.argmax(dim=-1)
         # A row with NaN logits has no meaningful token, greedy or not. argmax ranks NaN above every
         # number, so such a row's argmax points at a NaN: one look per row instead of a vocabulary pass.
-        nan_rows = torch.isnan(logits.gather(1, argmax.view(-1, 1))).view(-1).tolist()
-        for row, bad in enumerate(nan_rows):
-            if bad and row not in failures:
+        picked = logits.gather(1, argmax.unsqueeze(1)).tolist()  # few tensor calls: see ModelRunner.execute
+        for row, (value,) in enumerate(picked):
+            if value != value and row not in failures:  # NaN
                 failures[row] = SamplingError("the model produced NaN logits for this sequence")
         out: list[int | None] = argmax.tolist()
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failures]

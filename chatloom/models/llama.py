@@ -323,7 +323,8 @@ class DecoderForCausalLM(nn.Module):
         stack = self.decode_stack()
         if stack is None or not stack.has_head:
             return None
-        x = self.embed_tokens(input_ids)  # a fresh tensor: the stack updates it in place
+        # A fresh tensor (the stack updates it in place), without the module call: nn.Embedding's bits.
+        x = F.embedding(input_ids, self.embed_tokens.weight)
         k_pools, v_pools = [c[0] for c in kv_caches], [c[1] for c in kv_caches]
         if before_native is not None:
             before_native()
