@@ -156,9 +156,21 @@ class LexiconModerator(Moderator):
         self._any = regex.compile(r"\b(?:" + "|".join(f"(?:{p})" for phrases in self.lexicon.values()
                                                       for p in phrases) + r")\b") if self._patterns else None
         self.window_chars = window_chars
+        # The last text an output guard had normalized and its normal form: at every token the guard
+        # checks its window, then asks safe_prefix about the same text (and often its last cut, the
+        # whole of it), so one normalization serves all three. The event loop's main cost per token.
+        self._last_normal: tuple[str, str] = ("", "")
 
-    def _check(self, text: str) -> Verdict | None:
+    def _normal(self, text: str) -> str:
+        last = self._last_normal  # one read: the tuple is replaced whole, never changed in place
+        if last[0] == text:
+            return last[1]
         norm = normalize(text)
+        self._last_normal = (text, norm)
+        return norm
+
+    def _check(self, text: str, norm: str | None = None) -> Verdict | None:
+        norm = normalize(text) if norm is None else norm
         if self._any_full is None or self._any_full.search(norm) is None:
             return None
         for category, pattern in self._patterns:
@@ -171,7 +183,7 @@ class LexiconModerator(Moderator):
         return await off_loop(self._check, text, size=len(text))  # i12: a huge message not on the event loop
 
     async def check_output(self, text: str) -> Verdict | None:
-        return self._check(text)
+        return self._check(text, self._normal(text))
 
     def safe_prefix(self, text: str, cuts: Sequence[int] | None = None) -> int:
         """The text before the earliest place where a phrase could be starting (a partial match
@@ -179,7 +191,7 @@ class LexiconModerator(Moderator):
         the largest of them that ends before that place (0 when none does)."""
         if self._any is None:
             return len(text)
-        norm = normalize(text)
+        norm = self._normal(text)
         m = self._any.search(norm, partial=True)
         if m is None:
             return len(text)
@@ -188,7 +200,7 @@ class LexiconModerator(Moderator):
             # The guard releases whole pieces, so only the few piece boundaries matter: try them from
             # the last, usually one normalization, instead of a binary search over every length.
             for cut in reversed(cuts):
-                prefix = normalize(text[:cut])
+                prefix = norm if cut >= len(text) else normalize(text[:cut])
                 if cut <= len(text) and len(prefix) <= start and norm.startswith(prefix):
                     return cut
             return 0

@@ -84,6 +84,25 @@ async def test_guard_passes_clean_text_through_in_order():
     assert shown + await guard.finish() == pieces and guard.verdict is None
 
 
+async def test_guard_normalizes_its_window_once_a_piece(monkeypatch):
+    """At every piece the guard checks its window and asks where a phrase could begin in the same
+    text: one normalization serves both (the event loop's main cost per streamed token), with the
+    pieces and verdicts an unshared normalization gives."""
+    import chatloom.app.moderation as moderation
+
+    calls = []
+    real = moderation.normalize
+    monkeypatch.setattr(moderation, "normalize", lambda text: calls.append(text) or real(text))
+    pieces = ["Sure", ".", " I", " will", " help", " you", " with", " that", "."] + [f" w{i}" for i in range(20)]
+    guard = OutputGuard(LexiconModerator(), holdback_tokens=4)
+    shown = [p for piece in pieces for p in await guard.push(piece)] + await guard.finish()
+    assert shown == pieces and guard.verdict is None
+    assert len(calls) <= len(pieces) + 8  # one per piece, plus a prefix's while " I will" was held
+    for piece in THREAT:  # and a violation is still caught, across pieces
+        await guard.push(piece)
+    assert guard.verdict.category == "violence/threat"
+
+
 @pytest.mark.parametrize("text,safe", [("Sure. I", 6), ("hello", 5), ("", 0), ("Tell me how", 8),
                                        ("I KNOW wh", 0), ("fine!!  ", 8)])
 def test_safe_prefix_stops_where_a_phrase_could_begin(text, safe):
