@@ -82,7 +82,21 @@ def _runner(model: llama.DecoderForCausalLM) -> tuple[ModelRunner, list[tuple[to
     for k, v in runner.kv_caches:
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
-    return runner, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    return runner, _pool(runner)
+
+
+def _pool(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+
+def _restore(runner: ModelRunner, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for (k, v), (k0, v0) in zip(runner.kv_caches, pool):
+        k.copy_(k0)
+        v.copy_(v0)
+
+
+def _same_pool(runner: ModelRunner, pool: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    return all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_caches, pool))
 
 
 def _wide_batch() -> ScheduledBatch:
@@ -106,16 +120,13 @@ def _both_paths(model: llama.DecoderForCausalLM, monkeypatch, batch=_batch) -> N
 
     native_logits, _, _ = runner.execute(batch())
     assert model.decode_stack() is not None and not python_calls  # the stack ran, not the modules
-    native_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
-        k.copy_(k0)
-        v.copy_(v0)
+    native_pool = _pool(runner)
+    _restore(runner, start)
     model.native_decode = False
     module_logits, _, _ = runner.execute(batch())
     assert len(python_calls) == len(model.layers)
     assert torch.equal(native_logits, module_logits)
-    for (k, v), (nk, nv) in zip(runner.kv_caches, native_pool):
-        assert torch.equal(k, nk) and torch.equal(v, nv)
+    assert _same_pool(runner, native_pool)
 
 
 def test_decode_attention_in_one_call_gives_the_step_by_step_bits(monkeypatch):
@@ -132,16 +143,13 @@ def test_decode_attention_in_one_call_gives_the_step_by_step_bits(monkeypatch):
     monkeypatch.setattr(kernels, "decode_attention", lambda *a: fused_calls.append(1) or real(*a))
     fused_logits, _, _ = runner.execute(_batch())
     assert len(fused_calls) == len(model.layers)
-    fused_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
-        k.copy_(k0)
-        v.copy_(v0)
+    fused_pool = _pool(runner)
+    _restore(runner, start)
     monkeypatch.setattr(AttentionBatch, "decode_only", property(lambda self: plain_calls.append(1) and False))
     plain_logits, _, _ = runner.execute(_batch())
     assert plain_calls and len(fused_calls) == len(model.layers)  # the step-by-step path ran this time
     assert torch.equal(fused_logits, plain_logits)
-    for (k, v), (fk, fv) in zip(runner.kv_caches, fused_pool):
-        assert torch.equal(k, fk) and torch.equal(v, fv)
+    assert _same_pool(runner, fused_pool)
 
 
 def test_float32_panels(monkeypatch):
@@ -229,18 +237,15 @@ def _both_heads(model: llama.DecoderForCausalLM, batch=_batch) -> tuple[torch.Te
     same pool: the same logits and KV pool, bit for bit, and the argmax of torch.argmax."""
     runner, start = _runner(model)
     logits, argmax, _ = runner.execute(batch())
-    native_pool = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    for (k, v), (k0, v0) in zip(runner.kv_caches, start):
-        k.copy_(k0)
-        v.copy_(v0)
+    native_pool = _pool(runner)
+    _restore(runner, start)
     model.native_decode = False
     module_logits, module_argmax, _ = runner.execute(batch())
     model.native_decode = True
     assert logits.shape == (len(module_argmax), model.config.vocab_size)
     assert torch.equal(logits.view(torch.int32), module_logits.view(torch.int32))  # bits, NaNs too
     assert torch.equal(argmax, module_argmax) and torch.equal(argmax, logits.argmax(dim=-1))
-    for (k, v), (nk, nv) in zip(runner.kv_caches, native_pool):
-        assert torch.equal(k, nk) and torch.equal(v, nv)
+    assert _same_pool(runner, native_pool)
     return logits, argmax
 
 

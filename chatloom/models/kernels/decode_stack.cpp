@@ -36,6 +36,13 @@ torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
   TORCH_CHECK(false, "unknown linear kind ", l.kind);
 }
 
+// What forward and forward_logits both need before they pick a path.
+void check_stack_inputs(const torch::Tensor& x, size_t layers, const std::vector<torch::Tensor>& k_pools,
+                        const std::vector<torch::Tensor>& v_pools) {
+  TORCH_CHECK(k_pools.size() == layers && v_pools.size() == layers, "one K and one V pool per layer");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, hidden]");
+}
+
 }  // namespace
 
 NativeLinear::NativeLinear(int64_t kind_, torch::Tensor weight_, c10::optional<torch::Tensor> scales_,
@@ -95,8 +102,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, con
                                    const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping,
                                    torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const {
   const size_t n = layers_.size();
-  TORCH_CHECK(k_pools.size() == n && v_pools.size() == n, "one K and one V pool per layer");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, hidden]");
+  check_stack_inputs(x, n, k_pools, v_pools);
   if (!team_.empty() && x.size(0) <= kMaxTaskRows)
     return forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
   // The residual stream is x itself, updated in place (the embedding output is a fresh tensor).
@@ -128,8 +134,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
     const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor rows, torch::Tensor kv_lens) const {
   TORCH_CHECK(head_.has_value(), "this stack has no head (set_head took none)");
-  TORCH_CHECK(k_pools.size() == layers_.size() && v_pools.size() == layers_.size(), "one K and one V pool per layer");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, hidden]");
+  check_stack_inputs(x, layers_.size(), k_pools, v_pools);
   if (x.size(0) <= kMaxTaskRows) {
     torch::Tensor logits, argmax;
     forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens, &logits, &argmax);

@@ -292,7 +292,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   };
   // An item of phase k that was handed out but is not finished yet, or -1.
   const auto unfinished = [&](int64_t k) -> int64_t {
-    for (int64_t item = 0, n_items = items(k); item < n_items; ++item)
+    for (int64_t item = 0, n_items = first_item[k + 1] - first_item[k]; item < n_items; ++item)
       if (finished[first_item[k] + item].load(std::memory_order_acquire) == 0) return item;
     return -1;
   };
