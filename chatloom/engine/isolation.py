@@ -9,23 +9,13 @@ paid only on the rare step that fails.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
-from chatloom.engine.model_runner import ModelRunner
+from chatloom.engine.model_runner import ForwardResult, ModelRunner
 from chatloom.engine.scheduler import ScheduledBatch
-from chatloom.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ForwardResult:
-    logits: torch.Tensor  # [len(sampled), vocab]
-    argmax: torch.Tensor | None
-    sampled: list[Sequence]  # the sequences that produce a token this step, in logits order
-    failed: dict[Sequence, Exception] = field(default_factory=dict)  # sequences whose forward failed alone
 
 
 def split_batch(batch: ScheduledBatch) -> list[ScheduledBatch]:
@@ -37,7 +27,7 @@ def split_batch(batch: ScheduledBatch) -> list[ScheduledBatch]:
 def execute_isolated(runner: ModelRunner, batch: ScheduledBatch) -> ForwardResult:
     """The batch's forward; if it fails, each sequence alone, failing only those that fail alone."""
     try:
-        return ForwardResult(*runner.execute(batch))
+        return runner.execute(batch)
     except Exception as exc:
         parts = split_batch(batch)
         if len(parts) == 1:
@@ -48,15 +38,16 @@ def execute_isolated(runner: ModelRunner, batch: ScheduledBatch) -> ForwardResul
     for part in parts:
         seq = (part.decodes or [s for s, _ in part.prefills])[0]
         try:
-            l, a, s = runner.execute(part)
+            part_result = runner.execute(part)
         except Exception as exc:
             log.warning("request %s fails its forward pass on its own: %r", seq.request_id, exc)
             failed[seq] = exc
             continue
-        if s:
+        if part_result.sampled:
+            l, a = part_result.logits, part_result.argmax
             logits.append(l)
             argmaxes.append(a if a is not None else l.argmax(dim=-1))
-            sampled.extend(s)
+            sampled.extend(part_result.sampled)
     if not logits:
         return ForwardResult(torch.empty(0), None, [], failed)
     return ForwardResult(torch.cat(logits), torch.cat(argmaxes), sampled, failed)

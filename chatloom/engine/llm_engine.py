@@ -144,20 +144,20 @@ class LLMEngine:
         # A failure is attributed to the sequences it belongs to; the rest of the batch carries on.
         fwd = execute_isolated(self.runner, batch)
         outputs += [o for seq, exc in fwd.failed.items() if (o := self._fail(seq, f"the forward pass failed: {exc!r}"))]
-        logits, argmax, sampled = fwd.logits, fwd.argmax, fwd.sampled
+        logits, argmax, sampled, picks = fwd.logits, fwd.argmax, fwd.sampled, fwd.picks
         if sampled and len(self.guide):
             # One logits row per sampled sequence plus one per proposal; constrained ones never propose,
             # so their single row is masked here, before verification or sampling.
             row_ids = [rid for s in sampled for rid in [s.request_id] + [""] * len(s.spec_token_ids)]
             if self.guide.apply(logits, row_ids):
-                argmax = None  # masked rows: the runner's argmax may be a forbidden token
+                argmax = picks = None  # masked rows: the runner's argmax may be a forbidden token
         failures: dict = {}
         if self.spec is not None:
             if not batch.prefills and not fwd.failed:
                 self.spec.observe_step(batch.num_tokens, time.perf_counter() - t0)
             new_tokens = self.spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids) if sampled else []
         else:
-            drawn, failures = self.sampler.sample(logits, sampled, self.eos_ids, argmax) if sampled else ([], {})
+            drawn, failures = self.sampler.sample(logits, sampled, self.eos_ids, argmax, picks) if sampled else ([], {})
             new_tokens = [[t] for t in drawn]
 
         for seq in batch.decodes:

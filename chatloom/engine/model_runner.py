@@ -1,10 +1,12 @@
 """Owns the KV pool and turns one scheduled batch into one forward pass."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from chatloom.engine.sampler import GreedyPicks
 from chatloom.engine.scheduler import ScheduledBatch
 from chatloom.engine.sequence import Sequence
 from chatloom.models.attention import AttentionBatch, PrefillSegment, chunk_mask
@@ -27,12 +29,22 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int
 _KERNEL_MAX_CHUNK = 16  # prefill chunks up to this many tokens use the paged kernel
 
 
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor  # [len(sampled), vocab]
+    argmax: torch.Tensor | None
+    sampled: list[Sequence]  # the sequences that produce a token this step, in logits order
+    failed: dict[Sequence, Exception] = field(default_factory=dict)  # sequences whose forward failed alone
+    picks: GreedyPicks | None = None  # argmax as ints, where the native decode step made them
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  use_kernels: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
+        self._pools = ([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches])
         dtype = model.embed_tokens.weight.dtype
         self.kernels = load_kernels() if use_kernels and dtype in (torch.float32, torch.float64) else None
         # Called just before each forward's native code (which runs without the GIL): AsyncEngine
@@ -113,22 +125,41 @@ class ModelRunner:
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None, list[Sequence]]:
+    def _decode_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+        """A plain decode batch's token ids, positions, K/V slots and block tables, as ints."""
+        bs = self.block_size
+        ids, positions, slots, tables = [], [], [], []
+        for seq in batch.decodes:
+            pos = seq.num_computed_tokens
+            table = seq.block_table
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+        return ids, positions, slots, tables
+
+    def execute(self, batch: ScheduledBatch) -> ForwardResult:
         """Run the batch; returns logits and their row-wise argmax for the sequences that
         produce a token now, and those sequences."""
-        ids, positions, attn, rows = self._prepare(batch)
         sampled = list(batch.decodes) + [s for s, n in batch.prefills if s.num_computed_tokens + n == len(s)]
+        # Native code only (no autograd to turn off): every torch call saved counts here, as each
+        # step's Python runs on caches the step's weights have just flushed. A plain decode step
+        # makes no tensor at all.
+        if (self.kernels is not None and batch.decodes and not batch.prefills
+                and not any(s.spec_token_ids for s in batch.decodes) and self.model.decodes_tokens()):
+            logits, argmax, tokens, nan_rows = self.model.decode_tokens(*self._decode_inputs(batch), self._pools,
+                                                                        self.before_forward)
+            return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
+        ids, positions, attn, rows = self._prepare(batch)
         if len(rows) == len(ids):  # every query gives logits: a decode step may take them from the stack
-            # Native code only (no autograd to turn off): every torch call saved counts here, as each
-            # step's Python runs on caches the step's weights have just flushed.
             fused = self.model.decode_logits(ids, positions, attn, self.kv_caches, self.before_forward)
             if fused is not None:
-                return fused[0], fused[1], sampled
+                return ForwardResult(fused[0], fused[1], sampled)
         with torch.inference_mode():
             if self.before_forward is not None:
                 self.before_forward()
             hidden = self.model(ids, positions, attn, self.kv_caches)
             if not rows:
-                return hidden.new_empty(0), None, sampled
+                return ForwardResult(hidden.new_empty(0), None, sampled)
             logits, argmax = self.model.logits_and_argmax(hidden[rows])
-            return logits, argmax, sampled
+            return ForwardResult(logits, argmax, sampled)

@@ -7,6 +7,8 @@ failure is reported per row, never raised for the whole batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from chatloom.engine.sampling_params import TEMPERATURE_FLOOR
@@ -15,6 +17,15 @@ from chatloom.engine.sequence import Sequence
 
 class SamplingError(RuntimeError):
     """One sequence's token could not be drawn; the message says why."""
+
+
+@dataclass(frozen=True)
+class GreedyPicks:
+    """Each row's argmax as Python ints, and the rows whose maximum is a NaN, as the native decode
+    step returns them: greedy rows then take their token without a tensor call (each costs tens of
+    microseconds on the caches a decode step's weights have just flushed)."""
+    tokens: list[int]
+    nan_rows: list[int]
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -61,9 +72,12 @@ class Sampler:
         return tokens  # type: ignore[return-value]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int],
-               argmax: torch.Tensor | None = None) -> tuple[list[int | None], dict[int, SamplingError]]:
-        """Each row's token (None where it failed) and the failures by row."""
-        logits = logits.float()
+               argmax: torch.Tensor | None = None, picks: GreedyPicks | None = None
+               ) -> tuple[list[int | None], dict[int, SamplingError]]:
+        """Each row's token (None where it failed) and the failures by row. `picks`: argmax and its
+        NaN rows as ints, when the forward made them (the same values as `argmax`)."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         failures: dict[int, SamplingError] = {}
         # min_tokens: end-of-sequence tokens are not allowed yet.
         banned_any = False
@@ -77,15 +91,20 @@ class Sampler:
                     except (IndexError, RuntimeError) as exc:
                         failures[row] = SamplingError(f"cannot ban stop tokens {banned}: {exc}")
                     banned_any = True
-        if argmax is None or banned_any:
-            argmax = logits.argmax(dim=-1)
         # A row with NaN logits has no meaningful token, greedy or not. argmax ranks NaN above every
         # number, so such a row's argmax points at a NaN: one look per row instead of a vocabulary pass.
-        picked = logits.gather(1, argmax.unsqueeze(1)).tolist()  # few tensor calls: see ModelRunner.execute
-        for row, (value,) in enumerate(picked):
-            if value != value and row not in failures:  # NaN
+        if picks is not None and not banned_any:
+            out: list[int | None] = list(picks.tokens)
+            nan_rows = picks.nan_rows
+        else:
+            if argmax is None or banned_any:
+                argmax = logits.argmax(dim=-1)
+            picked = logits.gather(1, argmax.unsqueeze(1)).tolist()  # few tensor calls: see ModelRunner.execute
+            nan_rows = [row for row, (value,) in enumerate(picked) if value != value]
+            out = argmax.tolist()
+        for row in nan_rows:
+            if row not in failures:
                 failures[row] = SamplingError("the model produced NaN logits for this sequence")
-        out: list[int | None] = argmax.tolist()
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failures]
         if rows:
             self._draw(logits, seqs, rows, out, failures)

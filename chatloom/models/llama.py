@@ -281,6 +281,9 @@ class DecoderForCausalLM(nn.Module):
             head = self.lm_head.native()
             if head is not None:
                 stack.set_head(head)
+                # With the embedding too, a plain decode step is one call on the engine's own lists
+                # (decode_tokens).
+                stack.set_embedding(self.embed_tokens.weight.detach())
         return stack
 
     def build_rope(self) -> None:
@@ -330,6 +333,27 @@ class DecoderForCausalLM(nn.Module):
             before_native()
         return stack.forward_logits(x, positions, k_pools, v_pools, batch.slot_mapping, batch.decode_block_tables,
                                     batch.decode_rows, batch.decode_kv_lens)
+
+    def decodes_tokens(self) -> bool:
+        """Whether decode_tokens runs (the native stack has the head and the embedding)."""
+        if not self.native_decode:
+            return False
+        stack = self.decode_stack()
+        return stack is not None and stack.has_embedding
+
+    def decode_tokens(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                      pools: tuple[list[torch.Tensor], list[torch.Tensor]],
+                      before_native: Callable[[], None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """A plain decode step (one query per sequence) from Python ints, where decodes_tokens():
+        query i is token ids[i] at positions[i] of the sequence with block table tables[i], its K/V
+        going to slots[i]. Returns decode_logits' logits and argmax, the argmax as ints, and the rows
+        whose logits hold a NaN. Same bits as decode_logits; no tensor is made here, as each torch
+        call costs tens of microseconds on the caches the step's weights have just flushed."""
+        stack = self.decode_stack()
+        if before_native is not None:
+            before_native()
+        return stack.forward_tokens(ids, positions, slots, tables, pools[0], pools[1])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties)."""

@@ -159,3 +159,25 @@ def test_a_row_with_nan_logits_fails_alone(greedy, given_argmax):
     assert set(failures) == {1, 3} and "NaN" in str(failures[1])
     assert tokens[1] is None and tokens[3] is None
     assert all(0 <= t < 1000 for i, t in enumerate(tokens) if i in (0, 2))
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2])
+def test_greedy_picks_from_the_forward_give_the_same_tokens(min_tokens):
+    """The native decode step's argmax as ints (GreedyPicks) stands in for the tensor, NaN rows
+    included; a row whose stop tokens are still banned (min_tokens) is ranked again, not picked."""
+    import torch
+
+    from chatloom.engine.sampler import GreedyPicks, Sampler
+    from chatloom.engine.sequence import Sequence
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    logits[0, 7] = 9.0  # row 0's maximum is the end-of-sequence token 7
+    logits[2, 3] = float("nan")
+    params = SamplingParams(max_tokens=4, temperature=0.0, min_tokens=min_tokens)
+    seqs = [Sequence(f"g{i}", [1, 2, 3], params) for i in range(3)]
+    argmax = logits.argmax(dim=-1)
+    picks = GreedyPicks(argmax.tolist(), [2])
+    expected = Sampler(seed=0).sample(logits.clone(), seqs, [7], argmax)
+    tokens, failures = Sampler(seed=0).sample(logits.clone(), seqs, [7], argmax, picks)
+    assert tokens == expected[0] and set(failures) == set(expected[1]) == {2}
+    assert (tokens[0] == 7) == (min_tokens == 0)

@@ -111,6 +111,28 @@ def _wide_batch() -> ScheduledBatch:
     return ScheduledBatch(decodes=seqs)
 
 
+def _plain_batch() -> ScheduledBatch:
+    """Five decoding sequences of different lengths, none with proposed tokens."""
+    seqs = []
+    for i, (ctx, table) in enumerate([(5, [3, 7]), (13, [0, 9, 4, 11]), (1, [20]), (8, [12, 13, 14]), (3, [21])]):
+        seq = Sequence(f"p{i}", list(range(10 + i, 11 + i + ctx)), SamplingParams(max_tokens=8))
+        seq.num_computed_tokens = ctx
+        seq.block_table = table
+        seqs.append(seq)
+    return ScheduledBatch(decodes=seqs)
+
+
+def _wide_plain_batch() -> ScheduledBatch:
+    """Fourteen plain decodes: more queries than the team path takes."""
+    seqs = []
+    for i in range(14):
+        seq = Sequence(f"q{i}", list(range(10 + i, 13 + i + i % 3)), SamplingParams(max_tokens=8))
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        seq.block_table = [2 * i, 2 * i + 1]
+        seqs.append(seq)
+    return ScheduledBatch(decodes=seqs)
+
+
 def _both_paths(model: llama.DecoderForCausalLM, monkeypatch, batch=_batch) -> None:
     """One decode step through the stack and through the modules, from the same pool: same bits."""
     runner, start = _runner(model)
@@ -118,12 +140,12 @@ def _both_paths(model: llama.DecoderForCausalLM, monkeypatch, batch=_batch) -> N
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a: python_calls.append(1) or real(*a))
 
-    native_logits, _, _ = runner.execute(batch())
+    native_logits = runner.execute(batch()).logits
     assert model.decode_stack() is not None and not python_calls  # the stack ran, not the modules
     native_pool = _pool(runner)
     _restore(runner, start)
     model.native_decode = False
-    module_logits, _, _ = runner.execute(batch())
+    module_logits = runner.execute(batch()).logits
     assert len(python_calls) == len(model.layers)
     assert torch.equal(native_logits, module_logits)
     assert _same_pool(runner, native_pool)
@@ -141,12 +163,12 @@ def test_decode_attention_in_one_call_gives_the_step_by_step_bits(monkeypatch):
     fused_calls, plain_calls = [], []
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a: fused_calls.append(1) or real(*a))
-    fused_logits, _, _ = runner.execute(_batch())
+    fused_logits = runner.execute(_batch()).logits
     assert len(fused_calls) == len(model.layers)
     fused_pool = _pool(runner)
     _restore(runner, start)
     monkeypatch.setattr(AttentionBatch, "decode_only", property(lambda self: plain_calls.append(1) and False))
-    plain_logits, _, _ = runner.execute(_batch())
+    plain_logits = runner.execute(_batch()).logits
     assert plain_calls and len(fused_calls) == len(model.layers)  # the step-by-step path ran this time
     assert torch.equal(fused_logits, plain_logits)
     assert _same_pool(runner, fused_pool)
@@ -236,16 +258,25 @@ def _both_heads(model: llama.DecoderForCausalLM, batch=_batch) -> tuple[torch.Te
     """One decode step with the head in the stack's call and one through the modules, from the
     same pool: the same logits and KV pool, bit for bit, and the argmax of torch.argmax."""
     runner, start = _runner(model)
-    logits, argmax, _ = runner.execute(batch())
+    native = runner.execute(batch())
+    logits, argmax = native.logits, native.argmax
     native_pool = _pool(runner)
     _restore(runner, start)
     model.native_decode = False
-    module_logits, module_argmax, _ = runner.execute(batch())
+    module = runner.execute(batch())
+    module_logits, module_argmax = module.logits, module.argmax
     model.native_decode = True
+    assert module.picks is None
     assert logits.shape == (len(module_argmax), model.config.vocab_size)
     assert torch.equal(logits.view(torch.int32), module_logits.view(torch.int32))  # bits, NaNs too
     assert torch.equal(argmax, module_argmax) and torch.equal(argmax, logits.argmax(dim=-1))
     assert _same_pool(runner, native_pool)
+    # A plain decode step (no proposed tokens) runs from the engine's lists, with the argmax as ints.
+    plain = not any(s.spec_token_ids for s in batch().decodes)
+    assert (native.picks is not None) == plain
+    if plain:
+        assert native.picks.tokens == argmax.tolist()
+        assert native.picks.nan_rows == [r for r in range(len(argmax)) if torch.isnan(logits[r]).any()]
     return logits, argmax
 
 
@@ -264,6 +295,48 @@ def test_a_quantized_head_runs_as_the_teams_last_phase(head_kind):
     assert stack.profile()["head"] > 0 and stack.profile()["steps"] == 1
     _both_heads(model, _wide_batch)
     assert stack.profile()["steps"] == 1  # 14 queries: forward, then the head's kernel
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+@pytest.mark.parametrize("head_kind", ["Q8_0", "Q4_1"])
+def test_a_plain_decode_step_runs_from_the_engines_lists(head_kind, monkeypatch):
+    """Without proposed tokens, a decode step is one call on Python ints (decode_tokens): the stack
+    embeds the ids itself, and no tensor is made on the way. Same logits, argmax and pool as the
+    module path, on the team and on the wider path; the argmax also comes back as ints."""
+    model = _model()
+    assert pack_linears(model, _with_quantized_head(model, ["Q4_1"], head_kind))
+    assert model.decode_stack().has_embedding and model.decodes_tokens()
+    runner, _ = _runner(model)
+    made = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(1) or real_tensor(*a, **k))
+    assert runner.execute(_plain_batch()).picks is not None and not made
+    monkeypatch.undo()
+    _both_heads(model, _plain_batch)
+    _both_heads(model, _wide_plain_batch)
+    model.lm_head.scales[5, 0, 0, 2] = float("nan")  # feature 82: every row's maximum is a NaN
+    logits, argmax = _both_heads(model, _plain_batch)
+    assert argmax.tolist() == [82] * 5
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+def test_a_token_id_outside_the_vocabulary_fails_before_anything_is_written():
+    model = _model()
+    assert pack_linears(model, _with_quantized_head(model, ["Q4_1"], "Q8_0"))
+    runner, start = _runner(model)
+    batch = _plain_batch()
+    seq = batch.decodes[1]
+    seq.token_ids[seq.num_computed_tokens] = model.config.vocab_size  # one past the last id
+    with pytest.raises(RuntimeError, match="token id 300 is outside the vocabulary"):
+        runner.execute(batch)
+    assert _same_pool(runner, start)
+
+
+def test_a_runner_without_kernels_keeps_the_module_path():
+    model = _model()
+    assert pack_linears(model, _with_quantized_head(model, ["Q4_1"], "Q8_0"))
+    runner = ModelRunner(model, num_blocks=32, block_size=4, use_kernels=False)
+    assert runner.execute(_plain_batch()).picks is None
 
 
 @pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")

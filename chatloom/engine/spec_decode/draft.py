@@ -148,7 +148,8 @@ class DraftModelProposer:
                     batch.decodes.append(sh)
                 else:
                     batch.prefills.append((sh, n))
-            logits, argmax, sampled = self.runner.execute(batch)
+            fwd = self.runner.execute(batch)
+            logits, argmax, sampled = fwd.logits, fwd.argmax, fwd.sampled
             for row, sh in enumerate(sampled):
                 seq = next(s for s, h in active if h is sh)
                 if seq.params.greedy:

@@ -68,6 +68,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_logits", &DecodeStack::forward_logits, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
            pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
            pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
+      .def("set_embedding", &DecodeStack::set_embedding,
+           "embed forward_tokens' ids with this [vocab, hidden] float32 table (taken only with a head)",
+           pybind11::arg("weight"))
+      .def_property_readonly("has_embedding", &DecodeStack::has_embedding, "whether set_embedding took a table")
+      .def("forward_tokens", &DecodeStack::forward_tokens, NoGil(), pybind11::arg("ids"), pybind11::arg("positions"),
+           pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("k_pools"), pybind11::arg("v_pools"))
       .def("set_profiling", &DecodeStack::set_profiling, "time each part of the team path's steps (resets the sums)",
            pybind11::arg("on"))
       .def("set_test_stall", &DecodeStack::set_test_stall,

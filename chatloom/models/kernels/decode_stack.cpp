@@ -143,3 +143,50 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
   auto logits = run_linear(*head_, forward(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens));
   return {logits, logits.argmax(1)};
 }
+
+void DecodeStack::set_embedding(torch::Tensor weight) {
+  embedding_ = torch::Tensor();
+  if (!head_.has_value() || weight.dim() != 2 || weight.scalar_type() != torch::kFloat32 || !weight.is_contiguous() ||
+      weight.size(1) != team_[0].qkv.k_dim)
+    return;
+  embedding_ = std::move(weight);
+}
+
+std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>> DecodeStack::forward_tokens(
+    const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
+    const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
+    const std::vector<torch::Tensor>& v_pools) const {
+  TORCH_CHECK(embedding_.defined(), "this stack has no embedding (set_embedding took none)");
+  const int64_t t = (int64_t)ids.size(), vocab = embedding_.size(0), hidden = embedding_.size(1);
+  TORCH_CHECK(t >= 1 && (int64_t)positions.size() == t && (int64_t)slots.size() == t && (int64_t)tables.size() == t,
+              "one position, slot and block table per token id");
+  size_t width = 0;
+  for (const auto& table : tables) width = std::max(width, table.size());
+  TORCH_CHECK(width > 0, "every block table needs a block");
+  // The embedded tokens: a fresh tensor, as the stack updates it in place (nn.Embedding's bits).
+  auto x = torch::empty({t, hidden}, embedding_.options());
+  const float* e = embedding_.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  std::vector<int32_t> padded(t * width, 0), rows(t), kv_lens(t);
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "token id ", ids[i], " is outside the vocabulary (", vocab, ")");
+    std::memcpy(xp + i * hidden, e + ids[i] * hidden, hidden * sizeof(float));
+    std::copy(tables[i].begin(), tables[i].end(), padded.begin() + i * width);
+    rows[i] = (int32_t)i;
+    TORCH_CHECK(positions[i] >= 0 && positions[i] < INT32_MAX, "position out of range");
+    kv_lens[i] = (int32_t)(positions[i] + 1);
+  }
+  // Views of the lists (the kernels only read them, and they outlive the call).
+  const auto view = [](const auto& v, at::IntArrayRef shape, torch::ScalarType type) {
+    return torch::from_blob(const_cast<void*>(static_cast<const void*>(v.data())), shape, type);
+  };
+  auto [logits, argmax] = forward_logits(x, view(positions, {t}, torch::kInt64), k_pools, v_pools,
+                                         view(slots, {t}, torch::kInt64), view(padded, {t, (int64_t)width}, torch::kInt32),
+                                         view(rows, {t}, torch::kInt32), view(kv_lens, {t}, torch::kInt32));
+  const int64_t* a = argmax.data_ptr<int64_t>();
+  const float* l = logits.data_ptr<float>();
+  std::vector<int64_t> picks(a, a + t), nan_rows;
+  for (int64_t i = 0; i < t; ++i)
+    if (is_nan_bits(l[i * logits.size(1) + a[i]])) nan_rows.push_back(i);
+  return {logits, argmax, picks, nan_rows};
+}

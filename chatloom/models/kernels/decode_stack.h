@@ -3,9 +3,19 @@
 #include "kernels.h"
 
 #include <array>
+#include <cstring>
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
+
+// Whether v is a NaN, told by its bits: the kernels build with -ffast-math, under which std::isnan
+// is always false.
+inline bool is_nan_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
 
 // One linear layer as the kernels see it; `kind` names the kernel its Python module calls.
 struct NativeLinear {
@@ -50,6 +60,19 @@ class DecodeStack {
                                                           torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                           torch::Tensor rows, torch::Tensor kv_lens) const;
 
+  // The token embedding [vocab, hidden] (float32, contiguous), for forward_tokens; has_embedding()
+  // tells whether it was taken (the head must be set first: forward_tokens needs both).
+  void set_embedding(torch::Tensor weight);
+  bool has_embedding() const { return embedding_.defined(); }
+  // A plain decode step from the engine's own lists, so that the caller makes no tensor: query i is
+  // token ids[i] at positions[i] of the sequence whose block table is tables[i], writes its K/V to
+  // slots[i] and sees positions[i] + 1 keys. Returns forward_logits' logits and argmax, the argmax
+  // as a list, and the rows whose maximum is a NaN (the model failed on them).
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>> forward_tokens(
+      const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
+      const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
+      const std::vector<torch::Tensor>& v_pools) const;
+
   // Wall time per part of the team path's decode steps (decode_team.cpp), summed while profiling is
   // on: the serial parts as the leading thread ran them, each matmul from its start to the barrier
   // after it. For `chatloom bench latency`'s breakdown; off by default (two clock reads per part).
@@ -81,6 +104,7 @@ class DecodeStack {
   // The parts in kTeamParts order, the step count, then the items redone (counted while profiling).
   mutable std::array<int64_t, 11> profile_ns_{};
   int64_t stall_ns_ = 0, stall_every_ = 0;
+  torch::Tensor embedding_;  // set_embedding's [vocab, hidden], or undefined
   torch::Tensor final_norm_;
   double eps_;
   torch::Tensor cos_, sin_;

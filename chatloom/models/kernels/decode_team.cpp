@@ -65,16 +65,10 @@ bool prefetch_some(std::atomic<int64_t>& cursor, const QuantizedPanels& w) {
 constexpr int64_t kRedoAfterNs = 25000;
 
 // Whether logit v ranks above the best so far, as torch.argmax ranks them: a NaN above every number,
-// and between equals the first one seen (callers go in index order). NaNs are told by their bits:
-// the kernels build with -ffast-math, under which std::isnan is always false.
-inline bool is_nan(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return (bits & 0x7fffffffu) > 0x7f800000u;
-}
+// and between equals the first one seen (callers go in index order).
 inline bool ranks_above(float v, float best) {
-  if (is_nan(best)) return false;
-  return is_nan(v) || v > best;
+  if (is_nan_bits(best)) return false;
+  return is_nan_bits(v) || v > best;
 }
 
 // One per phase of a step: the work items' counters and whether the phase is open.
