@@ -10,6 +10,7 @@ through the same stages, in this order:
                                                    #   could not take it in time, then the quota reservation (429)
     await run.admit(prompt, on_position)           # exact prompt, reservation topped up, admission (503)
     async for piece in run.stream(): ...           # backend.stream -> thinking split -> output guard
+    await run.release()                            # optional: free the slot and settle now, meter later
     await run.close()                              # release the slot, settle, meter, observe (idempotent)
 
 `stream()` yields typed pieces, a union of small frozen dataclasses: `Thinking` and `AnswerText` as text
@@ -193,6 +194,7 @@ class Run:
         self._queued: asyncio.Future | None = None
         self._prepared: tuple[Prompt, Prompt, int] | None = None  # (as given, as sent, its tokens)
         self._streaming = False
+        self._released = False
         self._closed = False
         self.continuing = False  # taken over from a gateway that died (see adopt)
 
@@ -207,7 +209,7 @@ class Run:
 
     def drop(self) -> None:
         """End here without settling: another gateway took the run over and settles it. Frees the slot."""
-        self._closed = True
+        self._closed = self._released = True
         if self._slot is not None:
             self._slot.release()
 
@@ -400,16 +402,25 @@ class Run:
         """Model work for this run done outside its stream (summaries): settled and metered with it."""
         self._extra = self._extra + usage
 
+    async def release(self) -> None:
+        """The answer is over: free its concurrency slot and settle the quota with the tokens really used,
+        so that the user's next request finds both free. close() does the rest: metering, a database
+        write a front may leave until its response is complete. Charges must come before this."""
+        if self._released:
+            return
+        self._released = True
+        if self._slot is not None:
+            self._slot.release()
+        if self._reservation is not None:
+            await self.traffic.quotas.settle(self._reservation, (self.usage + self._extra).total_tokens)
+
     async def close(self) -> None:
-        """Release the slot, settle the quota with the tokens really used, meter them, observe latencies."""
+        """Release (if not done yet), meter the tokens used, observe latencies."""
         if self._closed:
             return
         self._closed = True
-        if self._slot is not None:
-            self._slot.release()
+        await self.release()
         used = self.usage + self._extra
-        if self._reservation is not None:
-            await self.traffic.quotas.settle(self._reservation, used.total_tokens)
         if used.total_tokens:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:

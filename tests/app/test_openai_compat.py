@@ -115,3 +115,44 @@ def test_a_client_leaving_a_stream_aborts_the_request(sdk, http, admin):
     while http.get("/admin/stats", headers=admin).json()["backend"]["num_requests_running"]:
         assert time.time() < deadline, "the engine kept generating for a client that left"
         time.sleep(0.05)
+
+
+def test_the_stream_ends_before_its_usage_is_metered(tmp_path, tiny_backend, monkeypatch):
+    """Metering writes to the database; the client's stream does not wait for it, but the user's next
+    request finds the concurrency slot and the quota settled already. Here the meter blocks until the
+    client has read the whole stream: a stream that waited for it would never end."""
+    import threading
+
+    from chatloom.app import usage as usage_module
+    from chatloom.app.main import create_app
+
+    from app_testing import LiveServer, make_settings
+
+    gate = threading.Event()
+    real_record = usage_module.Meter.record
+
+    async def gated_record(self, *args, **kwargs):
+        import asyncio
+        await asyncio.to_thread(gate.wait, 30)
+        await real_record(self, *args, **kwargs)
+
+    monkeypatch.setattr(usage_module.Meter, "record", gated_record)
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text("[free]\ntokens_per_minute = 100000\ntokens_per_day = 1000000\nrequests_per_minute = 1000\n"
+                     "max_concurrent = 1\nmax_tokens = 1000\n")
+    settings = make_settings(tmp_path, tiers_file=str(tiers))
+    with LiveServer(create_app(settings, tiny_backend)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        token = http.post("/auth/signup", json={"username": "meter", "password": "correct horse"}).json()["token"]
+        headers = {"Authorization": f"Bearer {token}"}
+        key = http.post("/auth/api-keys", headers=headers, json={"name": "sdk"}).json()["key"]
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=10)
+        for _ in range(2):  # one slot: the second request is refused unless the first released it
+            chunks = list(sdk.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+            assert chunks[-1].usage.completion_tokens == 6
+        assert http.get("/usage", headers=headers).json()["totals"]["total_tokens"] == 0  # not metered yet
+        gate.set()
+        deadline = time.time() + 20
+        while http.get("/usage", headers=headers).json()["totals"]["total_tokens"] == 0:
+            assert time.time() < deadline, "the usage was never metered"
+            time.sleep(0.05)
