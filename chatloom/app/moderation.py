@@ -112,8 +112,11 @@ _INVISIBLE = re.compile("[\u00ad\u200b-\u200f\u2060\ufeff]")  # soft hyphen, zer
 _SPACED_LETTERS = re.compile(r"\b(?:[a-z] ){2,}[a-z]\b")
 # Contractions and spoken forms, spelled out so one pattern covers "I'm going to", "Im gonna", "I'll".
 # Each comes with the substrings one of which any match contains: the output guard normalizes its
-# window on every token, and a cheap `in` test skips most of these scans over ordinary text.
-_CONTRACTIONS = [(re.compile(p), r, needles) for p, r, needles in [
+# window on every token, and a cheap `in` test skips most of these scans over ordinary text. A pattern
+# that is one whole word (\bu\b) is looked up among the text's words instead, as its letters are in
+# nearly every text ("u" in "you").
+_CONTRACTIONS = [(re.compile(p), r, needles, m.group(1) if (m := re.fullmatch(r"\\b(\w+)\\b", p)) else None)
+                 for p, r, needles in [
     (r"\b(i|you|we|they|he|she) ?'ll\b", r"\1 will", ("'ll",)), (r"\b(i) ?'m\b", r"\1 am", ("'m",)),
     (r"\bim\b", "i am", ("im",)),
     (r"\b(you|we|they) ?'re\b", r"\1 are", ("'re",)), (r"\b(he|she|it) ?'s\b", r"\1 is", ("'s",)),
@@ -123,6 +126,8 @@ _CONTRACTIONS = [(re.compile(p), r, needles) for p, r, needles in [
     (r"\bya\b", "you", ("ya",)), (r"\bgon\b", "going to", ("gon",)),
     (r"\bwill ?n't\b|\bwont\b", "will not", ("n't", "wont")), (r"\bn't\b", " not", ("n't",)), (r"'", "", ("'",)),
 ]]
+# The words \b sees once punctuation is folded: the text is then [a-z0-9' ] only.
+_WORDS = re.compile(r"[ ']+")
 
 
 # Cached: the guard checks a window and then asks where it may cut the same window, and the cut
@@ -136,9 +141,18 @@ def normalize(text: str) -> str:
     t = _NON_WORD.sub(" ", t)
     t = _SPACES.sub(" ", t).strip()
     t = _SPACED_LETTERS.sub(lambda m: m.group(0).replace(" ", ""), t)
-    for pattern, replacement, needles in _CONTRACTIONS:
-        if any(needle in t for needle in needles):
-            t = pattern.sub(replacement, t)
+    words: set[str] | None = None  # of t as it is now
+    for pattern, replacement, needles, word in _CONTRACTIONS:
+        if word is not None:
+            if words is None:
+                words = set(_WORDS.split(t))
+            if word not in words:
+                continue
+        elif not any(needle in t for needle in needles):
+            continue
+        changed = pattern.sub(replacement, t)
+        if changed != t:
+            t, words = changed, None
     return _SPACES.sub(" ", t).strip()
 
 

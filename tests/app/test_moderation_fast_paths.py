@@ -18,14 +18,15 @@ def _normalize_every_scan(text: str) -> str:
     t = m._NON_WORD.sub(" ", t)
     t = m._SPACES.sub(" ", t).strip()
     t = m._SPACED_LETTERS.sub(lambda g: g.group(0).replace(" ", ""), t)
-    for pattern, replacement, _ in m._CONTRACTIONS:
+    for pattern, replacement, *_ in m._CONTRACTIONS:
         t = pattern.sub(replacement, t)
     return m._SPACES.sub(" ", t).strip()
 
 
 def _samples(n: int) -> list[str]:
     rng = random.Random(7)
-    words = "the a time him summer user your yay gone wonton i you we it is are will not can do how".split()
+    words = ("the a time him summer user your yay gone wonton i you we it is are will not can do how "
+             "u'll r' 'ur ya's gon'na im'm").split()
     out = []
     for _ in range(n):
         parts = [rng.choice(words + PHRASES) for _ in range(rng.randrange(1, 30))]
