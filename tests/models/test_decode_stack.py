@@ -376,3 +376,34 @@ def test_models_the_stack_cannot_run_keep_the_module_path(change):
 def test_unpacked_model_has_no_stack():
     model = _model(tiny_random_config())  # nn.Linear layers: no kernel layers to hand over
     assert model.decode_stack() is None
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+def test_the_engine_gives_the_same_greedy_tokens_from_the_lists_path(tiny_model_fp32, monkeypatch):
+    """LLMEngine end to end on an exact quantized model with its head in the stack: decode steps go
+    through decode_tokens and the sampler's picks, and every request (min_tokens and a seeded sampled
+    one included) gets the tokens the module path gives."""
+    from chatloom.engine.config import EngineConfig
+    from chatloom.engine.llm_engine import LLMEngine
+    from chatloom.models.loader import LoadedModel
+
+    cfg = dataclasses.replace(CONFIG, vocab_size=tiny_model_fp32.config.vocab_size)  # every id decodes
+    model = _model(cfg)
+    assert pack_linears(model, _with_quantized_head(model, ["Q4_1"], "Q8_0"))
+    loaded = LoadedModel("stack-test", model, tiny_model_fp32.tokenizer, cfg)
+    calls = []
+    real = model.decode_tokens
+    monkeypatch.setattr(model, "decode_tokens", lambda *a: calls.append(1) or real(*a))
+    prompts = [[5, 17, 42, 9], [100, 3], [7] * 11]
+    params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0, min_tokens=5),
+              SamplingParams(max_tokens=8, temperature=0.8, seed=11, ignore_eos=True)]
+
+    def run(native: bool) -> list[list[int]]:
+        model.native_decode = native
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4, enable_prefix_caching=False))
+        return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    lists_path = run(True)
+    assert calls
+    assert lists_path == run(False)
