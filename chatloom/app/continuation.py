@@ -23,3 +23,11 @@ def can_continue(backend: Backend) -> bool:
 def logged_text(events: list) -> str:
     """The answer text a log's events carry (what readers were shown)."""
     return "".join(e.data.get("token", "") for e in events if isinstance(e.data, dict))
+
+
+def logged_answer_tokens(events: list) -> int | None:
+    """The answer tokens its writer had made by its last logged piece (None: no piece carries a count)."""
+    for e in reversed(events):
+        if getattr(e, "answer_tokens", None) is not None:
+            return e.answer_tokens
+    return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.branches import Tree
-from chatloom.app.continuation import can_continue, logged_text
+from chatloom.app.continuation import can_continue, logged_answer_tokens, logged_text
 from chatloom.app.conversation_prompt import ConversationDeleted, PromptAssembler, SummaryAborted
 from chatloom.app.errors import ApiError, error_event, not_found
 from chatloom.app.events import EventLog, EventLogStore
@@ -83,6 +83,11 @@ class Generation:
     prefix: str = ""
     prefix_logged: bool = False
     abandoned: bool = False  # another gateway has the job: end here without saving anything
+    tokens_before: int = 0  # answer tokens the taken-over prefix already had (its log says how many)
+
+    def answer_tokens(self) -> int:
+        """Answer tokens so far, as logged beside each piece for a gateway that may take this over."""
+        return self.tokens_before + self.run.usage.completion_tokens
 
     def next_summary_id(self) -> str:
         self.summary_ids += 1
@@ -294,29 +299,42 @@ class ConversationService:
         """Continue a taken-over answer from the text its log holds; False when it cannot be continued."""
         spec = record.spec
         if spec.get("effort") or not can_continue(self.backend):
-            return False  # the hidden thinking is not logged; a remote backend renders its own prompts
+            log.warning("answer %s cannot be continued here: %s", record.message_id,
+                        "its hidden thinking is not logged" if spec.get("effort") else "the backend renders its own prompts")
+            return False
         reopen = getattr(self.logs, "open_for_writing", None)
         event_log = await reopen(record.message_id) if reopen is not None else None
         if event_log is None:
+            log.warning("answer %s cannot be continued: its event log is closed or gone", record.message_id)
             return False
         async with self.db.session() as session:
             message = await session.get(Message, record.message_id)
             user = await Users(session).get(spec["user_id"])
         if message is None or message.status != "incomplete" or user is None:
-            return False  # deleted, or saved by its gateway after all
-        prefix = logged_text(await self.logs.events(record.message_id))
-        remaining = spec["max_tokens"] - self._count(prefix)
-        if remaining <= 0:
+            log.warning("answer %s is not continued: %s", record.message_id, "it was deleted" if message is None
+                        else f"it is already {message.status}" if user is None or message.status != "incomplete"
+                        else "its user is gone")
             return False
-        run = await self.pipeline.open(Ask(user=user, model=spec["model"], max_tokens=remaining,
+        events = await self.logs.events(record.message_id)
+        prefix = logged_text(events)
+        used = logged_answer_tokens(events)
+        if used is None:  # logged by a gateway that did not count: the prefix's own tokens
+            used = self._count(prefix)
+        remaining = spec["max_tokens"] - used
+        run = await self.pipeline.open(Ask(user=user, model=spec["model"], max_tokens=max(1, remaining),
                                            temperature=spec["temperature"], top_p=spec.get("top_p"),
                                            request_id=f"{record.message_id}-cont", param="text"))
         reservation = reservation_of(spec)
         if reservation is not None:
             run.adopt(reservation)
+        run.charge(Usage(completion_tokens=used))  # its gateway made them but never settled nor metered them
         gen = Generation(record.conversation_id, spec["user_message_id"], record.message_id, run, event_log,
-                         prefix=prefix, prefix_logged=True)
+                         prefix=prefix, prefix_logged=True, tokens_before=used)
         self._running[record.conversation_id] = gen
+        if remaining <= 0:  # it had used its whole budget: it ends as its own gateway would have ended it
+            gen.task = asyncio.create_task(self._finish(gen, _Outcome(answer=[prefix], finish_reason="length")),
+                                           name=f"continuation-{record.message_id}")
+            return True
         start_checkpointer(self, gen)  # i12: the continued text reaches the database every interval
         gen.task = asyncio.create_task(self._run(gen), name=f"continuation-{record.message_id}")
         return True
@@ -367,11 +385,28 @@ class ConversationService:
             await self._finish(gen, out)
             raise
         except LogTakenOver:
-            gen.abandoned = True  # another gateway continues this answer
+            await self._another_writer(gen, out)
         except Exception as exc:  # keep the job's failure in the conversation, not in a log nobody reads
             log.exception("generation %s failed", gen.message_id)
             out.error = exc
         await self._finish(gen, out)
+
+    async def _another_writer(self, gen: Generation, out: _Outcome) -> None:
+        """Someone else appended to this answer's log. If another gateway holds the job now, it took the
+        answer over: end here unsaved. If this one still does, the other was a writer that had lost the job
+        (a gateway that froze, then woke): the log no longer holds the text being continued, so the answer
+        ends here as failed, with the text its readers were shown, rather than leave them waiting."""
+        gen.run.stop()
+        holder = await self.jobs.holder(gen.conversation_id)
+        event_log = await self.logs.open_for_writing(gen.message_id) \
+            if holder is not None and holder.gateway == self.jobs.gateway else None
+        if event_log is None:
+            gen.abandoned = True
+            return
+        log.warning("answer %s: a gateway that had lost it wrote to its log; it ends here", gen.message_id)
+        gen.log = event_log
+        out.answer = [logged_text(await self.logs.events(gen.message_id))]
+        out.error = RuntimeError("a gateway that had lost this answer wrote to it after it was taken over")
 
     async def _run_tools(self, gen: Generation, run: Run, messages: list[dict], text: str, calls: list[ToolCall],
                          out: _Outcome) -> list[dict]:
@@ -402,7 +437,7 @@ class ConversationService:
         elif isinstance(piece, AnswerText):
             text = piece.text.replace("\x00", "")
             out.answer.append(text)
-            await gen.log.append({"token": text})
+            await gen.log.append({"token": text}, answer_tokens=gen.answer_tokens())
         elif isinstance(piece, Thinking):
             text = piece.text.replace("\x00", "")
             out.thinking.append(text)

@@ -19,14 +19,17 @@ class StreamEvent:
     id: int  # 1, 2, 3... within one log
     data: dict
     event: str | None = None  # the SSE event name; None is the default 'message'
+    # The writer's count of answer tokens so far, kept beside the event (clients never see it): a
+    # gateway that takes the answer over continues its budget from here, not from re-tokenizing the text.
+    answer_tokens: int | None = None
 
 
 class EventLog(abc.ABC):
     key: str
 
     @abc.abstractmethod
-    async def append(self, data: dict, event: str | None = None) -> int:
-        """Add an event; returns its id."""
+    async def append(self, data: dict, event: str | None = None, answer_tokens: int | None = None) -> int:
+        """Add an event (with the answer's token count so far, when the writer knows it); returns its id."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -71,10 +74,10 @@ class MemoryEventLog(EventLog):
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def append(self, data: dict, event: str | None = None) -> int:
+    async def append(self, data: dict, event: str | None = None, answer_tokens: int | None = None) -> int:
         if self._closed:
             raise RuntimeError(f"event log {self.key} is closed")
-        item = StreamEvent(len(self._events) + 1, data, event)
+        item = StreamEvent(len(self._events) + 1, data, event, answer_tokens)
         self._events.append(item)
         self._notify()
         return item.id

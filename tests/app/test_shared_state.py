@@ -10,7 +10,9 @@ from contextlib import AsyncExitStack
 import httpx
 import pytest
 
+from chatloom.app.continuation import logged_answer_tokens
 from chatloom.app.main import create_app
+from chatloom.app.recovery import mark_interrupted
 
 from app_testing import make_settings, new_conversation, parse_sse, signup
 from backing_services import PrivateRedis, require_redis
@@ -151,40 +153,135 @@ async def test_lost_database_is_a_503_on_readyz(tmp_path):
         assert r.json()["checks"]["database"]["status"] == "unavailable"
 
 
+async def _answer_on_the_first_of_two(stack: AsyncExitStack, tmp_path, db_url: str, backend, events: int = 5):
+    """Two gateways with short leases; alice's answer runs on gateway 1 until its log holds `events` events.
+    Its budget (1500 tokens) is far beyond what runs before a test freezes it, so a takeover has some left.
+    Returns (gateway 1, gateway 2, alice's headers, conversation id, the request's task, the generation)."""
+    g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, job_lease_s=0.6, moderation="off")
+    alice = await signup(g1, "alice")
+    cid = await new_conversation(g1, alice)
+    app1 = g1._transport.app
+    first = asyncio.create_task(g1.post(f"/conversations/{cid}/messages", headers=alice,
+                                        json={"text": "hello", "max_tokens": 1500}))
+    logs = app1.state.ctx.hot.logs
+    for _ in range(1000):
+        gen = app1.state.ctx.conversations.running(cid)
+        if gen is not None and len(await logs.events(gen.message_id)) >= events:
+            return g1, g2, alice, cid, first, gen
+        assert not first.done(), "the answer ended before it could be frozen"
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the answer never logged {events} events")
+
+
+async def _resume_on(g2: httpx.AsyncClient, cid: str, headers: dict, last: int) -> list:
+    """The rest of the answer read on gateway 2 after event `last`; a stream that never ends fails the test."""
+    r = await asyncio.wait_for(g2.get(f"/conversations/{cid}/stream", headers={**headers, "Last-Event-ID": str(last)}),
+                               30)
+    return parse_sse(r.text)
+
+
 async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(tmp_path, db_url, tiny_backend):
     async with AsyncExitStack() as stack:
-        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), tiny_backend, job_lease_s=0.6,
-                                moderation="off")
+        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
         app1, app2 = g1._transport.app, g2._transport.app
-        alice = await signup(g1, "alice")
-        cid = await new_conversation(g1, alice)
-        first = asyncio.create_task(g1.post(f"/conversations/{cid}/messages", headers=alice,
-                                            json={"text": "hello", "max_tokens": 200}))
-        logs = app1.state.ctx.hot.logs
-        for _ in range(500):
-            gen = app1.state.ctx.conversations.running(cid)
-            if gen is not None and len(await logs.events(gen.message_id)) >= 5:
-                break
-            await asyncio.sleep(0.01)
         message_id = gen.message_id
-        # Gateway 1 freezes: it stops renewing its lease and its copy of the answer ends unsaved.
-        await app1.state.ctx.hot.keeper.close()
+        logs = app1.state.ctx.hot.logs
+        # Gateway 1 freezes: its copy of the answer ends unsaved and it stops renewing its lease (in this
+        # order, so that no piece of its copy lands after the takeover: that case has its own test below).
         await app1.state.ctx.conversations.abandon(cid)
+        await app1.state.ctx.hot.keeper.close()
         before = await logs.events(message_id)  # what the client had read when its connection broke
-        last = before[-1].id
+        assert all(e.answer_tokens is not None for e in before)  # the writer's count travels with the text
+        assert [e.answer_tokens for e in before] == sorted(e.answer_tokens for e in before)
         # The client reconnects to gateway 2, which takes the job over when the lease lapses.
-        r = await g2.get(f"/conversations/{cid}/stream", headers={**alice, "Last-Event-ID": str(last)})
-        rest = parse_sse(r.text)
+        rest = await _resume_on(g2, cid, alice, before[-1].id)
         ids = [e.id for e in before] + [int(e.id) for e in rest]
         assert ids == list(range(1, len(ids) + 1))  # contiguous: no gap, no repeat
         done = rest[-1].data
-        assert done["done"] is True and done["finish_reason"] in ("stop", "length")
+        assert done.get("done") is True and done["finish_reason"] in ("stop", "length"), rest[-3:]
         text = "".join(e.data.get("token", "") for e in before) + "".join(e.data.get("token", "") for e in rest)
         conv = (await g2.get(f"/conversations/{cid}", headers=alice)).json()
         saved = conv["messages"][-1]
         assert saved["id"] == message_id and saved["text"] == text and saved["status"] == done["status"]
         assert len(text) > len("".join(e.data.get("token", "") for e in before))  # it went on
+        # The continued part counts on from the frozen gateway's count, never over the budget.
+        after = logged_answer_tokens(await app2.state.ctx.hot.logs.events(message_id))
+        assert before[-1].answer_tokens < after <= 1500
         assert await app2.state.ctx.hot.jobs.holder(cid) is None  # the conversation is free again
+        first.cancel()
+
+
+async def test_a_taken_over_answer_that_had_used_its_budget_ends_as_length(tmp_path, db_url, tiny_backend):
+    """The budget left is the job's max_tokens less the count its gateway logged, not a re-count of the
+    text (random tokens re-tokenize to many more): an answer already at its budget is saved as 'length'."""
+    async with AsyncExitStack() as stack:
+        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
+        app1, app2 = g1._transport.app, g2._transport.app
+        message_id = gen.message_id
+        await app1.state.ctx.conversations.abandon(cid)  # its lease is still renewed: nobody takes it yet
+        before = await app1.state.ctx.hot.logs.events(message_id)
+        record = await app1.state.ctx.hot.jobs.holder(cid)
+        record.spec["max_tokens"] = before[-1].answer_tokens  # as if the answer had just reached its budget
+        await app1.state.ctx.hot.jobs.update(record)
+        await app1.state.ctx.hot.keeper.close()
+        rest = await _resume_on(g2, cid, alice, before[-1].id)
+        assert [int(e.id) for e in rest] == [before[-1].id + 1]
+        done = rest[0].data
+        assert done["done"] is True and done["finish_reason"] == "length", rest
+        saved = (await g2.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
+        assert saved["id"] == message_id and saved["finish_reason"] == "length"
+        assert saved["text"] == "".join(e.data.get("token", "") for e in before)
+        assert await app2.state.ctx.hot.jobs.holder(cid) is None
+        first.cancel()
+
+
+async def test_a_taken_over_answer_already_ended_elsewhere_closes_its_stream(tmp_path, db_url, tiny_backend):
+    """A job whose answer a sweep marked interrupted meanwhile is not continued; its stream still ends."""
+    async with AsyncExitStack() as stack:
+        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
+        app1 = g1._transport.app
+        message_id = gen.message_id
+        await app1.state.ctx.conversations.abandon(cid)
+        await mark_interrupted(app1.state.ctx.db, [message_id], "the test's sweep")
+        await app1.state.ctx.hot.keeper.close()
+        before = await app1.state.ctx.hot.logs.events(message_id)
+        rest = await _resume_on(g2, cid, alice, before[-1].id)  # before the fix: waited forever
+        assert rest[-1].data["done"] is True and rest[-1].data["status"] == "interrupted", rest
+        saved = (await g2.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
+        assert saved["status"] == "interrupted"
+        first.cancel()
+
+
+async def test_a_frozen_gateway_that_wakes_and_writes_does_not_leave_the_answer_hanging(tmp_path, db_url, tiny_backend):
+    """After gateway 2 took the answer over, the frozen gateway wakes and logs one more piece: gateway 2,
+    still the job's holder, ends the answer as failed with the text readers saw, and frees the conversation."""
+    async with AsyncExitStack() as stack:
+        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
+        app1, app2 = g1._transport.app, g2._transport.app
+        message_id = gen.message_id
+        await app1.state.ctx.conversations.abandon(cid)
+        await app1.state.ctx.hot.keeper.close()
+        for _ in range(1000):  # until gateway 2 has taken it over
+            taken = app2.state.ctx.conversations.running(cid)
+            if taken is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert taken is not None, "gateway 2 never took the answer over"
+        logs = app1.state.ctx.hot.logs
+        for _ in range(100):  # the stale writer squeezes one entry in after the newest
+            newest = (await logs.events(message_id))[-1].id
+            try:
+                await logs.commands.xadd(logs.stream_key(message_id), {"d": '{"token": " zombie"}'}, id=f"0-{newest + 1}")
+                break
+            except Exception:
+                continue
+        rest = await _resume_on(g2, cid, alice, 0)
+        assert rest[-1].event == "error" and "lost this answer" in rest[-1].data["error"]["message"], rest[-3:]
+        assert [int(e.id) for e in rest] == list(range(1, len(rest) + 1))
+        saved = (await g2.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
+        assert saved["status"] == "error" and " zombie" in saved["text"]
+        assert saved["text"] == "".join(e.data.get("token", "") for e in rest)
+        assert await app2.state.ctx.hot.jobs.holder(cid) is None
         first.cancel()
 
 

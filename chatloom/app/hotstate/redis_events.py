@@ -26,6 +26,13 @@ OPEN_TTL_S = 24 * 3600
 POLL_S = 5.0  # longest single wait, so a reader notices a log that expired under it
 
 
+def _event(entry_id: str, fields: dict) -> StreamEvent:
+    """A stream entry (`0-N`, its fields as bytes) as the event it holds."""
+    name, tokens = fields.get(b"e"), fields.get(b"n")
+    return StreamEvent(int(entry_id.split("-")[1]), json.loads(fields[b"d"]), name.decode() if name else None,
+                       int(tokens) if tokens is not None else None)
+
+
 class LogTakenOver(RuntimeError):
     """Another writer appended to this log: this gateway no longer owns the job."""
 
@@ -41,13 +48,15 @@ class RedisEventLog(EventLog):
     def stream(self) -> str:
         return self._store.stream_key(self.key)
 
-    async def append(self, data: dict, event: str | None = None) -> int:
+    async def append(self, data: dict, event: str | None = None, answer_tokens: int | None = None) -> int:
         if self._closed:
             raise RuntimeError(f"event log {self.key} is closed")
         n = self._next
         fields = {"d": json.dumps(data, ensure_ascii=False)}
         if event:
             fields["e"] = event
+        if answer_tokens is not None:
+            fields["n"] = str(answer_tokens)
         try:
             await self._store.commands.xadd(self.stream, fields, id=f"0-{n}")
         except ResponseError as exc:
@@ -92,10 +101,7 @@ class RedisEventLog(EventLog):
                 last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 if END in fields:
                     return
-                raw = fields.get(b"d", fields.get("d"))
-                name = fields.get(b"e", fields.get("e"))
-                yield StreamEvent(int(last.split("-")[1]), json.loads(raw),
-                                  name.decode() if isinstance(name, bytes) else name)
+                yield _event(last, fields)
             quiet_since = time.monotonic()
 
 
@@ -149,10 +155,7 @@ class RedisEventLogStore(EventLogStore):
         for entry_id, fields in await self.commands.xrange(self.stream_key(key)):
             if END in fields:
                 break
-            name = fields.get(b"e")
-            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            out.append(StreamEvent(int(eid.split("-")[1]), json.loads(fields[b"d"]),
-                                   name.decode() if name else None))
+            out.append(_event(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, fields))
         return out
 
     async def set_pointer(self, name: str, key: str) -> None:

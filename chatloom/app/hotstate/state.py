@@ -68,7 +68,10 @@ class HotState:
             async with db.session() as session:
                 message = await session.get(Message, record.message_id)
             if message is None or message.status != "incomplete":
-                return  # it ended (its gateway saved it but could not let the job go), or it was deleted
+                # It ended (its gateway saved it but could not let the job go, or a sweep marked it
+                # interrupted), or it was deleted: nothing to save, but its readers must not wait forever.
+                await self._end_open_log(record, message)
+                return
         text = ""
         if isinstance(self.logs, RedisEventLogStore) and record.message_id:
             events = await self.logs.events(record.message_id)
@@ -86,6 +89,24 @@ class HotState:
                                         "message_id": record.message_id}, event="error")
                 await event_log.close()
         await settle_taken(self.quotas, record.spec)
+
+    async def _end_open_log(self, record: JobRecord, message: Message | None) -> None:
+        """Close the log of an answer that ended elsewhere, with its saved outcome as the last event."""
+        event_log = await self.logs.open_for_writing(record.message_id) \
+            if isinstance(self.logs, RedisEventLogStore) else None
+        if event_log is None:
+            return  # closed already, as it should be
+        if message is None:
+            await event_log.append({"error": {"message": "the answer was deleted", "type": "invalid_request_error",
+                                              "code": "not_found", "status": 404},
+                                    "message_id": record.message_id}, event="error")
+        else:
+            await event_log.append({"done": True, "message_id": message.id, "user_message_id": message.parent_id,
+                                    "conversation_id": message.conversation_id, "status": message.status,
+                                    "finish_reason": message.finish_reason,
+                                    "usage": {"prompt_tokens": message.prompt_tokens or 0,
+                                              "completion_tokens": message.tokens or 0}})
+        await event_log.close()
 
     async def close(self) -> None:
         for closer in reversed(self._started):
