@@ -128,6 +128,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=_serve)
 
+    p = sub.add_parser("paired", help="one server against a baseline, requests alternated one at a time: "
+                                      "TTFT/TPOT ratios with a bootstrap interval")
+    p.add_argument("--url", required=True, help="the server measured, e.g. http://127.0.0.1:8000")
+    p.add_argument("--baseline-url", required=True, help="the server it is compared with")
+    p.add_argument("--api-key", default=None, help="the measured server's Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--baseline-api-key", default=None, help="the baseline's Bearer token (default: none)")
+    p.add_argument("--model", default=None, help="model id (default: the first the server lists)")
+    p.add_argument("--baseline-model", default=None, help="the baseline's model id (default: its first)")
+    p.add_argument("--label", default="chatloom")
+    p.add_argument("--baseline-label", default="baseline")
+    p.add_argument("--rounds", type=positive_int, default=24, help="counted rounds, one request to each server")
+    p.add_argument("--warmup", type=int, default=2, help="rounds sent first and not counted")
+    p.add_argument("--min-tokens", type=positive_int, default=32, help="each round's max_tokens is drawn from "
+                                                                          "[--min-tokens, --max-tokens]")
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--target-tpot-ratio", type=float, default=None, help="e.g. 0.8: report whether it is met")
+    p.add_argument("--target-ttft-ratio", type=float, default=None, help="e.g. 1.0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_paired)
+
     p = sub.add_parser("calibrate", help="time the engine's steps by batch shape; write the simulator's step-time model")
     _common(p)
     p.add_argument("--output", default="step_time.json", help="where to write the model JSON (default %(default)s)")
@@ -302,6 +323,29 @@ def _serve(args) -> int:
                                    args.max_concurrency, args.api_key or os.environ.get("OPENAI_API_KEY"),
                                    args.max_tokens, parse_goodput(args.goodput), args.seed))
     return _emit(result, args.table)
+
+
+def _paired(args) -> int:
+    import asyncio
+    import os
+
+    from chatloom.bench.paired import Server, format_table, run_paired
+
+    if args.warmup < 0:
+        raise ValueError("--warmup must be 0 or more")
+    for name in ("target_tpot_ratio", "target_ttft_ratio"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if args.label == args.baseline_label:
+        raise ValueError("--label and --baseline-label must differ")
+    candidate = Server(args.label, args.url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"))
+    baseline = Server(args.baseline_label, args.baseline_url, args.baseline_model, args.baseline_api_key)
+    result = asyncio.run(run_paired(candidate, baseline, args.rounds, args.min_tokens, args.max_tokens, args.warmup,
+                                    args.seed, args.target_tpot_ratio, args.target_ttft_ratio))
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
 
 
 def _calibrate(args) -> int:

@@ -4,11 +4,19 @@ A full block's key is hash(parent key, its token ids), rooted in the model id (b
 stable across processes), so identical prefixes map to identical keys. Blocks are refcounted; a block whose
 count drops to zero keeps its contents and key on an LRU free list until it is
 handed out again: that free list is the prefix cache.
+
+A prompt also reuses the leading tokens of a cached block when it agrees with only part of it: every
+chat shares its template's first 24 tokens (system prompt and all), one and a half blocks of 16, and
+the half is most of what a short question would recompute. The new sequence gets a fresh block and
+the cached block's first k slots are copied into it (`copy_prefix`, the runner's; K and V of a token
+depend only on the tokens up to it, so they are the ones a recomputation would write). Cached blocks
+are found by their first j tokens for every j (`_starts`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from chatloom.engine import block_hash
 from chatloom.engine.kv_events import KVEventLog
@@ -21,6 +29,7 @@ class Block:
     ref_count: int = 0
     key: int | None = None  # set once the block is full and registered
     token_ids: tuple[int, ...] = ()
+    parent: int | None = None  # the key of the block before it, once registered
 
 
 class NoFreeBlocks(RuntimeError):
@@ -29,7 +38,8 @@ class NoFreeBlocks(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, model_key: str = "",
-                 enable_prefix_caching: bool = True, events: KVEventLog | None = None) -> None:
+                 enable_prefix_caching: bool = True, events: KVEventLog | None = None,
+                 copy_prefix: Callable[[int, int, int], None] | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -40,6 +50,12 @@ class BlockManager:
         # Free blocks in eviction order (front = evicted first). Values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # key -> block id
+        # copy_prefix(src, dst, n): copy the K/V of block src's first n slots into block dst. Without
+        # it, only whole blocks are reused.
+        self.copy_prefix = copy_prefix
+        # hash((parent key, first j tokens)) -> a cached block starting so, for j < block_size. A hint:
+        # what it names is checked before use.
+        self._starts: dict[int, int] = {}
         # Prefix-cache counters, in tokens (vLLM's convention).
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -71,10 +87,11 @@ class BlockManager:
         if block.key is not None:  # evict its cached contents
             if self.cached.get(block.key) == block_id:
                 del self.cached[block.key]
+                self._unindex_starts(block)
                 self.evictions += 1
                 if self.events is not None:
                     self.events.removed((block.key,))
-            block.key, block.token_ids = None, ()
+            block.key, block.token_ids, block.parent = None, (), None
         block.ref_count = 1
         return block
 
@@ -96,6 +113,37 @@ class BlockManager:
             parent = key
         return hits
 
+    # -- reusing part of a cached block ------------------------------------------
+    def _start_hashes(self, parent: int, tokens: tuple[int, ...]):
+        for j in range(1, min(len(tokens), self.block_size - 1) + 1):
+            yield j, hash((parent, tokens[:j]))
+
+    def _index_starts(self, block: Block) -> None:
+        for _, h in self._start_hashes(block.parent, block.token_ids):
+            self._starts[h] = block.block_id
+
+    def _unindex_starts(self, block: Block) -> None:
+        for _, h in self._start_hashes(block.parent, block.token_ids):
+            if self._starts.get(h) == block.block_id:
+                del self._starts[h]
+
+    def _partial_hit(self, token_ids: list[int], num_hits: int, parent: int) -> tuple[int | None, int]:
+        """A cached block after `parent` whose first k tokens are the next ones of token_ids, with k as
+        large as the index knows (and at least one token left to compute): (block id, k), or (None, 0)."""
+        if self.copy_prefix is None or not self.enable_prefix_caching:
+            return None, 0
+        start = num_hits * self.block_size
+        want = tuple(token_ids[start:start + min(self.block_size - 1, len(token_ids) - 1 - start)])
+        for j, h in reversed(list(self._start_hashes(parent, want))):
+            block_id = self._starts.get(h)
+            if block_id is None:
+                continue
+            block = self.blocks[block_id]
+            if (block.parent == parent and block.token_ids[:j] == want[:j]
+                    and block.key is not None and self.cached.get(block.key) == block_id):
+                return block_id, j
+        return None, 0
+
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq.token_ids)
         # Hit blocks sitting on the free list are not free for this purpose: we take them.
@@ -107,9 +155,11 @@ class BlockManager:
         """Give `seq` blocks for all its current tokens, reusing cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"
         hits = self._cached_prefix(seq.token_ids)
-        full_blocks = (len(seq) - 1) // self.block_size
-        self.query_tokens += full_blocks * self.block_size
-        self.hit_tokens += len(hits) * self.block_size
+        parent = self.blocks[hits[-1]].key if hits else self.root_key
+        donor, partial = self._partial_hit(seq.token_ids, len(hits), parent)
+        # Every token but the last could have come from the cache (its logits are needed).
+        self.query_tokens += len(seq) - 1
+        self.hit_tokens += len(hits) * self.block_size + partial
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -117,12 +167,17 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         try:
-            for _ in range(self.blocks_needed(len(seq)) - len(hits)):
-                seq.block_table.append(self._take_free_block().block_id)
+            for i in range(self.blocks_needed(len(seq)) - len(hits)):
+                block = self._take_free_block()
+                seq.block_table.append(block.block_id)
+                if i == 0 and partial and block.block_id != donor:
+                    # Copied before any other block is taken: until then the donor keeps its contents
+                    # even if it sits on the free list (when it is this very block, they are in place).
+                    self.copy_prefix(donor, block.block_id, partial)
         except NoFreeBlocks:
             self.free_sequence(seq)
             raise
-        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(hits) * self.block_size + partial
         seq.num_hashed_blocks = len(hits)
         seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, seq.num_computed_tokens)
 
@@ -159,9 +214,11 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.key is None:
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                block.key, block.token_ids = self.block_key(parent, tokens), tokens
+                block.key, block.token_ids, block.parent = self.block_key(parent, tokens), tokens, parent
                 if self.cached.setdefault(block.key, block.block_id) == block.block_id:
                     new_keys.append(block.key)
+                    if self.copy_prefix is not None:
+                        self._index_starts(block)
             parent = block.key
             seq.num_hashed_blocks = i + 1
         if new_keys and self.events is not None:
@@ -183,8 +240,12 @@ class BlockManager:
         dropped = [k for k, b in self.cached.items() if self.blocks[b].ref_count == 0]
         for block in self.blocks:
             if block.ref_count == 0:
-                block.key, block.token_ids = None, ()
+                block.key, block.token_ids, block.parent = None, (), None
         self.cached = {k: b for k, b in self.cached.items() if self.blocks[b].ref_count > 0}
+        self._starts = {}
+        if self.copy_prefix is not None:
+            for block_id in self.cached.values():
+                self._index_starts(self.blocks[block_id])
         if self.events is not None:
             self.events.removed(dropped)
 

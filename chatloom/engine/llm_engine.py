@@ -66,6 +66,8 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=self.config.enable_chunked_prefill), self.block_manager)
         self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size)
+        # A prompt that agrees with part of a cached block takes that part's K/V from it.
+        self.block_manager.copy_prefix = self.runner.copy_block_prefix
         self.sampler = Sampler(self.config.seed)
         self.eos_ids = list(self.tokenizer.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}

@@ -51,6 +51,12 @@ class ModelRunner:
         # hands the previous step's outputs to the event loop there.
         self.before_forward: Callable[[], None] | None = None
 
+    def copy_block_prefix(self, src: int, dst: int, n: int) -> None:
+        """Block dst's first n K/V slots from block src's, in every layer (a partial prefix-cache hit)."""
+        for k, v in self.kv_caches:
+            k[dst, :n] = k[src, :n]
+            v[dst, :n] = v[src, :n]
+
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]:
         bs = self.block_size
         ids: list[int] = []

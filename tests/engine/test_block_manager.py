@@ -65,6 +65,138 @@ def test_block_manager_invariants(ops, block_size, num_blocks):
     assert bm.num_free_blocks == num_blocks
 
 
+class FakePools:
+    """What each slot of the pool holds, as the tokens its K/V was computed from (K and V of the token
+    at position p depend on tokens[:p + 1] and nothing else): the block manager's copy hook moves them."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        self.copies.append((src, dst, n))
+        for off in range(n):
+            self.slots[(dst, off)] = self.slots[(src, off)]
+
+    def compute(self, seq: Sequence, bs: int) -> None:
+        """Write the K/V of seq's uncomputed tokens, as a forward pass does, and mark them computed."""
+        for p in range(seq.num_computed_tokens, len(seq)):
+            self.slots[(seq.block_table[p // bs], p % bs)] = tuple(seq.token_ids[:p + 1])
+        seq.num_computed_tokens = len(seq)
+
+    def check(self, seq: Sequence, bs: int) -> None:
+        for p in range(seq.num_computed_tokens):
+            assert self.slots.get((seq.block_table[p // bs], p % bs)) == tuple(seq.token_ids[:p + 1]), \
+                f"{seq.request_id}: position {p} holds another prefix's K/V"
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([2, 3, 4]), num_blocks=st.integers(4, 24))
+def test_reused_cached_tokens_hold_their_own_prefix(ops, block_size, num_blocks):
+    """With reuse of part of a block: every computed slot of every live sequence holds the K/V of
+    that sequence's own prefix, whatever was allocated, evicted or copied before."""
+    pools = FakePools()
+    bm = BlockManager(num_blocks, block_size, events=KVEventLog("", block_size), copy_prefix=pools.copy)
+    live: list[Sequence] = []
+    for i, (op, arg) in enumerate(ops):
+        if op == "add":
+            tokens = [(arg >> k) % 3 for k in range(1 + arg % 12)]
+            seq = Sequence(f"s{i}", tokens, SamplingParams(max_tokens=1))
+            if bm.can_allocate(seq):
+                bm.allocate(seq)
+                pools.check(seq, block_size)  # what the cache supplied, before anything is computed
+                pools.compute(seq, block_size)
+                bm.register_full_blocks(seq)
+                live.append(seq)
+        elif op == "grow" and live:
+            seq = live[arg % len(live)]
+            seq.token_ids.append(arg % 3)
+            if bm.can_grow(seq, len(seq)):
+                bm.grow(seq, len(seq))
+                pools.compute(seq, block_size)
+                bm.register_full_blocks(seq)
+            else:
+                seq.token_ids.pop()
+        elif op == "free" and live:
+            bm.free_sequence(live.pop(arg % len(live)))
+        check_invariants(bm, live)
+        for seq in live:
+            pools.check(seq, block_size)
+    assert bm.hit_tokens <= bm.query_tokens
+
+
+def test_part_of_a_cached_block_is_copied_into_a_fresh_one():
+    pools = FakePools()
+    bm = BlockManager(16, 4, copy_prefix=pools.copy)
+    a = Sequence("a", list(range(10)), SamplingParams(max_tokens=1))
+    bm.allocate(a)
+    pools.compute(a, 4)
+    bm.register_full_blocks(a)
+    b = Sequence("b", [0, 1, 2, 3, 4, 5, 99, 98], SamplingParams(max_tokens=1))
+    bm.allocate(b)
+    assert b.block_table[0] == a.block_table[0]  # the whole block is shared
+    assert b.block_table[1] != a.block_table[1]  # the partly matching one is copied, not shared
+    assert pools.copies == [(a.block_table[1], b.block_table[1], 2)]
+    assert b.num_computed_tokens == 6 and b.metrics.num_cached_tokens == 6
+    pools.check(b, 4)
+    assert bm.hit_tokens == 6 and bm.query_tokens == 9 + 7
+    # A prompt that is all cached still leaves its last token to compute.
+    c = Sequence("c", list(range(8)), SamplingParams(max_tokens=1))
+    bm.allocate(c)
+    assert c.num_computed_tokens == 7
+    # Without the hook only whole blocks are reused.
+    plain = BlockManager(16, 4)
+    a2 = Sequence("a", list(range(10)), SamplingParams(max_tokens=1))
+    plain.allocate(a2)
+    a2.num_computed_tokens = 10
+    plain.register_full_blocks(a2)
+    b2 = Sequence("b", [0, 1, 2, 3, 4, 5, 99, 98], SamplingParams(max_tokens=1))
+    plain.allocate(b2)
+    assert b2.num_computed_tokens == 4
+
+
+def test_the_copy_is_made_before_the_donor_block_can_be_handed_out():
+    pools = FakePools()
+    bm = BlockManager(3, 4, copy_prefix=pools.copy)
+    a = Sequence("a", list(range(8)), SamplingParams(max_tokens=1))
+    bm.allocate(a)
+    pools.compute(a, 4)
+    bm.register_full_blocks(a)
+    donor = a.block_table[1]
+    bm.free_sequence(a)  # both blocks stay cached on the free list
+    take = bm._take_free_block
+
+    def take_and_overwrite():  # a block handed out is as good as overwritten
+        block = take()
+        for off in range(4):
+            pools.slots.pop((block.block_id, off), None)
+        return block
+
+    bm._take_free_block = take_and_overwrite
+    b = Sequence("b", [0, 1, 2, 3, 4, 5, 9, 9, 9], SamplingParams(max_tokens=1))
+    bm.allocate(b)  # needs every block: the donor itself is handed out as b's third
+    assert b.block_table[2] == donor and pools.copies == [(donor, b.block_table[1], 2)]
+    assert b.num_computed_tokens == 6
+    pools.check(b, 4)
+
+
+def test_a_donor_handed_out_as_the_fresh_block_keeps_its_slots_in_place():
+    pools = FakePools()
+    bm = BlockManager(2, 4, copy_prefix=pools.copy)
+    a = Sequence("a", list(range(8)), SamplingParams(max_tokens=1))
+    bm.allocate(a)
+    pools.compute(a, 4)
+    bm.register_full_blocks(a)
+    blocks = list(a.block_table)
+    bm.free_sequence(a)
+    b = Sequence("b", [0, 1, 2, 3, 4, 5, 9], SamplingParams(max_tokens=1))
+    bm.allocate(b)
+    assert b.block_table == blocks  # the second is the donor, handed out again
+    assert pools.copies == []  # nothing to copy: the slots are where they were
+    assert b.num_computed_tokens == 6
+    pools.check(b, 4)
+
+
 def test_prefix_hit_reuses_blocks_and_counts():
     bm = BlockManager(16, 4)
     a = Sequence("a", list(range(10)), SamplingParams(max_tokens=1))
@@ -83,6 +215,7 @@ def test_prefix_hit_reuses_blocks_and_counts():
     bm.allocate(c)
     assert c.num_computed_tokens == 8
     assert bm.hit_tokens == 16
+    assert bm.query_tokens == 9 + 10 + 8  # every token but each prompt's last could have been a hit
 
 
 def test_whole_prompt_cached_still_leaves_a_token_to_compute():

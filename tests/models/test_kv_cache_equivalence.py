@@ -55,6 +55,23 @@ def test_tiny_model_shared_prefixes_equal_recompute(tiny_model):
     assert engine.get_stats()["prefix_cache_hits"] > 0
 
 
+def test_tiny_model_part_of_a_block_reused_equals_recompute(tiny_model):
+    """Prompts that share 24 tokens, a block and a half: the half is copied from the first prompt's
+    cached block into the next prompts' own (as every chat shares its template's system prompt)."""
+    shared = list(range(100, 124))
+    prompts = [shared + [5, 6, 7, 8, 9, 10, 11, 12, 13], shared + [40, 41], shared[:20] + [50, 51, 52]]
+    want = reference_greedy(tiny_model.model, prompts, 12)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=16))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    copies = []
+    copy = engine.block_manager.copy_prefix
+    engine.block_manager.copy_prefix = lambda *a: (copies.append(a), copy(*a))
+    got = [engine.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.token_ids for o in got] == want
+    assert [n for _, _, n in copies] == [8, 4]  # tokens 16-23 of the second prompt, 16-19 of the third
+    assert engine.get_stats()["prefix_cache_hits"] == (16 + 8) + (16 + 4)
+
+
 def test_real_model_engine_equals_recompute(smollm2):
     """On the real model (fp32), checked teacher-forced to save 15 forward passes: one
     reference pass over prompt + engine output gives, at every position, the logits that
