@@ -32,11 +32,18 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
 ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 10_000)), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
-@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24))
-def test_block_manager_invariants(ops, block_size, num_blocks):
-    bm = BlockManager(num_blocks, block_size, events=KVEventLog("", block_size))
+def run_ops(bm: BlockManager, ops, pools: "FakePools | None" = None) -> list[Sequence]:
+    """Apply add/grow/free operations, checking the invariants (and, with pools, every live
+    sequence's K/V) after each; returns the live sequences."""
+    bs = bm.block_size
     live: list[Sequence] = []
+
+    def compute(seq: Sequence) -> None:
+        if pools is not None:
+            pools.compute(seq, bs)
+        seq.num_computed_tokens = len(seq)
+        bm.register_full_blocks(seq)
+
     for i, (op, arg) in enumerate(ops):
         if op == "add":
             # Small alphabet so prefixes repeat and the prefix cache is exercised.
@@ -44,22 +51,31 @@ def test_block_manager_invariants(ops, block_size, num_blocks):
             seq = Sequence(f"s{i}", tokens, SamplingParams(max_tokens=1))
             if bm.can_allocate(seq):
                 bm.allocate(seq)
-                seq.num_computed_tokens = len(seq)
-                bm.register_full_blocks(seq)
+                if pools is not None:
+                    pools.check(seq, bs)  # what the cache supplied, before anything is computed
+                compute(seq)
                 live.append(seq)
         elif op == "grow" and live:
             seq = live[arg % len(live)]
             seq.token_ids.append(arg % 3)
             if bm.can_grow(seq, len(seq)):
                 bm.grow(seq, len(seq))
-                seq.num_computed_tokens = len(seq)
-                bm.register_full_blocks(seq)
+                compute(seq)
             else:
                 seq.token_ids.pop()
         elif op == "free" and live:
             bm.free_sequence(live.pop(arg % len(live)))
         check_invariants(bm, live)
-    for seq in live:
+        for seq in live if pools is not None else ():
+            pools.check(seq, bs)
+    return live
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24))
+def test_block_manager_invariants(ops, block_size, num_blocks):
+    bm = BlockManager(num_blocks, block_size, events=KVEventLog("", block_size))
+    for seq in run_ops(bm, ops):
         bm.free_sequence(seq)
     check_invariants(bm, [])
     assert bm.num_free_blocks == num_blocks
@@ -97,31 +113,7 @@ def test_reused_cached_tokens_hold_their_own_prefix(ops, block_size, num_blocks)
     that sequence's own prefix, whatever was allocated, evicted or copied before."""
     pools = FakePools()
     bm = BlockManager(num_blocks, block_size, events=KVEventLog("", block_size), copy_prefix=pools.copy)
-    live: list[Sequence] = []
-    for i, (op, arg) in enumerate(ops):
-        if op == "add":
-            tokens = [(arg >> k) % 3 for k in range(1 + arg % 12)]
-            seq = Sequence(f"s{i}", tokens, SamplingParams(max_tokens=1))
-            if bm.can_allocate(seq):
-                bm.allocate(seq)
-                pools.check(seq, block_size)  # what the cache supplied, before anything is computed
-                pools.compute(seq, block_size)
-                bm.register_full_blocks(seq)
-                live.append(seq)
-        elif op == "grow" and live:
-            seq = live[arg % len(live)]
-            seq.token_ids.append(arg % 3)
-            if bm.can_grow(seq, len(seq)):
-                bm.grow(seq, len(seq))
-                pools.compute(seq, block_size)
-                bm.register_full_blocks(seq)
-            else:
-                seq.token_ids.pop()
-        elif op == "free" and live:
-            bm.free_sequence(live.pop(arg % len(live)))
-        check_invariants(bm, live)
-        for seq in live:
-            pools.check(seq, block_size)
+    run_ops(bm, ops, pools)
     assert bm.hit_tokens <= bm.query_tokens
 
 
