@@ -77,6 +77,10 @@ class _MemoKeys:
 memo_block_key = _MemoKeys()
 
 
+def _no_kv_to_copy(src: int, dst: int, n: int) -> None:
+    pass
+
+
 class SimBlockManager(BlockManager):
     """The engine's BlockManager, with its block keys memoized (the only method replaced: speed)."""
 
@@ -88,7 +92,10 @@ class SimReplica:
     def __init__(self, name: str, spec: ReplicaSpec, enable_prefix_caching: bool = True) -> None:
         self.name = name
         self.spec = spec
-        self.bm = SimBlockManager(spec.num_blocks, spec.block_size, spec.model_key, enable_prefix_caching)
+        # No K/V to copy, but the same reuse of part of a cached block as the engine's, so the same
+        # tokens are left to compute.
+        self.bm = SimBlockManager(spec.num_blocks, spec.block_size, spec.model_key, enable_prefix_caching,
+                                  copy_prefix=_no_kv_to_copy)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
                                                max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len),
                                self.bm)
