@@ -217,8 +217,7 @@ class BlockManager:
                 block.key, block.token_ids, block.parent = self.block_key(parent, tokens), tokens, parent
                 if self.cached.setdefault(block.key, block.block_id) == block.block_id:
                     new_keys.append(block.key)
-                    if self.copy_prefix is not None:
-                        self._index_starts(block)
+                    self._index_starts(block)
             parent = block.key
             seq.num_hashed_blocks = i + 1
         if new_keys and self.events is not None:
@@ -243,9 +242,8 @@ class BlockManager:
                 block.key, block.token_ids, block.parent = None, (), None
         self.cached = {k: b for k, b in self.cached.items() if self.blocks[b].ref_count > 0}
         self._starts = {}
-        if self.copy_prefix is not None:
-            for block_id in self.cached.values():
-                self._index_starts(self.blocks[block_id])
+        for block_id in self.cached.values():
+            self._index_starts(self.blocks[block_id])
         if self.events is not None:
             self.events.removed(dropped)
 

@@ -100,6 +100,14 @@ class FakePools:
             self.slots[(seq.block_table[p // bs], p % bs)] = tuple(seq.token_ids[:p + 1])
         seq.num_computed_tokens = len(seq)
 
+    def prefilled(self, bm: BlockManager, request_id: str, tokens: list[int]) -> Sequence:
+        """A sequence given blocks, computed and published in bm's prefix cache."""
+        seq = Sequence(request_id, tokens, SamplingParams(max_tokens=1))
+        bm.allocate(seq)
+        self.compute(seq, bm.block_size)
+        bm.register_full_blocks(seq)
+        return seq
+
     def check(self, seq: Sequence, bs: int) -> None:
         for p in range(seq.num_computed_tokens):
             assert self.slots.get((seq.block_table[p // bs], p % bs)) == tuple(seq.token_ids[:p + 1]), \
@@ -120,10 +128,7 @@ def test_reused_cached_tokens_hold_their_own_prefix(ops, block_size, num_blocks)
 def test_part_of_a_cached_block_is_copied_into_a_fresh_one():
     pools = FakePools()
     bm = BlockManager(16, 4, copy_prefix=pools.copy)
-    a = Sequence("a", list(range(10)), SamplingParams(max_tokens=1))
-    bm.allocate(a)
-    pools.compute(a, 4)
-    bm.register_full_blocks(a)
+    a = pools.prefilled(bm, "a", list(range(10)))
     b = Sequence("b", [0, 1, 2, 3, 4, 5, 99, 98], SamplingParams(max_tokens=1))
     bm.allocate(b)
     assert b.block_table[0] == a.block_table[0]  # the whole block is shared
@@ -138,10 +143,7 @@ def test_part_of_a_cached_block_is_copied_into_a_fresh_one():
     assert c.num_computed_tokens == 7
     # Without the hook only whole blocks are reused.
     plain = BlockManager(16, 4)
-    a2 = Sequence("a", list(range(10)), SamplingParams(max_tokens=1))
-    plain.allocate(a2)
-    a2.num_computed_tokens = 10
-    plain.register_full_blocks(a2)
+    FakePools().prefilled(plain, "a", list(range(10)))
     b2 = Sequence("b", [0, 1, 2, 3, 4, 5, 99, 98], SamplingParams(max_tokens=1))
     plain.allocate(b2)
     assert b2.num_computed_tokens == 4
@@ -150,10 +152,7 @@ def test_part_of_a_cached_block_is_copied_into_a_fresh_one():
 def test_the_copy_is_made_before_the_donor_block_can_be_handed_out():
     pools = FakePools()
     bm = BlockManager(3, 4, copy_prefix=pools.copy)
-    a = Sequence("a", list(range(8)), SamplingParams(max_tokens=1))
-    bm.allocate(a)
-    pools.compute(a, 4)
-    bm.register_full_blocks(a)
+    a = pools.prefilled(bm, "a", list(range(8)))
     donor = a.block_table[1]
     bm.free_sequence(a)  # both blocks stay cached on the free list
     take = bm._take_free_block
@@ -175,10 +174,7 @@ def test_the_copy_is_made_before_the_donor_block_can_be_handed_out():
 def test_a_donor_handed_out_as_the_fresh_block_keeps_its_slots_in_place():
     pools = FakePools()
     bm = BlockManager(2, 4, copy_prefix=pools.copy)
-    a = Sequence("a", list(range(8)), SamplingParams(max_tokens=1))
-    bm.allocate(a)
-    pools.compute(a, 4)
-    bm.register_full_blocks(a)
+    a = pools.prefilled(bm, "a", list(range(8)))
     blocks = list(a.block_table)
     bm.free_sequence(a)
     b = Sequence("b", [0, 1, 2, 3, 4, 5, 9], SamplingParams(max_tokens=1))
