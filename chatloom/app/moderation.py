@@ -105,7 +105,7 @@ LEXICON: dict[str, list[str]] = {
 
 _LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s",
                        "!": "i", "|": "i", "+": "t", "\u2019": "'", "\u2018": "'", "`": "'"})
-_NON_WORD = re.compile(r"[^a-z0-9' ]+")
+_NON_WORD_OR_SPACE = re.compile(r"[^a-z0-9']+")
 _SPACES = re.compile(r"\s+")
 _INVISIBLE = re.compile("[\u00ad\u200b-\u200f\u2060\ufeff]")  # soft hyphen, zero-width characters
 # Letters written apart ("k i l l", "k.i.l.l"): three or more single letters in a row are one word.
@@ -136,12 +136,17 @@ _WORDS = re.compile(r"[ ']+")
 def normalize(text: str) -> str:
     """Lower case, leetspeak to letters, punctuation to spaces, spaced-out letters joined, contractions and
     slang spelled out ("Im gonna" -> "i am going to"), single spaces."""
-    t = unicodedata.normalize("NFKC", text)
-    t = _INVISIBLE.sub("", t).lower().translate(_LEET)
-    t = _NON_WORD.sub(" ", t)
-    t = _SPACES.sub(" ", t).strip()
+    if text.isascii():  # NFKC leaves ASCII as it is, and the invisible characters are not ASCII
+        t = text.lower().translate(_LEET)
+    else:
+        t = unicodedata.normalize("NFKC", text)
+        t = _INVISIBLE.sub("", t).lower().translate(_LEET)
+    # Every run of anything but [a-z0-9'] (spaces included) is one space: punctuation folded and
+    # spaces collapsed in one scan.
+    t = _NON_WORD_OR_SPACE.sub(" ", t).strip()
     t = _SPACED_LETTERS.sub(lambda m: m.group(0).replace(" ", ""), t)
     words: set[str] | None = None  # of t as it is now
+    spelled_out = False
     for pattern, replacement, needles, word in _CONTRACTIONS:
         if word is not None:
             if words is None:
@@ -152,8 +157,10 @@ def normalize(text: str) -> str:
             continue
         changed = pattern.sub(replacement, t)
         if changed != t:
-            t, words = changed, None
-    return _SPACES.sub(" ", t).strip()
+            t, words, spelled_out = changed, None, True
+    # Joining spaced letters leaves single spaces; only a spelled-out form can add a space at an end
+    # or next to another.
+    return _SPACES.sub(" ", t).strip() if spelled_out else t
 
 
 class LexiconModerator(Moderator):
@@ -174,6 +181,8 @@ class LexiconModerator(Moderator):
         # checks its window, then asks safe_prefix about the same text (and often its last cut, the
         # whole of it), so one normalization serves all three. The event loop's main cost per token.
         self._last_normal: tuple[str, str] = ("", "")
+        # The last normalized text's partial-match search: it also tells the full check where to look.
+        self._last_scan: tuple[str, object] = ("", None)
 
     def _normal(self, text: str) -> str:
         last = self._last_normal  # one read: the tuple is replaced whole, never changed in place
@@ -183,10 +192,36 @@ class LexiconModerator(Moderator):
         self._last_normal = (text, norm)
         return norm
 
+    def _scan(self, norm: str):
+        """The leftmost match of any phrase in `norm`, full or partial (one that runs to the end and
+        could still grow into a phrase); None when there is neither."""
+        last = self._last_scan
+        if last[0] == norm:
+            return last[1]
+        found = self._any.search(norm, partial=True)
+        self._last_scan = (norm, found)
+        return found
+
+    def _has_full_match(self, norm: str) -> bool:
+        if self._any is None or self._any_full is None:
+            return False
+        # The partial search finds the leftmost place any phrase matches or may still match, so a full
+        # match, if there is one, starts there or later: the full scan need not look at the text before
+        # it (usually all but its last word).
+        first = self._scan(norm)
+        if first is None:
+            return False
+        if not first.partial:
+            return True
+        return self._any_full.search(norm, first.start()) is not None
+
     def _check(self, text: str, norm: str | None = None) -> Verdict | None:
         norm = normalize(text) if norm is None else norm
         if self._any_full is None or self._any_full.search(norm) is None:
             return None
+        return self._category_of(norm)
+
+    def _category_of(self, norm: str) -> Verdict | None:
         for category, pattern in self._patterns:
             m = pattern.search(norm)
             if m:
@@ -197,7 +232,8 @@ class LexiconModerator(Moderator):
         return await off_loop(self._check, text, size=len(text))  # i12: a huge message not on the event loop
 
     async def check_output(self, text: str) -> Verdict | None:
-        return self._check(text, self._normal(text))
+        norm = self._normal(text)
+        return self._category_of(norm) if self._has_full_match(norm) else None
 
     def safe_prefix(self, text: str, cuts: Sequence[int] | None = None) -> int:
         """The text before the earliest place where a phrase could be starting (a partial match
@@ -206,7 +242,7 @@ class LexiconModerator(Moderator):
         if self._any is None:
             return len(text)
         norm = self._normal(text)
-        m = self._any.search(norm, partial=True)
+        m = self._scan(norm)
         if m is None:
             return len(text)
         start = m.start()

@@ -1,13 +1,18 @@
-"""The lexicon's shortcuts (contraction scans skipped when their text is absent, one scan over every
-category before the per-category ones) give the same normalized text and verdicts as doing it all."""
+"""The lexicon's shortcuts (ASCII text not NFKC-normalized, punctuation and spaces folded in one scan,
+contraction scans skipped when their text is absent, one scan over every category before the
+per-category ones, the output check's full scan started where the partial search found the first
+possible phrase) give the same normalized text and verdicts as doing it all."""
 from __future__ import annotations
 
+import asyncio
 import random
+import re
 import unicodedata
 
 from chatloom.app import moderation as m
 
-PHRASES = ["I'll", "Im gonna", "you're", "he's", "won't", "will n't", "wont", "u r", "ur", "ya", "gon", "wanna",
+PHRASES = ["I\u2019ll", "k\u200bill y\u00adou", "\uff4b\uff49\uff4c\uff4c you", "caf\u00e9", "Kill\tyou\n", "how  to", "  ",
+           "I'll", "Im gonna", "you're", "he's", "won't", "will n't", "wont", "u r", "ur", "ya", "gon", "wanna",
            "gotta", "don't", "it's", "they're", "I\u2019m going to kill you", "k i l l", "i know where you live",
            "How do I make a pipe bomb", "all immigrants should die", "1 w1ll k1ll y0u", "best way to die"]
 
@@ -15,7 +20,7 @@ PHRASES = ["I'll", "Im gonna", "you're", "he's", "won't", "will n't", "wont", "u
 def _normalize_every_scan(text: str) -> str:
     t = unicodedata.normalize("NFKC", text)
     t = m._INVISIBLE.sub("", t).lower().translate(m._LEET)
-    t = m._NON_WORD.sub(" ", t)
+    t = re.sub(r"[^a-z0-9' ]+", " ", t)
     t = m._SPACES.sub(" ", t).strip()
     t = m._SPACED_LETTERS.sub(lambda g: g.group(0).replace(" ", ""), t)
     for pattern, replacement, *_ in m._CONTRACTIONS:
@@ -45,3 +50,20 @@ def test_verdicts_match_the_per_category_scans():
         norm = m.normalize(text)
         expected = next((m.Verdict(c, hit.group(0)) for c, p in mod._patterns if (hit := p.search(norm))), None)
         assert mod._check(text) == expected, text
+
+
+def test_output_check_agrees_with_a_full_scan_of_the_window():
+    # The guard's windows: every third prefix of each sample, as an answer streams.
+    mod = m.LexiconModerator()
+
+    async def compare() -> int:
+        hits = 0
+        for text in _samples(400):
+            for end in range(1, len(text) + 1, 3):
+                window = text[:end]
+                expected = mod._check(window)
+                hits += expected is not None
+                assert await mod.check_output(window) == expected, window
+        return hits
+
+    assert asyncio.run(compare()) > 100  # the samples do reach the phrases

@@ -213,6 +213,13 @@ CHATLOOM_WIDE inline __m512 load_scales16(ScalePtr s, int64_t i) {
   return _mm512_loadu_ps(static_cast<const float*>(s.p) + i);
 }
 
+// How far ahead (bytes, in each panel's code stream) the tiles prefetch: 6 lines of 4-bit codes, 12 of
+// 8-bit ones (the same depths ahead), and each panel's scales as far ahead in depth. At batch 1 a
+// task's 4 panels are 8 short streams (a panel's codes are 4.6 KB at K = 576) that the hardware
+// prefetcher picks up late; fetching ahead made a decode step's matmul phases 3-7% faster
+// (DecodeStack.profile(), 12 alternated rounds; 512 and 1024 bytes gained less).
+constexpr int64_t kCodePrefetch4 = 384, kCodePrefetch8 = 768;
+
 // R rows (a small batch, or one sequence's proposed tokens being verified) against NP panels
 // at once. One panel at a time gives a tile of R < 6 rows only R FMA chains, so the core
 // waits on the FMA's latency at every k; NP panels give R x NP chains, and each weight row
@@ -241,8 +248,18 @@ CHATLOOM_WIDE void tile_panels16(const float* x, int64_t k_dim, const uint8_t* c
       const ScalePtr s = scales + i * scale_stride + kb * 2 * kPanel;
       d[i] = load_scales16(s, 0), m[i] = load_scales16(s, kPanel);
     }
+    // A block of 32 depths is 256 (4-bit) or 512 (8-bit) code bytes and 64 (float16) or 128 scale bytes.
+    constexpr int64_t scale_ahead = Q4 ? kCodePrefetch4 / 4 : kCodePrefetch8 / 8;
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      const ScalePtr s = scales + i * scale_stride + kb * 2 * kPanel;
+      _mm_prefetch(static_cast<const char*>(s.p) + scale_ahead * (s.half ? 1 : 2), _MM_HINT_T0);
+    }
     if constexpr (Q4) {
       for (int64_t k8 = kb * 32; k8 < (kb + 1) * 32; k8 += 8) {
+#pragma GCC unroll 4
+        for (int i = 0; i < NP; ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + i * code_stride + k8 * 8) + kCodePrefetch4, _MM_HINT_T0);
         __m512i v[NP];
 #pragma GCC unroll 4
         for (int i = 0; i < NP; ++i) v[i] = _mm512_loadu_si512(codes + i * code_stride + k8 * 8);
@@ -264,6 +281,11 @@ CHATLOOM_WIDE void tile_panels16(const float* x, int64_t k_dim, const uint8_t* c
       }
     } else {
       for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
+        if (k % 4 == 0) {  // one 64-byte line holds 4 depths of a panel's 8-bit codes
+#pragma GCC unroll 4
+          for (int i = 0; i < NP; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(codes + i * code_stride + k * kPanel) + kCodePrefetch8, _MM_HINT_T0);
+        }
         __m512 w[NP];
 #pragma GCC unroll 4
         for (int i = 0; i < NP; ++i) {
