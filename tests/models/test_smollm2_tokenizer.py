@@ -75,3 +75,35 @@ def test_broken_template_is_a_model_error():
 def test_fallback_template_when_model_has_none():
     text = render_chat(None, [{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_long_text_gives_the_same_ids_without_holding_the_gil(tok):
+    """From _GIL_FREE_CHARS on, encode goes through encode_batch (which lets other threads run: see
+    tests/app/test_edge_validation.py); the ids must be what the single call gives."""
+    import threading
+    import time
+
+    from chatloom.models.tokenizer import _GIL_FREE_CHARS
+
+    text = " ".join(TEXTS) * (2 * _GIL_FREE_CHARS // len(" ".join(TEXTS)) + 1)
+    assert len(text) >= _GIL_FREE_CHARS
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    # Another thread keeps getting turns while a long text is encoded.
+    big = "w" * 600_000
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=tick)
+    t.start()
+    time.sleep(0.01)
+    start = time.monotonic()
+    tok.encode(big)
+    took = time.monotonic() - start
+    done.set()
+    t.join()
+    during = [b for b in ticks if start <= b <= start + took]
+    assert len(during) >= 3, (took, len(during))
