@@ -27,6 +27,13 @@ def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -
                         f"slightly less exact (see README; default: ${INT8_ENV}, else off)")
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype, for the commands that size an engine (defaults: chatloom/engine/config.py)."""
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                   help="what the KV cache holds: auto (the model's dtype; fp16 with --int8-matmul), or a "
+                        "16-bit pool: half the memory per token and faster long-context decoding, not bit-exact")
+
+
 def int8_matmul(choice: bool | None) -> bool:
     """The int8 switch: an explicit choice, else the environment variable, else off."""
     if choice is not None:

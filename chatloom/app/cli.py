@@ -10,7 +10,7 @@ import asyncio
 import sys
 
 from chatloom.argtypes import positive_float, positive_int
-from chatloom.model_args import add_model_args
+from chatloom.model_args import add_kv_cache_dtype_arg, add_model_args
 
 
 def _settings(args: argparse.Namespace):
@@ -18,7 +18,7 @@ def _settings(args: argparse.Namespace):
 
     settings = Settings.from_file(args.config) if args.config else Settings()
     fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-              "speculative", "num_speculative_tokens", "speculative_model")
+              "kv_cache_dtype", "speculative", "num_speculative_tokens", "speculative_model")
     return settings.updated(db_url=args.db, redis_url=getattr(args, "redis", None),
                             **{k: getattr(args, k, None) for k in fields})
 
@@ -149,6 +149,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per engine step")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget per engine step")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--speculative", choices=["off", "ngram", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model); default off")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=None,

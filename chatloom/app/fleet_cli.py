@@ -49,7 +49,8 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[object]:
         from chatloom.serving.local_fleet import LocalReplicas
 
         extra = ["--kv-cache-gb", str(settings.kv_cache_gb), "--max-num-seqs", str(settings.max_num_seqs),
-                 "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--dtype", settings.dtype]
+                 "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--dtype", settings.dtype,
+                 "--kv-cache-dtype", settings.kv_cache_dtype]
         if settings.num_blocks:
             extra += ["--num-blocks", str(settings.num_blocks)]
         local = LocalReplicas(settings.model, args.local_replicas, args.replica_threads, extra)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatloom.engine import EngineConfig
+from chatloom.engine.config import KV_CACHE_DTYPES
 from chatloom.models.registry import DEFAULT_MODEL
 
 ENGINE_DEFAULTS = EngineConfig()  # engine sizing is defined once, by the engine's own config
@@ -30,6 +31,7 @@ class Settings:
     num_blocks: int | None = ENGINE_DEFAULTS.num_blocks
     max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
     max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens  # per step: decodes, then prefill chunks
+    kv_cache_dtype: str = ENGINE_DEFAULTS.kv_cache_dtype  # auto | fp32 | bf16 | fp16 (see engine/config.py)
     context_window: int | None = None  # cap below the model's own window (tests use a tiny one)
     # Speculative decoding: off | ngram (prompt lookup) | draft (speculative_model proposes).
     speculative: str = ENGINE_DEFAULTS.speculative
@@ -104,6 +106,8 @@ class Settings:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.speculative not in ("off", "ngram", "draft"):
             raise ValueError(f"speculative must be off, ngram or draft, not {self.speculative!r}")
         if self.num_speculative_tokens < 1:
@@ -136,6 +140,7 @@ class Settings:
         """The local backend's engine sizing."""
         return EngineConfig(kv_cache_gb=self.kv_cache_gb, num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.context_window, max_num_batched_tokens=self.max_num_batched_tokens,
+                            kv_cache_dtype=self.kv_cache_dtype,
                             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
                             speculative_model=self.speculative_model)
 

@@ -11,6 +11,9 @@ from chatloom.argtypes import positive_int
 from chatloom.model_args import add_model_args, load_from_args
 from chatloom.models.registry import DEFAULT_MODEL
 
+# bench/perplexity.py's MODES (it imports torch; the parser is built without it; a test keeps them equal).
+PERPLEXITY_MODES = ("exact", "int8", "bf16", "exact+fp16kv", "exact+bf16kv", "int8+fp32kv", "int8+bf16kv")
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
@@ -73,9 +76,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("perplexity", help="perplexity on a shipped public-domain text, per matmul mode")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry id or path (default: %(default)s)")
-    p.add_argument("--modes", nargs="+", choices=["exact", "int8", "bf16"], default=["exact", "int8", "bf16"],
-                   help="exact: float32 (quantized weights expanded exactly); int8: int8 activations; "
-                        "bf16: bfloat16 weights (default: all three)")
+    p.add_argument("--modes", nargs="+", choices=PERPLEXITY_MODES, default=["exact", "int8", "bf16"],
+                   help="exact: float32 (quantized weights expanded exactly); int8: int8 activations (and its "
+                        "fp16 KV cache); bf16: bfloat16 weights (default: these three). +fp16kv, +bf16kv, "
+                        "+fp32kv: the same through a KV cache of that dtype")
     p.add_argument("--window", type=positive_int, default=512, help="tokens per scored window (default %(default)s)")
     p.add_argument("--text", default=None, help="another UTF-8 text file to score instead of the shipped one")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the text's first N tokens")

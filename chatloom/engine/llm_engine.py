@@ -7,10 +7,8 @@ import logging
 import time
 from collections import deque
 
-import torch
-
 from chatloom.engine.block_manager import BlockManager
-from chatloom.engine.config import EngineConfig
+from chatloom.engine.config import EngineConfig, resolve_kv_cache_dtype
 from chatloom.engine.detokenizer import IncrementalDetokenizer
 from chatloom.engine.isolation import execute_isolated
 from chatloom.engine.kv_events import KVEventLog
@@ -25,6 +23,7 @@ from chatloom.engine.spec_decode.calibrate import calibrate_decoder
 from chatloom.engine.stats import EngineSnapshot, EngineStats
 from chatloom.engine.structured.guide import GrammarGuide
 from chatloom.models.loader import LoadedModel
+from chatloom.models.packed_linear import uses_int8_matmul
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +52,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         cfg = loaded.config
         self.tokenizer = loaded.tokenizer
-        dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(loaded.dtype, "fp32")
-        bytes_per_token = cfg.kv_bytes_per_token(dtype_name) * (2 if loaded.dtype == torch.float64 else 1)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, loaded.dtype,
+                                                     uses_int8_matmul(loaded.model))
+        bytes_per_token = cfg.kv_bytes_per_token("fp32") * self.kv_cache_dtype.itemsize // 4
         num_blocks = self.config.resolve_num_blocks(bytes_per_token)
         self.max_model_len = self.config.max_model_len or min(cfg.max_position, 8192)
         # The prefix cache's stored/evicted keys, numbered: a replica publishes them to routers.
@@ -65,7 +65,8 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=self.config.enable_chunked_prefill), self.block_manager)
-        self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size)
+        self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         # A prompt that agrees with part of a cached block takes that part's K/V from it.
         self.block_manager.copy_prefix = self.runner.copy_block_prefix
         self.sampler = Sampler(self.config.seed)

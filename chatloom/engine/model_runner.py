@@ -15,10 +15,11 @@ from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.memory_check import check_fits
 
 
-def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                      dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pool pair per layer, of `dtype` (default: the model's)."""
     cfg = model.config
-    dtype = model.embed_tokens.weight.dtype
+    dtype = dtype or model.embed_tokens.weight.dtype
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     # Refuse with the sizes rather than be killed while zeroing the pool.
     per_layer = num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -40,10 +41,10 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 use_kernels: bool = True) -> None:
+                 use_kernels: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size)
+        self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_cache_dtype)
         self._pools = ([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches])
         dtype = model.embed_tokens.weight.dtype
         self.kernels = load_kernels() if use_kernels and dtype in (torch.float32, torch.float64) else None

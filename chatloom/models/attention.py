@@ -62,6 +62,14 @@ class AttentionBatch:
         return cls(prefills=segs)
 
 
+def as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a pool of `dtype` keeps it: rounded to nearest; float16 saturates at its largest finite
+    value (65504) rather than store an infinity."""
+    if dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    return x.to(dtype)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             causal: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
     # q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D]; mask broadcasts to [B, Hq, Lq, Lk], True = visible
@@ -108,8 +116,8 @@ def _windowed_attention(q, k, v, k_pool, v_pool, batch: AttentionBatch, out: tor
             span = min(tables.shape[1], -(-window // bs) + 1)
             first = torch.clamp((lens - window).clamp(min=0) // bs, max=tables.shape[1] - span)
             tables = tables.gather(1, first.unsqueeze(1) + torch.arange(span))
-        kd = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
-        vd = v_pool[tables].flatten(1, 2).transpose(1, 2)
+        kd = k_pool[tables].to(q.dtype).flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
+        vd = v_pool[tables].to(q.dtype).flatten(1, 2).transpose(1, 2)
         kv = (first * bs).unsqueeze(1) + torch.arange(kd.shape[2]).unsqueeze(0)  # absolute positions
         mask = kv < lens.unsqueeze(1)
         if window is not None:
@@ -127,7 +135,8 @@ def _windowed_attention(q, k, v, k_pool, v_pool, batch: AttentionBatch, out: tor
                 # Only the blocks that can hold a key some query of the chunk sees.
                 first = max(0, n - seg.q_len - window + 1) // k_pool.shape[1]
                 table, lo = table[first:], first * k_pool.shape[1]
-            ks, vs = k_pool[table].flatten(0, 1)[:n - lo], v_pool[table].flatten(0, 1)[:n - lo]
+            ks = k_pool[table].to(q.dtype).flatten(0, 1)[:n - lo]
+            vs = v_pool[table].to(q.dtype).flatten(0, 1)[:n - lo]
         mask = _window_mask(torch.arange(n - seg.q_len, n), n, window)[:, lo:]
         res = _attend(q[s:e].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
                       vs.transpose(0, 1).unsqueeze(0), mask, False, scale, softcap)
@@ -139,17 +148,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cache: tuple[torch.Tensor, torch.Tensor] | None,
                     batch: AttentionBatch, scale: float | None = None, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]. Cache pools: [num_blocks, block_size, Hkv, D].
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]. Cache pools: [num_blocks, block_size, Hkv, D], of q's
+    dtype or a 16-bit one (float16/bfloat16: half the bytes, values rounded as they are stored).
     `scale` multiplies the scores (default D ** -0.5); with `window`, a query at position p
     sees keys p - window + 1 .. p only; with `softcap`, scores become tanh(s / cap) * cap."""
     out = torch.empty_like(q)
     k_pool = v_pool = None
     if cache is not None:
         k_pool, v_pool = cache
+        if k_pool.dtype != k.dtype:
+            # A 16-bit pool: this step's own queries see K/V rounded as the pool keeps them, so a
+            # token's result does not depend on whether its keys came fresh or from the cache.
+            k, v = as_stored(k, k_pool.dtype), as_stored(v, v_pool.dtype)
         flat_k = k_pool.view(-1, k_pool.shape[2], k_pool.shape[3])
         flat_v = v_pool.view(-1, v_pool.shape[2], v_pool.shape[3])
         flat_k.index_copy_(0, batch.slot_mapping, k)
         flat_v.index_copy_(0, batch.slot_mapping, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
 
     nd = batch.num_decode
     kern = batch.kernels
@@ -161,8 +176,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         batch.decode_rows, batch.decode_kv_lens, scale)
     elif nd:
         tables = batch.decode_block_tables
-        kd = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
-        vd = v_pool[tables].flatten(1, 2).transpose(1, 2)
+        kd = k_pool[tables].to(q.dtype).flatten(1, 2).transpose(1, 2)  # [nd, Hkv, L, D]
+        vd = v_pool[tables].to(q.dtype).flatten(1, 2).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
         out[:nd] = _attend(qd, kd, vd, batch.decode_mask, False, scale).squeeze(2)
 
@@ -181,8 +196,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             res = _attend(qs, ks, vs, None, True, scale)
         else:
             n = seg.context_len
-            ks = k_pool[seg.block_table].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
-            vs = v_pool[seg.block_table].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+            ks = k_pool[seg.block_table].to(q.dtype).flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+            vs = v_pool[seg.block_table].to(q.dtype).flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
             res = _attend(qs, ks, vs, seg.mask, False, scale)
         out[s:e] = res.squeeze(0).transpose(0, 1)
     return out

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from chatloom.argtypes import positive_float, positive_int
+from chatloom.model_args import add_kv_cache_dtype_arg
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
@@ -26,7 +27,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sizing = {k: getattr(args, k) for k in ("kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                            "max_model_len", "seed")}
+                                            "max_model_len", "seed", "kv_cache_dtype")}
     # Flags left out keep the engine's own defaults (chatloom/engine/config.py), written only there.
     config = EngineConfig(**{k: v for k, v in sizing.items() if v is not None})
     loaded = load_from_args(args, kv_cache_bytes=lambda cfg: config.kv_cache_bytes(cfg.kv_bytes_per_token(args.dtype)))
@@ -44,6 +45,7 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget per engine step")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window (default: the model's, at most 8192)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the model (default: torch's)")
 
 

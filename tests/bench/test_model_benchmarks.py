@@ -53,3 +53,30 @@ def test_kquant_matmul_bench(capsys):
     assert out["kinds"]["Q4_K"]["bytes_per_weight"] == 0.75
     assert out["kinds"]["Q6_K"]["bytes_per_weight"] == 1.5
     assert out["kinds"]["Q6_K"]["by_rows"]["3"]["float32_ms"] > 0
+
+
+def test_kv_cache_modes_run_through_a_pool_of_their_dtype():
+    from chatloom.bench import cli as bench_cli
+    from chatloom.bench.perplexity import MODES, parse_mode
+
+    assert bench_cli.PERPLEXITY_MODES == MODES
+    assert parse_mode("int8+bf16kv") == ("int8", "bf16") and parse_mode("exact") == ("exact", "auto")
+    result = run_perplexity("tiny-random", ["exact", "exact+fp16kv", "exact+bf16kv"], window=64, max_tokens=200)
+    modes = result["modes"]
+    assert [modes[m]["kv_cache_dtype"] for m in ("exact", "exact+fp16kv", "exact+bf16kv")] == [
+        "float32", "float16", "bfloat16"]
+    # Rounding K/V changes the scores a little, never a lot; bf16 (8 bits of mantissa) more than fp16 (11).
+    fp16, bf16 = (abs(modes[m]["perplexity"] - modes["exact"]["perplexity"]) for m in ("exact+fp16kv", "exact+bf16kv"))
+    assert 0 < fp16 < bf16 < 0.01 * modes["exact"]["perplexity"]
+
+
+def test_the_cached_path_with_a_float32_pool_matches_the_dense_logits():
+    import torch
+
+    from chatloom.bench.perplexity import cached_logits
+    from chatloom.models import load_model
+
+    model = load_model("tiny-random").model
+    chunk = list(range(3, 60))
+    torch.testing.assert_close(cached_logits(model, chunk, torch.float32), model.dense_logits([chunk])[0],
+                               rtol=1e-5, atol=1e-5)

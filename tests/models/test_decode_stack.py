@@ -75,9 +75,10 @@ def _batch() -> ScheduledBatch:
     return ScheduledBatch(decodes=seqs)
 
 
-def _runner(model: llama.DecoderForCausalLM) -> tuple[ModelRunner, list[tuple[torch.Tensor, torch.Tensor]]]:
+def _runner(model: llama.DecoderForCausalLM, kv_dtype: torch.dtype | None = None
+            ) -> tuple[ModelRunner, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A runner whose pool holds random K/V (whatever earlier steps left), and a copy of that pool."""
-    runner = ModelRunner(model, num_blocks=32, block_size=4)
+    runner = ModelRunner(model, num_blocks=32, block_size=4, kv_cache_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(3)
     for k, v in runner.kv_caches:
         k.copy_(torch.randn(k.shape, generator=gen))
@@ -133,9 +134,9 @@ def _wide_plain_batch() -> ScheduledBatch:
     return ScheduledBatch(decodes=seqs)
 
 
-def _both_paths(model: llama.DecoderForCausalLM, monkeypatch, batch=_batch) -> None:
+def _both_paths(model: llama.DecoderForCausalLM, monkeypatch, batch=_batch, kv_dtype=None) -> None:
     """One decode step through the stack and through the modules, from the same pool: same bits."""
-    runner, start = _runner(model)
+    runner, start = _runner(model, kv_dtype)
     python_calls = []
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a: python_calls.append(1) or real(*a))
@@ -278,6 +279,21 @@ def _both_heads(model: llama.DecoderForCausalLM, batch=_batch) -> tuple[torch.Te
         assert native.picks.tokens == argmax.tolist()
         assert native.picks.nan_rows == [r for r in range(len(argmax)) if torch.isnan(logits[r]).any()]
     return logits, argmax
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_16_bit_pool_takes_the_call_by_call_stack_with_the_modules_bits(kv_dtype, int8, monkeypatch):
+    """The team reads float32 pools only: with a 16-bit pool the stack runs layer by layer (even for
+    a few queries of an exact quantized model), and its logits and stored K/V are the modules'."""
+    if int8 and not int8_matmul_supported(kernels):
+        pytest.skip("no int8 matmul on this CPU")
+    model = _model()
+    assert pack_linears(model, _quantized(model, ["Q4_1"]), int8_activations=int8)
+    stack = model.decode_stack()
+    stack.set_profiling(True)
+    _both_paths(model, monkeypatch, kv_dtype=kv_dtype)
+    assert stack.profile()["steps"] == 0  # not on the team
 
 
 @pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")

@@ -66,12 +66,14 @@ def test_matches_float64_reference(path, d, hq, hkv):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (16, 4, 2)])
-def test_a_query_gets_the_same_bits_alone_or_in_a_batch(path, d, hq, hkv):
+def test_a_query_gets_the_same_bits_alone_or_in_a_batch(path, pool_dtype, d, hq, hkv):
     # Alone, a short query runs on one thread with all heads in one job; in a batch of seven with
     # long ones the work is split over threads: its bits must not change.
     lens = [2, 7, 400, 9, 1000, 33, 5]
     q, kp, vp, tables, rows, kv_lens = _case(d, hq, hkv, lens, block_size=16, seed=1)
+    kp, vp = kp.to(pool_dtype), vp.to(pool_dtype)
     batch = kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, 0.125, path)
     for i in range(len(lens)):
         alone = kernels.paged_attention(q[i:i + 1], kp, vp, tables, rows[i:i + 1], kv_lens[i:i + 1], 0.125, path)
@@ -82,3 +84,25 @@ def test_an_unknown_path_is_refused():
     q, kp, vp, tables, rows, kv_lens = _case(16, 2, 1, [3])
     with pytest.raises(RuntimeError, match="attention path"):
         kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, 0.25, "avx1024")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (16, 4, 2), (80, 4, 1)])
+def test_a_16_bit_pool_matches_the_reference_over_its_widened_values(path, pool_dtype, d, hq, hkv):
+    # The kernel widens each stored value to float32 exactly, so against the float64 reference over
+    # those same values it is as close as the float32 pool is (80: the portable loops).
+    q, kp, vp, tables, rows, kv_lens = _case(d, hq, hkv, [1, 4, 5, 17, 130, 301], seed=2)
+    kp, vp = kp.to(pool_dtype), vp.to(pool_dtype)
+    out = kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, d ** -0.5, path)
+    assert out.dtype == torch.float32
+    ref = _reference(q, kp.float(), vp.float(), tables, kv_lens, d ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+
+
+def test_pools_of_two_types_or_a_16_bit_pool_with_float64_queries_are_refused():
+    q, kp, vp, tables, rows, kv_lens = _case(16, 4, 2, [3])
+    with pytest.raises(RuntimeError, match="one type"):
+        kernels.paged_attention(q, kp.half(), vp, tables, rows, kv_lens, 0.25)
+    with pytest.raises(RuntimeError, match="float32 queries"):
+        kernels.paged_attention(q.double(), kp.half(), vp.half(), tables, rows, kv_lens, 0.25)

@@ -43,6 +43,11 @@ void check_stack_inputs(const torch::Tensor& x, size_t layers, const std::vector
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, hidden]");
 }
 
+// The team path reads float32 pools only; a 16-bit pool takes the layer-by-layer path.
+bool float32_pools(const std::vector<torch::Tensor>& k_pools) {
+  return k_pools[0].scalar_type() == torch::kFloat32;
+}
+
 }  // namespace
 
 NativeLinear::NativeLinear(int64_t kind_, torch::Tensor weight_, c10::optional<torch::Tensor> scales_,
@@ -103,7 +108,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, con
                                    torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const {
   const size_t n = layers_.size();
   check_stack_inputs(x, n, k_pools, v_pools);
-  if (!team_.empty() && x.size(0) <= kMaxTaskRows)
+  if (!team_.empty() && x.size(0) <= kMaxTaskRows && float32_pools(k_pools))
     return forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
   // The residual stream is x itself, updated in place (the embedding output is a fresh tensor).
   torch::Tensor residual = x;
@@ -135,7 +140,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
     torch::Tensor rows, torch::Tensor kv_lens) const {
   TORCH_CHECK(head_.has_value(), "this stack has no head (set_head took none)");
   check_stack_inputs(x, layers_.size(), k_pools, v_pools);
-  if (x.size(0) <= kMaxTaskRows) {
+  if (x.size(0) <= kMaxTaskRows && float32_pools(k_pools)) {
     torch::Tensor logits, argmax;
     forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens, &logits, &argmax);
     return {logits, argmax};

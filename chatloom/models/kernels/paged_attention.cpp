@@ -13,10 +13,13 @@
 #include <type_traits>
 #include <vector>
 
+// A pool of 16-bit values (float16 or bfloat16) halves the bytes a decode step reads; the
+// arithmetic stays float32: each value is widened as it is loaded.
 // The three inner loops, portable: the compiler vectorizes what it can.
 template <typename T, typename Acc>
 struct PortableOps {
-  static Acc dot(const Acc* q, const T* k, int64_t d) {
+  template <typename KV>
+  static Acc dot(const Acc* q, const KV* k, int64_t d) {
     Acc s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t x = 0; x < d; ++x) s += q[x] * (Acc)k[x];
@@ -32,7 +35,8 @@ struct PortableOps {
     return sum;
   }
   // a += p * v
-  static void axpy(Acc* a, Acc p, const T* v, int64_t d) {
+  template <typename KV>
+  static void axpy(Acc* a, Acc p, const KV* v, int64_t d) {
 #pragma omp simd
     for (int64_t x = 0; x < d; ++x) a[x] += p * (Acc)v[x];
   }
@@ -65,14 +69,22 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// Eight pool values as float32: a float16 is widened by F16C, a bfloat16 is a float32's top half.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
 // The same loops in AVX2 for float32 with a head size that is a multiple of 16; the
 // softmax's exponentials run eight at a time.
 struct Avx2F32Ops {
-  static float dot(const float* q, const float* k, int64_t d) {
+  template <typename KV>
+  static float dot(const float* q, const KV* k, int64_t d) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t x = 0; x < d; x += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), _mm256_loadu_ps(k + x), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x + 8), _mm256_loadu_ps(k + x + 8), a1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8(k + x), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x + 8), load8(k + x + 8), a1);
     }
     return hsum8(_mm256_add_ps(a0, a1));
   }
@@ -92,15 +104,23 @@ struct Avx2F32Ops {
     }
     return hsum8(vs) + tail;
   }
-  static void axpy(float* a, float p, const float* v, int64_t d) {
+  template <typename KV>
+  static void axpy(float* a, float p, const KV* v, int64_t d) {
     const __m256 pv = _mm256_set1_ps(p);
     for (int64_t x = 0; x < d; x += 8)
-      _mm256_storeu_ps(a + x, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + x), _mm256_loadu_ps(a + x)));
+      _mm256_storeu_ps(a + x, _mm256_fmadd_ps(pv, load8(v + x), _mm256_loadu_ps(a + x)));
   }
 };
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Sixteen pool values as float32 (see load8).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 // Four scores from four 16-lane partial sums: [sum(a0), sum(a1), sum(a2), sum(a3)].
 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   auto halves = [](__m512 a) {
@@ -118,8 +138,8 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // accumulator in registers. `offs[t]`: where position t's row starts in the pools. Every score is
 // reduced the same way wherever it falls (a short last group is padded with zeros), so a query's
 // result depends on its own keys only, never on the batch around it.
-template <int D16>
-static void attend_avx512(const float* qv, const float* kp, const float* vp, const int64_t* offs, int64_t len,
+template <int D16, typename KV>
+static void attend_avx512(const float* qv, const KV* kp, const KV* vp, const int64_t* offs, int64_t len,
                           int64_t h0, int64_t heads_per_job, int64_t group, float* scores, float* mx, float* sum,
                           float* out) {
   constexpr int64_t d = 16 * D16;
@@ -136,8 +156,8 @@ static void attend_avx512(const float* qv, const float* kp, const float* vp, con
         for (int i = 0; i < 4; ++i) {
           a[i] = _mm512_setzero_ps();
           if (t + i < len) {
-            const float* krow = kp + offs[t + i] + kv_head;
-            for (int c = 0; c < D16; ++c) a[i] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(krow + 16 * c), a[i]);
+            const KV* krow = kp + offs[t + i] + kv_head;
+            for (int c = 0; c < D16; ++c) a[i] = _mm512_fmadd_ps(q[c], load16(krow + 16 * c), a[i]);
           }
         }
         const __m128 s4 = reduce4(a[0], a[1], a[2], a[3]);
@@ -159,8 +179,8 @@ static void attend_avx512(const float* qv, const float* kp, const float* vp, con
       const float* sc = scores + j * len;
       for (int64_t t = 0; t < len; ++t) {
         const __m512 p = _mm512_set1_ps(sc[t]);
-        const float* vrow = vp + offs[t] + kv_head;
-        for (int c = 0; c < D16; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vrow + 16 * c), acc[c]);
+        const KV* vrow = vp + offs[t] + kv_head;
+        for (int c = 0; c < D16; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vrow + 16 * c), acc[c]);
       }
       const __m512 inv = _mm512_set1_ps(1.f / sum[j]);
       for (int c = 0; c < D16; ++c) _mm512_storeu_ps(out + j * d + 16 * c, _mm512_mul_ps(acc[c], inv));
@@ -190,8 +210,8 @@ static bool use_avx512_attention(const std::string& isa) {
 // positions of the sequence whose block table is `table`, into o. Every path (paged_attention's
 // threads, the decode team's) runs this one copy of the code, so a query head's bits do not depend
 // on who runs it. wide16: the AVX-512 path's head size / 16, or 0.
-template <typename T, typename Acc, typename Ops>
-__attribute__((noinline)) static void attend_job(const T* qi, const T* kp, const T* vp, const int32_t* table,
+template <typename T, typename KV, typename Acc, typename Ops>
+__attribute__((noinline)) static void attend_job(const T* qi, const KV* kp, const KV* vp, const int32_t* table,
                                                  int64_t len, int64_t hkv, int64_t d, int64_t group,
                                                  int64_t block_size, double scale, int64_t h0, int64_t heads_per_job,
                                                  int64_t wide16, JobScratch<Acc>& sc, T* o) {
@@ -213,7 +233,7 @@ __attribute__((noinline)) static void attend_job(const T* qi, const T* kp, const
       for (int64_t t = 0; t < len; ++t)
         sc.offs[t] = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride;
       auto run = [&](auto d16) {
-        attend_avx512<decltype(d16)::value>(qv.data(), kp, vp, sc.offs.data(), len, h0, heads_per_job, group,
+        attend_avx512<decltype(d16)::value, KV>(qv.data(), kp, vp, sc.offs.data(), len, h0, heads_per_job, group,
                                             scores.data(), mx.data(), sum.data(), o);
       };
       switch (wide16) {
@@ -232,7 +252,7 @@ __attribute__((noinline)) static void attend_job(const T* qi, const T* kp, const
 
   // Pass 1: scores of every query head against every cached key.
   for (int64_t t = 0; t < len; ++t) {
-    const T* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+    const KV* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
     for (int64_t hh = 0; hh < heads_per_job; ++hh) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t j = hh * group + g;
@@ -245,7 +265,7 @@ __attribute__((noinline)) static void attend_job(const T* qi, const T* kp, const
   for (int64_t j = 0; j < nq; ++j) sum[j] = Ops::exp_shift(scores.data() + j * len, len, mx[j]);
   // Pass 2: probability-weighted sum of the values.
   for (int64_t t = 0; t < len; ++t) {
-    const T* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+    const KV* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
     for (int64_t hh = 0; hh < heads_per_job; ++hh) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t j = hh * group + g;
@@ -264,8 +284,8 @@ static int64_t wide16_for(bool wide, int64_t d) {
   return wide && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
 }
 
-template <typename T, typename Acc, typename Ops>
-static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int32_t* tables,
+template <typename T, typename KV, typename Acc, typename Ops>
+static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const int32_t* tables,
                                  const int32_t* rows, const int32_t* kv_lens, T* out,
                                  int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
                                  int64_t block_size, int64_t table_width, double scale, bool wide) {
@@ -291,7 +311,7 @@ static void paged_attention_impl(const T* q, const T* kp, const T* vp, const int
       const int64_t i = job / jobs_per_token;
       const int64_t h0 = (job % jobs_per_token) * heads_per_job;
       const int64_t first = (i * hq + h0 * group) * d;
-      attend_job<T, Acc, Ops>(q + first, kp, vp, tables + (int64_t)rows[i] * table_width, kv_lens[i], hkv, d,
+      attend_job<T, KV, Acc, Ops>(q + first, kp, vp, tables + (int64_t)rows[i] * table_width, kv_lens[i], hkv, d,
                               group, block_size, scale, h0, heads_per_job, wide16, scratch, out + first);
     }
   });
@@ -303,14 +323,36 @@ void attention_job(const float* q, const float* k_pool, const float* v_pool, con
   const int64_t group = hq / hkv, first = h0 * group * d;
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 16 == 0) {
-    attend_job<float, float, Avx2F32Ops>(q + first, k_pool, v_pool, table, len, hkv, d, group, block_size, scale,
+    attend_job<float, float, float, Avx2F32Ops>(q + first, k_pool, v_pool, table, len, hkv, d, group, block_size, scale,
                                          h0, heads, wide16_for(use_avx512_attention("auto"), d), scratch,
                                          out + first);
     return;
   }
 #endif
-  attend_job<float, float, PortableOps<float, float>>(q + first, k_pool, v_pool, table, len, hkv, d, group,
+  attend_job<float, float, float, PortableOps<float, float>>(q + first, k_pool, v_pool, table, len, hkv, d, group,
                                                       block_size, scale, h0, heads, 0, scratch, out + first);
+}
+
+// The float32 query against a pool of 16-bit values (KV: c10::Half or c10::BFloat16).
+template <typename KV>
+static void attend_16bit_pool(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                              const torch::Tensor& block_tables, const torch::Tensor& rows,
+                              const torch::Tensor& kv_lens, torch::Tensor& out, int64_t hkv, int64_t bs,
+                              double scale, bool wide) {
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
+  const KV* kp = k_pool.data_ptr<KV>();
+  const KV* vp = v_pool.data_ptr<KV>();
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 16 == 0) {
+    paged_attention_impl<float, KV, float, Avx2F32Ops>(q.data_ptr<float>(), kp, vp, block_tables.data_ptr<int32_t>(),
+        rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), n, hq, hkv, d, bs,
+        block_tables.size(1), scale, wide);
+    return;
+  }
+#endif
+  paged_attention_impl<float, KV, float, PortableOps<float, float>>(q.data_ptr<float>(), kp, vp,
+      block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
+      n, hq, hkv, d, bs, block_tables.size(1), scale, wide);
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
@@ -320,24 +362,35 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && rows.scalar_type() == torch::kInt32 &&
               kv_lens.scalar_type() == torch::kInt32, "int32 tables");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools of one type");
   block_tables = block_tables.contiguous();
   auto out = torch::empty_like(q);
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_pool.size(1), hkv = k_pool.size(2);
+  const auto pool_type = k_pool.scalar_type();
+  if (pool_type == torch::kHalf || pool_type == torch::kBFloat16) {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "a 16-bit KV pool takes float32 queries");
+    if (pool_type == torch::kHalf)
+      attend_16bit_pool<c10::Half>(q, k_pool, v_pool, block_tables, rows, kv_lens, out, hkv, bs, scale, wide);
+    else
+      attend_16bit_pool<c10::BFloat16>(q, k_pool, v_pool, block_tables, rows, kv_lens, out, hkv, bs, scale, wide);
+    return out;
+  }
+  TORCH_CHECK(pool_type == q.scalar_type(), "the KV pool must be float16, bfloat16 or the query's type");
 #if defined(__AVX2__) && defined(__FMA__)
   if (q.scalar_type() == torch::kFloat32 && d % 16 == 0) {
-    paged_attention_impl<float, float, Avx2F32Ops>(q.data_ptr<float>(), k_pool.data_ptr<float>(),
+    paged_attention_impl<float, float, float, Avx2F32Ops>(q.data_ptr<float>(), k_pool.data_ptr<float>(),
         v_pool.data_ptr<float>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(),
         kv_lens.data_ptr<int32_t>(), out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale, wide);
     return out;
   }
 #endif
   if (q.scalar_type() == torch::kFloat32) {
-    paged_attention_impl<float, float, PortableOps<float, float>>(
+    paged_attention_impl<float, float, float, PortableOps<float, float>>(
         q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
         out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale, wide);
   } else if (q.scalar_type() == torch::kFloat64) {
-    paged_attention_impl<double, double, PortableOps<double, double>>(
+    paged_attention_impl<double, double, double, PortableOps<double, double>>(
         q.data_ptr<double>(), k_pool.data_ptr<double>(), v_pool.data_ptr<double>(), block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), kv_lens.data_ptr<int32_t>(),
         out.data_ptr<double>(), n, hq, hkv, d, bs, block_tables.size(1), scale, wide);
   } else {
