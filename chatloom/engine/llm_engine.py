@@ -77,6 +77,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._finished_outputs: deque[RequestOutput] = deque()
         self.spec = build_speculative_decoder(self.config, self.max_model_len, loaded, num_blocks)
+        self.runner.argmax_only_steps = self.spec is None  # verification reads the logits
         if self.spec is not None and self.spec.adaptive:
             calibrate_decoder(self.spec, self.runner, self.config)
 

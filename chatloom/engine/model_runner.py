@@ -51,6 +51,9 @@ class ModelRunner:
         # Called just before each forward's native code (which runs without the GIL): AsyncEngine
         # hands the previous step's outputs to the event loop there.
         self.before_forward: Callable[[], None] | None = None
+        # Whether a step whose rows are all plain greedy may skip the logits (the engine turns it off
+        # where something else reads them: speculative decoding).
+        self.argmax_only_steps = True
 
     def copy_block_prefix(self, src: int, dst: int, n: int) -> None:
         """Block dst's first n K/V slots from block src's, in every layer (a partial prefix-cache hit)."""
@@ -132,6 +135,13 @@ class ModelRunner:
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 
+    def _argmax_only(self, batch: ScheduledBatch) -> bool:
+        """Whether nothing but each row's argmax will be read: every sequence greedy, unconstrained
+        and past its min_tokens (the sampler bans stop tokens in the logits before that)."""
+        return self.argmax_only_steps and all(
+            s.params.greedy and s.params.constraint is None and s.num_output_tokens >= s.params.min_tokens
+            for s in batch.decodes)
+
     def _decode_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """A plain decode batch's token ids, positions, K/V slots and block tables, as ints."""
         bs = self.block_size
@@ -155,7 +165,7 @@ class ModelRunner:
         if (self.kernels is not None and batch.decodes and not batch.prefills
                 and not any(s.spec_token_ids for s in batch.decodes) and self.model.decodes_tokens()):
             logits, argmax, tokens, nan_rows = self.model.decode_tokens(*self._decode_inputs(batch), self._pools,
-                                                                        self.before_forward)
+                                                                        self.before_forward, self._argmax_only(batch))
             return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
         ids, positions, attn, rows = self._prepare(batch)
         if len(rows) == len(ids):  # every query gives logits: a decode step may take them from the stack

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from chatloom.models.attention import AttentionBatch, paged_attention
 from chatloom.models.config import ModelConfig, RopeScaling
 from chatloom.models.kernels import load_kernels
-from chatloom.models.packed_linear import KernelLinear
+from chatloom.models.packed_linear import KernelLinear, QuantizedLinear
 from chatloom.models.rope import rope_tables
 
 
@@ -284,6 +284,11 @@ class DecoderForCausalLM(nn.Module):
                 # With the embedding too, a plain decode step is one call on the engine's own lists
                 # (decode_tokens).
                 stack.set_embedding(self.embed_tokens.weight.detach())
+                # An exact quantized head can be screened with int8 activations on steps that need
+                # only each row's argmax (kernels/greedy_head.cpp).
+                screen = self.lm_head.greedy_screen() if isinstance(self.lm_head, QuantizedLinear) else None
+                if screen is not None and stack.has_head:
+                    stack.set_greedy_head(*screen)
         return stack
 
     def build_rope(self) -> None:
@@ -343,17 +348,19 @@ class DecoderForCausalLM(nn.Module):
 
     def decode_tokens(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                       pools: tuple[list[torch.Tensor], list[torch.Tensor]],
-                      before_native: Callable[[], None] | None = None
+                      before_native: Callable[[], None] | None = None, argmax_only: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """A plain decode step (one query per sequence) from Python ints, where decodes_tokens():
         query i is token ids[i] at positions[i] of the sequence with block table tables[i], its K/V
         going to slots[i]. Returns decode_logits' logits and argmax, the argmax as ints, and the rows
         whose logits hold a NaN. Same bits as decode_logits; no tensor is made here, as each torch
-        call costs tens of microseconds on the caches the step's weights have just flushed."""
+        call costs tens of microseconds on the caches the step's weights have just flushed. With
+        `argmax_only` (no row's logits are read) the stack may return logits of shape [T, 0] and the
+        exact argmax found by screening (DecodeStack.set_greedy_head)."""
         stack = self.decode_stack()
         if before_native is not None:
             before_native()
-        return stack.forward_tokens(ids, positions, slots, tables, pools[0], pools[1])
+        return stack.forward_tokens(ids, positions, slots, tables, pools[0], pools[1], argmax_only)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties)."""

@@ -406,6 +406,30 @@ class QuantizedLinear(KernelLinear):
         return _native(self._kernels, kind, self.codes, self.scales, self.bias,
                        self.m_panels if kind == NATIVE_INT8 else None, self.out_features)
 
+    def greedy_screen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For kernels.greedy_head_argmax (an exact head's argmax, screened with int8 activations):
+        this layer's weights in int8_linear's layout, and each weight row's norm rounded up. None
+        where it cannot screen this layer: int8 activations already, groups other than 32, a bias,
+        or 8-bit codes with an m term (the int8 kernel's 8-bit path has none)."""
+        if (self.int8_activations or self.group != QUANT_BLOCK or self.bias is not None
+                or not int8_matmul_supported(self._kernels) or not hasattr(self._kernels, "greedy_head_argmax")):
+            return None
+        codes, scales = from_float_kernel_layout(self.codes, self.scales)
+        if codes.shape[2] == PANEL and bool((scales[:, :, 1, :] != 0).any()):
+            return None
+        sq = torch.zeros(codes.shape[0], PANEL, dtype=torch.float64)  # per panel and feature
+        for p0 in range(0, codes.shape[0], 256):  # bounded memory for a large vocabulary
+            c = codes[p0:p0 + 256]
+            if c.shape[2] == 8:
+                c = torch.cat([c & 0x0F, c >> 4], dim=2)
+            s = scales[p0:p0 + 256].double()
+            # Each weight as the kernels make it (code * d exact, + m rounded once), squared in float64.
+            w = (c.double().view(c.shape[0], -1, QUANT_BLOCK, PANEL) * s[:, :, 0:1, :] + s[:, :, 1:2, :]).float()
+            sq[p0:p0 + 256] = w.double().square().sum(dim=(1, 2))
+        norms = (sq.sqrt() * (1 + 1e-6)).reshape(-1)[:self.out_features].float()
+        norms = torch.nextafter(norms, torch.full_like(norms, float("inf")))  # rounded up
+        return to_int8_layout(codes), scales.contiguous(), norms.contiguous()
+
     def extra_repr(self) -> str:
         kind = "4-bit" if self.codes.shape[2] in (8, 32) else "8-bit"
         group = f", a scale per {self.group}"

@@ -22,6 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x [M, K] @ W^T (+ bias) with x quantized to int8 per 32-block and W Q4_1 panels", NoGil(),
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto");
+  m.def("greedy_head_argmax", &greedy_head_argmax,
+        "the exact quantized head's argmax per row, screened with int8 activations (greedy_head.cpp)", NoGil(),
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"),
+        pybind11::arg("codes8"), pybind11::arg("scales8"), pybind11::arg("norms"));
   m.def("int8_linear_isas", &int8_linear_isas, "the int8 matmul's instruction paths on this CPU, best first");
   m.def("int8_linear_isa", &int8_linear_isa, "the path a request ('auto' or a name) resolves to",
         pybind11::arg("requested") = "auto");
@@ -68,12 +72,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_logits", &DecodeStack::forward_logits, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
            pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
            pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
+      .def("set_greedy_head", &DecodeStack::set_greedy_head,
+           "the head's int8 screen for argmax-only steps (greedy_head_argmax's codes8, scales8, norms)")
+      .def_property_readonly("has_greedy_head", &DecodeStack::has_greedy_head, "whether set_greedy_head took one")
       .def("set_embedding", &DecodeStack::set_embedding,
            "embed forward_tokens' ids with this [vocab, hidden] float32 table (taken only with a head)",
            pybind11::arg("weight"))
       .def_property_readonly("has_embedding", &DecodeStack::has_embedding, "whether set_embedding took a table")
       .def("forward_tokens", &DecodeStack::forward_tokens, NoGil(), pybind11::arg("ids"), pybind11::arg("positions"),
-           pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("k_pools"), pybind11::arg("v_pools"))
+           pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("k_pools"), pybind11::arg("v_pools"),
+           pybind11::arg("argmax_only") = false)
       .def("set_profiling", &DecodeStack::set_profiling, "time each part of the team path's steps (resets the sums)",
            pybind11::arg("on"))
       .def("set_test_stall", &DecodeStack::set_test_stall,

@@ -149,6 +149,15 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
   return {logits, logits.argmax(1)};
 }
 
+void DecodeStack::set_greedy_head(torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms) {
+  TORCH_CHECK(head_.has_value(), "set_greedy_head needs a head (set_head took none)");
+  TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.numel() == head_->out_features,
+              "one float32 norm per output feature");
+  greedy_codes_ = std::move(codes8);
+  greedy_scales_ = std::move(scales8);
+  greedy_norms_ = std::move(norms);
+}
+
 void DecodeStack::set_embedding(torch::Tensor weight) {
   embedding_ = torch::Tensor();
   if (!head_.has_value() || weight.dim() != 2 || weight.scalar_type() != torch::kFloat32 || !weight.is_contiguous() ||
@@ -160,7 +169,7 @@ void DecodeStack::set_embedding(torch::Tensor weight) {
 std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>> DecodeStack::forward_tokens(
     const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
     const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
-    const std::vector<torch::Tensor>& v_pools) const {
+    const std::vector<torch::Tensor>& v_pools, bool argmax_only) const {
   TORCH_CHECK(embedding_.defined(), "this stack has no embedding (set_embedding took none)");
   const int64_t t = (int64_t)ids.size(), vocab = embedding_.size(0), hidden = embedding_.size(1);
   TORCH_CHECK(t >= 1 && (int64_t)positions.size() == t && (int64_t)slots.size() == t && (int64_t)tables.size() == t,
@@ -185,9 +194,23 @@ std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64
   const auto view = [](const auto& v, at::IntArrayRef shape, torch::ScalarType type) {
     return torch::from_blob(const_cast<void*>(static_cast<const void*>(v.data())), shape, type);
   };
-  auto [logits, argmax] = forward_logits(x, view(positions, {t}, torch::kInt64), k_pools, v_pools,
-                                         view(slots, {t}, torch::kInt64), view(padded, {t, (int64_t)width}, torch::kInt32),
-                                         view(rows, {t}, torch::kInt32), view(kv_lens, {t}, torch::kInt32));
+  const auto pos_t = view(positions, {t}, torch::kInt64), slots_t = view(slots, {t}, torch::kInt64);
+  const auto tables_t = view(padded, {t, (int64_t)width}, torch::kInt32);
+  const auto rows_t = view(rows, {t}, torch::kInt32), lens_t = view(kv_lens, {t}, torch::kInt32);
+  // Wider than the team: the head's argmax alone, screened (the team's head is bound by reading
+  // its weights, where screening saves nothing).
+  if (argmax_only && has_greedy_head() && !(t <= kMaxTaskRows && float32_pools(k_pools))) {
+    const auto hidden = forward(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
+    auto [argmax, picked] = greedy_head_argmax(hidden, head_->weight, head_->scales, head_->out_features,
+                                               greedy_codes_, greedy_scales_, greedy_norms_);
+    const int64_t* a = argmax.data_ptr<int64_t>();
+    const float* v = picked.data_ptr<float>();
+    std::vector<int64_t> picks(a, a + t), nan_rows;
+    for (int64_t i = 0; i < t; ++i)
+      if (is_nan_bits(v[i])) nan_rows.push_back(i);
+    return {torch::empty({t, 0}, x.options()), argmax, picks, nan_rows};
+  }
+  auto [logits, argmax] = forward_logits(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
   const int64_t* a = argmax.data_ptr<int64_t>();
   const float* l = logits.data_ptr<float>();
   std::vector<int64_t> picks(a, a + t), nan_rows;

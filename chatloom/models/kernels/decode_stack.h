@@ -60,6 +60,11 @@ class DecodeStack {
                                                           torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                           torch::Tensor rows, torch::Tensor kv_lens) const;
 
+  // The exact head's screen for argmax-only steps (greedy_head_argmax's codes8, scales8 and norms);
+  // has_greedy_head() tells whether one was set. Taken only with a head.
+  void set_greedy_head(torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms);
+  bool has_greedy_head() const { return greedy_norms_.defined(); }
+
   // The token embedding [vocab, hidden] (float32, contiguous), for forward_tokens; has_embedding()
   // tells whether it was taken (the head must be set first: forward_tokens needs both).
   void set_embedding(torch::Tensor weight);
@@ -67,11 +72,13 @@ class DecodeStack {
   // A plain decode step from the engine's own lists, so that the caller makes no tensor: query i is
   // token ids[i] at positions[i] of the sequence whose block table is tables[i], writes its K/V to
   // slots[i] and sees positions[i] + 1 keys. Returns forward_logits' logits and argmax, the argmax
-  // as a list, and the rows whose maximum is a NaN (the model failed on them).
+  // as a list, and the rows whose maximum is a NaN (the model failed on them). With `argmax_only`
+  // (every row greedy, nobody reads the logits) and a greedy head set, a step wider than the team
+  // takes finds each argmax with greedy_head_argmax and returns logits of shape [T, 0].
   std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>> forward_tokens(
       const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
       const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
-      const std::vector<torch::Tensor>& v_pools) const;
+      const std::vector<torch::Tensor>& v_pools, bool argmax_only = false) const;
 
   // Wall time per part of the team path's decode steps (decode_team.cpp), summed while profiling is
   // on: the serial parts as the leading thread ran them, each matmul from its start to the barrier
@@ -105,6 +112,7 @@ class DecodeStack {
   mutable std::array<int64_t, 11> profile_ns_{};
   int64_t stall_ns_ = 0, stall_every_ = 0;
   torch::Tensor embedding_;  // set_embedding's [vocab, hidden], or undefined
+  torch::Tensor greedy_codes_, greedy_scales_, greedy_norms_;  // set_greedy_head's, or undefined
   torch::Tensor final_norm_;
   double eps_;
   torch::Tensor cos_, sin_;

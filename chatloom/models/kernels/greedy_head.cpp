@@ -1,0 +1,211 @@
+// The exact head's argmax without every exact logit: a greedy step needs the best token only.
+//
+// For a batch of more than a few rows the exact head (a [vocab, hidden] quantized matmul in
+// float32) is a sixth of a decode step. Here every logit is first estimated with int8 activations
+// (int8_linear: about twice as fast), and a rigorous bound on each estimate's error says which
+// tokens could still be the exact argmax; only those are recomputed exactly, with the exact
+// kernel's arithmetic (w = fma(code, d, m), then one FMA chain over k from zero, plus a zero
+// bias), so the result is the exact head's argmax bit for bit, the first maximum on ties.
+//
+// The bound, for row x and token j with weight row w_j (every w_jk exact in float32):
+//   exact logit l_j   = sum_k x_k w_jk, computed with error <= K 2^-24 sum_k |x_k w_jk|;
+//   estimate    a_j   = sum_k q_k w_jk (q: x rounded per block of 32 to d_b * int8, |x_k - q_k| <=
+//                       d_b / 2 + tiny), its float steps adding error <= (K / 32 + 2) 2^-24 sum |q w|;
+//   so |a_j - l_j| <= ||x - q|| ||w_j|| + 1e-4 (||x|| + ||x - q||) ||w_j||   (Cauchy-Schwarz),
+// bounded above by B ||w_j|| with B from the row alone. With tau = max_j (a_j - B ||w_j||), the
+// exact argmax (and every token tied with it) has a_j + B ||w_j|| >= tau: those are the candidates.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanelWidth = 16, kBlock = 32;
+// Past this many candidates a row is recomputed whole (a bound that loose means a flat row).
+constexpr int64_t kMaxCandidates = 4096;
+
+bool finite_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+// Feature j's weight at depth k, as the exact kernel expands it.
+struct ExactHead {
+  const uint8_t* codes;
+  const void* scales;
+  bool half_scales, q4;
+  int64_t k_dim;
+
+  float scale(int64_t p, int64_t kb, int which, int64_t lane) const {
+    const int64_t i = ((p * (k_dim / kBlock) + kb) * 2 + which) * kPanelWidth + lane;
+    return half_scales ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(scales)[i])
+                       : static_cast<const float*>(scales)[i];
+  }
+  float weight(int64_t j, int64_t k) const {
+    const int64_t p = j / kPanelWidth, lane = j % kPanelWidth;
+    float code;
+    if (q4) {  // 8 depths of a panel in 16 uint32 words, word `lane` holding its 8 nibbles
+      uint32_t word;
+      std::memcpy(&word, codes + p * k_dim * 8 + (k / 8) * 64 + lane * 4, 4);
+      code = (float)((word >> (4 * (k % 8))) & 15u);
+    } else {
+      code = (float)reinterpret_cast<const int8_t*>(codes)[(p * k_dim + k) * kPanelWidth + lane];
+    }
+    return std::fma(code, scale(p, k / kBlock, 0, lane), scale(p, k / kBlock, 1, lane));
+  }
+};
+
+// Exact logits of up to 16 features for one row: each lane one FMA chain over k from zero, as the
+// exact kernel's tiles run it, then the zero bias added as they add it.
+__attribute__((target("avx512f"))) void exact_logits16(const ExactHead& head, const float* x, const int64_t* js,
+                                                      int n, std::vector<float>& panel, float* out) {
+  const int64_t k_dim = head.k_dim;
+  panel.assign(k_dim * kPanelWidth, 0.f);
+  for (int c = 0; c < n; ++c)
+    for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanelWidth + c] = head.weight(js[c], k);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k)
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(panel.data() + k * kPanelWidth), acc);
+  alignas(64) float lanes[kPanelWidth];
+  _mm512_store_ps(lanes, _mm512_add_ps(acc, _mm512_setzero_ps()));
+  std::copy(lanes, lanes + n, out);
+}
+
+// One row's scan of the estimates a (n of them) against the bounds norms * b, 16 at a time:
+// tau = max(a - norm * b), and the largest |a| and norm * b (for the slack), or false where an
+// estimate is not finite.
+__attribute__((target("avx512f"))) bool scan_lower_bounds(const float* a, const float* norms, float b, int64_t n,
+                                                         float& tau, float& a_max, float& nb_max) {
+  __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::max()), amax = _mm512_setzero_ps(), nbm = amax;
+  const __m512 bv = _mm512_set1_ps(b);
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  __mmask16 bad = 0;
+  for (int64_t j = 0; j < n; j += kPanelWidth) {
+    const __mmask16 keep = n - j >= kPanelWidth ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+    const __m512 av = _mm512_maskz_loadu_ps(keep, a + j), nb = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, norms + j), bv);
+    const __m512i bits = _mm512_castps_si512(av);
+    bad |= _mm512_mask_cmpeq_epi32_mask(keep, _mm512_and_si512(bits, exponent), exponent);
+    lo = _mm512_mask_max_ps(lo, keep, lo, _mm512_sub_ps(av, nb));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(av));
+    nbm = _mm512_max_ps(nbm, nb);
+  }
+  tau = _mm512_reduce_max_ps(lo), a_max = _mm512_reduce_max_ps(amax), nb_max = _mm512_reduce_max_ps(nbm);
+  return bad == 0;
+}
+
+// The features whose upper bound a + norm * b reaches the threshold, in ascending order.
+__attribute__((target("avx512f"))) void upper_bounds_reaching(const float* a, const float* norms, float b, int64_t n,
+                                                             float threshold, std::vector<int64_t>& out) {
+  const __m512 bv = _mm512_set1_ps(b), th = _mm512_set1_ps(threshold);
+  for (int64_t j = 0; j < n; j += kPanelWidth) {
+    const __mmask16 keep = n - j >= kPanelWidth ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, norms + j), bv, _mm512_maskz_loadu_ps(keep, a + j));
+    for (uint32_t m = _mm512_mask_cmp_ps_mask(keep, hi, th, _CMP_GE_OQ); m != 0; m &= m - 1)
+      out.push_back(j + __builtin_ctz(m));
+  }
+}
+
+// B for one row (see the top of the file), or -1 where the row is not all finite.
+double row_bound(const float* x, int64_t k_dim) {
+  double e2 = 0, x2 = 0;
+  for (int64_t b = 0; b < k_dim / kBlock; ++b) {
+    double amax = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float v = x[b * kBlock + i];
+      if (!finite_bits(v)) return -1;
+      amax = std::max(amax, std::fabs((double)v));
+    }
+    const double half_step = amax / 127 * (0.5 + 1e-6);
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const double v = std::fabs((double)x[b * kBlock + i]);
+      const double e = half_step + v * 1e-6;  // rounding to d_b * int8, and float slop in the scaling
+      e2 += e * e;
+      x2 += v * v;
+    }
+  }
+  const double e = std::sqrt(e2), n = std::sqrt(x2);
+  return (e + 1e-4 * (n + e)) * 1.01;
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> greedy_head_argmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
+                                 torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, K]");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), k_dim = x.size(1);
+  TORCH_CHECK(k_dim % kBlock == 0, "K must be a multiple of 32");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(1) == k_dim &&
+                  (codes.size(2) == 8 || codes.size(2) == kPanelWidth),
+              "codes must be the exact head's panels [P, K, 8 or 16]");
+  TORCH_CHECK(scales.is_contiguous() && (scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kFloat16),
+              "scales must be float32 or float16");
+  TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == out_features,
+              "norms must be float32 [vocab]");
+  const ExactHead head{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+                       scales.scalar_type() == torch::kFloat16, codes.size(2) == 8, k_dim};
+  const torch::Tensor approx = int8_linear(x, codes8, scales8, out_features, c10::nullopt, "auto");
+  auto argmax = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  auto picked = torch::empty({rows}, x.options());
+  const float *xp = x.data_ptr<float>(), *ap = approx.data_ptr<float>(), *np = norms.data_ptr<float>();
+  int64_t* best = argmax.data_ptr<int64_t>();
+  float* best_value = picked.data_ptr<float>();
+  std::vector<int64_t> whole;  // rows to recompute in full
+  std::vector<char> needs_whole(rows, 0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cand;
+    std::vector<float> panel, exact(kPanelWidth);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * k_dim;
+      const float* a = ap + r * out_features;
+      const double bound = row_bound(xr, k_dim);
+      if (bound < 0) {
+        needs_whole[r] = 1;
+        continue;
+      }
+      // tau: the best lower bound. Float steps here (each within an ulp or two of max(|a|, norm b))
+      // are covered by the slack, which can only add candidates.
+      const float b = (float)bound;
+      float tau, amax, nb_max;
+      if (!scan_lower_bounds(a, np, b, out_features, tau, amax, nb_max)) {
+        needs_whole[r] = 1;
+        continue;
+      }
+      const float threshold = tau - 1e-6f * (amax + nb_max) - 1e-30f;
+      cand.clear();
+      upper_bounds_reaching(a, np, b, out_features, threshold, cand);
+      if ((int64_t)cand.size() > kMaxCandidates) {
+        needs_whole[r] = 1;
+        continue;
+      }
+      int64_t pick = -1;
+      float pick_value = 0.f;
+      for (size_t c0 = 0; c0 < cand.size(); c0 += kPanelWidth) {
+        const int n = (int)std::min<size_t>(kPanelWidth, cand.size() - c0);
+        exact_logits16(head, xr, cand.data() + c0, n, panel, exact.data());
+        for (int c = 0; c < n; ++c)  // candidates ascend, so ">" keeps the first maximum
+          if (pick < 0 || exact[c] > pick_value) pick = cand[c0 + c], pick_value = exact[c];
+      }
+      best[r] = pick;
+      best_value[r] = pick_value;
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r)
+    if (needs_whole[r]) whole.push_back(r);
+  if (!whole.empty()) {  // the exact head on those rows, and torch's argmax (NaN ranks first)
+    auto idx = torch::tensor(whole, torch::kInt64);
+    auto logits = quantized_linear(x.index_select(0, idx), codes, scales, out_features, c10::nullopt, "auto");
+    auto picks = logits.argmax(1);
+    argmax.index_copy_(0, idx, picks);
+    picked.index_copy_(0, idx, logits.gather(1, picks.unsqueeze(1)).squeeze(1));
+  }
+  return {argmax, picked};
+}
