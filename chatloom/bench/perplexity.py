@@ -84,14 +84,15 @@ def run_perplexity(spec: str, modes: list[str], window: int | None = None, text_
         matmul, kv_choice = parse_mode(mode)
         loaded = _load(spec, matmul)
         load_s = time.perf_counter() - t0
-        if matmul == "int8" and not uses_int8_matmul(loaded.model):
+        int8 = uses_int8_matmul(loaded.model)
+        if matmul == "int8" and not int8:
             results[mode] = {"skipped": "no layer of this model multiplies with int8 activations "
                                         "(no GGUF-quantized weights with an int8 kernel, or no AVX2)"}
             continue
         if ids is None:  # the same tokens for every mode
             ids = loaded.tokenizer.encode(text)[:max_tokens]
             size = min(window or 512, loaded.config.max_position)
-        kv_dtype = resolve_kv_cache_dtype(kv_choice, loaded.dtype, uses_int8_matmul(loaded.model))
+        kv_dtype = resolve_kv_cache_dtype(kv_choice, loaded.dtype, int8)
         t0 = time.perf_counter()
         nll, count = negative_log_likelihood(loaded.model, windows(ids, size),
                                              None if kv_dtype == loaded.dtype else kv_dtype)

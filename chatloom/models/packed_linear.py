@@ -417,16 +417,9 @@ class QuantizedLinear(KernelLinear):
         codes, scales = from_float_kernel_layout(self.codes, self.scales)
         if codes.shape[2] == PANEL and bool((scales[:, :, 1, :] != 0).any()):
             return None
-        sq = torch.zeros(codes.shape[0], PANEL, dtype=torch.float64)  # per panel and feature
-        for p0 in range(0, codes.shape[0], 256):  # bounded memory for a large vocabulary
-            c = codes[p0:p0 + 256]
-            if c.shape[2] == 8:
-                c = torch.cat([c & 0x0F, c >> 4], dim=2)
-            s = scales[p0:p0 + 256].double()
-            # Each weight as the kernels make it (code * d exact, + m rounded once), squared in float64.
-            w = (c.double().view(c.shape[0], -1, QUANT_BLOCK, PANEL) * s[:, :, 0:1, :] + s[:, :, 1:2, :]).float()
-            sq[p0:p0 + 256] = w.double().square().sum(dim=(1, 2))
-        norms = (sq.sqrt() * (1 + 1e-6)).reshape(-1)[:self.out_features].float()
+        w = self.weight  # each weight as the kernels make it; its rows' norms in float64, a slice at a time
+        norms = torch.cat([w[i:i + 4096].double().norm(dim=1) for i in range(0, w.shape[0], 4096)])
+        norms = (norms * (1 + 1e-6)).float()
         norms = torch.nextafter(norms, torch.full_like(norms, float("inf")))  # rounded up
         return to_int8_layout(codes), scales.contiguous(), norms.contiguous()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
-from chatloom.engine.config import resolve_kv_cache_dtype
+from chatloom.engine.config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 
 PROMPTS = [list(range(10, 50)), [7] * 17, list(range(100, 133)), [42, 43]]
 
@@ -90,6 +90,8 @@ def test_the_service_setting_and_the_flags_reach_the_engine(tmp_path):
         Settings.from_file(toml)
     parser = build_parser()
     for command in (["serve"], ["replica"]):
+        for choice in ("auto", *KV_CACHE_DTYPES):  # the flag offers what the engine takes
+            assert parser.parse_args([*command, "--kv-cache-dtype", choice]).kv_cache_dtype == choice
         assert parser.parse_args([*command, "--kv-cache-dtype", "bf16"]).kv_cache_dtype == "bf16"
         with pytest.raises(SystemExit):
             parser.parse_args([*command, "--kv-cache-dtype", "int4"])

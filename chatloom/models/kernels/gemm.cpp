@@ -26,32 +26,11 @@ namespace {
 
 using chatloom_kernels::kPanel;
 using chatloom_kernels::kTileRows;
+using chatloom_kernels::nibble_at;
+using chatloom_kernels::ScalePtr;
 using chatloom_kernels::with_tile_rows;
 constexpr int64_t kRowBlock = 96;  // input rows kept hot in cache while all panels pass
 
-// Block scales of quantized panels, float32 or float16 (see to_float_kernel_layout in
-// packed_linear.py: float16 only where every value is exactly one, so widening loses nothing).
-// Arithmetic is in elements, as on a pointer.
-struct ScalePtr {
-  const void* p;
-  bool half;
-  ScalePtr operator+(int64_t n) const {
-    return {half ? static_cast<const void*>(static_cast<const uint16_t*>(p) + n)
-                 : static_cast<const void*>(static_cast<const float*>(p) + n), half};
-  }
-  float at(int64_t i) const {
-    return half ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(p)[i])
-                : static_cast<const float*>(p)[i];
-  }
-};
-
-// 4-bit codes: each 8 depths of a panel are 16 uint32 words, word j holding feature j's codes at
-// depths 8g..8g+7, depth 8g+t in bits 4t..4t+3 (to_float_kernel_layout).
-inline int nibble_at(const uint8_t* codes, int64_t k, int64_t j) {
-  uint32_t word;
-  std::memcpy(&word, codes + (k >> 3) * 64 + 4 * j, sizeof(word));
-  return (word >> (4 * (k & 7))) & 15;
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 

@@ -15,6 +15,7 @@
 // bounded above by B ||w_j|| with B from the row alone. With tau = max_j (a_j - B ||w_j||), the
 // exact argmax (and every token tied with it) has a_j + B ||w_j|| >= tau: those are the candidates.
 #include "kernels.h"
+#include "panel_tile.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -27,7 +28,9 @@
 
 namespace {
 
-constexpr int64_t kPanelWidth = 16, kBlock = 32;
+using chatloom_kernels::nibble_at;
+using chatloom_kernels::ScalePtr;
+constexpr int64_t kPanelWidth = chatloom_kernels::kPanel, kBlock = 32;
 // Past this many candidates a row is recomputed whole (a bound that loose means a flat row).
 constexpr int64_t kMaxCandidates = 4096;
 
@@ -37,29 +40,19 @@ bool finite_bits(float v) {
   return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
-// Feature j's weight at depth k, as the exact kernel expands it.
+// Feature j's weight at depth k, as the exact kernel expands it (quantized_linear's layout).
 struct ExactHead {
   const uint8_t* codes;
-  const void* scales;
-  bool half_scales, q4;
+  ScalePtr scales;
+  bool q4;
   int64_t k_dim;
 
-  float scale(int64_t p, int64_t kb, int which, int64_t lane) const {
-    const int64_t i = ((p * (k_dim / kBlock) + kb) * 2 + which) * kPanelWidth + lane;
-    return half_scales ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(scales)[i])
-                       : static_cast<const float*>(scales)[i];
-  }
   float weight(int64_t j, int64_t k) const {
     const int64_t p = j / kPanelWidth, lane = j % kPanelWidth;
-    float code;
-    if (q4) {  // 8 depths of a panel in 16 uint32 words, word `lane` holding its 8 nibbles
-      uint32_t word;
-      std::memcpy(&word, codes + p * k_dim * 8 + (k / 8) * 64 + lane * 4, 4);
-      code = (float)((word >> (4 * (k % 8))) & 15u);
-    } else {
-      code = (float)reinterpret_cast<const int8_t*>(codes)[(p * k_dim + k) * kPanelWidth + lane];
-    }
-    return std::fma(code, scale(p, k / kBlock, 0, lane), scale(p, k / kBlock, 1, lane));
+    const float code = q4 ? (float)nibble_at(codes + p * k_dim * 8, k, lane)
+                          : (float)reinterpret_cast<const int8_t*>(codes)[(p * k_dim + k) * kPanelWidth + lane];
+    const ScalePtr s = scales + (p * (k_dim / kBlock) + k / kBlock) * 2 * kPanelWidth;
+    return std::fma(code, s.at(lane), s.at(kPanelWidth + lane));
   }
 };
 
@@ -150,8 +143,8 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_argmax(torch::Tensor x, tor
               "scales must be float32 or float16");
   TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == out_features,
               "norms must be float32 [vocab]");
-  const ExactHead head{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
-                       scales.scalar_type() == torch::kFloat16, codes.size(2) == 8, k_dim};
+  const ExactHead head{reinterpret_cast<const uint8_t*>(codes.data_ptr()),
+                       ScalePtr{scales.data_ptr(), scales.scalar_type() == torch::kFloat16}, codes.size(2) == 8, k_dim};
   const torch::Tensor approx = int8_linear(x, codes8, scales8, out_features, c10::nullopt, "auto");
   auto argmax = torch::empty({rows}, x.options().dtype(torch::kInt64));
   auto picked = torch::empty({rows}, x.options());

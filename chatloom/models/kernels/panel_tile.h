@@ -3,8 +3,10 @@
 // kernels' tiles take their row count as a template argument.
 #pragma once
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <omp.h>
 #include <cstdint>
+#include <cstring>
 #include <algorithm>
 #include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -15,6 +17,30 @@ namespace chatloom_kernels {
 
 constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kTileRows = 6;  // rows per tile of the float32 and bf16 kernels
+
+// Block scales of quantized panels, float32 or float16 (see to_float_kernel_layout in
+// packed_linear.py: float16 only where every value is exactly one, so widening loses nothing).
+// Arithmetic is in elements, as on a pointer.
+struct ScalePtr {
+  const void* p;
+  bool half;
+  ScalePtr operator+(int64_t n) const {
+    return {half ? static_cast<const void*>(static_cast<const uint16_t*>(p) + n)
+                 : static_cast<const void*>(static_cast<const float*>(p) + n), half};
+  }
+  float at(int64_t i) const {
+    return half ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(p)[i])
+                : static_cast<const float*>(p)[i];
+  }
+};
+
+// 4-bit codes: each 8 depths of a panel are 16 uint32 words, word j holding feature j's codes at
+// depths 8g..8g+7, depth 8g+t in bits 4t..4t+3 (to_float_kernel_layout).
+inline int nibble_at(const uint8_t* codes, int64_t k, int64_t j) {
+  uint32_t word;
+  std::memcpy(&word, codes + (k >> 3) * 64 + 4 * j, sizeof(word));
+  return (word >> (4 * (k & 7))) & 15;
+}
 
 // Calls tile(std::integral_constant<int, R>{}) with R = rows (1 to kTileRows): each row count is its
 // own instantiation of a tile kernel, so a run of rows is dispatched on its length once.
