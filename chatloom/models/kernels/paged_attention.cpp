@@ -374,11 +374,28 @@ static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const i
   const int64_t heads_per_job = n_tokens >= 4 || one_thread ? hkv : 1;
   const int64_t jobs_per_token = hkv / heads_per_job;
   const int64_t jobs = n_tokens * jobs_per_token;
-  const int64_t grain = one_thread ? jobs : 1;
   const int64_t wide16 = wide16_for(wide, d);
-  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
+  // One contiguous run of jobs per thread, cut where the cached positions (a job's cost) reach each
+  // thread's share rather than where the job count does: a batch holds tokens of a few positions
+  // next to tokens of hundreds (a prefill chunk's first and last, or short and long chats), and an
+  // even split by count left one core waiting for the other at the end of every call.
+  const int64_t threads = one_thread ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
+  std::vector<int64_t> bounds(threads + 1, jobs);
+  bounds[0] = 0;
+  if (threads > 1) {
+    // A job also costs a fixed amount (its setup and the last group's reductions): count it as 8 positions.
+    const auto job_cost = [&](int64_t job) { return (int64_t)kv_lens[job / jobs_per_token] + 8; };
+    int64_t total = 0;
+    for (int64_t job = 0; job < jobs; ++job) total += job_cost(job);
+    int64_t done = 0, next = 1;
+    for (int64_t job = 0; job < jobs && next < threads; ++job) {
+      done += job_cost(job);
+      while (next < threads && done * threads >= total * next) bounds[next++] = job + 1;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t end_part) {
     JobScratch<Acc> scratch;
-    for (int64_t job = begin; job < end; ++job) {
+    for (int64_t job = bounds[first_part]; job < bounds[end_part]; ++job) {
       const int64_t i = job / jobs_per_token;
       const int64_t h0 = (job % jobs_per_token) * heads_per_job;
       const int64_t first = (i * hq + h0 * group) * d;
