@@ -77,10 +77,13 @@ def clients(fleet, timeout: float = 60.0) -> tuple[httpx.AsyncClient, httpx.Asyn
 
 
 async def test_500_concurrent_requests_over_both_gateways_never_pass_the_quota(fleet):
+    async with httpx.AsyncClient(base_url=fleet.gateways[0].url, timeout=60) as g1:
+        user = await signup(g1, "quota-user")
+    set_tier(fleet.config, fleet.workdir, "quota-user", "small")  # 400 tokens a minute
+    # Fresh clients for the burst: the operator's command takes seconds, and a keep-alive connection
+    # left idle that long meets uvicorn closing it (after 5 s) as the burst reuses it (httpx.ReadError).
     g1, g2 = clients(fleet)
     async with g1, g2:
-        user = await signup(g1, "quota-user")
-        set_tier(fleet.config, fleet.workdir, "quota-user", "small")  # 400 tokens a minute
         body = {"model": "tiny-random", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
         replies = await asyncio.gather(*(g.post("/v1/chat/completions", headers=user, json=body)
                                          for _ in range(250) for g in (g1, g2)))
