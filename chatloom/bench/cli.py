@@ -86,6 +86,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=_perplexity)
 
+    p = sub.add_parser("attention", help="the paged-attention kernel on a decode step vs a plain read of memory")
+    p.add_argument("--sequences", type=positive_int, default=32, help="sequences in the step (default %(default)s)")
+    p.add_argument("--positions", type=positive_int, default=250,
+                   help="cached positions of the longest sequence; the others hold up to 100 fewer (default %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=30, help="layers, each with its own pools (default %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=9, help="query heads (default: SmolLM2's %(default)s)")
+    p.add_argument("--kv-heads", type=positive_int, default=3, help="KV heads (default %(default)s)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="values per head (default %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
+                   help="the pools' dtype (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--table", action="store_true", help="also print a human-readable table")
+    p.set_defaults(func=_attention)
+
     p = sub.add_parser("kquant-matmul", help="quantized matmul kernels per GGUF type vs the float32 kernel")
     p.add_argument("--kinds", nargs="+", default=["Q4_K", "Q5_K", "Q6_K"],
                    choices=["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"])
@@ -237,6 +252,17 @@ def _throughput(args) -> int:
         "continuous_vs_sequential": round(rate["continuous"] / rate["sequential"], 2),
     }
     return _emit(result, args.table)
+
+
+def _attention(args) -> int:
+    import torch
+
+    from chatloom.bench.attention import run_attention
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_attention(args.sequences, args.positions, args.layers, args.heads, args.kv_heads, args.head_dim,
+                               args.kv_cache_dtype, args.seconds), args.table)
 
 
 def _kquant_matmul(args) -> int:

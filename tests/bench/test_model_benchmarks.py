@@ -1,4 +1,5 @@
-"""`chatloom bench perplexity` (the shipped public-domain text, per mode) and `bench kquant-matmul`."""
+"""`chatloom bench perplexity` (the shipped public-domain text, per mode), `bench kquant-matmul` and
+`bench attention`."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,25 @@ def test_the_cached_path_with_a_float32_pool_matches_the_dense_logits():
     chunk = list(range(3, 60))
     torch.testing.assert_close(cached_logits(model, chunk, torch.float32), model.dense_logits([chunk])[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_attention_bench_reports_both_layouts_against_a_plain_read(capsys):
+    assert main(["bench", "attention", "--sequences", "3", "--positions", "40", "--layers", "2",
+                 "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--seconds", "0.01"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1 <= out["kv_lens"][0] <= out["kv_lens"][1] <= 40
+    # The scattered pools hold every layer's blocks; the cached ones one layer's, reused by all.
+    assert out["layouts"]["scattered"]["pool_blocks"] == 2 * out["layouts"]["cached"]["pool_blocks"] > 0
+    for layout in out["layouts"].values():
+        assert "avx2" in layout["by_path"]
+        assert all(p["ms_per_step"] > 0 and p["gb_per_s"] > 0 for p in layout["by_path"].values())
+    assert out["plain_read"]["gb_per_s"] > 0 and out["fraction_of_plain_read"] > 0
+
+
+def test_attention_bench_refuses_heads_that_do_not_share_kv_heads_evenly(capsys):
+    from chatloom.cli import main as cli_main
+
+    assert cli_main(["bench", "attention", "--heads", "9", "--kv-heads", "2", "--seconds", "0.01"]) != 0
+    err = capsys.readouterr().err
+    assert "--heads (9) must be a multiple of --kv-heads (2)" in err
+    assert "Traceback" not in err
