@@ -15,6 +15,13 @@
 
 // A pool of 16-bit values (float16 or bfloat16) halves the bytes a decode step reads; the
 // arithmetic stays float32: each value is widened as it is loaded.
+// How far ahead the portable and AVX2 passes ask for rows, and how: into L2, as the AVX-512 path does
+// (kPrefetchAhead, below); __builtin_prefetch with locality 2 is prefetcht1 on x86.
+constexpr int64_t kAheadPortable = 16;
+static inline void prefetch_span(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
+}
+
 // The three inner loops, portable: the compiler vectorizes what it can.
 template <typename T, typename Acc>
 struct PortableOps {
@@ -321,9 +328,16 @@ __attribute__((noinline)) static void attend_job(const T* qi, const KV* kp, cons
   acc.assign(nq * d, (Acc)0);
   std::fill(mx.begin(), mx.end(), -std::numeric_limits<Acc>::max());
 
+  // Where position t's rows for this job's KV heads start, and how many bytes they span; each pass
+  // asks for the rows it will need kAheadPortable positions later (see kPrefetchAhead).
+  const auto row_at = [&](int64_t t) {
+    return ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+  };
+  const int64_t job_bytes = heads_per_job * d * (int64_t)sizeof(KV);
   // Pass 1: scores of every query head against every cached key.
   for (int64_t t = 0; t < len; ++t) {
-    const KV* krow = kp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+    if (t + kAheadPortable < len) prefetch_span(kp + row_at(t + kAheadPortable), job_bytes);
+    const KV* krow = kp + row_at(t);
     for (int64_t hh = 0; hh < heads_per_job; ++hh) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t j = hh * group + g;
@@ -336,7 +350,8 @@ __attribute__((noinline)) static void attend_job(const T* qi, const KV* kp, cons
   for (int64_t j = 0; j < nq; ++j) sum[j] = Ops::exp_shift(scores.data() + j * len, len, mx[j]);
   // Pass 2: probability-weighted sum of the values.
   for (int64_t t = 0; t < len; ++t) {
-    const KV* vrow = vp + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
+    if (t + kAheadPortable < len) prefetch_span(vp + row_at(t + kAheadPortable), job_bytes);
+    const KV* vrow = vp + row_at(t);
     for (int64_t hh = 0; hh < heads_per_job; ++hh) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t j = hh * group + g;
