@@ -10,6 +10,9 @@ import os
 INT8_ENV = "CHATLOOM_INT8_MATMUL"
 BF16_ENV = "CHATLOOM_BF16_MATMUL"
 DTYPES = ("fp32", "bf16")
+# The KV cache's dtypes (chatloom/engine/config.py's KV_CACHE_DTYPES, named here so that building the
+# parsers does not import torch; a test keeps the two equal).
+KV_CACHE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
 def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -> None:
@@ -29,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
     """--kv-cache-dtype, for the commands that size an engine (defaults: chatloom/engine/config.py)."""
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+    p.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPE_NAMES], default=None,
                    help="what the KV cache holds: auto (the model's dtype; fp16 with --int8-matmul), or a "
                         "16-bit pool: half the memory per token and faster long-context decoding, not bit-exact")
 

@@ -16,9 +16,9 @@ import random
 
 import torch
 
-from chatloom.bench.kquant_matmul import _interleaved_medians
+from chatloom.bench.kquant_matmul import interleaved_medians
+from chatloom.engine.config import KV_CACHE_DTYPES
 
-KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BLOCK_SIZE = 16
 
 
@@ -41,17 +41,6 @@ def _tables(num_layers: int, lens: list[int], shared: bool, seed: int) -> tuple[
     return tables, num_blocks
 
 
-def _has_path(kernels, isa: str) -> bool:
-    """Whether the kernel build offers this instruction path ("avx2" names the path without AVX-512)."""
-    one = torch.zeros(1, 1, 1, 16)
-    try:
-        kernels.paged_attention(torch.zeros(1, 1, 16), one, one, torch.zeros(1, 1, dtype=torch.int32),
-                                torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, isa)
-    except RuntimeError:
-        return False
-    return True
-
-
 def run_attention(sequences: int, positions: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                   kv_dtype: str = "fp32", seconds: float = 0.5, seed: int = 0) -> dict:
     from chatloom.models.kernels import load_kernels
@@ -61,9 +50,9 @@ def run_attention(sequences: int, positions: int, layers: int, heads: int, kv_he
         raise ValueError("the C++ kernels are unavailable (no compiler, or CHATLOOM_KERNELS=0)")
     if heads % kv_heads:
         raise ValueError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown --kv-cache-dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
-    dtype = KV_DTYPES[kv_dtype]
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown --kv-cache-dtype {kv_dtype!r} (known: {', '.join(KV_CACHE_DTYPES)})")
+    dtype = KV_CACHE_DTYPES[kv_dtype]
     rng = random.Random(seed)
     # Sequences of different lengths, as in a real batch: up to 100 positions under the longest.
     lens = [rng.randint(max(1, positions - 100), positions) for _ in range(sequences)]
@@ -72,7 +61,7 @@ def run_attention(sequences: int, positions: int, layers: int, heads: int, kv_he
     rows = torch.arange(sequences, dtype=torch.int32)
     kv_lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim ** -0.5
-    paths = [p for p in ("avx512", "avx2") if _has_path(kernels, p)]
+    paths = kernels.paged_attention_isas()
     elem = torch.empty(0, dtype=dtype).element_size()
     step_bytes = sum(lens) * layers * 2 * kv_heads * head_dim * elem
 
@@ -87,7 +76,7 @@ def run_attention(sequences: int, positions: int, layers: int, heads: int, kv_he
             for table in tables:
                 kernels.paged_attention(q, k_pool, v_pool, table, rows, kv_lens, scale, path)
 
-        times = _interleaved_medians({path: (lambda p=path: step(p)) for path in paths}, seconds)
+        times = interleaved_medians({path: (lambda p=path: step(p)) for path in paths}, seconds)
         layouts[layout] = {
             "pool_blocks": num_blocks,
             "pool_mb": round(2 * k_pool.numel() * elem / 2**20, 1),
@@ -98,7 +87,7 @@ def run_attention(sequences: int, positions: int, layers: int, heads: int, kv_he
 
     # The baseline: one plain read of as many bytes as a scattered step reads.
     buffer = torch.randn(max(1, step_bytes // 4), generator=gen)
-    read_ms = _interleaved_medians({"read": lambda: buffer.sum()}, seconds)["read"]
+    read_ms = interleaved_medians({"read": lambda: buffer.sum()}, seconds)["read"]
     read_gbps = round(buffer.numel() * 4 / (read_ms * 1e-3) / 1e9, 2)
     best = max(v["gb_per_s"] for v in layouts["scattered"]["by_path"].values())
     return {"benchmark": "attention", "sequences": sequences, "kv_lens": [min(lens), max(lens)], "layers": layers,

@@ -8,7 +8,7 @@ import sys
 
 from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
 from chatloom.argtypes import positive_int
-from chatloom.model_args import add_model_args, load_from_args
+from chatloom.model_args import KV_CACHE_DTYPE_NAMES, add_model_args, load_from_args
 from chatloom.models.registry import DEFAULT_MODEL
 
 # bench/perplexity.py's MODES (it imports torch; the parser is built without it; a test keeps them equal).
@@ -94,7 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=positive_int, default=9, help="query heads (default: SmolLM2's %(default)s)")
     p.add_argument("--kv-heads", type=positive_int, default=3, help="KV heads (default %(default)s)")
     p.add_argument("--head-dim", type=positive_int, default=64, help="values per head (default %(default)s)")
-    p.add_argument("--kv-cache-dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
+    p.add_argument("--kv-cache-dtype", default="fp32", choices=KV_CACHE_DTYPE_NAMES,
                    help="the pools' dtype (default %(default)s)")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")

@@ -47,7 +47,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
-def _interleaved_medians(fns: dict, seconds: float) -> dict[str, float]:
+def interleaved_medians(fns: dict, seconds: float) -> dict[str, float]:
     """Median milliseconds of each function, called in turn until `seconds` have passed for
     all of them together: noise on a shared machine lands on every mode alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -86,7 +86,7 @@ def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds
             fns = {"float32_ms": lambda: kernels.packed_linear(x, dense, n), "exact_ms": lambda: exact(x)}
             if fast is not None:
                 fns["int8_ms"] = lambda: fast(x)
-            row = _interleaved_medians(fns, seconds)
+            row = interleaved_medians(fns, seconds)
             base = row["float32_ms"]
             row["exact_speedup"] = round(base / row["exact_ms"], 2)
             if fast is not None:

@@ -7,6 +7,7 @@ import torch
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.engine.config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from chatloom.model_args import KV_CACHE_DTYPE_NAMES
 
 PROMPTS = [list(range(10, 50)), [7] * 17, list(range(100, 133)), [42, 43]]
 
@@ -95,3 +96,5 @@ def test_the_service_setting_and_the_flags_reach_the_engine(tmp_path):
         assert parser.parse_args([*command, "--kv-cache-dtype", "bf16"]).kv_cache_dtype == "bf16"
         with pytest.raises(SystemExit):
             parser.parse_args([*command, "--kv-cache-dtype", "int4"])
+    # The torch-free names the parsers offer (serve, replica, bench attention) are the engine's dtypes.
+    assert set(KV_CACHE_DTYPE_NAMES) == set(KV_CACHE_DTYPES)

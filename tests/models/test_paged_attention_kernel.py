@@ -16,19 +16,7 @@ kernels = load_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
 
 
-def _paths() -> list[str]:
-    q, pool = torch.zeros(1, 1, 16), torch.zeros(1, 1, 1, 16)
-    table, one = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    paths = ["avx2"]
-    try:
-        kernels.paged_attention(q, pool, pool, table, torch.zeros(1, dtype=torch.int32), one, 1.0, "avx512")
-        paths.append("avx512")
-    except RuntimeError:
-        pass
-    return paths
-
-
-PATHS = _paths() if kernels is not None else []
+PATHS = kernels.paged_attention_isas() if kernels is not None else []
 
 
 def _case(d: int, hq: int, hkv: int, lens: list[int], block_size: int = 4, seed: int = 0):

@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("isa") = "auto");
   m.def("float_linear_isas", &float_linear_isas, "the float32 matmuls' instruction paths on this CPU, best first");
+  m.def("paged_attention_isas", &paged_attention_isas, "the paged attention's instruction paths in this build, best first");
   m.def("quantized_linear", &quantized_linear, "x [M, K] @ W^T (+ bias) with W kept as Q4_1/Q8_0 panels", NoGil(),
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto");

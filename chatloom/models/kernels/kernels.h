@@ -18,6 +18,9 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor positions, torch
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                             c10::optional<torch::Tensor> bias, const std::string& isa);
 std::vector<std::string> float_linear_isas();
+// The paged attention's instruction paths in this build, best first ("avx2" names the path without
+// AVX-512: AVX2 where the CPU has it, else portable).
+std::vector<std::string> paged_attention_isas();
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 

@@ -15,9 +15,14 @@
 
 // A pool of 16-bit values (float16 or bfloat16) halves the bytes a decode step reads; the
 // arithmetic stays float32: each value is widened as it is loaded.
-// How far ahead the portable and AVX2 passes ask for rows, and how: into L2, as the AVX-512 path does
-// (kPrefetchAhead, below); __builtin_prefetch with locality 2 is prefetcht1 on x86.
-constexpr int64_t kAheadPortable = 16;
+// A decode step's pools are far bigger than the caches and a sequence's blocks lie anywhere in
+// them, so most rows would be demand misses: the hardware prefetchers stop at page ends and need a
+// run to learn each stream. Every path's passes ask for the rows they will need kPrefetchAhead
+// positions later, into L2 (__builtin_prefetch with locality 2: prefetcht1 on x86): in L1 the
+// requests would take the few miss buffers the loads need. Measured on Zen 4 at 32 sequences of
+// 150-250 positions: 16 ahead, into L2, read the pools a third faster than no prefetch; 8 or 32
+// ahead, or into L1, gained less.
+constexpr int64_t kPrefetchAhead = 16;
 static inline void prefetch_span(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
 }
@@ -139,14 +144,9 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-// A decode step's pools are far bigger than the caches and a sequence's blocks lie anywhere in
-// them, so most rows would be demand misses: the hardware prefetchers stop at page ends and need a
-// run to learn each stream. Each pass asks for the row it will need kPrefetchAhead positions later,
-// into L2 (T1): in L1 the requests would take the few miss buffers the loads need. Measured on Zen 4
-// at 32 sequences of 150-250 positions: 16 ahead, into L2, read the pools a third faster than no
-// prefetch; 8 or 32 ahead, or into L1, gained less.
-constexpr int64_t kPrefetchAhead = 16;
-
+// prefetch_span's request as the AVX-512 passes make it. The same prefetcht1 instructions, but built
+// with prefetch_span (or with kv_head in place of pf_head, below) the passes read scattered pools
+// 10-20% slower on Zen 4, in every alternated run of the two builds: code layout, not arithmetic.
 template <typename KV>
 static inline void prefetch_row(const KV* p, int bytes) {
   for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T1);
@@ -239,8 +239,9 @@ static void attend_avx512(const float* qv, const KV* kp, const KV* vp, const int
                           float* out) {
   constexpr int64_t d = 16 * D16;
   constexpr int64_t per_pass = max_heads_per_pass<D16>();
-  // Where the passes ask for rows ahead (pf_head: the KV head's offset in a row; pf_bytes: how much):
-  // the first pass over a KV head's rows does, later ones find them in cache.
+  // Where the passes ask for rows ahead: the first pass over a KV head's rows does (pf_bytes), a later
+  // one finds them in cache. pf_head is always the KV head's offset in a row, passed apart from
+  // kv_head only because that build measured faster (see prefetch_row).
   auto pf_head_for = [&](int64_t hh, int64_t g0) { return (h0 + hh) * d; };
   auto pf_bytes_for = [&](int64_t hh, int64_t g0) { return g0 == 0 ? (int)(d * sizeof(KV)) : 0; };
   for (int64_t hh = 0; hh < heads_per_job; ++hh) {
@@ -282,6 +283,15 @@ static bool use_avx512_attention(const std::string& isa) {
   TORCH_CHECK(isa == "auto" || isa == "avx2", "the attention's ", isa, " path is not available on this CPU or build");
   return false;
 #endif
+}
+
+std::vector<std::string> paged_attention_isas() {
+  std::vector<std::string> out;
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  out.emplace_back("avx512");
+#endif
+  out.emplace_back("avx2");
+  return out;
 }
 
 // One job: query token qi's heads that share KV heads [h0, h0 + heads_per_job) against the first `len`
@@ -329,14 +339,14 @@ __attribute__((noinline)) static void attend_job(const T* qi, const KV* kp, cons
   std::fill(mx.begin(), mx.end(), -std::numeric_limits<Acc>::max());
 
   // Where position t's rows for this job's KV heads start, and how many bytes they span; each pass
-  // asks for the rows it will need kAheadPortable positions later (see kPrefetchAhead).
+  // asks for the rows it will need kPrefetchAhead positions later.
   const auto row_at = [&](int64_t t) {
     return ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride + h0 * d;
   };
   const int64_t job_bytes = heads_per_job * d * (int64_t)sizeof(KV);
   // Pass 1: scores of every query head against every cached key.
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kAheadPortable < len) prefetch_span(kp + row_at(t + kAheadPortable), job_bytes);
+    if (t + kPrefetchAhead < len) prefetch_span(kp + row_at(t + kPrefetchAhead), job_bytes);
     const KV* krow = kp + row_at(t);
     for (int64_t hh = 0; hh < heads_per_job; ++hh) {
       for (int64_t g = 0; g < group; ++g) {
@@ -350,7 +360,7 @@ __attribute__((noinline)) static void attend_job(const T* qi, const KV* kp, cons
   for (int64_t j = 0; j < nq; ++j) sum[j] = Ops::exp_shift(scores.data() + j * len, len, mx[j]);
   // Pass 2: probability-weighted sum of the values.
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kAheadPortable < len) prefetch_span(vp + row_at(t + kAheadPortable), job_bytes);
+    if (t + kPrefetchAhead < len) prefetch_span(vp + row_at(t + kPrefetchAhead), job_bytes);
     const KV* vrow = vp + row_at(t);
     for (int64_t hh = 0; hh < heads_per_job; ++hh) {
       for (int64_t g = 0; g < group; ++g) {
