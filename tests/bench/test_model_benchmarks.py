@@ -97,9 +97,7 @@ def test_attention_bench_reports_both_layouts_against_a_plain_read(capsys):
 
 
 def test_attention_bench_refuses_heads_that_do_not_share_kv_heads_evenly(capsys):
-    from chatloom.cli import main as cli_main
-
-    assert cli_main(["bench", "attention", "--heads", "9", "--kv-heads", "2", "--seconds", "0.01"]) != 0
+    assert main(["bench", "attention", "--heads", "9", "--kv-heads", "2", "--seconds", "0.01"]) != 0
     err = capsys.readouterr().err
     assert "--heads (9) must be a multiple of --kv-heads (2)" in err
     assert "Traceback" not in err
