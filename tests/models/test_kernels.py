@@ -192,6 +192,24 @@ def test_a_few_rows_run_several_panels_at_once_with_the_same_bits(kind, isa):
             assert torch.equal(batch[i], alone[i][0]), (rows, i)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
+def test_many_rows_give_each_row_its_own_bits_whatever_the_last_tile(kind, isa):
+    """13-18 rows take the scratch-panel path, whose tiles hold 6 rows: the last tile holds 1 to 6
+    rows (each its own kernel instantiation), against panel pairs and the odd ninth panel alone.
+    Every row must get the bits it gets alone and the float32 kernel's on the dequantized weight."""
+    codes, scales, dense = _nine_panels(kind, isa)
+    packed = pack_weight(dense)
+    bias = torch.randn(141)
+    x = torch.randn(18, 128, generator=torch.Generator().manual_seed(13))
+    alone = [kernels.quantized_linear(x[i:i + 1], codes, scales, 141, bias, isa) for i in range(18)]
+    for rows in range(13, 19):
+        batch = kernels.quantized_linear(x[:rows], codes, scales, 141, bias, isa)
+        assert torch.equal(batch, kernels.packed_linear(x[:rows], packed, 141, bias)), rows
+        for i in range(rows):
+            assert torch.equal(batch[i], alone[i][0]), (rows, i)
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
 def test_float_kernel_layout_round_trips_and_keeps_the_bits(kind):
     """to_float_kernel_layout keeps every value: 4-bit codes as words of 8 depths, scales in float16
