@@ -157,6 +157,21 @@ def _nine_panels(kind: str, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes, scales, dense
 
 
+def _assert_each_row_keeps_its_bits(kind: str, isa: str, row_counts: range, seed: int) -> None:
+    """For each batch size in row_counts, quantized_linear over _nine_panels gives every row the bits it
+    gets alone and the bits of the float32 kernel on the dequantized weight."""
+    codes, scales, dense = _nine_panels(kind, isa)
+    packed = pack_weight(dense)
+    bias = torch.randn(141)
+    x = torch.randn(max(row_counts), 128, generator=torch.Generator().manual_seed(seed))
+    alone = [kernels.quantized_linear(x[i:i + 1], codes, scales, 141, bias, isa) for i in range(len(x))]
+    for rows in row_counts:
+        batch = kernels.quantized_linear(x[:rows], codes, scales, 141, bias, isa)
+        assert torch.equal(batch, kernels.packed_linear(x[:rows], packed, 141, bias)), rows
+        for i in range(rows):
+            assert torch.equal(batch[i], alone[i][0]), (rows, i)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
 def test_a_single_row_runs_several_panels_at_once_with_the_same_bits(kind, isa):
@@ -180,16 +195,7 @@ def test_a_few_rows_run_several_panels_at_once_with_the_same_bits(kind, isa):
     several panels at once: 141 outputs are 9 panels, groups of 4, 4 and 1, with sub-groups of
     4, 3, 2 and 1 depending on the rows. Every row must get the bits it gets alone and the bits
     of the float32 kernel on the dequantized weight."""
-    codes, scales, dense = _nine_panels(kind, isa)
-    packed = pack_weight(dense)
-    bias = torch.randn(141)
-    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(11))
-    alone = [kernels.quantized_linear(x[i:i + 1], codes, scales, 141, bias, isa) for i in range(12)]
-    for rows in range(2, 13):
-        batch = kernels.quantized_linear(x[:rows], codes, scales, 141, bias, isa)
-        assert torch.equal(batch, kernels.packed_linear(x[:rows], packed, 141, bias)), rows
-        for i in range(rows):
-            assert torch.equal(batch[i], alone[i][0]), (rows, i)
+    _assert_each_row_keeps_its_bits(kind, isa, range(2, 13), seed=11)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -198,16 +204,7 @@ def test_many_rows_give_each_row_its_own_bits_whatever_the_last_tile(kind, isa):
     """13-18 rows take the scratch-panel path, whose tiles hold 6 rows: the last tile holds 1 to 6
     rows (each its own kernel instantiation), against panel pairs and the odd ninth panel alone.
     Every row must get the bits it gets alone and the float32 kernel's on the dequantized weight."""
-    codes, scales, dense = _nine_panels(kind, isa)
-    packed = pack_weight(dense)
-    bias = torch.randn(141)
-    x = torch.randn(18, 128, generator=torch.Generator().manual_seed(13))
-    alone = [kernels.quantized_linear(x[i:i + 1], codes, scales, 141, bias, isa) for i in range(18)]
-    for rows in range(13, 19):
-        batch = kernels.quantized_linear(x[:rows], codes, scales, 141, bias, isa)
-        assert torch.equal(batch, kernels.packed_linear(x[:rows], packed, 141, bias)), rows
-        for i in range(rows):
-            assert torch.equal(batch[i], alone[i][0]), (rows, i)
+    _assert_each_row_keeps_its_bits(kind, isa, range(13, 19), seed=13)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
