@@ -19,9 +19,11 @@ pytestmark = pytest.mark.skipif(not int8_matmul_supported(kernels) or not hasatt
                                 reason="no int8 matmul on this CPU")
 
 
-def _head(kind: str, vocab: int, hidden: int, seed: int, duplicate: dict[int, int] | None = None) -> QuantizedLinear:
+def _head(kind: str, vocab: int, hidden: int, seed: int, duplicate: dict[int, int] | None = None,
+          crowd: bool = False) -> QuantizedLinear:
     """An exact (float activations) quantized head with random blocks; `duplicate` copies weight
-    row src to row dst, so that their logits tie exactly."""
+    row src to row dst, so that their logits tie exactly; `crowd` makes every row row 0 with three
+    codes moved by one step, so that their logits crowd together."""
     rng = np.random.default_rng(seed)
     nb = hidden // 32
     scale = lambda: rng.uniform(-0.05, 0.05, (vocab, nb, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
@@ -32,31 +34,96 @@ def _head(kind: str, vocab: int, hidden: int, seed: int, duplicate: dict[int, in
     raw = np.concatenate(blocks, -1).reshape(vocab, -1)
     for dst, src in (duplicate or {}).items():
         raw[dst] = raw[src]
+    if crowd:
+        block, first_code = (20, 4) if kind == "Q4_1" else (34, 2)  # bytes per block; codes after the scales
+        raw[1:] = raw[0]
+        for row in range(1, vocab):
+            for at in rng.integers(0, nb * (block - first_code), 3):
+                raw[row, (at // (block - first_code)) * block + first_code + at % (block - first_code)] ^= 1
     codes, scales = pack_quantized([QuantizedWeight(kind, raw, vocab, hidden)])
     return QuantizedLinear(codes, scales, vocab, None, kernels)
 
 
-def _screened(head: QuantizedLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# The AVX-512 path where this CPU has it, and the plain loops everywhere.
+PATHS = ["avx512", "scalar"]
+
+
+def _has_avx512() -> bool:
+    head = _head("Q8_0", 16, 32, seed=0)
+    try:
+        _screened(head, torch.ones(1, 32), "avx512")
+    except RuntimeError as e:
+        assert "not available on this CPU" in str(e)
+        return False
+    return True
+
+
+def _require(isa: str) -> None:
+    if isa == "avx512" and not _has_avx512():
+        pytest.skip("this CPU has no AVX-512")
+
+
+def _screened(head: QuantizedLinear, x: torch.Tensor, isa: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     codes8, scales8, norms = head.greedy_screen()
-    return kernels.greedy_head_argmax(x, head.codes, head.scales, head.out_features, codes8, scales8, norms)
+    return kernels.greedy_head_argmax(x, head.codes, head.scales, head.out_features, codes8, scales8, norms, isa)
 
 
 def _exact(head: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return kernels.quantized_linear(x, head.codes, head.scales, head.out_features, None, "auto")
 
 
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 13, 40])
-def test_the_screened_argmax_is_the_exact_heads(kind, rows):
+def test_the_screened_argmax_is_the_exact_heads(kind, rows, isa):
+    _require(isa)
     head = _head(kind, 1000, 128, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     # Rows of very different scales, and one with an outlier that widens its bound.
     x = torch.randn(rows, 128, generator=gen) * torch.logspace(-3, 3, rows).unsqueeze(1)
     x[0, 5] = 500.0
     logits = _exact(head, x)
-    argmax, picked = _screened(head, x)
+    argmax, picked = _screened(head, x, isa)
     assert torch.equal(argmax, logits.argmax(1))
     assert torch.equal(picked, logits.gather(1, argmax.unsqueeze(1)).squeeze(1))  # the exact logit's bits
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_crowds_of_candidates_over_many_panels_are_decided_exactly(kind, isa):
+    # Every weight row is one shared row plus small noise, and the queries point along the shared
+    # row: the logits crowd within the screen's bound, so dozens to hundreds of features in many panels
+    # (the last one partial) must be recomputed exactly, and the pick must still be the exact head's.
+    _require(isa)
+    vocab, hidden = 1000, 128
+    head = _head(kind, vocab, hidden, seed=11, crowd=True)
+    base = head.weight[0]
+    gen = torch.Generator().manual_seed(12)
+    x = (base / base.norm() * 30).repeat(6, 1) + 0.05 * torch.randn(6, hidden, generator=gen)
+    x[5] *= -1
+    logits = _exact(head, x)
+    # About the candidates the kernel sees: estimates whose bound (the rounding error of x to int8 per
+    # block of 32, times the weight row's norm) reaches the exact maximum.
+    codes8, scales8, norms = head.greedy_screen()
+    approx = kernels.int8_linear(x, codes8, scales8, vocab, None, "auto")
+    blocks = x.reshape(6, -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    error = (blocks - torch.round(blocks / step) * step).reshape(6, -1).norm(dim=1, keepdim=True)
+    crowded = approx + error * norms >= logits.max(1, keepdim=True).values
+    assert int(crowded.sum(1).min()) > 50 and len({int(j) // 16 for j in crowded.nonzero()[:, 1]}) > 20
+    argmax, picked = _screened(head, x, isa)
+    assert torch.equal(argmax, logits.argmax(1))
+    assert torch.equal(picked, logits.gather(1, argmax.unsqueeze(1)).squeeze(1))
+
+
+def test_both_paths_pick_the_same_bits_and_unknown_paths_are_named():
+    head = _head("Q8_0", 700, 64, seed=13)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(14)) * 4
+    got = [_screened(head, x, isa) for isa in PATHS if isa == "scalar" or _has_avx512()]
+    for argmax, picked in got[1:]:
+        assert torch.equal(argmax, got[0][0]) and torch.equal(picked, got[0][1])
+    with pytest.raises(RuntimeError, match="unknown instruction set 'sse9' for the greedy head"):
+        _screened(head, x, "sse9")
 
 
 def test_norms_bound_every_weight_row():

@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_head_argmax", &greedy_head_argmax,
         "the exact quantized head's argmax per row, screened with int8 activations (greedy_head.cpp)", NoGil(),
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"),
-        pybind11::arg("codes8"), pybind11::arg("scales8"), pybind11::arg("norms"));
+        pybind11::arg("codes8"), pybind11::arg("scales8"), pybind11::arg("norms"), pybind11::arg("isa") = "auto");
   m.def("int8_linear_isas", &int8_linear_isas, "the int8 matmul's instruction paths on this CPU, best first");
   m.def("int8_linear_isa", &int8_linear_isa, "the path a request ('auto' or a name) resolves to",
         pybind11::arg("requested") = "auto");

@@ -12,8 +12,14 @@
 //   estimate    a_j   = sum_k q_k w_jk (q: x rounded per block of 32 to d_b * int8, |x_k - q_k| <=
 //                       d_b / 2 + tiny), its float steps adding error <= (K / 32 + 2) 2^-24 sum |q w|;
 //   so |a_j - l_j| <= ||x - q|| ||w_j|| + 1e-4 (||x|| + ||x - q||) ||w_j||   (Cauchy-Schwarz),
-// bounded above by B ||w_j|| with B from the row alone. With tau = max_j (a_j - B ||w_j||), the
-// exact argmax (and every token tied with it) has a_j + B ||w_j|| >= tau: those are the candidates.
+// bounded above by B ||w_j|| with B from the row alone. The best estimate's token j* is recomputed
+// exactly first: its exact logit l* is at most the exact maximum, so the exact argmax (and every
+// token tied with it) has a_j + B ||w_j|| >= l*: those are the candidates, recomputed exactly a
+// panel of 16 features at a time. On the peers' offline workload a row then had 13 candidates on
+// average where a threshold of max_j (a_j - B ||w_j||) let 100 through.
+//
+// Two paths, the same arithmetic (so the same candidates and bits): AVX-512 where the CPU has it,
+// else plain loops; `isa` ("auto", "avx512", "scalar"; else CHATLOOM_KERNEL_ISA) picks one.
 #include "kernels.h"
 #include "panel_tile.h"
 
@@ -22,8 +28,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -56,45 +64,80 @@ struct ExactHead {
   }
 };
 
-// Exact logits of up to 16 features for one row: each lane one FMA chain over k from zero, as the
-// exact kernel's tiles run it, then the zero bias added as they add it.
-__attribute__((target("avx512f"))) void exact_logits16(const ExactHead& head, const float* x, const int64_t* js,
-                                                      int n, std::vector<float>& panel, float* out) {
-  const int64_t k_dim = head.k_dim;
-  panel.assign(k_dim * kPanelWidth, 0.f);
-  for (int c = 0; c < n; ++c)
-    for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanelWidth + c] = head.weight(js[c], k);
+// The exact logits of a whole panel's 16 features for one row: lane j is feature 16 p + j, one FMA
+// chain over k from zero with w = fma(code, d, m), as the exact kernel's tiles run it, then the zero
+// bias added as they add it. A candidate's panel is computed whole: 16 lanes cost what one does.
+__attribute__((target("avx512f"))) void exact_panel16(const ExactHead& head, const float* x, int64_t p, float* out) {
+  const int64_t k_dim = head.k_dim, nb = k_dim / kBlock;
+  const auto load16 = [](ScalePtr s) {
+    return s.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(s.p)))
+                  : _mm512_loadu_ps(static_cast<const float*>(s.p));
+  };
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_dim; ++k)
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(panel.data() + k * kPanelWidth), acc);
-  alignas(64) float lanes[kPanelWidth];
-  _mm512_store_ps(lanes, _mm512_add_ps(acc, _mm512_setzero_ps()));
-  std::copy(lanes, lanes + n, out);
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const ScalePtr s = head.scales + (p * nb + b) * 2 * kPanelWidth;
+    const __m512 d = load16(s), m = load16(s + kPanelWidth);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+      __m512 code;
+      if (head.q4) {  // 16 words per 8 depths, depth k & 7 in bits 4 (k & 7) of each
+        const __m512i words = _mm512_loadu_si512(head.codes + p * k_dim * 8 + (k >> 3) * 64);
+        code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words, 4 * (int)(k & 7)), low4));
+      } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(head.codes + (p * k_dim + k) * kPanelWidth));
+        code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      }
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_fmadd_ps(code, d, m), acc);
+    }
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(acc, _mm512_setzero_ps()));
 }
 
-// One row's scan of the estimates a (n of them) against the bounds norms * b, 16 at a time:
-// tau = max(a - norm * b), and the largest |a| and norm * b (for the slack), or false where an
-// estimate is not finite.
-__attribute__((target("avx512f"))) bool scan_lower_bounds(const float* a, const float* norms, float b, int64_t n,
-                                                         float& tau, float& a_max, float& nb_max) {
-  __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::max()), amax = _mm512_setzero_ps(), nbm = amax;
+// The same arithmetic a lane at a time, for CPUs without AVX-512 (and forced in the tests).
+void exact_panel16_scalar(const ExactHead& head, const float* x, int64_t p, float* out) {
+  for (int64_t lane = 0; lane < kPanelWidth; ++lane) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < head.k_dim; ++k) acc = std::fma(x[k], head.weight(p * kPanelWidth + lane, k), acc);
+    out[lane] = acc + 0.f;
+  }
+}
+
+// One row's scan of the estimates a (n of them): the first index of the largest estimate, and the
+// largest |a| and norm * b (for the slack), or false where an estimate is not finite.
+__attribute__((target("avx512f"))) bool scan_estimates(const float* a, const float* norms, float b, int64_t n,
+                                                      int64_t& best, float& a_max, float& nb_max) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), amax = _mm512_setzero_ps(), nbm = amax;
   const __m512 bv = _mm512_set1_ps(b);
   const __m512i exponent = _mm512_set1_epi32(0x7f800000);
   __mmask16 bad = 0;
   for (int64_t j = 0; j < n; j += kPanelWidth) {
     const __mmask16 keep = n - j >= kPanelWidth ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
     const __m512 av = _mm512_maskz_loadu_ps(keep, a + j), nb = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, norms + j), bv);
-    const __m512i bits = _mm512_castps_si512(av);
-    bad |= _mm512_mask_cmpeq_epi32_mask(keep, _mm512_and_si512(bits, exponent), exponent);
-    lo = _mm512_mask_max_ps(lo, keep, lo, _mm512_sub_ps(av, nb));
+    bad |= _mm512_mask_cmpeq_epi32_mask(keep, _mm512_and_si512(_mm512_castps_si512(av), exponent), exponent);
+    top = _mm512_mask_max_ps(top, keep, top, av);
     amax = _mm512_max_ps(amax, _mm512_abs_ps(av));
     nbm = _mm512_max_ps(nbm, nb);
   }
-  tau = _mm512_reduce_max_ps(lo), a_max = _mm512_reduce_max_ps(amax), nb_max = _mm512_reduce_max_ps(nbm);
-  return bad == 0;
+  if (bad != 0) return false;
+  a_max = _mm512_reduce_max_ps(amax), nb_max = _mm512_reduce_max_ps(nbm);
+  const float best_value = _mm512_reduce_max_ps(top);
+  best = std::find(a, a + n, best_value) - a;
+  return true;
 }
 
-// The features whose upper bound a + norm * b reaches the threshold, in ascending order.
+bool scan_estimates_scalar(const float* a, const float* norms, float b, int64_t n, int64_t& best, float& a_max,
+                           float& nb_max) {
+  best = 0, a_max = 0.f, nb_max = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!finite_bits(a[j])) return false;
+    if (a[j] > a[best]) best = j;
+    a_max = std::max(a_max, std::fabs(a[j]));
+    nb_max = std::max(nb_max, norms[j] * b);
+  }
+  return true;
+}
+
+// The features whose upper bound a + norm * b (one rounding) reaches the threshold, in ascending order.
 __attribute__((target("avx512f"))) void upper_bounds_reaching(const float* a, const float* norms, float b, int64_t n,
                                                              float threshold, std::vector<int64_t>& out) {
   const __m512 bv = _mm512_set1_ps(b), th = _mm512_set1_ps(threshold);
@@ -104,6 +147,12 @@ __attribute__((target("avx512f"))) void upper_bounds_reaching(const float* a, co
     for (uint32_t m = _mm512_mask_cmp_ps_mask(keep, hi, th, _CMP_GE_OQ); m != 0; m &= m - 1)
       out.push_back(j + __builtin_ctz(m));
   }
+}
+
+void upper_bounds_reaching_scalar(const float* a, const float* norms, float b, int64_t n, float threshold,
+                                  std::vector<int64_t>& out) {
+  for (int64_t j = 0; j < n; ++j)
+    if (std::fma(norms[j], b, a[j]) >= threshold) out.push_back(j);
 }
 
 // B for one row (see the top of the file), or -1 where the row is not all finite.
@@ -130,8 +179,29 @@ double row_bound(const float* x, int64_t k_dim) {
 
 }  // namespace
 
+// "auto": CHATLOOM_KERNEL_ISA if it names a path ("avx2" and "scalar" mean the plain loops),
+// else AVX-512 where the CPU has it.
+static bool greedy_wide(const std::string& requested) {
+  const bool has = __builtin_cpu_supports("avx512f");
+  auto parse = [&](const std::string& name) {
+    if (name == "scalar" || name == "avx2") return false;
+    TORCH_CHECK(name == "avx512", "unknown instruction set '", name, "' for the greedy head: use auto, avx512 or scalar");
+    TORCH_CHECK(has, "the greedy head's avx512 path is not available on this CPU");
+    return true;
+  };
+  if (!requested.empty() && requested != "auto") return parse(requested);
+  static const bool chosen = [&] {
+    const char* env = std::getenv("CHATLOOM_KERNEL_ISA");
+    const std::string name = env ? env : "";
+    return name == "avx512" || name == "avx2" || name == "scalar" ? parse(name) : has;
+  }();
+  return chosen;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> greedy_head_argmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
-                                 torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms) {
+                                 torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms,
+                                 const std::string& isa) {
+  const bool wide = greedy_wide(isa);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, K]");
   x = x.contiguous();
   const int64_t rows = x.size(0), k_dim = x.size(1);
@@ -155,37 +225,54 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_argmax(torch::Tensor x, tor
   std::vector<char> needs_whole(rows, 0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> cand;
-    std::vector<float> panel, exact(kPanelWidth);
+    alignas(64) float lanes[kPanelWidth];
+    int64_t lanes_panel = -1;
+    const float* xr = nullptr;
+    const auto exact = [&](int64_t j) {  // feature j's exact logit, its panel computed once
+      if (j / kPanelWidth != lanes_panel) {
+        lanes_panel = j / kPanelWidth;
+        if (wide) exact_panel16(head, xr, lanes_panel, lanes);
+        else exact_panel16_scalar(head, xr, lanes_panel, lanes);
+      }
+      return lanes[j % kPanelWidth];
+    };
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * k_dim;
+      xr = xp + r * k_dim;
+      lanes_panel = -1;
       const float* a = ap + r * out_features;
       const double bound = row_bound(xr, k_dim);
       if (bound < 0) {
         needs_whole[r] = 1;
         continue;
       }
-      // tau: the best lower bound. Float steps here (each within an ulp or two of max(|a|, norm b))
-      // are covered by the slack, which can only add candidates.
       const float b = (float)bound;
-      float tau, amax, nb_max;
-      if (!scan_lower_bounds(a, np, b, out_features, tau, amax, nb_max)) {
+      int64_t top;
+      float amax, nb_max;
+      if (!(wide ? scan_estimates(a, np, b, out_features, top, amax, nb_max)
+                 : scan_estimates_scalar(a, np, b, out_features, top, amax, nb_max))) {
         needs_whole[r] = 1;
         continue;
       }
-      const float threshold = tau - 1e-6f * (amax + nb_max) - 1e-30f;
+      // l*: an exact logit, so at most the exact maximum. The float steps of a + norm b (within an
+      // ulp or two of max(|a|, norm b)) are covered by the slack, which can only add candidates.
+      const float l_star = exact(top);
+      if (!finite_bits(l_star)) {
+        needs_whole[r] = 1;
+        continue;
+      }
+      const float threshold = l_star - 1e-6f * (amax + nb_max) - 1e-30f;
       cand.clear();
-      upper_bounds_reaching(a, np, b, out_features, threshold, cand);
+      if (wide) upper_bounds_reaching(a, np, b, out_features, threshold, cand);
+      else upper_bounds_reaching_scalar(a, np, b, out_features, threshold, cand);
       if ((int64_t)cand.size() > kMaxCandidates) {
         needs_whole[r] = 1;
         continue;
       }
       int64_t pick = -1;
       float pick_value = 0.f;
-      for (size_t c0 = 0; c0 < cand.size(); c0 += kPanelWidth) {
-        const int n = (int)std::min<size_t>(kPanelWidth, cand.size() - c0);
-        exact_logits16(head, xr, cand.data() + c0, n, panel, exact.data());
-        for (int c = 0; c < n; ++c)  // candidates ascend, so ">" keeps the first maximum
-          if (pick < 0 || exact[c] > pick_value) pick = cand[c0 + c], pick_value = exact[c];
+      for (const int64_t j : cand) {  // candidates ascend, so ">" keeps the first maximum
+        const float v = exact(j);
+        if (pick < 0 || v > pick_value) pick = j, pick_value = v;
       }
       best[r] = pick;
       best_value[r] = pick_value;

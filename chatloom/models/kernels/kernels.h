@@ -62,8 +62,10 @@ torch::Tensor grouped_quantized_linear(torch::Tensor x, torch::Tensor codes, tor
 // int8_linear(x, codes8, scales8) under a rigorous error bound and recomputing only the candidates
 // exactly. norms: each weight row's Euclidean norm, rounded up. Returns the argmax [T] and the exact
 // logit it picked [T] (NaN where the row's logits hold one: torch.argmax ranks NaN first).
+// isa: "auto", "avx512" or "scalar" (the same candidates and bits on both).
 std::tuple<torch::Tensor, torch::Tensor> greedy_head_argmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
-                                 torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms);
+                                 torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms,
+                                 const std::string& isa = "auto");
 
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
                                   c10::optional<torch::Tensor> bias);
