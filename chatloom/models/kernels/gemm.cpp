@@ -142,7 +142,6 @@ inline void row_quantized(const float* x, int64_t k_dim, const uint8_t* codes, i
 }
 
 // -- the AVX-512 tiles: lanes 0-7 are the AVX2 path's lo, 8-15 its hi, operation for operation --
-#define CHATLOOM_WIDE __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define CHATLOOM_HAVE_WIDE_PATH 1
 
 // Keeps a loaded weight vector in a register. Left to itself GCC folds the load into every FMA that
@@ -195,40 +194,8 @@ CHATLOOM_WIDE void tile16x2(const float* x, int64_t k_dim, const float* pa, cons
   store_tile16<R>(a1, bias ? bias + kPanel : nullptr, out + kPanel, ldo, ncols_b);
 }
 
-// Sixteen of a panel's block scales from element i, as float32.
-CHATLOOM_WIDE inline __m512 load_scales16(ScalePtr s, int64_t i) {
-  if (s.half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(s.p) + i)));
-  return _mm512_loadu_ps(static_cast<const float*>(s.p) + i);
-}
-
-// dequantize_panel in AVX-512, for the wide path's scratch panels: the same w = fma(code, d, m) per
-// weight (so the same bits), 16 features per instruction. 4-bit codes are looked up as tile_panels16
-// does (vpermps on the low nibble, then a shift), where the AVX2 loop unpacks and converts two halves:
-// at 32 rows the expansion was a fifth of the matmuls' time.
-template <bool Q4>
-CHATLOOM_WIDE void dequantize_panel16(const uint8_t* codes, ScalePtr scales, int64_t k_dim, float* dst) {
-  const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t kb = 0; kb < k_dim / 32; ++kb) {
-    const ScalePtr s = scales + kb * 2 * kPanel;
-    const __m512 d = load_scales16(s, 0), m = load_scales16(s, kPanel);
-    if constexpr (Q4) {
-      for (int64_t k8 = kb * 32; k8 < (kb + 1) * 32; k8 += 8) {
-        __m512i v = _mm512_loadu_si512(codes + k8 * 8);
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) {
-          _mm512_storeu_ps(dst + (k8 + t) * kPanel, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, nibble_values), d, m));
-          v = _mm512_srli_epi32(v, 4);
-        }
-      }
-    } else {
-#pragma GCC unroll 4
-      for (int64_t k = kb * 32; k < (kb + 1) * 32; ++k) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kPanel));
-        _mm512_storeu_ps(dst + k * kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d, m));
-      }
-    }
-  }
-}
+using chatloom_kernels::dequantize_panel16;
+using chatloom_kernels::load_scales16;
 
 // How far ahead (bytes, in each panel's code stream) the tiles prefetch: 6 lines of 4-bit codes, 12 of
 // 8-bit ones (the same depths ahead), and each panel's scales as far ahead in depth. At batch 1 a

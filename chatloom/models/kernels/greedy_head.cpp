@@ -64,32 +64,18 @@ struct ExactHead {
   }
 };
 
-// The exact logits of a whole panel's 16 features for one row: lane j is feature 16 p + j, one FMA
-// chain over k from zero with w = fma(code, d, m), as the exact kernel's tiles run it, then the zero
-// bias added as they add it. A candidate's panel is computed whole: 16 lanes cost what one does.
-__attribute__((target("avx512f"))) void exact_panel16(const ExactHead& head, const float* x, int64_t p, float* out) {
-  const int64_t k_dim = head.k_dim, nb = k_dim / kBlock;
-  const auto load16 = [](ScalePtr s) {
-    return s.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(s.p)))
-                  : _mm512_loadu_ps(static_cast<const float*>(s.p));
-  };
+// The exact logits of a whole panel's 16 features for one row: lane j is feature 16 p + j, its
+// weights expanded as the exact kernel expands them (dequantize_panel16, into `panel` [K, 16]), then
+// one FMA chain over k from zero and the zero bias added, as its tiles run them. A candidate's panel is
+// computed whole: 16 lanes cost what one does.
+CHATLOOM_WIDE void exact_panel16(const ExactHead& head, const float* x, int64_t p, float* panel, float* out) {
+  const int64_t k_dim = head.k_dim;
+  const ScalePtr scales = head.scales + p * (k_dim / kBlock) * 2 * kPanelWidth;
+  if (head.q4) chatloom_kernels::dequantize_panel16<true>(head.codes + p * k_dim * 8, scales, k_dim, panel);
+  else chatloom_kernels::dequantize_panel16<false>(head.codes + p * k_dim * kPanelWidth, scales, k_dim, panel);
   __m512 acc = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi32(15);
-  for (int64_t b = 0; b < nb; ++b) {
-    const ScalePtr s = head.scales + (p * nb + b) * 2 * kPanelWidth;
-    const __m512 d = load16(s), m = load16(s + kPanelWidth);
-    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
-      __m512 code;
-      if (head.q4) {  // 16 words per 8 depths, depth k & 7 in bits 4 (k & 7) of each
-        const __m512i words = _mm512_loadu_si512(head.codes + p * k_dim * 8 + (k >> 3) * 64);
-        code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words, 4 * (int)(k & 7)), low4));
-      } else {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(head.codes + (p * k_dim + k) * kPanelWidth));
-        code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      }
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_fmadd_ps(code, d, m), acc);
-    }
-  }
+  for (int64_t k = 0; k < k_dim; ++k)
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_loadu_ps(panel + k * kPanelWidth), acc);
   _mm512_storeu_ps(out, _mm512_add_ps(acc, _mm512_setzero_ps()));
 }
 
@@ -182,7 +168,8 @@ double row_bound(const float* x, int64_t k_dim) {
 // "auto": CHATLOOM_KERNEL_ISA if it names a path ("avx2" and "scalar" mean the plain loops),
 // else AVX-512 where the CPU has it.
 static bool greedy_wide(const std::string& requested) {
-  const bool has = __builtin_cpu_supports("avx512f");
+  const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl");
   auto parse = [&](const std::string& name) {
     if (name == "scalar" || name == "avx2") return false;
     TORCH_CHECK(name == "avx512", "unknown instruction set '", name, "' for the greedy head: use auto, avx512 or scalar");
@@ -226,12 +213,13 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_argmax(torch::Tensor x, tor
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> cand;
     alignas(64) float lanes[kPanelWidth];
+    std::vector<float> panel(wide ? k_dim * kPanelWidth : 0);
     int64_t lanes_panel = -1;
     const float* xr = nullptr;
     const auto exact = [&](int64_t j) {  // feature j's exact logit, its panel computed once
       if (j / kPanelWidth != lanes_panel) {
         lanes_panel = j / kPanelWidth;
-        if (wide) exact_panel16(head, xr, lanes_panel, lanes);
+        if (wide) exact_panel16(head, xr, lanes_panel, panel.data(), lanes);
         else exact_panel16_scalar(head, xr, lanes_panel, lanes);
       }
       return lanes[j % kPanelWidth];
