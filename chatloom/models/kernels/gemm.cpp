@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -536,7 +537,8 @@ torch::Tensor few_rows_quantized16(const torch::Tensor& x, const uint8_t* codes,
 // Runs `work(p, m0, m1, x, out, scratch)` for every (row block, item) pair, items split
 // across threads: it writes rows [m0, m1) of item p's output columns (an item is
 // `panels_per_item` panels of 16; `panels` counts items). `scratch` holds one item's float32
-// panels per thread when `needs_scratch`.
+// panels per thread when `needs_scratch`, uninitialized: the work expands panels into it before
+// reading them (zero-filling it, up to 196 KB a call, took 1-2% of a 16- or 32-row matmul).
 template <typename PanelWork>
 torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, bool needs_scratch,
                          PanelWork work, int64_t panels_per_item = 1) {
@@ -550,8 +552,8 @@ torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, 
     const int64_t flops_per_item = 2 * (m1 - m0) * k_dim * kPanel * panels_per_item;
     const int64_t grain = std::max<int64_t>(1, 200000 / flops_per_item);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(needs_scratch ? k_dim * kPanel * panels_per_item : 0);
-      for (int64_t p = begin; p < end; ++p) work(p, m0, m1, xp, op, scratch.data());
+      std::unique_ptr<float[]> scratch(needs_scratch ? new float[k_dim * kPanel * panels_per_item] : nullptr);
+      for (int64_t p = begin; p < end; ++p) work(p, m0, m1, xp, op, scratch.get());
     });
   }
   return out;
