@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -157,7 +158,7 @@ def _nine_panels(kind: str, isa: str) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes, scales, dense
 
 
-def _assert_each_row_keeps_its_bits(kind: str, isa: str, row_counts: range, seed: int) -> None:
+def _assert_each_row_keeps_its_bits(kind: str, isa: str, row_counts: Sequence[int], seed: int) -> None:
     """For each batch size in row_counts, quantized_linear over _nine_panels gives every row the bits it
     gets alone and the bits of the float32 kernel on the dequantized weight."""
     codes, scales, dense = _nine_panels(kind, isa)
@@ -201,10 +202,11 @@ def test_a_few_rows_run_several_panels_at_once_with_the_same_bits(kind, isa):
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
 def test_many_rows_give_each_row_its_own_bits_whatever_the_last_tile(kind, isa):
-    """13-18 rows take the scratch-panel path, whose tiles hold 6 rows: the last tile holds 1 to 6
-    rows (each its own kernel instantiation), against panel pairs and the odd ninth panel alone.
-    Every row must get the bits it gets alone and the float32 kernel's on the dequantized weight."""
-    _assert_each_row_keeps_its_bits(kind, isa, range(13, 19), seed=13)
+    """13 rows and more take the scratch-panel path in tiles of at most 6 rows, split evenly (13 rows
+    as 5 + 4 + 4, 32 as 6 + 6 + 5 + 5 + 5 + 5; each size its own kernel instantiation), in blocks of 96
+    rows (97: a block, then one row alone), against panel pairs and the odd ninth panel alone. Every
+    row must get the bits it gets alone and the float32 kernel's on the dequantized weight."""
+    _assert_each_row_keeps_its_bits(kind, isa, [*range(13, 19), 25, 32, 97], seed=13)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])

@@ -29,6 +29,7 @@ using chatloom_kernels::kPanel;
 using chatloom_kernels::kTileRows;
 using chatloom_kernels::nibble_at;
 using chatloom_kernels::ScalePtr;
+using chatloom_kernels::for_each_row_tile;
 using chatloom_kernels::with_tile_rows;
 constexpr int64_t kRowBlock = 96;  // input rows kept hot in cache while all panels pass
 
@@ -314,23 +315,23 @@ inline void panel_rows(const float* x, int64_t k_dim, const float* panel, const 
                        float* out, int64_t ldo, int64_t ncols, int64_t m0, int64_t m1, bool wide = false) {
 #ifdef CHATLOOM_HAVE_WIDE_PATH
   if (wide) {
-    for (int64_t m = m0; m < m1; m += kTileRows) {
+    for_each_row_tile(m0, m1, [&](int64_t m, int64_t tile_rows) {
       const float* xs = x + m * k_dim;
       float* os = out + m * ldo;
-      with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+      with_tile_rows(tile_rows, [&](auto r) {
         tile16<decltype(r)::value>(xs, k_dim, panel, bias, os, ldo, ncols);
       });
-    }
+    });
     return;
   }
 #endif
-  for (int64_t m = m0; m < m1; m += kTileRows) {
+  for_each_row_tile(m0, m1, [&](int64_t m, int64_t tile_rows) {
     const float* xs = x + m * k_dim;
     float* os = out + m * ldo;
-    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+    with_tile_rows(tile_rows, [&](auto r) {
       tile<decltype(r)::value>(xs, k_dim, panel, bias, os, ldo, ncols);
     });
-  }
+  });
 }
 
 #ifdef CHATLOOM_HAVE_WIDE_PATH
@@ -338,13 +339,13 @@ inline void panel_rows(const float* x, int64_t k_dim, const float* panel, const 
 inline void panel_pair_rows(const float* x, int64_t k_dim, const float* pa, const float* pb, const float* bias,
                             float* out, int64_t ldo, int64_t ncols_b, int64_t m0, int64_t m1) {
   if (pb == nullptr) return panel_rows(x, k_dim, pa, bias, out, ldo, ncols_b, m0, m1, true);
-  for (int64_t m = m0; m < m1; m += kTileRows) {
+  for_each_row_tile(m0, m1, [&](int64_t m, int64_t tile_rows) {
     const float* xs = x + m * k_dim;
     float* os = out + m * ldo;
-    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+    with_tile_rows(tile_rows, [&](auto r) {
       tile16x2<decltype(r)::value>(xs, k_dim, pa, pb, bias, os, ldo, ncols_b);
     });
-  }
+  });
 }
 #endif
 
@@ -502,15 +503,15 @@ CHATLOOM_WIDE void quantized_group16(const float* xp, int64_t m_dim, int64_t k_d
   const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
   const uint8_t* c = codes + p0 * code_stride;
   const ScalePtr s = scales + p0 * scale_stride;
-  for (int64_t m = 0; m < m_dim; m += kTileRows) {
+  for_each_row_tile(0, m_dim, [&](int64_t m, int64_t tile_rows) {
     const float* xm = xp + m * k_dim;
     float* om = op + m * out_features;
-    with_tile_rows(std::min(kTileRows, m_dim - m), [&](auto r) {
+    with_tile_rows(tile_rows, [&](auto r) {
       constexpr int R = decltype(r)::value;
       if (q4) tile_rows16<R, true>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
       else tile_rows16<R, false>(np, xm, k_dim, c, code_stride, s, scale_stride, bias, om, out_features, out_features, p0 * kPanel);
     });
-  }
+  });
 }
 
 // x [M, K] (M up to two tiles of 6 rows) on AVX-512 against every quantized panel, kRowPanels panels per
@@ -682,15 +683,15 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
     const float* bp = b ? b + col : nullptr;
 #if defined(__AVX2__) && defined(__FMA__)
     if (few_rows) {
-      for (int64_t m = m0; m < m1; m += kTileRows) {
+      for_each_row_tile(m0, m1, [&](int64_t m, int64_t tile_rows) {
         const float* xm = xp + m * k_dim;
         float* om = op + m * out_features + col;
-        with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+        with_tile_rows(tile_rows, [&](auto r) {
           constexpr int R = decltype(r)::value;
           if (q4) tile_quantized<R, true>(xm, k_dim, c, s, bp, om, out_features, ncols);
           else tile_quantized<R, false>(xm, k_dim, c, s, bp, om, out_features, ncols);
         });
-      }
+      });
       return;
     }
 #endif

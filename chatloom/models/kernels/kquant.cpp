@@ -32,6 +32,7 @@ namespace {
 
 using chatloom_kernels::kPanel;
 using chatloom_kernels::kTileRows;
+using chatloom_kernels::for_each_row_tile;
 using chatloom_kernels::with_tile_rows;
 constexpr int64_t kGroup = 16;  // weights per scale along K
 constexpr int64_t kRowBlock = 96;
@@ -118,25 +119,25 @@ void tile_codes(const float* x, int64_t k_dim, const int8_t* codes, const float*
 
 void rows_from_codes(const float* x, int64_t k_dim, const int8_t* codes, const float* scales, const float* bias,
                      float* out, int64_t ldo, int64_t ncols, int64_t m0, int64_t m1) {
-  for (int64_t m = m0; m < m1; m += kTileRows) {
+  for_each_row_tile(m0, m1, [&](int64_t m, int64_t tile_rows) {
     const float* xs = x + m * k_dim;
     float* os = out + m * ldo;
-    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+    with_tile_rows(tile_rows, [&](auto r) {
       tile_codes<decltype(r)::value>(xs, k_dim, codes, scales, bias, os, ldo, ncols);
     });
-  }
+  });
 }
 #endif
 
 void rows(const float* x, int64_t k_dim, const float* panel, const float* bias, float* out, int64_t ldo,
           int64_t ncols, int64_t m0, int64_t m1) {
-  for (int64_t m = m0; m < m1; m += kTileRows) {
+  for_each_row_tile(m0, m1, [&](int64_t m, int64_t tile_rows) {
     const float* xs = x + m * k_dim;
     float* os = out + m * ldo;
-    with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+    with_tile_rows(tile_rows, [&](auto r) {
       tile<decltype(r)::value>(xs, k_dim, panel, bias, os, ldo, ncols);
     });
-  }
+  });
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
