@@ -510,8 +510,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           const int64_t p = pp * kVnniPanels, np = std::min<int64_t>(kVnniPanels, panels - p);
           const uint8_t* c = cp + p * panel_bytes;
           const float* s = sp + p * scale_stride;
-          for (int64_t m = m0; m < m1; m += kVnniRows) {
-            const int64_t r = std::min<int64_t>(kVnniRows, m1 - m);
+          chatloom_kernels::for_each_row_tile(m0, m1, [&](int64_t m, int64_t r) {
             const int8_t* qm = q.data() + m * k_dim;
             const float *dm = dx.data() + m * nb, *sm = sx.data() + m * nb;
             float* o = op + m * out_features;
@@ -539,7 +538,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
               case 2: with_rows(std::integral_constant<int, (kVnniPanels >= 2 ? 2 : 1)>{}); break;
               default: with_rows(std::integral_constant<int, 1>{}); break;
             }
-          }
+          }, kVnniRows);
         }
       });
     }

@@ -56,13 +56,14 @@ inline void with_tile_rows(int64_t rows, Tile&& tile) {
   }
 }
 
-// Calls tile(m, rows) for the tiles of rows [m0, m1): as few as hold at most kTileRows rows each, their
+// Calls tile(m, rows) for the tiles of rows [m0, m1): as few as hold at most max_rows rows each, their
 // sizes within one of each other. 32 rows go as 6 + 6 + 5 + 5 + 5 + 5, not 6 + 6 + 6 + 6 + 6 + 2,
-// whose last tile has too few FMA chains to hide the FMA's latency (a 16- to 32-row matmul ran 2-4%
-// faster). A row's outputs do not depend on which tile holds it, so the bits do not change.
+// whose last tile has too few multiply-add chains to hide their latency: a 20- to 32-row matmul ran
+// 2-10% faster in float32, 1-4% in the int8 VNNI tiles. A row's outputs do not depend on which tile
+// holds it, so the bits do not change.
 template <typename Tile>
-inline void for_each_row_tile(int64_t m0, int64_t m1, Tile&& tile) {
-  const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+inline void for_each_row_tile(int64_t m0, int64_t m1, Tile&& tile, int64_t max_rows = kTileRows) {
+  const int64_t tiles = (m1 - m0 + max_rows - 1) / max_rows;
   for (int64_t i = 0, m = m0; i < tiles; ++i) {
     const int64_t rows = (m1 - m + (tiles - i) - 1) / (tiles - i);
     tile(m, rows);
