@@ -448,15 +448,28 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   std::vector<int8_t> q(m_dim * k_dim);
   std::vector<float> dx(m_dim * nb), sx(m_dim * nb);
   const float* xp = x.data_ptr<float>();
+#ifdef CHATLOOM_HAVE_VNNI_PATH
+  const bool vnni_tiles = isa == Isa::kAvx512Vnni && m_dim >= kVnniMinRows;
+#else
+  const bool vnni_tiles = false;
+#endif
+  // For tile_vnni_q8x: each row's block sums of its stored q, taken while the row is in cache (on
+  // the thread that quantized it, not afterwards on one thread while the others wait).
+  std::vector<int32_t> qsum(vnni_tiles && q8 ? m_dim * nb : 0);
   at::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
 #if defined(__AVX2__) && defined(__FMA__)
-      if (isa != Isa::kScalar) {
+      if (isa != Isa::kScalar)
         quantize_row(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
-        continue;
-      }
+      else
 #endif
-      quantize_row_scalar(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
+        quantize_row_scalar(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
+      if (!qsum.empty())
+        for (int64_t b = m * nb; b < (m + 1) * nb; ++b) {
+          int32_t t = 0;
+          for (int64_t k = 0; k < kBlock; ++k) t += q[b * kBlock + k];
+          qsum[b] = t;
+        }
     }
   });
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
@@ -491,17 +504,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   // From about 12 rows, tiles of rows x pairs of panels; below that they lose: a step's matrices in turn
   // (their weights coming from memory, not cache) at 1 row took 3.2 against 2.3 ms, at 8 rows 5.6
   // against 5.2, while at 16 rows 7.0 against 9.1 and at 32 rows 11.3 against 14.6.
-  if (isa == Isa::kAvx512Vnni && m_dim >= kVnniMinRows) {
+  if (vnni_tiles) {
     const int64_t scale_stride = nb * 2 * kPanel, pairs = (panels + kVnniPanels - 1) / kVnniPanels;
-    std::vector<int32_t> qsum;
-    if (q8) {  // each row's block sums of q, for tile_vnni_q8x
-      qsum.resize(m_dim * nb);
-      for (int64_t i = 0; i < m_dim * nb; ++i) {
-        int32_t t = 0;
-        for (int64_t k = 0; k < kBlock; ++k) t += q[i * kBlock + k];
-        qsum[i] = t;
-      }
-    }
     for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
       const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
       const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel * kVnniPanels));
