@@ -78,8 +78,9 @@ def test_bf16_forced_path_matches_the_reference(isa, rows):
     w, x, bias = torch.randn(37, 96, generator=gen), torch.randn(rows, 96, generator=gen), torch.randn(37)
     got = kernels.bf16_linear(x, pack_bf16(w), 37, bias, isa)
     torch.testing.assert_close(got.double(), _bf16_reference(x, w) + bias.double(), rtol=1e-4, atol=1e-4)
-    # A row's result does not depend on the rest of the batch.
-    assert torch.equal(kernels.bf16_linear(x[:1], pack_bf16(w), 37, bias, isa)[0], got[0])
+    # A row's result does not depend on the rest of the batch, nor on which tile of rows holds it.
+    for i in range(rows):
+        assert torch.equal(kernels.bf16_linear(x[i:i + 1], pack_bf16(w), 37, bias, isa)[0], got[i]), i
 
 
 def test_bf16_packing_and_layers_of_a_model(tiny_model_fp32):

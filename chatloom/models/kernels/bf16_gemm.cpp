@@ -23,7 +23,6 @@
 namespace {
 
 using chatloom_kernels::kPanel;
-using chatloom_kernels::kTileRows;
 constexpr int64_t kRowBlock = 96;
 
 inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
@@ -161,13 +160,13 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
         const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
         const uint16_t* panel = wp + p * pairs * 2 * kPanel;
         const float* b = bp ? bp + col : nullptr;
-        for (int64_t m = m0; m < m1; m += kTileRows) {
+        chatloom_kernels::for_each_row_tile(m0, m1, [&](int64_t m, int64_t tile_rows) {
           const uint32_t* xm = xq.data() + (m - m0) * pairs;
           float* o = op + m * out_features + col;
-          chatloom_kernels::with_tile_rows(std::min(kTileRows, m1 - m), [&](auto r) {
+          chatloom_kernels::with_tile_rows(tile_rows, [&](auto r) {
             run_tile<decltype(r)::value>(hw, xm, pairs, panel, b, o, out_features, ncols);
           });
-        }
+        });
       }
     });
   }
