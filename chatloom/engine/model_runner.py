@@ -27,9 +27,6 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
-_KERNEL_MAX_CHUNK = 16  # prefill chunks up to this many tokens use the paged kernel
-
-
 @dataclass
 class ForwardResult:
     logits: torch.Tensor  # [len(sampled), vocab]
@@ -117,21 +114,24 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
-            if start == 0:
+            if kern is not None:
+                # The paged kernel reads the context where it lies, whole prompt or chunk, with the
+                # arithmetic a decode step does for each query: a token's bits do not depend on how
+                # its prompt was split, nor on a prefix-cache hit.
+                used = table[: -(-ctx // bs)]  # the blocks holding the context so far
+                seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
+                                     kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
+            elif start == 0:
                 # A whole prompt attends to its own fresh K/V: PyTorch's fused causal SDPA.
                 seg = PrefillSegment(q_start, n, ctx, None)
             else:
-                used = table[: -(-ctx // bs)]  # the blocks holding the context so far
-                # The per-query kernel wins for a few new tokens (it skips the gather); for
-                # long chunks, gathering the context once for SDPA is 2-3x faster.
-                if kern is not None and n <= _KERNEL_MAX_CHUNK:
-                    seg = PrefillSegment(q_start, n, ctx, None, kernel_table=torch.tensor([used], dtype=torch.int32),
-                                         kernel_kv_lens=torch.arange(start + 1, ctx + 1, dtype=torch.int32))
-                else:
-                    seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
+                used = table[: -(-ctx // bs)]
+                seg = PrefillSegment(q_start, n, ctx, torch.tensor(used), chunk_mask(n, ctx))
             attn.prefills.append(seg)
             if ctx == len(seq):
                 logit_rows.append(q_start + n - 1)
+        if kern is not None and attn.prefills:
+            attn.set_prefill_tables()
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 

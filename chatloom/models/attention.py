@@ -46,11 +46,29 @@ class AttentionBatch:
     kernels: object | None = None
     decode_rows: torch.Tensor | None = None
     decode_kv_lens: torch.Tensor | None = None
+    # Every prefill segment's queries in one kernel call: int32 tables [segments, max_blocks], each
+    # query's table row and key count (set by set_prefill_tables).
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_rows: torch.Tensor | None = None
+    prefill_kv_lens: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
         """Only decode queries, with the compiled kernel's tables (decode_attention applies)."""
         return self.num_decode > 0 and not self.prefills and self.decode_rows is not None
+
+    def set_prefill_tables(self) -> None:
+        """Gather the segments' kernel tables into the one call's tensors; every segment must have its
+        kernel_table and kernel_kv_lens, and the segments must follow the decodes back to back."""
+        tables = [seg.kernel_table[0] for seg in self.prefills]
+        width = max(len(t) for t in tables)
+        padded = torch.zeros(len(tables), width, dtype=torch.int32)
+        for r, t in enumerate(tables):
+            padded[r, :len(t)] = t
+        self.prefill_block_tables = padded
+        self.prefill_rows = torch.repeat_interleave(torch.arange(len(tables), dtype=torch.int32),
+                                                    torch.tensor([seg.q_len for seg in self.prefills]))
+        self.prefill_kv_lens = torch.cat([seg.kernel_kv_lens for seg in self.prefills])
 
     @classmethod
     def dense(cls, seq_lens: list[int]) -> "AttentionBatch":
@@ -181,6 +199,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
         out[:nd] = _attend(qd, kd, vd, batch.decode_mask, False, scale).squeeze(2)
 
+    if batch.prefill_kv_lens is not None and kern is not None and k_pool is not None:
+        # All prefill queries (they follow the decodes) in one call: the kernel cuts them into tiles.
+        out[nd:] = kern.paged_attention(q[nd:].contiguous(), k_pool, v_pool, batch.prefill_block_tables,
+                                        batch.prefill_rows, batch.prefill_kv_lens, scale)
+        return out
     for seg in batch.prefills:
         s, e = seg.q_start, seg.q_start + seg.q_len
         if seg.kernel_table is not None:

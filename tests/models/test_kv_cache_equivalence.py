@@ -4,8 +4,10 @@ the whole sequence with the cache-free reference forward pass at every step."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+from chatloom.models.kernels import load_kernels
 
 
 def reference_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -93,3 +95,40 @@ def test_real_model_engine_equals_recompute(smollm2):
                 assert gap < 1e-3, f"prompt {i}: token {k} is {token}, reference argmax {best[k]} (gap {gap:.2e})"
                 break  # past a legitimate coin flip the continuations may differ
     assert "Paris" in tok.decode(got[0])
+
+
+def _prompt_logits(loaded, prompt: list[int], warm: list[int] | None = None, **config) -> tuple[torch.Tensor, int]:
+    """The logits the engine computes after `prompt`'s prefill (after `warm`'s, for a prefix-cache hit),
+    and the engine's prefix-cache hits."""
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, **config))
+    seen = []
+    execute = engine.runner.execute
+
+    def capture(batch):
+        result = execute(batch)
+        seen.append(result.logits.clone())
+        return result
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=0)  # sampled: the step returns its logits
+    if warm is not None:  # it decodes a few tokens, so its prompt's blocks are published before it ends
+        engine.generate([warm], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    engine.runner.execute = capture
+    engine.generate([prompt], params, use_tqdm=False)
+    return seen[-1], engine.get_stats()["prefix_cache_hits"]
+
+
+@pytest.mark.parametrize("model", ["tiny_model_fp32", "smollm2"])
+def test_a_prompts_bits_do_not_depend_on_how_it_was_prefilled(model, request):
+    # With the C++ kernels every prefill query attends through the paged kernel with a decode step's
+    # arithmetic: the prompt in one step, in chunks of 8 or 40 tokens, or after 64 of its tokens came
+    # from the prefix cache, gives the very same logits.
+    if load_kernels() is None:
+        pytest.skip("C++ kernels unavailable")
+    loaded = request.getfixturevalue(model)
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(100)]
+    whole, _ = _prompt_logits(loaded, prompt)
+    assert torch.equal(_prompt_logits(loaded, prompt, max_num_batched_tokens=8, block_size=8)[0], whole)
+    assert torch.equal(_prompt_logits(loaded, prompt, max_num_batched_tokens=40)[0], whole)
+    hit, hits = _prompt_logits(loaded, prompt, warm=prompt[:64] + [1, 2, 3])
+    assert hits > 0
+    assert torch.equal(hit, whole)

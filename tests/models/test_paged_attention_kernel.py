@@ -96,3 +96,49 @@ def test_pools_of_two_types_or_a_16_bit_pool_with_float64_queries_are_refused():
         kernels.paged_attention(q, kp.half(), vp, tables, rows, kv_lens, 0.25)
     with pytest.raises(RuntimeError, match="float32 queries"):
         kernels.paged_attention(q.double(), kp.half(), vp.half(), tables, rows, kv_lens, 0.25)
+
+
+def _prefill_case(d: int, hq: int, hkv: int, chunks: list[tuple[int, int]], pool_dtype=torch.float32, seed: int = 3):
+    """Prefill-shaped queries: for each (start, n), n consecutive queries of one sequence, query j of
+    the chunk seeing start + j + 1 positions (a whole prompt when start is 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 16
+    width = max(-(-(s + n) // block_size) for s, n in chunks)
+    num_blocks = width * len(chunks) + 5
+    k_pool = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(pool_dtype)
+    v_pool = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(pool_dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: width * len(chunks)].view(len(chunks), width).to(torch.int32)
+    rows = torch.cat([torch.full((n,), r, dtype=torch.int32) for r, (_, n) in enumerate(chunks)])
+    kv_lens = torch.cat([torch.arange(s + 1, s + n + 1, dtype=torch.int32) for s, n in chunks])
+    q = torch.randn(len(rows), hq, d, generator=gen)
+    return q, k_pool, v_pool, tables, rows, kv_lens
+
+
+# Chunks that cross the tiles' 8 queries and 64-position spans, short ones that fit in neither, and
+# chunks whose context starts far back (a prompt continued after a prefix-cache hit or a chunk).
+PREFILL_CHUNKS = [(0, 1), (0, 7), (0, 8), (0, 9), (0, 70), (5, 3), (64, 17), (130, 40), (0, 200), (333, 65)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (16, 12, 2), (128, 8, 2), (32, 4, 4), (80, 4, 1)])
+def test_prefill_queries_get_the_bits_each_gets_alone(path, pool_dtype, d, hq, hkv):
+    # Runs of queries of one sequence go through the tiles; each query alone through the one-query
+    # job a decode step runs. Same bits, so a prompt's tokens do not depend on how it was split.
+    q, kp, vp, tables, rows, kv_lens = _prefill_case(d, hq, hkv, PREFILL_CHUNKS, pool_dtype)
+    batch = kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, d ** -0.5, path)
+    for i in range(len(rows)):
+        alone = kernels.paged_attention(q[i:i + 1], kp, vp, tables, rows[i:i + 1], kv_lens[i:i + 1], d ** -0.5, path)
+        assert torch.equal(alone[0], batch[i]), (path, i)
+    ref = _reference(q, kp.float(), vp.float(), tables[rows.long()], kv_lens, d ** -0.5)
+    torch.testing.assert_close(batch, ref, rtol=1e-5, atol=2e-6)
+
+
+def test_a_prompt_split_into_chunks_gets_the_same_bits():
+    # One 150-token prompt in one call, and the same queries in chunks of 1, 8 and 50 calls.
+    q, kp, vp, tables, rows, kv_lens = _prefill_case(64, 9, 3, [(0, 150)])
+    whole = kernels.paged_attention(q, kp, vp, tables, rows, kv_lens, 0.125)
+    for size in (1, 8, 50):
+        parts = [kernels.paged_attention(q[s:s + size], kp, vp, tables, rows[s:s + size], kv_lens[s:s + size], 0.125)
+                 for s in range(0, 150, size)]
+        assert torch.equal(torch.cat(parts), whole), size
