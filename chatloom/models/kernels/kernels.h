@@ -7,6 +7,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
                               double scale, const std::string& isa = "auto");
 
+// paged_attention's AVX-512 path for runs of consecutive queries of one sequence (prompts, chunks),
+// in tiles that read each span of K/V once (prefill_attention.cpp), into out. Returns false, doing
+// nothing, where it does not apply: no two consecutive queries share a row, queries not float32, a
+// head size other than 16-128, or a build without AVX-512.
+bool paged_attention_tiles(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                           const torch::Tensor& block_tables, const torch::Tensor& rows, const torch::Tensor& kv_lens,
+                           double scale, torch::Tensor& out);
+
 // A decode-only batch's attention from the fused QKV projection [T, (Hq + 2 Hkv) D]: rotary, the
 // pool writes at slot_mapping and paged_attention in one call (decode_attention.cpp); [T, Hq D].
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,

@@ -3,6 +3,7 @@
 // block table is block_tables[row[i]]. Work is split over (query token, KV head);
 // the query heads that share a KV head (GQA) are scored together so K and V are read once.
 #include "kernels.h"
+#include "attention_simd.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -12,20 +13,6 @@
 #include <string>
 #include <type_traits>
 #include <vector>
-
-// A pool of 16-bit values (float16 or bfloat16) halves the bytes a decode step reads; the
-// arithmetic stays float32: each value is widened as it is loaded.
-// A decode step's pools are far bigger than the caches and a sequence's blocks lie anywhere in
-// them, so most rows would be demand misses: the hardware prefetchers stop at page ends and need a
-// run to learn each stream. Every path's passes ask for the rows they will need kPrefetchAhead
-// positions later, into L2 (__builtin_prefetch with locality 2: prefetcht1 on x86): in L1 the
-// requests would take the few miss buffers the loads need. Measured on Zen 4 at 32 sequences of
-// 150-250 positions: 16 ahead, into L2, read the pools a third faster than no prefetch; 8 or 32
-// ahead, or into L1, gained less.
-constexpr int64_t kPrefetchAhead = 16;
-static inline void prefetch_span(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
-}
 
 // The three inner loops, portable: the compiler vectorizes what it can.
 template <typename T, typename Acc>
@@ -54,104 +41,7 @@ struct PortableOps {
   }
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp for x <= 0 (scores minus their maximum): 2^n * p(r) with |r| <= ln2 / 2 and a
-// degree-6 Taylor polynomial, within a few ulp of expf; underflows to 2^-126 near -87.
-static inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
-
-// Eight pool values as float32: a float16 is widened by F16C, a bfloat16 is a float32's top half.
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-static inline __m256 load8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-// The same loops in AVX2 for float32 with a head size that is a multiple of 16; the
-// softmax's exponentials run eight at a time.
-struct Avx2F32Ops {
-  template <typename KV>
-  static float dot(const float* q, const KV* k, int64_t d) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int64_t x = 0; x < d; x += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8(k + x), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x + 8), load8(k + x + 8), a1);
-    }
-    return hsum8(_mm256_add_ps(a0, a1));
-  }
-  static float exp_shift(float* st, int64_t len, float m) {
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 vs = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(st + t), mv));
-      _mm256_storeu_ps(st + t, e);
-      vs = _mm256_add_ps(vs, e);
-    }
-    float tail = 0.f;
-    for (; t < len; ++t) {
-      st[t] = std::exp(st[t] - m);
-      tail += st[t];
-    }
-    return hsum8(vs) + tail;
-  }
-  template <typename KV>
-  static void axpy(float* a, float p, const KV* v, int64_t d) {
-    const __m256 pv = _mm256_set1_ps(p);
-    for (int64_t x = 0; x < d; x += 8)
-      _mm256_storeu_ps(a + x, _mm256_fmadd_ps(pv, load8(v + x), _mm256_loadu_ps(a + x)));
-  }
-};
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// Sixteen pool values as float32 (see load8).
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-static inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// Four scores from four 16-lane partial sums: [sum(a0), sum(a1), sum(a2), sum(a3)].
-static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  auto halves = [](__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  };
-  const __m256 c01 = _mm256_hadd_ps(halves(a0), halves(a1));
-  const __m256 c23 = _mm256_hadd_ps(halves(a2), halves(a3));
-  const __m256 d = _mm256_hadd_ps(c01, c23);
-  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
-}
-
-// prefetch_span's request as the AVX-512 passes make it. The same prefetcht1 instructions, but built
-// with prefetch_span (or with kv_head in place of pf_head, below) the passes read scattered pools
-// 10-20% slower on Zen 4, in every alternated run of the two builds: code layout, not arithmetic.
-template <typename KV>
-static inline void prefetch_row(const KV* p, int bytes) {
-  for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T1);
-}
-
 // Pass 1 for GC query heads that share one KV head: scores of four cached positions at a time,
 // each K row read once for all GC heads (GC * 4 independent multiply-add chains, one shuffle tree
 // per head for its four sums). Every score is reduced the same way wherever it falls (a short last
@@ -213,23 +103,6 @@ static inline void weigh_values(const KV* vp, const int64_t* offs, int64_t len, 
   }
 }
 
-// The most query heads one pass carries in registers: GC * D16 query (or accumulator) vectors
-// and GC * 4 partial sums must fit the 32 vector registers.
-template <int D16>
-constexpr int max_heads_per_pass() { return D16 == 1 ? 5 : D16 == 2 ? 4 : D16 == 4 ? 3 : 2; }
-
-// Calls body(std::integral_constant<int, GC>) for gc in 1..max_heads_per_pass<D16>().
-template <int D16, typename F>
-static inline void with_heads(int64_t gc, F&& body) {
-  switch (gc) {
-    case 1: body(std::integral_constant<int, 1>{}); break;
-    case 2: if constexpr (max_heads_per_pass<D16>() >= 2) body(std::integral_constant<int, 2>{}); break;
-    case 3: if constexpr (max_heads_per_pass<D16>() >= 3) body(std::integral_constant<int, 3>{}); break;
-    case 4: if constexpr (max_heads_per_pass<D16>() >= 4) body(std::integral_constant<int, 4>{}); break;
-    default: if constexpr (max_heads_per_pass<D16>() >= 5) body(std::integral_constant<int, 5>{}); break;
-  }
-}
-
 // One job's attention in AVX-512 for float32 heads of 16 * D16 values. The query heads that share
 // a KV head go through both passes together, a few at a time, so K and V rows are read once per
 // pass rather than once per query head. `offs[t]`: where position t's row starts in the pools.
@@ -267,148 +140,6 @@ static void attend_avx512(const float* qv, const KV* kp, const KV* vp, const int
   }
 }
 
-// -- Prefill: a tile of queries of one sequence ------------------------------------------------
-// A prompt (or a chunk of one) is many queries of one sequence over the same cached positions. Run
-// one at a time, each query reads every K and V row it sees from memory again. A tile's queries go
-// through the positions together, kTileSpan at a time, so a span's rows are read once for the
-// whole tile and stay in L1 while each query takes its turn. Every query's arithmetic is the one
-// attend_avx512 does for it alone (the same multiply-add chains, reduction trees, exponentials and
-// accumulation order; partial results kept in scratch between spans are stored exactly), so a
-// query's bits do not depend on whether it came in a prompt, a chunk or a decode step.
-constexpr int64_t kTileQueries = 8;
-constexpr int64_t kTileSpan = 64;  // a multiple of score_heads' groups of 4
-
-// score_heads over positions [tb, te) of a query that sees `len` (tb a multiple of 4, te <= len or a
-// multiple of 4); the running maxima come in and go out through best_io.
-template <int D16, int GC, typename KV>
-static inline void score_span(const float* qv, const KV* kp, const int64_t* offs, int64_t tb, int64_t te,
-                              int64_t len, int64_t kv_head, float* scores, int64_t stride, __m512* best_io) {
-  constexpr int64_t d = 16 * D16;
-  __m512 q[GC][D16];
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < D16; ++c) q[g][c] = _mm512_loadu_ps(qv + g * d + 16 * c);
-  __m512 best[GC];
-  for (int g = 0; g < GC; ++g) best[g] = best_io[g];
-  for (int64_t t = tb; t < te; t += 4) {
-    __m512 a[GC][4];
-    for (int i = 0; i < 4; ++i) {
-      for (int g = 0; g < GC; ++g) a[g][i] = _mm512_setzero_ps();
-      if (t + i < len) {
-        const KV* krow = kp + offs[t + i] + kv_head;
-        for (int c = 0; c < D16; ++c) {
-          const __m512 k = load16(krow + 16 * c);
-          for (int g = 0; g < GC; ++g) a[g][i] = _mm512_fmadd_ps(q[g][c], k, a[g][i]);
-        }
-      }
-    }
-    const int64_t n = std::min<int64_t>(4, len - t);
-    const __mmask16 keep = (__mmask16)((1u << n) - 1);
-    for (int g = 0; g < GC; ++g) {
-      const __m128 s4 = reduce4(a[g][0], a[g][1], a[g][2], a[g][3]);
-      _mm512_mask_storeu_ps(scores + g * stride + t, keep, _mm512_castps128_ps512(s4));
-      best[g] = _mm512_mask_max_ps(best[g], keep, best[g], _mm512_castps128_ps512(s4));
-    }
-  }
-  for (int g = 0; g < GC; ++g) best_io[g] = best[g];
-}
-
-// weigh_values over positions [tb, te): the accumulators come in and go out through acc_io.
-template <int D16, int GC, typename KV>
-static inline void weigh_span(const KV* vp, const int64_t* offs, int64_t tb, int64_t te, int64_t kv_head,
-                              const float* scores, int64_t stride, float* acc_io) {
-  constexpr int64_t d = 16 * D16;
-  __m512 acc[GC][D16];
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < D16; ++c) acc[g][c] = _mm512_loadu_ps(acc_io + g * d + 16 * c);
-  for (int64_t t = tb; t < te; ++t) {
-    const KV* vrow = vp + offs[t] + kv_head;
-    for (int c = 0; c < D16; ++c) {
-      const __m512 v = load16(vrow + 16 * c);
-      for (int g = 0; g < GC; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + t]), v, acc[g][c]);
-    }
-  }
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc_io + g * d + 16 * c, acc[g][c]);
-}
-
-// Asks for one KV head's rows of positions [tb, min(tb + kTileSpan, len)) into L2, a span before the
-// tile needs them: a long context's rows come from memory (see kPrefetchAhead).
-template <typename KV>
-static inline void prefetch_span_rows(const KV* pool, const int64_t* offs, int64_t tb, int64_t len, int64_t kv_head,
-                                      int bytes) {
-  for (int64_t t = tb; t < std::min(tb + kTileSpan, len); ++t) prefetch_row(pool + offs[t] + kv_head, bytes);
-}
-
-struct TileScratch {
-  std::vector<float> qv, scores, acc, mx, sum;
-  std::vector<__m512> best;
-};
-
-// nt queries of one sequence (rows [hq * d] of q and out), query i seeing lens[i] positions;
-// offs[t]: where position t's row starts in the pools, for every t below the largest len.
-template <int D16, typename KV>
-static void attend_tile_avx512(const float* q, int64_t nt, const int32_t* lens, const KV* kp, const KV* vp,
-                               const int64_t* offs, int64_t hkv, int64_t group, double scale, TileScratch& sc,
-                               float* out) {
-  constexpr int64_t d = 16 * D16;
-  constexpr int64_t per_pass = max_heads_per_pass<D16>();
-  const int64_t hq = hkv * group;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < nt; ++i) max_len = std::max<int64_t>(max_len, lens[i]);
-  const int64_t stride = (max_len + 3) & ~int64_t(3);  // one head's scores; room for a last group's masked store
-  sc.qv.resize(nt * hq * d);
-  sc.scores.resize(nt * hq * stride);
-  sc.acc.assign(nt * hq * d, 0.f);
-  sc.mx.resize(nt * hq);
-  sc.sum.resize(nt * hq);
-  sc.best.assign(nt * hq, _mm512_set1_ps(-std::numeric_limits<float>::max()));
-  for (int64_t x = 0; x < nt * hq * d; ++x) sc.qv[x] = q[x] * (float)scale;
-  for (int64_t hh = 0; hh < hkv; ++hh) {
-    for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
-      const int64_t j = hh * group + g0;
-      with_heads<D16>(std::min(per_pass, group - g0), [&](auto gc) {
-        for (int64_t tb = 0; tb < max_len; tb += kTileSpan) {
-          if (g0 == 0) prefetch_span_rows(kp, offs, tb + kTileSpan, max_len, hh * d, (int)(d * sizeof(KV)));
-          for (int64_t i = 0; i < nt; ++i) {
-            if (lens[i] <= tb) continue;
-            const int64_t row = i * hq + j;
-            score_span<D16, decltype(gc)::value, KV>(sc.qv.data() + row * d, kp, offs, tb,
-                                                     std::min<int64_t>(tb + kTileSpan, lens[i]), lens[i], hh * d,
-                                                     sc.scores.data() + row * stride, stride, sc.best.data() + row);
-          }
-        }
-      });
-    }
-  }
-  for (int64_t i = 0; i < nt; ++i)
-    for (int64_t j = 0; j < hq; ++j) {
-      const int64_t row = i * hq + j;
-      sc.mx[row] = _mm512_reduce_max_ps(sc.best[row]);
-      sc.sum[row] = Avx2F32Ops::exp_shift(sc.scores.data() + row * stride, lens[i], sc.mx[row]);
-    }
-  for (int64_t hh = 0; hh < hkv; ++hh) {
-    for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
-      const int64_t j = hh * group + g0;
-      with_heads<D16>(std::min(per_pass, group - g0), [&](auto gc) {
-        for (int64_t tb = 0; tb < max_len; tb += kTileSpan) {
-          if (g0 == 0) prefetch_span_rows(vp, offs, tb + kTileSpan, max_len, hh * d, (int)(d * sizeof(KV)));
-          for (int64_t i = 0; i < nt; ++i) {
-            if (lens[i] <= tb) continue;
-            const int64_t row = i * hq + j;
-            weigh_span<D16, decltype(gc)::value, KV>(vp, offs, tb, std::min<int64_t>(tb + kTileSpan, lens[i]),
-                                                     hh * d, sc.scores.data() + row * stride, stride,
-                                                     sc.acc.data() + row * d);
-          }
-        }
-      });
-    }
-  }
-  for (int64_t row = 0; row < nt * hq; ++row) {
-    const __m512 inv = _mm512_set1_ps(1.f / sc.sum[row]);
-    for (int c = 0; c < D16; ++c)
-      _mm512_storeu_ps(out + row * d + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(sc.acc.data() + row * d + 16 * c), inv));
-  }
-}
 #endif
 
 // The attention's instruction path: "auto" is AVX-512 where the build has it unless
@@ -523,71 +254,6 @@ static int64_t wide16_for(bool wide, int64_t d) {
   return wide && (d == 16 || d == 32 || d == 64 || d == 128) ? d / 16 : 0;
 }
 
-#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// Where position t's row starts in the pools, for t < len of the sequence whose block table is `table`.
-static void row_offsets(const int32_t* table, int64_t len, int64_t block_size, int64_t row_stride,
-                        std::vector<int64_t>& offs) {
-  offs.resize(len);
-  for (int64_t t = 0, b = 0; t < len; ++b)
-    for (int64_t w = 0; w < block_size && t < len; ++w, ++t) offs[t] = ((int64_t)table[b] * block_size + w) * row_stride;
-}
-
-// The queries in tiles: runs of consecutive queries of one sequence (a prompt, a chunk, a decode with
-// its proposed tokens), cut every kTileQueries. Returns false, doing nothing, when no two
-// consecutive queries share a sequence (a plain decode batch: the one-query jobs suit it better).
-template <typename T, typename KV>
-static bool attend_tiles(const T* q, const KV* kp, const KV* vp, const int32_t* tables, const int32_t* rows,
-                         const int32_t* kv_lens, T* out, int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
-                         int64_t block_size, int64_t table_width, double scale, int64_t wide16, int64_t max_threads) {
-  std::vector<int64_t> starts;  // tile t holds queries [starts[t], starts[t + 1])
-  bool shared = false;
-  for (int64_t i = 0; i < n_tokens; ++i) {
-    const bool same = i > 0 && rows[i] == rows[i - 1];
-    shared |= same;
-    if (!same || i - starts.back() == kTileQueries) starts.push_back(i);
-  }
-  if (!shared) return false;
-  starts.push_back(n_tokens);
-  const int64_t tiles = (int64_t)starts.size() - 1;
-  // A tile costs the positions its queries see, plus a fixed amount per query (see paged_attention_impl).
-  std::vector<int64_t> cost(tiles + 1, 0);
-  for (int64_t t = 0; t < tiles; ++t) {
-    int64_t c = 0;
-    for (int64_t i = starts[t]; i < starts[t + 1]; ++i) c += (int64_t)kv_lens[i] + 8;
-    cost[t + 1] = cost[t] + c;
-  }
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, tiles));
-  std::vector<int64_t> bounds(threads + 1, tiles);
-  bounds[0] = 0;
-  for (int64_t part = 1, t = 0; part < threads; ++part) {
-    while (t < tiles && cost[t] * threads < cost[tiles] * part) ++t;
-    bounds[part] = t;
-  }
-  const int64_t group = hq / hkv, row_stride = hkv * d;
-  at::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t end_part) {
-    TileScratch scratch;
-    std::vector<int64_t> offs;
-    for (int64_t t = bounds[first_part]; t < bounds[end_part]; ++t) {
-      const int64_t i0 = starts[t], nt = starts[t + 1] - i0;
-      int64_t max_len = 0;
-      for (int64_t i = i0; i < i0 + nt; ++i) max_len = std::max<int64_t>(max_len, kv_lens[i]);
-      row_offsets(tables + (int64_t)rows[i0] * table_width, max_len, block_size, row_stride, offs);
-      auto run = [&](auto d16) {
-        attend_tile_avx512<decltype(d16)::value, KV>(q + i0 * hq * d, nt, kv_lens + i0, kp, vp, offs.data(), hkv,
-                                                     group, scale, scratch, out + i0 * hq * d);
-      };
-      switch (wide16) {
-        case 1: run(std::integral_constant<int, 1>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        case 4: run(std::integral_constant<int, 4>{}); break;
-        default: run(std::integral_constant<int, 8>{}); break;
-      }
-    }
-  });
-  return true;
-}
-#endif
-
 template <typename T, typename KV, typename Acc, typename Ops>
 static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const int32_t* tables,
                                  const int32_t* rows, const int32_t* kv_lens, T* out,
@@ -626,15 +292,6 @@ static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const i
       while (next < threads && done * threads >= total * next) bounds[next++] = job + 1;
     }
   }
-#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<Ops, Avx2F32Ops> && std::is_same_v<T, float>) {
-    if (wide16 > 0 && n_tokens >= 2) {
-      if (attend_tiles<T, KV>(q, kp, vp, tables, rows, kv_lens, out, n_tokens, hq, hkv, d, block_size, table_width,
-                              scale, wide16, one_thread ? 1 : at::get_num_threads()))
-        return;
-    }
-  }
-#endif
   at::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t end_part) {
     JobScratch<Acc> scratch;
     for (int64_t job = bounds[first_part]; job < bounds[end_part]; ++job) {
@@ -698,6 +355,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_pool.size(1), hkv = k_pool.size(2);
   const auto pool_type = k_pool.scalar_type();
+  // Runs of queries of one sequence (a prompt, a chunk) go through the tiles, with the same bits.
+  if (wide && paged_attention_tiles(q, k_pool, v_pool, block_tables, rows, kv_lens, scale, out)) return out;
   if (pool_type == torch::kHalf || pool_type == torch::kBFloat16) {
     TORCH_CHECK(q.scalar_type() == torch::kFloat32, "a 16-bit KV pool takes float32 queries");
     if (pool_type == torch::kHalf)
