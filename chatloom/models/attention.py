@@ -199,18 +199,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
         out[:nd] = _attend(qd, kd, vd, batch.decode_mask, False, scale).squeeze(2)
 
-    if batch.prefill_kv_lens is not None and kern is not None and k_pool is not None:
+    if batch.prefill_kv_lens is not None:
         # All prefill queries (they follow the decodes) in one call: the kernel cuts them into tiles.
         out[nd:] = kern.paged_attention(q[nd:].contiguous(), k_pool, v_pool, batch.prefill_block_tables,
                                         batch.prefill_rows, batch.prefill_kv_lens, scale)
         return out
+    # Without the kernel: PyTorch's SDPA, segment by segment.
     for seg in batch.prefills:
         s, e = seg.q_start, seg.q_start + seg.q_len
-        if seg.kernel_table is not None:
-            rows = torch.zeros(seg.q_len, dtype=torch.int32)
-            out[s:e] = kern.paged_attention(q[s:e].contiguous(), k_pool, v_pool, seg.kernel_table, rows,
-                                            seg.kernel_kv_lens, scale)
-            continue
         qs = q[s:e].transpose(0, 1).unsqueeze(0)
         if seg.block_table is None:
             # The chunk is the whole context: attend to its own fresh K/V.
