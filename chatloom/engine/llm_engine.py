@@ -77,7 +77,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._finished_outputs: deque[RequestOutput] = deque()
         self.spec = build_speculative_decoder(self.config, self.max_model_len, loaded, num_blocks)
-        self.runner.argmax_only_steps = self.spec is None  # verification reads the logits
         if self.spec is not None and self.spec.adaptive:
             calibrate_decoder(self.spec, self.runner, self.config)
 
@@ -156,10 +155,10 @@ class LLMEngine:
             if self.guide.apply(logits, row_ids):
                 argmax = picks = None  # masked rows: the runner's argmax may be a forbidden token
         failures: dict = {}
-        if self.spec is not None:
-            if not batch.prefills and not fwd.failed:
-                self.spec.observe_step(batch.num_tokens, time.perf_counter() - t0)
-            new_tokens = self.spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids) if sampled else []
+        if self.spec is not None and not batch.prefills and not fwd.failed:
+            self.spec.observe_step(batch.num_tokens, time.perf_counter() - t0)
+        if self.spec is not None and any(s.spec_token_ids for s in sampled):
+            new_tokens = self.spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids)
         else:
             drawn, failures = self.sampler.sample(logits, sampled, self.eos_ids, argmax, picks) if sampled else ([], {})
             new_tokens = [[t] for t in drawn]

@@ -48,8 +48,8 @@ class ModelRunner:
         # Called just before each forward's native code (which runs without the GIL): AsyncEngine
         # hands the previous step's outputs to the event loop there.
         self.before_forward: Callable[[], None] | None = None
-        # Whether a step whose rows are all plain greedy may skip the logits (the engine turns it off
-        # where something else reads them: speculative decoding).
+        # Whether a plain decode step whose rows are all plain greedy may skip the logits (tests turn it
+        # off to compare). A step that checks proposals never does: it runs the general path.
         self.argmax_only_steps = True
 
     def copy_block_prefix(self, src: int, dst: int, n: int) -> None:

@@ -182,11 +182,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         flat_v = v_pool.view(-1, v_pool.shape[2], v_pool.shape[3])
         flat_k.index_copy_(0, batch.slot_mapping, k)
         flat_v.index_copy_(0, batch.slot_mapping, v)
-        k, v = k.to(q.dtype), v.to(q.dtype)
 
     nd = batch.num_decode
     kern = batch.kernels
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if window is not None or softcap is not None or (batch.prefills and batch.prefill_kv_lens is None):
+        # Only the PyTorch paths read this step's fresh K/V (the kernel reads the pool), in q's dtype
+        # as the pool rounded them: a 16-bit pool's step skips the conversion otherwise.
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if window is not None or softcap is not None:
         return _windowed_attention(q, k, v, k_pool, v_pool, batch, out, scale, window, softcap)
     if nd and kern is not None:

@@ -180,3 +180,33 @@ def test_real_model_greedy_identical_with_ngram(smollm2):
                 row = logits[len(p) - 1 + i].double()
                 assert float(row[a] - row[b]) < 1e-3, f"token {i}: {a} vs {b} is no near tie"
                 break
+
+
+
+def test_plain_steps_keep_the_argmax_only_head_with_ngram_on(smollm2, monkeypatch):
+    """With speculation on, a decode step in which no sequence carries proposals is a plain step:
+    it takes the native step's argmax-only head (no logits), as it would with speculation off;
+    steps that check proposals take the general path, which gives logits. Same tokens either way.
+    (The tiny model has no native head, so this needs the bundled model's quantized one.)"""
+    tok = smollm2.tokenizer
+    prompts = [tok.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n") for t in
+               ("Say the word apple five times.", "Name three colours.", "Count from one to ten.")]
+    model = smollm2.model
+    if not model.decodes_tokens():
+        pytest.skip("no native decode step here (kernels off)")
+    calls: list[bool] = []
+    native = model.decode_tokens
+
+    def spy(*args, **kwargs):
+        calls.append(bool(kwargs.get("argmax_only", args[6] if len(args) > 6 else False)))
+        return native(*args, **kwargs)
+
+    monkeypatch.setattr(model, "decode_tokens", spy)
+    got, engine = run(smollm2, prompts, "ngram", 16, num_blocks=64, speculative_adaptive=False)
+    stats = engine.get_stats()
+    assert stats["spec_decode_num_drafts"] > 0, "some steps should have checked proposals"
+    assert calls, "plain decode steps should run the native stack"
+    assert all(calls), "every plain greedy decode step should skip the logits"
+    monkeypatch.setattr(model, "decode_tokens", native)
+    want, _ = run(smollm2, prompts, "off", 16, num_blocks=64)
+    assert got == want
