@@ -18,6 +18,18 @@
 // 150-250 positions: 16 ahead, into L2, read the pools a third faster than no prefetch; 8 or 32
 // ahead, or into L1, gained less.
 constexpr int64_t kPrefetchAhead = 16;
+
+// Waking the second thread costs more than a short step's whole attention (a chat's first few
+// hundred positions at batch 1): below about 64K multiply-adds a call runs on the calling thread.
+static inline bool attention_fits_one_thread(const int32_t* kv_lens, int64_t n_queries, int64_t hq, int64_t d) {
+  int64_t positions = 0;
+  for (int64_t i = 0; i < n_queries; ++i) positions += (int64_t)kv_lens[i];
+  return positions * 2 * hq * d < (int64_t)1 << 16;
+}
+
+// A query's share of a call's work, to split it between threads: the positions it sees, plus a
+// fixed amount (its setup and the last group's reductions) counted as 8 positions.
+static inline int64_t query_cost(int32_t kv_len) { return (int64_t)kv_len + 8; }
 static inline void prefetch_span(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
 }

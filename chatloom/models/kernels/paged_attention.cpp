@@ -260,12 +260,7 @@ static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const i
                                  int64_t n_tokens, int64_t hq, int64_t hkv, int64_t d,
                                  int64_t block_size, int64_t table_width, double scale, bool wide) {
   const int64_t group = hq / hkv;
-  // Waking the second thread costs more than a short step's whole attention (a chat's first few
-  // hundred positions at batch 1): below about 64K multiply-adds it all runs on this thread.
-  int64_t work = 0;
-  for (int64_t i = 0; i < n_tokens; ++i) work += (int64_t)kv_lens[i];
-  work *= 2 * hq * d;
-  const bool one_thread = work < (int64_t)1 << 16;
+  const bool one_thread = attention_fits_one_thread(kv_lens, n_tokens, hq, d);
   // With several query tokens (or one thread doing it all), one job takes all KV heads of a token,
   // so each cached position is read as one contiguous run (hkv * d values) that prefetchers
   // stream well. With very few tokens on two threads, split by KV head so both cores have work.
@@ -282,8 +277,7 @@ static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const i
   std::vector<int64_t> bounds(threads + 1, jobs);
   bounds[0] = 0;
   if (threads > 1) {
-    // A job also costs a fixed amount (its setup and the last group's reductions): count it as 8 positions.
-    const auto job_cost = [&](int64_t job) { return (int64_t)kv_lens[job / jobs_per_token] + 8; };
+    const auto job_cost = [&](int64_t job) { return query_cost(kv_lens[job / jobs_per_token]); };
     int64_t total = 0;
     for (int64_t job = 0; job < jobs; ++job) total += job_cost(job);
     int64_t done = 0, next = 1;

@@ -89,17 +89,15 @@ struct TileScratch {
   std::vector<__m512> best;
 };
 
-// nt queries of one sequence (rows [hq * d] of q and out), query i seeing lens[i] positions;
-// offs[t]: where position t's row starts in the pools, for every t below the largest len.
+// nt queries of one sequence (rows [hq * d] of q and out), query i seeing lens[i] positions, max_len
+// the largest; offs[t]: where position t's row starts in the pools, for every t below max_len.
 template <int D16, typename KV>
-static void attend_tile_avx512(const float* q, int64_t nt, const int32_t* lens, const KV* kp, const KV* vp,
-                               const int64_t* offs, int64_t hkv, int64_t group, double scale, TileScratch& sc,
-                               float* out) {
+static void attend_tile_avx512(const float* q, int64_t nt, const int32_t* lens, int64_t max_len, const KV* kp,
+                               const KV* vp, const int64_t* offs, int64_t hkv, int64_t group, double scale,
+                               TileScratch& sc, float* out) {
   constexpr int64_t d = 16 * D16;
   constexpr int64_t per_pass = max_heads_per_pass<D16>();
   const int64_t hq = hkv * group;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < nt; ++i) max_len = std::max<int64_t>(max_len, lens[i]);
   const int64_t stride = (max_len + 3) & ~int64_t(3);  // one head's scores; room for a last group's masked store
   sc.qv.resize(nt * hq * d);
   sc.scores.resize(nt * hq * stride);
@@ -180,11 +178,11 @@ static bool attend_tiles(const float* q, const KV* kp, const KV* vp, const int32
   if (!shared) return false;
   starts.push_back(n_tokens);
   const int64_t tiles = (int64_t)starts.size() - 1;
-  // A tile costs the positions its queries see, plus a fixed amount per query (see paged_attention_impl).
+  // A tile costs what its queries cost.
   std::vector<int64_t> cost(tiles + 1, 0);
   for (int64_t t = 0; t < tiles; ++t) {
     int64_t c = 0;
-    for (int64_t i = starts[t]; i < starts[t + 1]; ++i) c += (int64_t)kv_lens[i] + 8;
+    for (int64_t i = starts[t]; i < starts[t + 1]; ++i) c += query_cost(kv_lens[i]);
     cost[t + 1] = cost[t] + c;
   }
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(max_threads, tiles));
@@ -204,8 +202,8 @@ static bool attend_tiles(const float* q, const KV* kp, const KV* vp, const int32
       for (int64_t i = i0; i < i0 + nt; ++i) max_len = std::max<int64_t>(max_len, kv_lens[i]);
       row_offsets(tables + (int64_t)rows[i0] * table_width, max_len, block_size, row_stride, offs);
       auto run = [&](auto d16) {
-        attend_tile_avx512<decltype(d16)::value, KV>(q + i0 * hq * d, nt, kv_lens + i0, kp, vp, offs.data(), hkv,
-                                                     group, scale, scratch, out + i0 * hq * d);
+        attend_tile_avx512<decltype(d16)::value, KV>(q + i0 * hq * d, nt, kv_lens + i0, max_len, kp, vp, offs.data(),
+                                                     hkv, group, scale, scratch, out + i0 * hq * d);
       };
       switch (wide16) {
         case 1: run(std::integral_constant<int, 1>{}); break;
@@ -226,11 +224,8 @@ bool paged_attention_tiles(const torch::Tensor& q, const torch::Tensor& k_pool, 
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = k_pool.size(1), hkv = k_pool.size(2);
   if (n < 2 || q.scalar_type() != torch::kFloat32 || !(d == 16 || d == 32 || d == 64 || d == 128)) return false;
-  // Below about 64K multiply-adds the whole call runs on this thread (see paged_attention_impl).
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
-  int64_t work = 0;
-  for (int64_t i = 0; i < n; ++i) work += (int64_t)lens[i];
-  const int64_t max_threads = work * 2 * hq * d < ((int64_t)1 << 16) ? 1 : at::get_num_threads();
+  const int64_t max_threads = attention_fits_one_thread(lens, n, hq, d) ? 1 : at::get_num_threads();
   auto run = [&](auto* kp, auto* vp) {
     return attend_tiles(q.data_ptr<float>(), kp, vp, block_tables.data_ptr<int32_t>(), rows.data_ptr<int32_t>(),
                         lens, out.data_ptr<float>(), n, hq, hkv, d, bs, block_tables.size(1), scale, d / 16,
