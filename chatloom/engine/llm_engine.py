@@ -158,7 +158,7 @@ class LLMEngine:
         if self.spec is not None and not batch.prefills and not fwd.failed:
             self.spec.observe_step(batch.num_tokens, time.perf_counter() - t0)
         if self.spec is not None and any(s.spec_token_ids for s in sampled):
-            new_tokens = self.spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids)
+            new_tokens, failures = self.spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids, picks)
         else:
             drawn, failures = self.sampler.sample(logits, sampled, self.eos_ids, argmax, picks) if sampled else ([], {})
             new_tokens = [[t] for t in drawn]

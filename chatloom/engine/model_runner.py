@@ -33,7 +33,7 @@ class ForwardResult:
     argmax: torch.Tensor | None
     sampled: list[Sequence]  # the sequences that produce a token this step, in logits order
     failed: dict[Sequence, Exception] = field(default_factory=dict)  # sequences whose forward failed alone
-    picks: GreedyPicks | None = None  # argmax as ints, where the native decode step made them
+    picks: GreedyPicks | None = None  # each row's argmax as ints, where a native step found them (logits may be [T, 0])
 
 
 class ModelRunner:
@@ -48,8 +48,8 @@ class ModelRunner:
         # Called just before each forward's native code (which runs without the GIL): AsyncEngine
         # hands the previous step's outputs to the event loop there.
         self.before_forward: Callable[[], None] | None = None
-        # Whether a plain decode step whose rows are all plain greedy may skip the logits (tests turn it
-        # off to compare). A step that checks proposals never does: it runs the general path.
+        # Whether a decode step whose rows are all plain greedy may skip the logits, plain or checking
+        # proposals (tests turn it off to compare).
         self.argmax_only_steps = True
 
     def copy_block_prefix(self, src: int, dst: int, n: int) -> None:
@@ -169,6 +169,12 @@ class ModelRunner:
             return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
         ids, positions, attn, rows = self._prepare(batch)
         if len(rows) == len(ids):  # every query gives logits: a decode step may take them from the stack
+            if self._argmax_only(batch):  # a step checking greedy proposals reads each row's argmax alone
+                found = self.model.decode_argmax(ids, positions, attn, self.kv_caches, self.before_forward)
+                if found is not None:
+                    logits, argmax, picked = found
+                    nan_rows = [i for i, value in enumerate(picked.tolist()) if value != value]
+                    return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(argmax.tolist(), nan_rows))
             fused = self.model.decode_logits(ids, positions, attn, self.kv_caches, self.before_forward)
             if fused is not None:
                 return ForwardResult(fused[0], fused[1], sampled)

@@ -339,6 +339,25 @@ class DecoderForCausalLM(nn.Module):
         return stack.forward_logits(x, positions, k_pools, v_pools, batch.slot_mapping, batch.decode_block_tables,
                                     batch.decode_rows, batch.decode_kv_lens)
 
+    def decode_argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                      before_native: Callable[[], None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """decode_logits for a step where nobody reads the logits (every row greedy): the logits (of
+        shape [T, 0] where the head's argmax was screened), each row's argmax (decode_logits' bits) and
+        the logit it picked (NaN where the model failed on the row). None where the stack has no head."""
+        if not (self.native_decode and kv_caches and batch.decode_only):
+            return None
+        stack = self.decode_stack()
+        if stack is None or not stack.has_head:
+            return None
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        k_pools, v_pools = [c[0] for c in kv_caches], [c[1] for c in kv_caches]
+        if before_native is not None:
+            before_native()
+        return stack.forward_argmax(x, positions, k_pools, v_pools, batch.slot_mapping, batch.decode_block_tables,
+                                    batch.decode_rows, batch.decode_kv_lens)
+
     def decodes_tokens(self) -> bool:
         """Whether decode_tokens runs (the native stack has the head and the embedding)."""
         if not self.native_decode:

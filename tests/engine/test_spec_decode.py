@@ -7,8 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+from chatloom.engine.spec_decode.decoder import SpeculativeDecoder
 from chatloom.engine.spec_decode.proposer import NgramProposer
 from chatloom.engine.spec_decode.rejection import accept_greedy
 from chatloom.engine.sequence import Sequence
@@ -183,30 +185,56 @@ def test_real_model_greedy_identical_with_ngram(smollm2):
 
 
 
-def test_plain_steps_keep_the_argmax_only_head_with_ngram_on(smollm2, monkeypatch):
-    """With speculation on, a decode step in which no sequence carries proposals is a plain step:
-    it takes the native step's argmax-only head (no logits), as it would with speculation off;
-    steps that check proposals take the general path, which gives logits. Same tokens either way.
+
+def test_greedy_steps_find_each_rows_argmax_alone_with_ngram_on(smollm2, monkeypatch):
+    """With speculation on and every request greedy, no step computes logits nobody reads: a step in
+    which no sequence carries proposals takes the native step's argmax-only head, as it would with
+    speculation off, and a step that checks proposals asks the stack for each row's argmax alone
+    (screened where it is wider than the team). Same tokens as with speculation off.
     (The tiny model has no native head, so this needs the bundled model's quantized one.)"""
     tok = smollm2.tokenizer
     prompts = [tok.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n") for t in
-               ("Say the word apple five times.", "Name three colours.", "Count from one to ten.")]
+               ("Say the word apple five times.", "Name three colours.", "Count from one to ten.",
+                "Repeat after me: the cat sat on the mat.", "Spell the word banana.", "List the days of the week.")]
     model = smollm2.model
     if not model.decodes_tokens():
         pytest.skip("no native decode step here (kernels off)")
-    calls: list[bool] = []
-    native = model.decode_tokens
+    plain_calls: list[bool] = []
+    checking_calls: list[int] = []  # the logits' width each step checking proposals got back
+    native, checking = model.decode_tokens, model.decode_argmax
 
-    def spy(*args, **kwargs):
-        calls.append(bool(kwargs.get("argmax_only", args[6] if len(args) > 6 else False)))
+    def plain_spy(*args, **kwargs):
+        plain_calls.append(bool(kwargs.get("argmax_only", args[6] if len(args) > 6 else False)))
         return native(*args, **kwargs)
 
-    monkeypatch.setattr(model, "decode_tokens", spy)
-    got, engine = run(smollm2, prompts, "ngram", 16, num_blocks=64, speculative_adaptive=False)
+    def checking_spy(*args, **kwargs):
+        found = checking(*args, **kwargs)
+        checking_calls.append(found[0].shape[1])
+        return found
+
+    monkeypatch.setattr(model, "decode_tokens", plain_spy)
+    monkeypatch.setattr(model, "decode_argmax", checking_spy)
+    got, engine = run(smollm2, prompts, "ngram", 16, num_blocks=128, speculative_adaptive=False)
     stats = engine.get_stats()
-    assert stats["spec_decode_num_drafts"] > 0, "some steps should have checked proposals"
-    assert calls, "plain decode steps should run the native stack"
-    assert all(calls), "every plain greedy decode step should skip the logits"
-    monkeypatch.setattr(model, "decode_tokens", native)
-    want, _ = run(smollm2, prompts, "off", 16, num_blocks=64)
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert plain_calls and all(plain_calls), "every plain greedy decode step should skip the logits"
+    assert checking_calls and 0 in checking_calls, "wide checking steps should get no logits"
+    monkeypatch.undo()
+    want, _ = run(smollm2, prompts, "off", 16, num_blocks=128)
     assert got == want
+
+
+def test_a_checked_sequence_with_nan_logits_fails_alone():
+    """verify() with the forward's picks: a sequence whose rows hold a NaN fails; the others,
+    plain or with proposals, get their tokens."""
+    from chatloom.engine.sampler import GreedyPicks, Sampler
+
+    decoder = SpeculativeDecoder(NgramProposer(), 4, 1024, adaptive=False)
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    seqs = [Sequence(f"s{i}", [1, 2, 3], greedy) for i in range(3)]
+    seqs[0].spec_token_ids = [7, 8]  # rows 0-2
+    seqs[2].spec_token_ids = [5]  # rows 4-5; row 3 is seqs[1]'s
+    picks = GreedyPicks([7, 9, 4, 6, 5, 2], nan_rows=[5])
+    tokens, failures = decoder.verify(torch.empty(6, 0), torch.tensor(picks.tokens), seqs, Sampler(0), [0], picks)
+    assert tokens[0] == [7, 9] and tokens[1] == [6]
+    assert list(failures) == [2] and "NaN" in str(failures[2])

@@ -335,6 +335,48 @@ def test_a_plain_decode_step_runs_from_the_engines_lists(head_kind, monkeypatch)
     assert argmax.tolist() == [82] * 5
 
 
+def _greedy(batch: ScheduledBatch) -> ScheduledBatch:
+    for seq in batch.decodes:
+        seq.params = SamplingParams(max_tokens=8, temperature=0)
+    return batch
+
+
+@pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
+@pytest.mark.parametrize("head_kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("wide", [False, True], ids=["team", "wide"])
+def test_a_step_checking_greedy_proposals_finds_each_rows_argmax_alone(head_kind, wide):
+    """Every row greedy and some carrying proposed tokens: the runner asks the stack for each row's
+    argmax alone (decode_argmax). Wider than the team the head is screened and no logits come back;
+    on the team they do. Either way the argmax is the logits', the pool the same, and rows whose
+    maximum is a NaN are named."""
+    model = _model()
+    assert pack_linears(model, _with_quantized_head(model, ["Q4_1"], head_kind))
+    assert model.decode_stack().has_greedy_head
+    batch = _wide_batch if wide else _batch
+    runner, start = _runner(model)
+    runner.argmax_only_steps = False
+    full = runner.execute(_greedy(batch()))
+    assert full.picks is None and full.logits.shape[1] == model.config.vocab_size
+    full_pool = _pool(runner)
+    for broken in (False, True):
+        if broken:
+            with torch.no_grad():
+                model.norm.weight[3] = float("nan")  # every hidden state, so every logit, is a NaN
+            runner.argmax_only_steps = False
+            _restore(runner, start)
+            full = runner.execute(_greedy(batch()))
+        _restore(runner, start)
+        runner.argmax_only_steps = True
+        alone = runner.execute(_greedy(batch()))
+        assert alone.logits.shape[1] == (0 if wide else model.config.vocab_size)
+        assert torch.equal(alone.argmax, full.argmax)
+        assert alone.picks.tokens == full.argmax.tolist()
+        assert alone.picks.nan_rows == (list(range(len(full.argmax))) if broken else [])
+        if not broken:
+            assert _same_pool(runner, full_pool)
+    assert alone.picks.tokens == [0] * len(full.argmax)  # the first NaN
+
+
 @pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
 def test_a_token_id_outside_the_vocabulary_fails_before_anything_is_written():
     model = _model()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from chatloom.engine.config import EngineConfig
-from chatloom.engine.sampler import Sampler
+from chatloom.engine.sampler import GreedyPicks, Sampler, SamplingError
 from chatloom.engine.sequence import Sequence
 from chatloom.engine.spec_decode.planner import AcceptanceTracker, CostModel, plan_lengths
 from chatloom.engine.spec_decode.proposer import NgramProposer, Proposal, Proposer
@@ -109,27 +109,46 @@ class SpeculativeDecoder:
 
     # -- after the forward pass -------------------------------------------------------
     def verify(self, logits: torch.Tensor, argmax: torch.Tensor | None, sampled: list[Sequence],
-               sampler: Sampler, eos_ids: list[int]) -> list[list[int]]:
-        """New tokens for each sequence in `sampled`; logits rows come 1 + len(spec_token_ids)
-        per sequence, in that order (ModelRunner lays decodes out that way)."""
+               sampler: Sampler, eos_ids: list[int], picks: GreedyPicks | None = None
+               ) -> tuple[list[list[int]], dict[int, SamplingError]]:
+        """New tokens for each sequence in `sampled`, and the sequences that failed (by index in
+        `sampled`; they get no tokens). Logits rows come 1 + len(spec_token_ids) per sequence, in that
+        order (ModelRunner lays decodes out that way). `picks`: every row's argmax and NaN rows, where
+        the forward found them alone (every sequence greedy; the logits may then have no columns)."""
         starts, row = [], 0
         for seq in sampled:
             starts.append(row)
             row += 1 + len(seq.spec_token_ids)
         plain = [i for i, s in enumerate(sampled) if not s.spec_token_ids]
         out: list[list[int]] = [[] for _ in sampled]
+        failures: dict[int, SamplingError] = {}
+        nan_rows = set(picks.nan_rows) if picks is not None else set()
         if plain:
             rows = [starts[i] for i in plain]
             sub_argmax = None if argmax is None else argmax[rows]
-            tokens = sampler(logits[rows], [sampled[i] for i in plain], eos_ids, sub_argmax)
-            for i, token in zip(plain, tokens):
-                out[i] = [token]
+            sub_picks = None if picks is None else GreedyPicks(
+                [picks.tokens[r] for r in rows], [j for j, r in enumerate(rows) if r in nan_rows])
+            tokens, failed = sampler.sample(logits[rows], [sampled[i] for i in plain], eos_ids, sub_argmax, sub_picks)
+            for j, (i, token) in enumerate(zip(plain, tokens)):
+                if j in failed:
+                    failures[i] = failed[j]
+                else:
+                    out[i] = [token]
         any_spec = False
         for i, seq in enumerate(sampled):
             proposed = seq.spec_token_ids
             if not proposed:
                 continue
             any_spec = True
+            span = range(starts[i], starts[i] + 1 + len(proposed))
+            if picks is not None and seq.params.greedy:  # past min_tokens: the runner's rule for argmax-only steps
+                if any(r in nan_rows for r in span):
+                    failures[i] = SamplingError("the model produced NaN logits for this sequence")
+                    continue
+                tokens = accept_greedy([picks.tokens[r] for r in span], proposed)
+                self._count(seq, proposed, tokens)
+                out[i] = tokens
+                continue
             rows = logits[starts[i]:starts[i] + 1 + len(proposed)].float()
             banned = ban_early_stops(rows, seq, eos_ids)
             if seq.params.greedy:
@@ -142,15 +161,19 @@ class SpeculativeDecoder:
                                         None if q is None else q[:len(proposed)],
                                         seq.generator or sampler.generator, self.rule)
             out[i] = tokens
-            kept = len(tokens) - 1
-            self.acceptance.record(seq.request_id, len(proposed), kept, self._sources.get(seq.request_id, 0))
-            st = self.stats
-            st.num_drafts += 1
-            st.num_draft_tokens += len(proposed)
-            st.num_accepted_tokens += kept
+            self._count(seq, proposed, tokens)
         if any_spec:
             self.stats.num_spec_steps += 1
-        return out
+        return out, failures
+
+    def _count(self, seq: Sequence, proposed: list[int], tokens: list[int]) -> None:
+        """Acceptance and counters for one checked run: `tokens` are the kept proposals plus one."""
+        kept = len(tokens) - 1
+        self.acceptance.record(seq.request_id, len(proposed), kept, self._sources.get(seq.request_id, 0))
+        st = self.stats
+        st.num_drafts += 1
+        st.num_draft_tokens += len(proposed)
+        st.num_accepted_tokens += kept
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode-only forward over num_tokens tokens took this long."""

@@ -73,6 +73,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_logits", &DecodeStack::forward_logits, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
            pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
            pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
+      .def("forward_argmax", &DecodeStack::forward_argmax, NoGil(), pybind11::arg("x"), pybind11::arg("positions"),
+           pybind11::arg("k_pools"), pybind11::arg("v_pools"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_tables"), pybind11::arg("rows"), pybind11::arg("kv_lens"))
       .def("set_greedy_head", &DecodeStack::set_greedy_head,
            "the head's int8 screen for argmax-only steps (greedy_head_argmax's codes8, scales8, norms)")
       .def_property_readonly("has_greedy_head", &DecodeStack::has_greedy_head, "whether set_greedy_head took one")

@@ -149,6 +149,27 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
   return {logits, logits.argmax(1)};
 }
 
+bool DecodeStack::screens_head(int64_t rows, const std::vector<torch::Tensor>& k_pools) const {
+  // The team's head is bound by reading its weights, where screening saves nothing.
+  return has_greedy_head() && !(rows <= kMaxTaskRows && float32_pools(k_pools));
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecodeStack::forward_argmax(
+    torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
+    const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor rows, torch::Tensor kv_lens) const {
+  TORCH_CHECK(head_.has_value(), "this stack has no head (set_head took none)");
+  check_stack_inputs(x, layers_.size(), k_pools, v_pools);
+  if (screens_head(x.size(0), k_pools)) {
+    const auto hidden = forward(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
+    auto [argmax, picked] = greedy_head_argmax(hidden, head_->weight, head_->scales, head_->out_features,
+                                               greedy_codes_, greedy_scales_, greedy_norms_);
+    return {torch::empty({x.size(0), 0}, x.options()), argmax, picked};
+  }
+  auto [logits, argmax] = forward_logits(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
+  return {logits, argmax, logits.gather(1, argmax.unsqueeze(1)).squeeze(1)};
+}
+
 void DecodeStack::set_greedy_head(torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms) {
   TORCH_CHECK(head_.has_value(), "set_greedy_head needs a head (set_head took none)");
   TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.numel() == head_->out_features,
@@ -197,18 +218,15 @@ std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64
   const auto pos_t = view(positions, {t}, torch::kInt64), slots_t = view(slots, {t}, torch::kInt64);
   const auto tables_t = view(padded, {t, (int64_t)width}, torch::kInt32);
   const auto rows_t = view(rows, {t}, torch::kInt32), lens_t = view(kv_lens, {t}, torch::kInt32);
-  // Wider than the team: the head's argmax alone, screened (the team's head is bound by reading
-  // its weights, where screening saves nothing).
-  if (argmax_only && has_greedy_head() && !(t <= kMaxTaskRows && float32_pools(k_pools))) {
-    const auto hidden = forward(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
-    auto [argmax, picked] = greedy_head_argmax(hidden, head_->weight, head_->scales, head_->out_features,
-                                               greedy_codes_, greedy_scales_, greedy_norms_);
+  // Wider than the team: the head's argmax alone, screened (forward_argmax).
+  if (argmax_only && screens_head(t, k_pools)) {
+    auto [logits, argmax, picked] = forward_argmax(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
     const int64_t* a = argmax.data_ptr<int64_t>();
     const float* v = picked.data_ptr<float>();
     std::vector<int64_t> picks(a, a + t), nan_rows;
     for (int64_t i = 0; i < t; ++i)
       if (is_nan_bits(v[i])) nan_rows.push_back(i);
-    return {torch::empty({t, 0}, x.options()), argmax, picks, nan_rows};
+    return {logits, argmax, picks, nan_rows};
   }
   auto [logits, argmax] = forward_logits(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
   const int64_t* a = argmax.data_ptr<int64_t>();

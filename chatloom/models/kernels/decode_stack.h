@@ -60,6 +60,15 @@ class DecodeStack {
                                                           torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                           torch::Tensor rows, torch::Tensor kv_lens) const;
 
+  // forward, then each row's argmax of the head and the logit it picked (a NaN where the model failed
+  // on the row), for a step where nobody reads the logits: every row greedy. Wider than the team and
+  // with a greedy head set, the argmax is screened (greedy_head_argmax) and the logits returned have
+  // shape [T, 0]; otherwise they are forward_logits'. The argmax's bits are forward_logits' either way.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_argmax(
+      torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
+      const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping, torch::Tensor block_tables,
+      torch::Tensor rows, torch::Tensor kv_lens) const;
+
   // The exact head's screen for argmax-only steps (greedy_head_argmax's codes8, scales8 and norms);
   // has_greedy_head() tells whether one was set. Taken only with a head.
   void set_greedy_head(torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms);
@@ -102,6 +111,8 @@ class DecodeStack {
                              torch::Tensor* logits = nullptr, torch::Tensor* argmax = nullptr) const;
 
   bool team_shape_ok() const;
+  // Whether an argmax-only step of this many rows takes the screened head (forward_argmax).
+  bool screens_head(int64_t rows, const std::vector<torch::Tensor>& k_pools) const;
 
   std::vector<DecodeLayerWeights> layers_;
   std::vector<TeamLayer> team_;
