@@ -238,3 +238,22 @@ def test_a_checked_sequence_with_nan_logits_fails_alone():
     tokens, failures = decoder.verify(torch.empty(6, 0), torch.tensor(picks.tokens), seqs, Sampler(0), [0], picks)
     assert tokens[0] == [7, 9] and tokens[1] == [6]
     assert list(failures) == [2] and "NaN" in str(failures[2])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_checked_sequence_with_nan_logits_fails_alone_without_picks(temperature):
+    """verify() from full logits (no picks: a stack without a native head, or sampled requests): a
+    sequence whose checked rows hold a NaN fails; the other sequences keep their tokens."""
+    from chatloom.engine.sampler import Sampler
+
+    decoder = SpeculativeDecoder(NgramProposer(), 4, 1024, adaptive=False)
+    params = SamplingParams(max_tokens=16, temperature=temperature, seed=1)
+    seqs = [Sequence(f"s{i}", [1, 2, 3], params) for i in range(2)]
+    for seq in seqs:
+        seq.spec_token_ids = [7]
+    logits = torch.full((4, 10), -5.0)
+    logits[:2, 7] = 5.0  # seqs[0]: its proposal and the next token are clear winners
+    logits[2, 7] = 5.0
+    logits[3, 4] = float("nan")  # seqs[1]'s second row failed
+    tokens, failures = decoder.verify(logits, None, seqs, Sampler(0), [0])
+    assert tokens[0][0] == 7 and list(failures) == [1] and "NaN" in str(failures[1])

@@ -152,10 +152,16 @@ class SpeculativeDecoder:
             rows = logits[starts[i]:starts[i] + 1 + len(proposed)].float()
             banned = ban_early_stops(rows, seq, eos_ids)
             if seq.params.greedy:
-                best = (rows.argmax(dim=-1) if banned or argmax is None
-                        else argmax[starts[i]:starts[i] + 1 + len(proposed)]).tolist()
-                tokens = accept_greedy(best, proposed)
+                best = rows.argmax(dim=-1) if banned or argmax is None else argmax[span.start:span.stop]
+                # argmax ranks NaN above every number: one look per row finds a failed row.
+                if bool(torch.isnan(rows.gather(1, best.unsqueeze(1))).any()):
+                    failures[i] = SamplingError("the model produced NaN logits for this sequence")
+                    continue
+                tokens = accept_greedy(best.tolist(), proposed)
             else:
+                if bool(torch.isnan(rows).any()):
+                    failures[i] = SamplingError("the model produced NaN logits for this sequence")
+                    continue
                 q = self._draft_probs.get(seq.request_id)
                 tokens = accept_sampled(target_probs(rows, seq), proposed,
                                         None if q is None else q[:len(proposed)],
