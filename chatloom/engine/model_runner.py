@@ -172,9 +172,8 @@ class ModelRunner:
             if self._argmax_only(batch):  # a step checking greedy proposals reads each row's argmax alone
                 found = self.model.decode_argmax(ids, positions, attn, self.kv_caches, self.before_forward)
                 if found is not None:
-                    logits, argmax, picked = found
-                    nan_rows = [i for i, value in enumerate(picked.tolist()) if value != value]
-                    return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(argmax.tolist(), nan_rows))
+                    logits, argmax, tokens, nan_rows = found
+                    return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
             fused = self.model.decode_logits(ids, positions, attn, self.kv_caches, self.before_forward)
             if fused is not None:
                 return ForwardResult(fused[0], fused[1], sampled)

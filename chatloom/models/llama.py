@@ -326,6 +326,23 @@ class DecoderForCausalLM(nn.Module):
         call with the decoder stack: forward then logits_and_argmax, the same bits, without a
         second pass over the logits or the Python between them. None where the stack has no head.
         `before_native` runs right before that call, with nothing after it that lets the GIL go."""
+        return self._stack_with_head("forward_logits", input_ids, positions, batch, kv_caches, before_native)
+
+    def decode_argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                      before_native: Callable[[], None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None:
+        """decode_logits for a step where nobody reads the logits (every row greedy), returned as
+        decode_tokens returns them: the logits (of shape [T, 0] where the head's argmax was screened),
+        the argmax (decode_logits' bits), the argmax as ints, and the rows whose maximum is a NaN.
+        None where the stack has no head."""
+        return self._stack_with_head("forward_argmax", input_ids, positions, batch, kv_caches, before_native)
+
+    def _stack_with_head(self, method: str, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                         before_native: Callable[[], None] | None):
+        """A decode-only step through the stack's `method` (forward_logits or forward_argmax), or None
+        where the step or the stack cannot take it."""
         if not (self.native_decode and kv_caches and batch.decode_only):
             return None
         stack = self.decode_stack()
@@ -336,27 +353,8 @@ class DecoderForCausalLM(nn.Module):
         k_pools, v_pools = [c[0] for c in kv_caches], [c[1] for c in kv_caches]
         if before_native is not None:
             before_native()
-        return stack.forward_logits(x, positions, k_pools, v_pools, batch.slot_mapping, batch.decode_block_tables,
-                                    batch.decode_rows, batch.decode_kv_lens)
-
-    def decode_argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                      before_native: Callable[[], None] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """decode_logits for a step where nobody reads the logits (every row greedy): the logits (of
-        shape [T, 0] where the head's argmax was screened), each row's argmax (decode_logits' bits) and
-        the logit it picked (NaN where the model failed on the row). None where the stack has no head."""
-        if not (self.native_decode and kv_caches and batch.decode_only):
-            return None
-        stack = self.decode_stack()
-        if stack is None or not stack.has_head:
-            return None
-        x = F.embedding(input_ids, self.embed_tokens.weight)
-        k_pools, v_pools = [c[0] for c in kv_caches], [c[1] for c in kv_caches]
-        if before_native is not None:
-            before_native()
-        return stack.forward_argmax(x, positions, k_pools, v_pools, batch.slot_mapping, batch.decode_block_tables,
-                                    batch.decode_rows, batch.decode_kv_lens)
+        return getattr(stack, method)(x, positions, k_pools, v_pools, batch.slot_mapping, batch.decode_block_tables,
+                                      batch.decode_rows, batch.decode_kv_lens)
 
     def decodes_tokens(self) -> bool:
         """Whether decode_tokens runs (the native stack has the head and the embedding)."""

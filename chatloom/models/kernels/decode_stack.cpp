@@ -154,7 +154,30 @@ bool DecodeStack::screens_head(int64_t rows, const std::vector<torch::Tensor>& k
   return has_greedy_head() && !(rows <= kMaxTaskRows && float32_pools(k_pools));
 }
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecodeStack::forward_argmax(
+namespace {
+
+// Each row's argmax as ints, and the rows whose picked logit (value_at(row, its argmax)) is a NaN.
+template <typename ValueAt>
+DecodeStack::Picks with_picks(torch::Tensor logits, torch::Tensor argmax, ValueAt value_at) {
+  const int64_t t = argmax.size(0);
+  const int64_t* a = argmax.data_ptr<int64_t>();
+  std::vector<int64_t> picks(a, a + t), nan_rows;
+  for (int64_t i = 0; i < t; ++i)
+    if (is_nan_bits(value_at(i, a[i]))) nan_rows.push_back(i);
+  return {std::move(logits), std::move(argmax), std::move(picks), std::move(nan_rows)};
+}
+
+// forward_logits' result with its picks.
+DecodeStack::Picks logits_with_picks(std::tuple<torch::Tensor, torch::Tensor> found) {
+  auto& [logits, argmax] = found;
+  const float* l = logits.data_ptr<float>();
+  const int64_t width = logits.size(1);
+  return with_picks(logits, argmax, [&](int64_t i, int64_t j) { return l[i * width + j]; });
+}
+
+}  // namespace
+
+DecodeStack::Picks DecodeStack::forward_argmax(
     torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
     const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor rows, torch::Tensor kv_lens) const {
@@ -164,10 +187,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecodeStack::forward_arg
     const auto hidden = forward(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
     auto [argmax, picked] = greedy_head_argmax(hidden, head_->weight, head_->scales, head_->out_features,
                                                greedy_codes_, greedy_scales_, greedy_norms_);
-    return {torch::empty({x.size(0), 0}, x.options()), argmax, picked};
+    const float* v = picked.data_ptr<float>();
+    return with_picks(torch::empty({x.size(0), 0}, x.options()), argmax, [&](int64_t i, int64_t) { return v[i]; });
   }
-  auto [logits, argmax] = forward_logits(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
-  return {logits, argmax, logits.gather(1, argmax.unsqueeze(1)).squeeze(1)};
+  return logits_with_picks(forward_logits(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens));
 }
 
 void DecodeStack::set_greedy_head(torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms) {
@@ -187,7 +210,7 @@ void DecodeStack::set_embedding(torch::Tensor weight) {
   embedding_ = std::move(weight);
 }
 
-std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>> DecodeStack::forward_tokens(
+DecodeStack::Picks DecodeStack::forward_tokens(
     const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
     const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
     const std::vector<torch::Tensor>& v_pools, bool argmax_only) const {
@@ -218,21 +241,6 @@ std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64
   const auto pos_t = view(positions, {t}, torch::kInt64), slots_t = view(slots, {t}, torch::kInt64);
   const auto tables_t = view(padded, {t, (int64_t)width}, torch::kInt32);
   const auto rows_t = view(rows, {t}, torch::kInt32), lens_t = view(kv_lens, {t}, torch::kInt32);
-  // Wider than the team: the head's argmax alone, screened (forward_argmax).
-  if (argmax_only && screens_head(t, k_pools)) {
-    auto [logits, argmax, picked] = forward_argmax(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
-    const int64_t* a = argmax.data_ptr<int64_t>();
-    const float* v = picked.data_ptr<float>();
-    std::vector<int64_t> picks(a, a + t), nan_rows;
-    for (int64_t i = 0; i < t; ++i)
-      if (is_nan_bits(v[i])) nan_rows.push_back(i);
-    return {logits, argmax, picks, nan_rows};
-  }
-  auto [logits, argmax] = forward_logits(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
-  const int64_t* a = argmax.data_ptr<int64_t>();
-  const float* l = logits.data_ptr<float>();
-  std::vector<int64_t> picks(a, a + t), nan_rows;
-  for (int64_t i = 0; i < t; ++i)
-    if (is_nan_bits(l[i * logits.size(1) + a[i]])) nan_rows.push_back(i);
-  return {logits, argmax, picks, nan_rows};
+  if (argmax_only) return forward_argmax(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
+  return logits_with_picks(forward_logits(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t));
 }

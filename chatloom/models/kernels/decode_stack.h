@@ -60,11 +60,15 @@ class DecodeStack {
                                                           torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                           torch::Tensor rows, torch::Tensor kv_lens) const;
 
-  // forward, then each row's argmax of the head and the logit it picked (a NaN where the model failed
-  // on the row), for a step where nobody reads the logits: every row greedy. Wider than the team and
-  // with a greedy head set, the argmax is screened (greedy_head_argmax) and the logits returned have
-  // shape [T, 0]; otherwise they are forward_logits'. The argmax's bits are forward_logits' either way.
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_argmax(
+  // Logits, their argmax, the argmax as a list, and the rows whose maximum is a NaN (the model failed
+  // on them).
+  using Picks = std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>>;
+
+  // forward, then each row's argmax of the head, for a step where nobody reads the logits: every row
+  // greedy. Wider than the team and with a greedy head set, the argmax is screened
+  // (greedy_head_argmax) and the logits returned have shape [T, 0]; otherwise they are
+  // forward_logits'. The argmax's bits are forward_logits' either way.
+  Picks forward_argmax(
       torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& k_pools,
       const std::vector<torch::Tensor>& v_pools, torch::Tensor slot_mapping, torch::Tensor block_tables,
       torch::Tensor rows, torch::Tensor kv_lens) const;
@@ -82,9 +86,8 @@ class DecodeStack {
   // token ids[i] at positions[i] of the sequence whose block table is tables[i], writes its K/V to
   // slots[i] and sees positions[i] + 1 keys. Returns forward_logits' logits and argmax, the argmax
   // as a list, and the rows whose maximum is a NaN (the model failed on them). With `argmax_only`
-  // (every row greedy, nobody reads the logits) and a greedy head set, a step wider than the team
-  // takes finds each argmax with greedy_head_argmax and returns logits of shape [T, 0].
-  std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>> forward_tokens(
+  // (every row greedy, nobody reads the logits) it is forward_argmax on the lists.
+  Picks forward_tokens(
       const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
       const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
       const std::vector<torch::Tensor>& v_pools, bool argmax_only = false) const;
