@@ -180,8 +180,9 @@ class ModelRunner:
         with torch.inference_mode():
             if self.before_forward is not None:
                 self.before_forward()
-            hidden = self.model(ids, positions, attn, self.kv_caches)
+            # Past the last layer's K/V only the rows that give logits are computed.
+            hidden = self.model(ids, positions, attn, self.kv_caches, keep_rows=rows if len(rows) < len(ids) else None)
             if not rows:
                 return ForwardResult(hidden.new_empty(0), None, sampled)
-            logits, argmax = self.model.logits_and_argmax(hidden[rows])
+            logits, argmax = self.model.logits_and_argmax(hidden)
             return ForwardResult(logits, argmax, sampled)

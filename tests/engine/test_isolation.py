@@ -71,11 +71,11 @@ class _PoisonedModel:
     def __init__(self, model, poison: int) -> None:
         self.model, self.poison, self.calls = model, poison, 0
 
-    def __call__(self, ids, *args):
+    def __call__(self, ids, *args, **kwargs):
         self.calls += 1
         if bool((ids == self.poison).any()):
             raise RuntimeError("kernel fault")
-        return self.model(ids, *args)
+        return self.model(ids, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.model, name)

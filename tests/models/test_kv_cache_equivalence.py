@@ -132,3 +132,52 @@ def test_a_prompts_bits_do_not_depend_on_how_it_was_prefilled(model, request):
     hit, hits = _prompt_logits(loaded, prompt, warm=prompt[:64] + [1, 2, 3])
     assert hits > 0
     assert torch.equal(hit, whole)
+
+
+def _first_step(loaded, prompts: list[list[int]], keep_rows: bool) -> tuple[torch.Tensor, list, list[int]]:
+    """One engine step over `prompts` (a budget that fits all but the last prompt's tail): the logits it
+    returns, the K/V pools after it, and how many rows each layer's feed-forward computed. With
+    keep_rows off the model computes every row of the last layer, as it did before rows were kept."""
+    model = loaded.model
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=64))
+    seen, mlp_rows = [], []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch: (seen.append(r := execute(batch)), r)[1]
+    hooks = [layer.mlp.register_forward_pre_hook(lambda _, args: mlp_rows.append(args[0].shape[0]))
+             for layer in model.layers]
+    forward = type(model).forward
+    if not keep_rows:
+        model.forward = lambda ids, pos, batch, kv=None, keep_rows=None: (
+            lambda h: h if keep_rows is None else h[keep_rows])(forward(model, ids, pos, batch, kv))
+    try:
+        for p in prompts:  # sampled: the step returns its logits
+            engine.add_request(p, SamplingParams(max_tokens=2, temperature=1.0, seed=0))
+        engine.step()
+    finally:
+        for h in hooks:
+            h.remove()
+        model.__dict__.pop("forward", None)
+    pools = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
+    return seen[0].logits.clone(), pools, mlp_rows
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_model_fp32"])
+def test_a_prefill_steps_last_layer_runs_only_the_rows_that_give_logits(model, request):
+    """Past the last layer's K/V projection only a prompt's last row is read, so the last layer's
+    feed-forward runs for those rows alone: the same logits (to the bit with the C++ kernels, whose
+    rows are independent; PyTorch's float64 matmul may block fewer rows differently), the same K/V in
+    the pools (every row's), and the prompt still in flight (its first chunk) gives no row at all."""
+    loaded = request.getfixturevalue(model)
+    prompts = [list(range(10, 50)), [7] * 17, list(range(100, 133))]  # 40 + 17 + 7 of 33 fit in 64
+    logits, pools, rows = _first_step(loaded, prompts, keep_rows=True)
+    all_logits, all_pools, all_rows = _first_step(loaded, prompts, keep_rows=False)
+    layers = len(loaded.model.layers)
+    assert rows == [64] * (layers - 1) + [2]
+    assert all_rows == [64] * layers
+    assert logits.shape[0] == 2
+    if loaded.model.embed_tokens.weight.dtype == torch.float32 and load_kernels() is not None:
+        assert torch.equal(logits, all_logits)
+    else:
+        torch.testing.assert_close(logits, all_logits)
+    for (k, v), (k_all, v_all) in zip(pools, all_pools):
+        assert torch.equal(k, k_all) and torch.equal(v, v_all)
