@@ -18,6 +18,11 @@ from chatloom.engine.sequence import Sequence
 class SamplingError(RuntimeError):
     """One sequence's token could not be drawn; the message says why."""
 
+    @classmethod
+    def nan_logits(cls) -> "SamplingError":
+        """The failure of a sequence whose logits hold a NaN where its token would come from."""
+        return cls("the model produced NaN logits for this sequence")
+
 
 @dataclass(frozen=True)
 class GreedyPicks:
@@ -104,7 +109,7 @@ class Sampler:
             out = argmax.tolist()
         for row in nan_rows:
             if row not in failures:
-                failures[row] = SamplingError("the model produced NaN logits for this sequence")
+                failures[row] = SamplingError.nan_logits()
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in failures]
         if rows:
             self._draw(logits, seqs, rows, out, failures)

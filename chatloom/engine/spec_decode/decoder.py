@@ -143,7 +143,7 @@ class SpeculativeDecoder:
             span = range(starts[i], starts[i] + 1 + len(proposed))
             if picks is not None and seq.params.greedy:  # past min_tokens: the runner's rule for argmax-only steps
                 if any(r in nan_rows for r in span):
-                    failures[i] = SamplingError("the model produced NaN logits for this sequence")
+                    failures[i] = SamplingError.nan_logits()
                     continue
                 tokens = accept_greedy([picks.tokens[r] for r in span], proposed)
                 self._count(seq, proposed, tokens)
@@ -155,12 +155,12 @@ class SpeculativeDecoder:
                 best = rows.argmax(dim=-1) if banned or argmax is None else argmax[span.start:span.stop]
                 # argmax ranks NaN above every number: one look per row finds a failed row.
                 if bool(torch.isnan(rows.gather(1, best.unsqueeze(1))).any()):
-                    failures[i] = SamplingError("the model produced NaN logits for this sequence")
+                    failures[i] = SamplingError.nan_logits()
                     continue
                 tokens = accept_greedy(best.tolist(), proposed)
             else:
                 if bool(torch.isnan(rows).any()):
-                    failures[i] = SamplingError("the model produced NaN logits for this sequence")
+                    failures[i] = SamplingError.nan_logits()
                     continue
                 q = self._draft_probs.get(seq.request_id)
                 tokens = accept_sampled(target_probs(rows, seq), proposed,

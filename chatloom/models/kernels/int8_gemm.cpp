@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -445,8 +446,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   x = x.contiguous();
   const int64_t m_dim = x.size(0);
   auto out = torch::empty({m_dim, out_features}, x.options());
-  std::vector<int8_t> q(m_dim * k_dim);
-  std::vector<float> dx(m_dim * nb), sx(m_dim * nb);
+  // Uninitialized: every row is quantized into them before any tile reads them. A zero-fill would
+  // run on one thread while the others wait.
+  std::unique_ptr<int8_t[]> q(new int8_t[m_dim * k_dim]);
+  std::unique_ptr<float[]> dx(new float[m_dim * nb]), sx(new float[m_dim * nb]);
   const float* xp = x.data_ptr<float>();
 #ifdef CHATLOOM_HAVE_VNNI_PATH
   const bool vnni_tiles = isa == Isa::kAvx512Vnni && m_dim >= kVnniMinRows;
@@ -455,16 +458,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #endif
   // For tile_vnni_q8x: each row's block sums of its stored q, taken while the row is in cache (on
   // the thread that quantized it, not afterwards on one thread while the others wait).
-  std::vector<int32_t> qsum(vnni_tiles && q8 ? m_dim * nb : 0);
+  std::unique_ptr<int32_t[]> qsum(vnni_tiles && q8 ? new int32_t[m_dim * nb] : nullptr);
   at::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
 #if defined(__AVX2__) && defined(__FMA__)
       if (isa != Isa::kScalar)
-        quantize_row(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
+        quantize_row(xp + m * k_dim, k_dim, q.get() + m * k_dim, dx.get() + m * nb, sx.get() + m * nb);
       else
 #endif
-        quantize_row_scalar(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * nb, sx.data() + m * nb);
-      if (!qsum.empty())
+        quantize_row_scalar(xp + m * k_dim, k_dim, q.get() + m * k_dim, dx.get() + m * nb, sx.get() + m * nb);
+      if (qsum)
         for (int64_t b = m * nb; b < (m + 1) * nb; ++b) {
           int32_t t = 0;
           for (int64_t k = 0; k < kBlock; ++k) t += q[b * kBlock + k];
@@ -480,8 +483,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   auto rows = [&](auto kind, int64_t r, int64_t m, int64_t p) {
     constexpr bool Q8 = decltype(kind)::value;
     const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
-    const int8_t* qm = q.data() + m * k_dim;
-    const float *dm = dx.data() + m * nb, *sm = sx.data() + m * nb, *b = bp ? bp + col : nullptr;
+    const int8_t* qm = q.get() + m * k_dim;
+    const float *dm = dx.get() + m * nb, *sm = sx.get() + m * nb, *b = bp ? bp + col : nullptr;
     const uint8_t* c = cp + p * panel_bytes;
     const float* s = sp + p * nb * 2 * kPanel;
     float* o = op + m * out_features + col;
@@ -515,13 +518,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           const uint8_t* c = cp + p * panel_bytes;
           const float* s = sp + p * scale_stride;
           chatloom_kernels::for_each_row_tile(m0, m1, [&](int64_t m, int64_t r) {
-            const int8_t* qm = q.data() + m * k_dim;
-            const float *dm = dx.data() + m * nb, *sm = sx.data() + m * nb;
+            const int8_t* qm = q.get() + m * k_dim;
+            const float *dm = dx.get() + m * nb, *sm = sx.get() + m * nb;
             float* o = op + m * out_features;
             auto run = [&](auto rows, auto pans) {
               constexpr int R = decltype(rows)::value, NP = decltype(pans)::value;
               if (q8)
-                tile_vnni_q8x<R, NP>(qm, dm, qsum.data() + m * nb, k_dim, c, panel_bytes, s, scale_stride, bp, o,
+                tile_vnni_q8x<R, NP>(qm, dm, qsum.get() + m * nb, k_dim, c, panel_bytes, s, scale_stride, bp, o,
                                      out_features, out_features, p * kPanel);
               else
                 tile_vnni_q4x<R, NP>(qm, dm, sm, k_dim, c, panel_bytes, s, scale_stride, bp, o, out_features,

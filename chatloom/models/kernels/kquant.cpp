@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -227,12 +228,14 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
   x = x.contiguous();
   const int64_t m_dim = x.size(0);
   auto out = torch::empty({m_dim, out_features}, x.options());
-  std::vector<int8_t> q(m_dim * k_dim);
-  std::vector<float> dx(m_dim * ng), sx(m_dim * ng);
+  // Uninitialized: every row is quantized into them before any tile reads them (a zero-fill would
+  // run on one thread while the others wait).
+  std::unique_ptr<int8_t[]> q(new int8_t[m_dim * k_dim]);
+  std::unique_ptr<float[]> dx(new float[m_dim * ng]), sx(new float[m_dim * ng]);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      quantize_row16(xp + m * k_dim, k_dim, q.data() + m * k_dim, dx.data() + m * ng, sx.data() + m * ng);
+      quantize_row16(xp + m * k_dim, k_dim, q.get() + m * k_dim, dx.get() + m * ng, sx.get() + m * ng);
   });
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* sp = scales.data_ptr<float>();
@@ -247,8 +250,8 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
         const float* s = sp + p * ng * 2 * kPanel;
         const float* b = bp ? bp + col : nullptr;
         for (int64_t m = m0; m < m1; m += 2) {
-          const int8_t* qm = q.data() + m * k_dim;
-          const float *dm = dx.data() + m * ng, *sm = sx.data() + m * ng;
+          const int8_t* qm = q.get() + m * k_dim;
+          const float *dm = dx.get() + m * ng, *sm = sx.get() + m * ng;
           float* o = op + m * out_features + col;
           if (m1 - m >= 2) int8_tile<2>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols);
           else int8_tile<1>(qm, dm, sm, k_dim, c, s, b, o, out_features, ncols);
