@@ -172,23 +172,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sees keys p - window + 1 .. p only; with `softcap`, scores become tanh(s / cap) * cap."""
     out = torch.empty_like(q)
     k_pool = v_pool = None
-    if cache is not None:
-        k_pool, v_pool = cache
-        if k_pool.dtype != k.dtype:
-            # A 16-bit pool: this step's own queries see K/V rounded as the pool keeps them, so a
-            # token's result does not depend on whether its keys came fresh or from the cache.
-            k, v = as_stored(k, k_pool.dtype), as_stored(v, v_pool.dtype)
-        flat_k = k_pool.view(-1, k_pool.shape[2], k_pool.shape[3])
-        flat_v = v_pool.view(-1, v_pool.shape[2], v_pool.shape[3])
-        flat_k.index_copy_(0, batch.slot_mapping, k)
-        flat_v.index_copy_(0, batch.slot_mapping, v)
-
     nd = batch.num_decode
     kern = batch.kernels
+    if cache is not None:
+        k_pool, v_pool = cache
+        if kern is not None and k.dtype == torch.float32 and hasattr(kern, "write_pool_rows"):
+            # Row by row on every thread, rounded as the pool keeps them (index_copy_ runs on one).
+            kern.write_pool_rows(k_pool, batch.slot_mapping, k)
+            kern.write_pool_rows(v_pool, batch.slot_mapping, v)
+        else:
+            flat_k = k_pool.view(-1, k_pool.shape[2], k_pool.shape[3])
+            flat_v = v_pool.view(-1, v_pool.shape[2], v_pool.shape[3])
+            flat_k.index_copy_(0, batch.slot_mapping, as_stored(k, k_pool.dtype))
+            flat_v.index_copy_(0, batch.slot_mapping, as_stored(v, v_pool.dtype))
+
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if window is not None or softcap is not None or (batch.prefills and batch.prefill_kv_lens is None):
-        # Only the PyTorch paths read this step's fresh K/V (the kernel reads the pool), in q's dtype
-        # as the pool rounded them: a 16-bit pool's step skips the conversion otherwise.
+        # Only the PyTorch paths read this step's fresh K/V (the kernel reads the pool). With a 16-bit
+        # pool they see them rounded as the pool keeps them, so a token's result does not depend on
+        # whether its keys came fresh or from the cache; then in q's dtype.
+        if k_pool is not None and k_pool.dtype != k.dtype:
+            k, v = as_stored(k, k_pool.dtype), as_stored(v, v_pool.dtype)
         k, v = k.to(q.dtype), v.to(q.dtype)
     if window is not None or softcap is not None:
         return _windowed_attention(q, k, v, k_pool, v_pool, batch, out, scale, window, softcap)

@@ -142,3 +142,38 @@ def test_a_prompt_split_into_chunks_gets_the_same_bits():
         parts = [kernels.paged_attention(q[s:s + size], kp, vp, tables, rows[s:s + size], kv_lens[s:s + size], 0.125)
                  for s in range(0, 150, size)]
         assert torch.equal(torch.cat(parts), whole), size
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 200])  # one thread's share, and enough to spread over the threads
+def test_fresh_rows_are_written_to_the_pool_as_index_copy_writes_them(pool_dtype, rows):
+    """write_pool_rows stores what index_copy_ of the rows rounded as the pool keeps them (as_stored)
+    would: the same bits, float16 saturating at 65504, NaN staying NaN; rows may be views into a
+    wider tensor (v in a fused QKV projection); other slots are left alone."""
+    from chatloom.models.attention import as_stored
+
+    gen = torch.Generator().manual_seed(rows)
+    hkv, d, blocks, bs = 3, 64, 40, 8
+    fused = torch.randn(rows, 5 * hkv * d, generator=gen) * 3
+    fresh = fused[:, 2 * hkv * d: 3 * hkv * d].view(rows, hkv, d)  # a strided view, as v is
+    fresh[0, 0, :4] = torch.tensor([1e5, -7e4, float("inf"), float("nan")])  # past float16's range
+    fresh[0, 0, 4] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)  # a NaN of low payload
+    slots = torch.randperm(blocks * bs, generator=gen)[:rows]
+    pool = torch.randn(blocks, bs, hkv, d, generator=gen).to(pool_dtype)
+    want = pool.clone()
+    want.view(-1, hkv, d).index_copy_(0, slots, as_stored(fresh, pool_dtype))
+    kernels.write_pool_rows(pool, slots, fresh)
+    same = (pool.view(torch.int16 if pool_dtype != torch.float32 else torch.int32)
+            == want.view(torch.int16 if pool_dtype != torch.float32 else torch.int32))
+    both_nan = pool.float().isnan() & want.float().isnan()
+    assert bool((same | both_nan).all())
+    assert int(both_nan.sum()) == 2
+
+
+def test_a_slot_outside_the_pool_is_refused_before_anything_is_written():
+    pool = torch.zeros(4, 8, 3, 64)
+    with pytest.raises(RuntimeError, match="slot 32 out of range"):
+        kernels.write_pool_rows(pool, torch.tensor([3, 32]), torch.ones(2, 3, 64))
+    assert not bool(pool.any())
+    with pytest.raises(RuntimeError, match="pool's H and D"):
+        kernels.write_pool_rows(pool, torch.tensor([3]), torch.ones(1, 2, 64))

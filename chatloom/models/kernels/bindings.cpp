@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over a paged KV pool", NoGil(), pybind11::arg("q"),
         pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("block_tables"), pybind11::arg("rows"),
         pybind11::arg("kv_lens"), pybind11::arg("scale"), pybind11::arg("isa") = "auto");
+  m.def("write_pool_rows", &write_pool_rows, "fresh K or V rows into a paged pool at flat slots, rounded as it keeps them",
+        NoGil(), pybind11::arg("pool"), pybind11::arg("slot_mapping"), pybind11::arg("rows"));
   m.def("decode_attention", &decode_attention,
         "a decode batch's attention from fused qkv: rotary, pool writes, paged attention (float32)", NoGil());
   m.def("packed_linear", &packed_linear, "x [M, K] @ W^T (+ bias) with W packed in 16-column panels (float32)", NoGil(),

@@ -4,13 +4,6 @@
 // Python-level tensor operations per layer, which at batch 1 cost as much as the attention itself.
 #include "kernels.h"
 
-// Values as a pool of `pool`'s dtype keeps them: rounded to nearest (torch's conversion); a float16
-// pool saturates at its largest finite value rather than store an infinity (attention.py does the same).
-static torch::Tensor as_stored(const torch::Tensor& x, const torch::Tensor& pool) {
-  if (pool.scalar_type() == torch::kHalf) return x.clamp(-65504.0, 65504.0).to(torch::kHalf);
-  return x.to(pool.scalar_type());
-}
-
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                                bool interleaved, int64_t hq, int64_t hkv, torch::Tensor k_pool,
                                torch::Tensor v_pool, torch::Tensor slot_mapping, torch::Tensor block_tables,
@@ -25,7 +18,7 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor positions, torch
   const auto k = qkv.narrow(1, hq * d, hkv * d).view({t, hkv, d});
   const auto v = qkv.narrow(1, (hq + hkv) * d, hkv * d).view({t, hkv, d});
   auto rotated = rotary(q, k, positions, cos, sin, interleaved);
-  k_pool.view({-1, hkv, d}).index_copy_(0, slot_mapping, as_stored(rotated[1], k_pool));
-  v_pool.view({-1, hkv, d}).index_copy_(0, slot_mapping, as_stored(v, v_pool));
+  write_pool_rows(k_pool, slot_mapping, rotated[1]);
+  write_pool_rows(v_pool, slot_mapping, v);
   return paged_attention(rotated[0], k_pool, v_pool, block_tables, rows, kv_lens, scale).view({t, hq * d});
 }

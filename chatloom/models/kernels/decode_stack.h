@@ -9,14 +9,6 @@
 #include <tuple>
 #include <vector>
 
-// Whether v is a NaN, told by its bits: the kernels build with -ffast-math, under which std::isnan
-// is always false.
-inline bool is_nan_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return (bits & 0x7fffffffu) > 0x7f800000u;
-}
-
 // One linear layer as the kernels see it; `kind` names the kernel its Python module calls.
 struct NativeLinear {
   enum Kind : int64_t { kPacked = 0, kQuantized = 1, kInt8 = 2, kGrouped = 3, kGroupedInt8 = 4, kBF16 = 5 };

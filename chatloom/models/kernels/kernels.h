@@ -1,7 +1,17 @@
 // Entry points of chatloom's C++ kernels (bound to Python in bindings.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+// Whether v is a NaN, told by its bits: the kernels build with -ffast-math, under which std::isnan
+// is always false.
+inline bool is_nan_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens,
@@ -21,6 +31,10 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor positions, torch
                                bool interleaved, int64_t hq, int64_t hkv, torch::Tensor k_pool,
                                torch::Tensor v_pool, torch::Tensor slot_mapping, torch::Tensor block_tables,
                                torch::Tensor rows, torch::Tensor kv_lens, double scale);
+
+// A step's fresh K or V rows [T, H, D] (float32, each row contiguous) into a layer's pool [blocks,
+// block_size, H, D] at flat slots, rounded as the pool keeps them (kv_pool.cpp).
+void write_pool_rows(torch::Tensor pool, torch::Tensor slot_mapping, torch::Tensor rows);
 
 // isa for the float32 matmuls: "auto" (CHATLOOM_KERNEL_ISA, else the best), "avx512" or "avx2".
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
