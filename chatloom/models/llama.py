@@ -117,20 +117,21 @@ class Attention(nn.Module):
             o = kernels.decode_attention(qkv, positions, rope.cos, rope.sin, rope.interleaved, self.hq, self.hkv,
                                          cache[0], cache[1], batch.slot_mapping, batch.decode_block_tables,
                                          batch.decode_rows, batch.decode_kv_lens, self.scale)
-            return self.o_proj(o if keep_rows is None else o[keep_rows])
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=1)
-        q = q.view(-1, self.hq, self.d)
-        k = k.view(-1, self.hkv, self.d)
-        v = v.view(-1, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
-        q, k = rope(positions, q, k)
-        o = paged_attention(q, k, v, cache, batch, scale=self.scale, window=self.window, softcap=self.softcap)
+        else:
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=1)
+            q = q.view(-1, self.hq, self.d)
+            k = k.view(-1, self.hkv, self.d)
+            v = v.view(-1, self.hkv, self.d)
+            if self.q_norm is not None:
+                q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
+            q, k = rope(positions, q, k)
+            o = paged_attention(q, k, v, cache, batch, scale=self.scale, window=self.window,
+                                softcap=self.softcap).flatten(1)
         if keep_rows is not None:
             if not len(keep_rows):  # the K/V is cached; no row's output is wanted
                 return x.new_empty(0, self.o_proj.out_features)
             o = o[keep_rows]
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -326,9 +327,10 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream may be updated in place
         if (self.native_decode and kv_caches and batch.decode_only
                 and (stack := self.decode_stack()) is not None):
-            return stack.forward(x, positions, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
-                                 batch.slot_mapping, batch.decode_block_tables, batch.decode_rows,
-                                 batch.decode_kv_lens)
+            hidden = stack.forward(x, positions, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
+                                   batch.slot_mapping, batch.decode_block_tables, batch.decode_rows,
+                                   batch.decode_kv_lens)
+            return hidden if keep_rows is None else hidden[keep_rows]
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale
         residual = None
