@@ -127,11 +127,7 @@ class Attention(nn.Module):
             q, k = rope(positions, q, k)
             o = paged_attention(q, k, v, cache, batch, scale=self.scale, window=self.window,
                                 softcap=self.softcap).flatten(1)
-        if keep_rows is not None:
-            if not len(keep_rows):  # the K/V is cached; no row's output is wanted
-                return x.new_empty(0, self.o_proj.out_features)
-            o = o[keep_rows]
-        return self.o_proj(o)
+        return self.o_proj(o if keep_rows is None else o[keep_rows])
 
 
 class MLP(nn.Module):
@@ -230,8 +226,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, rope, cache, batch, keep_rows)
         if keep_rows is not None:
             residual = residual[keep_rows]
-            if not len(keep_rows):
-                return h, residual
         if self.sandwich:
             h = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
@@ -339,8 +333,6 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.layer_ropes[i],
                                 kv_caches[i] if kv_caches else None, batch, kept if i == last else None)
-        if keep_rows is not None and not keep_rows:
-            return x  # [0, hidden]: nothing to normalize
         return self.norm(x, residual)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

@@ -175,6 +175,17 @@ def _assert_each_row_keeps_its_bits(kind: str, isa: str, row_counts: Sequence[in
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
+def test_no_rows_give_an_empty_output(kind, isa):
+    """A batch of no rows (the last layer of a step whose chunks give no logits) gets [0, out]; the
+    few-rows path used to divide by the row count and kill the process."""
+    codes, scales, dense = _nine_panels(kind, isa)
+    x = torch.empty(0, 128)
+    assert kernels.quantized_linear(x, codes, scales, 141, torch.randn(141), isa).shape == (0, 141)
+    assert kernels.packed_linear(x, pack_weight(dense), 141, None).shape == (0, 141)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
 def test_a_single_row_runs_several_panels_at_once_with_the_same_bits(kind, isa):
     """One input row (a decode step) takes its own kernel, four panels at a time: 141 outputs
     are groups of 4, 4 and 1 panels, the last one partly used. Every output must be the bits of

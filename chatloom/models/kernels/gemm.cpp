@@ -636,6 +636,8 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const ScalePtr sp{scales.data_ptr(), scales.scalar_type() == torch::kFloat16};
   const int64_t code_bytes = codes.size(2);
+  // No rows, no work (the few-rows path sizes its thread grain by the row count).
+  if (x.size(0) == 0) return torch::empty({0, out_features}, x.options());
   // Up to two tiles of rows, expanding each weight row in registers (twice at most) beats
   // the scratch panel's store and reload.
 #if defined(__AVX2__) && defined(__FMA__)
