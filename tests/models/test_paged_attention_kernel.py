@@ -47,7 +47,7 @@ def _reference(q, k_pool, v_pool, tables, kv_lens, scale) -> torch.Tensor:
 @pytest.mark.parametrize("path", PATHS)
 # (64, 8, 1) and (16, 12, 2): groups wider than the AVX-512 path carries in registers in one pass.
 @pytest.mark.parametrize("d,hq,hkv", [(16, 4, 2), (32, 4, 4), (64, 9, 3), (128, 8, 2), (80, 4, 1), (64, 8, 1),
-                                      (16, 12, 2)])
+                                      (16, 12, 2), (64, 12, 4)])
 def test_matches_float64_reference(path, d, hq, hkv):
     lens = [1, 3, 4, 5, 17, 130, 301]
     q, kp, vp, tables, rows, kv_lens = _case(d, hq, hkv, lens)
@@ -57,10 +57,12 @@ def test_matches_float64_reference(path, d, hq, hkv):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (16, 4, 2)])
+# (64, 12, 4): a row-wise job whose four KV heads' value sums do not all fit the registers.
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (16, 4, 2), (64, 12, 4), (32, 12, 4)])
 def test_a_query_gets_the_same_bits_alone_or_in_a_batch(path, pool_dtype, d, hq, hkv):
-    # Alone, a short query runs on one thread with all heads in one job; in a batch of seven with
-    # long ones the work is split over threads: its bits must not change.
+    # Alone, a short query runs on one thread with all heads in one job, and a long one in one job
+    # per KV head (passes over each head's part of the rows); in a batch of seven every query is one
+    # job over all its KV heads (whole rows at a time), split over threads: its bits must not change.
     lens = [2, 7, 400, 9, 1000, 33, 5]
     q, kp, vp, tables, rows, kv_lens = _case(d, hq, hkv, lens, block_size=16, seed=1)
     kp, vp = kp.to(pool_dtype), vp.to(pool_dtype)
