@@ -201,7 +201,8 @@ static inline void with_row_heads(int64_t h, F&& body) {
 
 // One job's attention in AVX-512 for float32 heads of 16 * D16 values. The query heads that share
 // a KV head go through both passes together, a few at a time, so K and V rows are read once per
-// pass rather than once per query head; a job of 2-4 KV heads reads whole rows (score_rows). `offs[t]`: where position t's row starts in the pools.
+// pass rather than once per query head; a job of 2-4 KV heads reads whole rows (score_rows,
+// weigh_rows). `offs[t]`: where position t's row starts in the pools.
 template <int D16, typename KV>
 static void attend_avx512(const float* qv, const KV* kp, const KV* vp, const int64_t* offs, int64_t len,
                           int64_t h0, int64_t heads_per_job, int64_t group, float* scores, float* mx, float* sum,
@@ -213,45 +214,46 @@ static void attend_avx512(const float* qv, const KV* kp, const KV* vp, const int
   // kv_head only because that build measured faster (see prefetch_row).
   auto pf_head_for = [&](int64_t hh, int64_t g0) { return (h0 + hh) * d; };
   auto pf_bytes_for = [&](int64_t hh, int64_t g0) { return g0 == 0 ? (int)(d * sizeof(KV)) : 0; };
-  // A job of several KV heads reads each cached row whole (score_rows, weigh_rows) where a pass
-  // carries a KV head's whole group; otherwise one KV head at a time, in passes.
-  const bool rows = group <= per_pass && heads_per_job >= 2 && heads_per_job <= 4;
-  if (rows) {
+  // A job of several KV heads reads each cached row whole where a pass carries a KV head's whole
+  // group; otherwise one KV head at a time, in passes.
+  const bool whole_rows = group <= per_pass && heads_per_job >= 2 && heads_per_job <= 4;
+  if (whole_rows) {
     with_heads<D16>(group, [&](auto gc) {
       with_row_heads(heads_per_job, [&](auto h) {
         score_rows<D16, decltype(gc)::value, decltype(h)::value, KV>(qv, kp, offs, len, h0 * d, scores, mx);
       });
     });
-  } else
-  for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-    const int64_t kv_head = (h0 + hh) * d;
-    for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
-      const int64_t j = hh * group + g0;
-      with_heads<D16>(std::min(per_pass, group - g0), [&](auto gc) {
-        score_heads<D16, decltype(gc)::value, KV>(qv + j * d, kp, offs, len, kv_head, pf_head_for(hh, g0),
-                                                  pf_bytes_for(hh, g0), scores + j * len, mx + j);
-      });
+  } else {
+    for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+      const int64_t kv_head = (h0 + hh) * d;
+      for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
+        const int64_t j = hh * group + g0;
+        with_heads<D16>(std::min(per_pass, group - g0), [&](auto gc) {
+          score_heads<D16, decltype(gc)::value, KV>(qv + j * d, kp, offs, len, kv_head, pf_head_for(hh, g0),
+                                                    pf_bytes_for(hh, g0), scores + j * len, mx + j);
+        });
+      }
     }
   }
   for (int64_t j = 0; j < heads_per_job * group; ++j) sum[j] = Avx2F32Ops::exp_shift(scores + j * len, len, mx[j]);
-  if (rows) {
+  if (whole_rows) {
     with_heads<D16>(group, [&](auto gc) {
       with_row_heads(heads_per_job, [&](auto h) {
         constexpr int GC = decltype(gc)::value, H = decltype(h)::value;
-        constexpr int HR = std::min(H, 24 / (GC * D16));
+        constexpr int HR = std::min(H, 24 / (GC * D16));  // the heads whose sums fit the registers
         weigh_rows<D16, GC, H, HR, KV>(vp, offs, len, h0 * d, scores, sum, out);
       });
     });
-    return;
-  }
-  for (int64_t hh = 0; hh < heads_per_job; ++hh) {
-    const int64_t kv_head = (h0 + hh) * d;
-    for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
-      const int64_t j = hh * group + g0;
-      with_heads<D16>(std::min(per_pass, group - g0), [&](auto gc) {
-        weigh_values<D16, decltype(gc)::value, KV>(vp, offs, len, kv_head, pf_head_for(hh, g0), pf_bytes_for(hh, g0),
-                                                   scores + j * len, sum + j, out + j * d);
-      });
+  } else {
+    for (int64_t hh = 0; hh < heads_per_job; ++hh) {
+      const int64_t kv_head = (h0 + hh) * d;
+      for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
+        const int64_t j = hh * group + g0;
+        with_heads<D16>(std::min(per_pass, group - g0), [&](auto gc) {
+          weigh_values<D16, decltype(gc)::value, KV>(vp, offs, len, kv_head, pf_head_for(hh, g0),
+                                                     pf_bytes_for(hh, g0), scores + j * len, sum + j, out + j * d);
+        });
+      }
     }
   }
 }
