@@ -48,6 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with fleet_for_serve(settings, args) as settings:  # replicas started/probed here; a bad one is one line
         app = create_app(settings)
+        app.state.ctx.backend.check()  # a missing model file or unsupported architecture: one line, exit 2
         scheme = "https (HTTP/2)" if all(tls) else "http"
         shared = f", shared state in Redis at {settings.redis_url}" if settings.redis_url else ""
         print(f"chatloom: serving {settings.model} on {scheme}://{settings.host}:{settings.port} "
@@ -57,9 +58,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:  # uvicorn, noting when SIGTERM came so the drain deadline counts from it
             import uvicorn
 
-            _Server(app, uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                        timeout_graceful_shutdown=2 if settings.redis_url  # clients resume elsewhere
-                                        else max(1, round(settings.shutdown_drain_s)))).run()
+            server = _Server(app, uvicorn.Config(app, host=settings.host, port=settings.port,
+                                                 log_level=settings.log_level,
+                                                 timeout_graceful_shutdown=2 if settings.redis_url  # clients resume elsewhere
+                                                 else max(1, round(settings.shutdown_drain_s))))
+            app.state.stop_server = lambda: setattr(server, "should_exit", True)
+            server.run()
+    failure = getattr(app.state, "startup_failure", None)
+    if failure is not None:  # the model could not load: the process ends, saying why (chatloom.cli prints it)
+        from chatloom.models import ModelError
+
+        raise ModelError(failure)
     return 0
 
 

@@ -39,6 +39,7 @@ async def serve_h2(app, settings: Settings, tls_cert: str, tls_key: str,
     from hypercorn.asyncio import serve
 
     stop = stop or asyncio.Event()
+    app.state.stop_server = stop.set  # the app stops the server itself when its model cannot load
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:

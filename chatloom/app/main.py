@@ -23,7 +23,7 @@ from chatloom.app.settings import Settings
 from chatloom.app.traffic import RateLimitHeaders, build_traffic
 from chatloom.app.validation import EdgeGuard
 from chatloom.model_args import bf16_matmul, int8_matmul
-from chatloom.serving import Backend, BackendError, LocalBackend
+from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
 from chatloom.store import Database
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         if sweeper is not None:
             await sweeper.start()
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
-        loading = asyncio.create_task(_start_backend(backend), name="backend-start")
+        loading = asyncio.create_task(_start_backend(backend, _app), name="backend-start")
         try:
             yield
         finally:
@@ -111,8 +111,16 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     return app
 
 
-async def _start_backend(backend: Backend) -> None:
+async def _start_backend(backend: Backend, app: FastAPI) -> None:
     try:
         await backend.start()
+    except ModelLoadFailed as exc:
+        # No retry can help: where the CLI runs the server (app.state.stop_server), it stops and exits
+        # with this reason; an app embedded elsewhere stays up with the reason on /readyz.
+        log.error("%s", exc)
+        app.state.startup_failure = str(exc)
+        stop = getattr(app.state, "stop_server", None)
+        if stop is not None:
+            stop()
     except BackendError as exc:  # /readyz reports it
         log.error("%s", exc)

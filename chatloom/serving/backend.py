@@ -22,6 +22,11 @@ class BackendNotReady(BackendError):
     """The model is still loading (or failed to load)."""
 
 
+class ModelLoadFailed(BackendNotReady):
+    """An in-process model cannot load (missing file, unsupported architecture, too big): trying again
+    will not help, so a server that meets this at start exits instead of waiting to be ready."""
+
+
 class BadGenerationRequest(BackendError):
     """The backend refuses the request itself (prompt too long, bad sampling values)."""
 
@@ -161,6 +166,10 @@ class Backend(abc.ABC):
     """A model server as seen by the product."""
 
     # -- lifecycle ----------------------------------------------------------------
+    def check(self) -> None:
+        """Find, before the server starts, what would make start() fail for good (a model file that is
+        missing, an architecture chatloom cannot run), without loading weights; raises ModelError."""
+
     async def start(self) -> None:
         """Get ready to serve (load weights, connect). Called once in the background at app start."""
 

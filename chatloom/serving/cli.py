@@ -1,11 +1,13 @@
 """`chatloom replica`: one engine behind its own OpenAI-compatible HTTP face, for a router to use.
 
-The model loads before the port opens, so a bad model path is one line and a non-zero exit, and a
+The model loads and its engine is built before the port opens, so a model that cannot load (a bad
+path, an unsupported architecture, too little memory) is one line on stderr and exit status 2, and a
 router never sees a half-ready replica on the port.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 from chatloom.argtypes import positive_float, positive_int
@@ -20,6 +22,8 @@ def cmd_replica(args: argparse.Namespace) -> int:
 
     from chatloom.engine import EngineConfig
     from chatloom.model_args import load_from_args
+    from chatloom.models import ModelError
+    from chatloom.serving.backend import ModelLoadFailed
     from chatloom.serving.local import LocalBackend
     from chatloom.serving.replica_server import create_replica_app
 
@@ -31,7 +35,12 @@ def cmd_replica(args: argparse.Namespace) -> int:
     # Flags left out keep the engine's own defaults (chatloom/engine/config.py), written only there.
     config = EngineConfig(**{k: v for k, v in sizing.items() if v is not None})
     loaded = load_from_args(args, kv_cache_bytes=lambda cfg: config.kv_cache_bytes(cfg.kv_bytes_per_token(args.dtype)))
-    app = create_replica_app(LocalBackend(loaded, engine_config=config))
+    backend = LocalBackend(loaded, engine_config=config)
+    try:  # the engine and its KV pool too, before the port opens
+        asyncio.run(backend.start())
+    except ModelLoadFailed as exc:
+        raise ModelError(str(exc)) from None
+    app = create_replica_app(backend)
     print(f"chatloom: replica serving {loaded.id} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -9,11 +9,11 @@ from typing import AsyncIterator
 from chatloom.engine import EngineConfig, InvalidRequest, RequestOutput, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from chatloom.engine.thread_pool import then_release
-from chatloom.models import LoadedModel, ModelError, load_model
+from chatloom.models import LoadedModel, ModelError, describe_config, load_model
 from chatloom.models.chat_template import encode_chat
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, GenerationRequest, Timings)
+                                      Delta, GenerationRequest, ModelLoadFailed, Timings)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ class LocalBackend(Backend):
         return self._config.resolve_num_blocks(per_token) * self._config.block_size * per_token
 
     # -- lifecycle ----------------------------------------------------------------
+    def check(self) -> None:
+        if self._loaded is None:
+            describe_config(self._spec)  # the config alone: quick, and the same reader load_model uses
+
     async def start(self) -> None:
         async with self._start_lock:
             if self._engine is not None:
@@ -64,7 +68,7 @@ class LocalBackend(Backend):
             except (ModelError, OSError, ValueError, RuntimeError) as exc:
                 self._error = str(exc)
                 log.error("model %s failed to load: %s", self._spec, exc)
-                raise BackendNotReady(f"model failed to load: {exc}") from exc
+                raise ModelLoadFailed(f"model failed to load: {exc}") from exc
 
     async def close(self) -> None:
         if self._engine is not None:

@@ -11,7 +11,8 @@ import dataclasses
 import logging
 from typing import AsyncIterator
 
-from chatloom.serving.backend import Backend, BackendError, BackendNotReady, BackendStats, Delta, GenerationRequest
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, Delta, GenerationRequest,
+                                      ModelLoadFailed)
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +27,25 @@ class MultiModelBackend(Backend):
         self._errors: dict[str, str] = {}
         self._owner: dict[str, Backend] = {}  # request id -> the backend running it
 
+    def check(self) -> None:
+        for backend in self.backends.values():
+            backend.check()
+
     async def start(self) -> None:
+        lasting: list[bool] = []  # per failed model: whether retrying cannot help (an in-process load)
+
         async def one(model: str, backend: Backend) -> None:
             try:
                 await backend.start()
             except BackendError as exc:
                 self._errors[model] = str(exc)
+                lasting.append(isinstance(exc, ModelLoadFailed))
                 log.error("model %s cannot serve: %s", model, exc)
 
         await asyncio.gather(*(one(m, b) for m, b in self.backends.items()))
         if len(self._errors) == len(self.backends):
-            raise BackendNotReady("; ".join(f"{m}: {e}" for m, e in self._errors.items()))
+            error = ModelLoadFailed if all(lasting) else BackendNotReady
+            raise error("; ".join(f"{m}: {e}" for m, e in self._errors.items()))
 
     async def close(self) -> None:
         await asyncio.gather(*(b.close() for b in self.backends.values()), return_exceptions=True)
