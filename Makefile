@@ -26,8 +26,9 @@ run: $(STAMP)
 chat: $(STAMP)
 	$(VENV)/bin/chatloom chat
 
+# The tests, with throwaway PostgreSQL and Redis where Debian's packages are installed (scripts/test.sh).
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	PY=$(PY) scripts/test.sh
 
 clean:
 	rm -rf $(VENV) data

@@ -1,7 +1,8 @@
 """The real services the tests can run against: PostgreSQL and Redis on loopback.
 
-.ci/services.sh starts both and exports CHATLOOM_TEST_POSTGRES_URL and CHATLOOM_TEST_REDIS_URL; without
-them the PostgreSQL and Redis cases skip, so `make test` works on a bare machine. Each PostgreSQL case
+`make test` (scripts/test.sh) starts throwaway servers of both where Debian's postgresql and
+redis-server packages are installed, and exports CHATLOOM_TEST_POSTGRES_URL and CHATLOOM_TEST_REDIS_URL;
+without them the PostgreSQL and Redis cases skip, naming the package to install. Each PostgreSQL case
 gets a fresh, empty database (the app's migrations then build its schema, as in production), dropped
 afterwards; each Redis case gets a key prefix of its own.
 
@@ -9,6 +10,7 @@ afterwards; each Redis case gets a key prefix of its own.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import uuid
@@ -18,8 +20,6 @@ from sqlalchemy.engine import make_url
 
 POSTGRES_ENV = "CHATLOOM_TEST_POSTGRES_URL"
 REDIS_ENV = "CHATLOOM_TEST_REDIS_URL"
-SKIP_POSTGRES = f"no PostgreSQL to test against: set {POSTGRES_ENV} (.ci/services.sh start does)"
-SKIP_REDIS = f"no Redis to test against: set {REDIS_ENV} (.ci/services.sh start does)"
 
 
 def postgres_url() -> str | None:
@@ -30,22 +30,42 @@ def redis_url() -> str | None:
     return os.environ.get(REDIS_ENV) or None
 
 
+def postgres_installed() -> bool:
+    """Debian's postgresql package (what scripts/services.sh runs)."""
+    return bool(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+def _skip_reason(name: str, package: str, installed: bool, env: str) -> str:
+    if not installed:
+        return (f"{name} tests skipped: install Debian's {package} package (apt-get install {package}), "
+                f"then run make test")
+    return f"{name} tests skipped: {env} is not set (make test starts a throwaway {name} and sets it)"
+
+
+def postgres_skip_reason() -> str:
+    return _skip_reason("PostgreSQL", "postgresql", postgres_installed(), POSTGRES_ENV)
+
+
+def redis_skip_reason() -> str:
+    return _skip_reason("Redis", "redis-server", redis_server_binary() is not None, REDIS_ENV)
+
+
 def require_postgres() -> str:
     url = postgres_url()
     if url is None:
-        pytest.skip(SKIP_POSTGRES)
+        pytest.skip(postgres_skip_reason())
     return url
 
 
 def require_redis() -> str:
     url = redis_url()
     if url is None:
-        pytest.skip(SKIP_REDIS)
+        pytest.skip(redis_skip_reason())
     return url
-
-
-def redis_server_binary() -> str | None:
-    return shutil.which("redis-server")
 
 
 async def _admin(url: str):
@@ -97,7 +117,7 @@ class PrivateRedis:
 
         binary = redis_server_binary()
         if binary is None:
-            pytest.skip("no redis-server binary (.ci/services.sh installs Debian's redis-server)")
+            pytest.skip(redis_skip_reason())
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis as sync_redis

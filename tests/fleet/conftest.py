@@ -1,7 +1,8 @@
 """The multi-gateway suite: real `chatloom serve` processes sharing PostgreSQL and Redis on loopback.
 
 Marked `fleet`; it skips where the services are missing (no $CHATLOOM_TEST_POSTGRES_URL, no
-redis-server binary), so `make test` runs everywhere, and .ci/run (which starts both) runs it.
+redis-server binary), naming the package to install; `make test` runs it where Debian's postgresql
+and redis-server packages are installed (it starts throwaway servers), as .ci/run does.
 Each gateway serves the tiny random model, so the suite stays quick; Redis is a private
 redis-server the tests stop and start again.
 """
@@ -18,18 +19,24 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backing_services import PrivateRedis, create_database, drop_database, postgres_url, redis_server_binary
+from backing_services import (PrivateRedis, create_database, drop_database, postgres_skip_reason, postgres_url,
+                              redis_server_binary, redis_skip_reason)
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180  # a loaded CI machine takes a while to import torch twice
 
 
-def pytest_collection_modifyitems(config, items):
-    reason = None
+def fleet_skip_reason() -> str | None:
+    """Why the multi-gateway suite cannot run here, or None."""
     if postgres_url() is None:
-        reason = "the fleet suite needs PostgreSQL: set CHATLOOM_TEST_POSTGRES_URL (.ci/services.sh start does)"
-    elif redis_server_binary() is None:
-        reason = "the fleet suite needs redis-server (Debian's redis-server package)"
+        return postgres_skip_reason()
+    if redis_server_binary() is None:  # each test runs a private redis-server it stops and starts
+        return redis_skip_reason()
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = fleet_skip_reason()
     for item in items:
         if "tests/fleet/" in str(item.fspath):
             item.add_marker(pytest.mark.fleet)
