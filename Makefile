@@ -1,4 +1,4 @@
-# Quick start: `make run` serves chatloom; `make test` runs the tests. Both bootstrap .venv first.
+# Quick start: `make run` serves chatloom; `make test` runs the tests and builds the docs site. Both bootstrap .venv first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -29,6 +29,7 @@ chat: $(STAMP)
 # The tests, with throwaway PostgreSQL and Redis where Debian's packages are installed (scripts/test.sh).
 test: $(STAMP)
 	PY=$(PY) scripts/test.sh
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) data
+	rm -rf $(VENV) data build/site
