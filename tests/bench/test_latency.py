@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from chatloom.bench.latency import LAYERS, _Clock, format_table, run_latency
+from chatloom.bench.latency import LAYERS, format_table, run_latency
+from chatloom.bench.step_breakdown import _Clock
 
 
 def test_every_layer_serves_the_same_tokens(tiny_model_fp32):
