@@ -77,13 +77,18 @@ def fmt_params(n: int) -> str:
     return str(n)
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
-                   help=f"most tokens to generate (default {max_tokens})")
-    p.add_argument("--temperature", type=_temperature, default=0.7, metavar="T",
-                   help="sampling temperature; 0 means greedy (default 0.7)")
-    p.add_argument("--top-p", type=_top_p, default=0.95, metavar="P", help="nucleus sampling mass (default 0.95)")
-    p.add_argument("--top-k", type=_top_k, default=0, metavar="K", help="sample among the K likeliest tokens (default 0: off)")
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags; their defaults are the settings tree's (CHATLOOM_SAMPLING__* applies too)."""
+    from chatloom.settings import environment_settings
+
+    d = environment_settings().sampling
+    p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens, metavar="N",
+                   help=f"most tokens to generate (default {d.max_tokens})")
+    p.add_argument("--temperature", type=_temperature, default=d.temperature, metavar="T",
+                   help=f"sampling temperature; 0 means greedy (default {d.temperature})")
+    p.add_argument("--top-p", type=_top_p, default=d.top_p, metavar="P", help=f"nucleus sampling mass (default {d.top_p})")
+    p.add_argument("--top-k", type=_top_k, default=d.top_k, metavar="K",
+                   help=f"sample among the K likeliest tokens (default {d.top_k}; 0: off)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for reproducible sampling")
 
 
@@ -383,14 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     add_model_args(p)
-    _add_sampling_args(p, max_tokens=256)
+    _add_sampling_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed to stderr")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal (reads stdin; /exit or end of input quits)")
     p.add_argument("--system", default=None, help="system message")
     add_model_args(p)
-    _add_sampling_args(p, max_tokens=512)
+    _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("models", help="the models chatloom knows, with their KV-cache cost")

@@ -1,14 +1,15 @@
 """The model flags every command shares (--model, --dtype, --int8-matmul), written once for the CLI,
 the benchmarks and the server, and the int8 switch resolved once, here at the edge: the flag if
-given, else the CHATLOOM_INT8_MATMUL environment variable. Below this, code gets a plain bool.
+given, else the settings tree (CHATLOOM_MODEL__INT8_MATMUL). Below this, code gets a plain bool.
 """
 from __future__ import annotations
 
 import argparse
-import os
 
-INT8_ENV = "CHATLOOM_INT8_MATMUL"
-BF16_ENV = "CHATLOOM_BF16_MATMUL"
+from chatloom.settings import DEFAULTS
+
+INT8_ENV = "CHATLOOM_MODEL__INT8_MATMUL"
+BF16_ENV = "CHATLOOM_MODEL__BF16_MATMUL"
 DTYPES = ("fp32", "bf16")
 # The KV cache's dtypes (chatloom/engine/config.py's KV_CACHE_DTYPES, named here so that building the
 # parsers does not import torch; a test keeps the two equal).
@@ -18,12 +19,11 @@ KV_CACHE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
 def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -> None:
     """--model, --dtype, --int8-matmul. With `from_settings` (the server) an absent flag is None,
     so the settings file decides; otherwise the defaults apply here."""
-    from chatloom.models.registry import DEFAULT_MODEL
-
+    DEFAULT_MODEL = DEFAULTS.model.name
     p.add_argument("--model", default=None if from_settings else DEFAULT_MODEL, metavar="ID|PATH",
                    help=f"registry id (see `chatloom models`), a GGUF file or a Hugging Face folder "
                         f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", choices=DTYPES, default=None if from_settings else "fp32",
+    p.add_argument("--dtype", choices=DTYPES, default=None if from_settings else DEFAULTS.model.dtype,
                    help="weights and KV cache dtype (default fp32: the fast choice on most CPUs)")
     p.add_argument("--int8-matmul", action="store_true", default=None,
                    help=f"multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
@@ -38,18 +38,22 @@ def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
 
 
 def int8_matmul(choice: bool | None) -> bool:
-    """The int8 switch: an explicit choice, else the environment variable, else off."""
+    """The int8 switch: an explicit choice, else the settings (CHATLOOM_MODEL__INT8_MATMUL), else off."""
     if choice is not None:
         return choice
-    return os.environ.get(INT8_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+    from chatloom.settings import environment_settings
+
+    return environment_settings().model.int8_matmul
 
 
 def bf16_matmul(choice: bool | None) -> bool:
-    """The bfloat16-weights switch (--bf16-matmul where a command has it): the choice, else
-    CHATLOOM_BF16_MATMUL, else off."""
+    """The bfloat16-weights switch (--bf16-matmul where a command has it): the choice, else the
+    settings (CHATLOOM_MODEL__BF16_MATMUL), else off."""
     if choice is not None:
         return choice
-    return os.environ.get(BF16_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+    from chatloom.settings import environment_settings
+
+    return environment_settings().model.bf16_matmul
 
 
 def load_from_args(args: argparse.Namespace, kv_cache_bytes=0):

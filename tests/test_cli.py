@@ -240,7 +240,7 @@ def test_other_modules_can_register_commands(capsys, monkeypatch):
     assert rc == 0 and out == "hello loom\n"
 
 
-def test_serve_int8_flag_reaches_the_settings(tmp_path):
+def test_serve_int8_flag_reaches_the_settings(tmp_path, monkeypatch):
     """`serve --int8-matmul` and the TOML key set the backend's matmul; absent, the env decides."""
     import argparse
 
@@ -248,8 +248,12 @@ def test_serve_int8_flag_reaches_the_settings(tmp_path):
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    assert _settings(parser.parse_args(["serve", "--int8-matmul"])).int8_matmul is True
-    assert _settings(parser.parse_args(["serve"])).int8_matmul is None
+    monkeypatch.delenv("CHATLOOM_MODEL__INT8_MATMUL", raising=False)
+    assert _settings(parser.parse_args(["serve", "--int8-matmul"])).model.int8_matmul is True
+    assert _settings(parser.parse_args(["serve"])).model.int8_matmul is False
+    monkeypatch.setenv("CHATLOOM_MODEL__INT8_MATMUL", "1")
+    assert _settings(parser.parse_args(["serve"])).model.int8_matmul is True
+    monkeypatch.delenv("CHATLOOM_MODEL__INT8_MATMUL")
     toml = tmp_path / "c.toml"
-    toml.write_text("int8_matmul = true\n")
-    assert _settings(parser.parse_args(["serve", "--config", str(toml)])).int8_matmul is True
+    toml.write_text("[model]\nint8_matmul = true\n")
+    assert _settings(parser.parse_args(["serve", "--config", str(toml)])).model.int8_matmul is True

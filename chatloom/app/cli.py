@@ -14,17 +14,23 @@ from chatloom.model_args import add_kv_cache_dtype_arg, add_model_args
 
 
 def _settings(args: argparse.Namespace):
-    from chatloom.app.settings import Settings
+    from chatloom.settings import load_settings
 
-    settings = Settings.from_file(args.config) if args.config else Settings()
-    fields = ("host", "port", "model", "dtype", "int8_matmul", "kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-              "kv_cache_dtype", "speculative", "num_speculative_tokens", "speculative_model")
-    return settings.updated(db_url=args.db, redis_url=getattr(args, "redis", None),
-                            **{k: getattr(args, k, None) for k in fields})
+    return load_settings(args.config, flags={key: getattr(args, flag, None) for flag, key in SETTING_FLAGS.items()})
+
+
+# The flags these commands take, and the setting each one sets (over the file and the environment).
+SETTING_FLAGS = {"db": "server.db_url", "redis": "shared_state.redis_url", "host": "server.host",
+                 "port": "server.port", "model": "model.name", "dtype": "model.dtype",
+                 "int8_matmul": "model.int8_matmul", "kv_cache_gb": "engine.kv_cache_gb",
+                 "num_blocks": "engine.num_blocks", "max_num_seqs": "engine.max_num_seqs",
+                 "max_num_batched_tokens": "engine.max_num_batched_tokens", "kv_cache_dtype": "engine.kv_cache_dtype",
+                 "speculative": "engine.speculative", "num_speculative_tokens": "engine.num_speculative_tokens",
+                 "speculative_model": "engine.speculative_model"}
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML file of settings (see chatloom/app/settings.py)")
+    p.add_argument("--config", metavar="FILE", help="TOML file of settings (see the configuration reference)")
     p.add_argument("--db", metavar="URL", help="database URL (default: SQLite at ./data/chatloom.db; "
                                                "postgresql+asyncpg://... for PostgreSQL)")
 
@@ -45,23 +51,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for path in filter(None, tls):
         if not Path(path).is_file():
             raise ValueError(f"no such file: {path}")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with fleet_for_serve(settings, args) as settings:  # replicas started/probed here; a bad one is one line
         app = create_app(settings)
         app.state.ctx.backend.check()  # a missing model file or unsupported architecture: one line, exit 2
         scheme = "https (HTTP/2)" if all(tls) else "http"
-        shared = f", shared state in Redis at {settings.redis_url}" if settings.redis_url else ""
-        print(f"chatloom: serving {settings.model} on {scheme}://{settings.host}:{settings.port} "
+        shared = f", shared state in Redis at {settings.shared_state.redis_url}" if settings.shared_state.redis_url else ""
+        print(f"chatloom: serving {settings.model.name} on {scheme}://{settings.server.host}:{settings.server.port} "
               f"(database {settings.database_url}{shared})", file=sys.stderr)
         if all(tls):  # HTTP/2 over TLS (Hypercorn)
             http_server.run(app, settings, *tls)
         else:  # uvicorn, noting when SIGTERM came so the drain deadline counts from it
             import uvicorn
 
-            server = _Server(app, uvicorn.Config(app, host=settings.host, port=settings.port,
-                                                 log_level=settings.log_level,
-                                                 timeout_graceful_shutdown=2 if settings.redis_url  # clients resume elsewhere
-                                                 else max(1, round(settings.shutdown_drain_s))))
+            server = _Server(app, uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
+                                                 log_level=settings.server.log_level,
+                                                 timeout_graceful_shutdown=2 if settings.shared_state.redis_url  # clients resume elsewhere
+                                                 else max(1, round(settings.recovery.shutdown_drain_s))))
             app.state.stop_server = lambda: setattr(server, "should_exit", True)
             server.run()
     failure = getattr(app.state, "startup_failure", None)
@@ -127,7 +133,7 @@ async def _set_tier(settings, username: str, tier: str) -> None:
     from chatloom.app.tiers import TierTable
     from chatloom.store import Database, Users
 
-    tiers = TierTable.load(settings.tiers_file, default=settings.default_tier)
+    tiers = TierTable.load(settings.traffic.tiers_file, default=settings.traffic.default_tier)
     if tier not in tiers:
         raise ValueError(f"unknown tier {tier!r}; configured: {', '.join(tiers.names())}")
     db = Database(settings.database_url)

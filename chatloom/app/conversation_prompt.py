@@ -13,7 +13,7 @@ from chatloom.app.branches import Tree
 from chatloom.app.errors import ApiError
 from chatloom.app.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messages, chunk_turns, plan_prompt,
                                  summarizer_messages)
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.serving import Backend, BadGenerationRequest, GenerationRequest, Usage
 from chatloom.store import Conversations, Database, Messages
 
@@ -47,12 +47,12 @@ class PromptAssembler:
         return self._cost
 
     def summary_max_tokens(self) -> int:
-        return max(16, min(self.settings.summary_max_tokens, self.context_window // 4))
+        return max(16, min(self.settings.chat.summary_max_tokens, self.context_window // 4))
 
     # -- before anything is saved ----------------------------------------------------------
     def check_fits(self, text_tokens: int, max_tokens: int) -> None:
         """The new message, the system prompt and the answer must fit the context window on their own."""
-        needed = self.template_cost.prompt(self.backend.count_tokens(self.settings.system_prompt), [text_tokens])
+        needed = self.template_cost.prompt(self.backend.count_tokens(self.settings.chat.system_prompt), [text_tokens])
         room = self.context_window - max_tokens
         if needed > room:
             raise ApiError(400, f"the message is too long: it takes {text_tokens} tokens, and with max_tokens="
@@ -61,7 +61,7 @@ class PromptAssembler:
 
     def estimate(self, turn_tokens: list[int], max_tokens: int) -> int:
         """The prompt's tokens from stored counts, as assembly will see them (older turns fold into a summary)."""
-        system = self.backend.count_tokens(self.settings.system_prompt)
+        system = self.backend.count_tokens(self.settings.chat.system_prompt)
         return min(self.template_cost.prompt(system, turn_tokens), self.context_window - max_tokens)
 
     # -- in the background job ---------------------------------------------------------------
@@ -85,12 +85,12 @@ class PromptAssembler:
             summary, rest = None, path
         history = [Turn(m.id, m.role, m.text, m.tokens) for m in rest if m.text]
         count = self.backend.count_tokens
-        system = self.settings.system_prompt
+        system = self.settings.chat.system_prompt
         budget = self.context_window - max_tokens
         reserve = self.summary_max_tokens() + count(SUMMARY_HEADER)
         plan = plan_prompt(history, budget=budget, cost=self.template_cost, system_tokens=count(system),
                            summary_tokens=count(SUMMARY_HEADER + summary) if summary else 0,
-                           summary_reserve=reserve, keep_fraction=self.settings.summary_keep_fraction)
+                           summary_reserve=reserve, keep_fraction=self.settings.chat.summary_keep_fraction)
         if not plan.use_summary:
             summary = None
         elif plan.to_summarize:

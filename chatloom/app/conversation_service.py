@@ -10,11 +10,11 @@ The generation's trip (caps, moderation, quota, admission, stream, output guard,
 shared `Pipeline`; this service adds what is particular to conversations: the message tree, prompt
 assembly with summaries (conversation_prompt.py), the event log and the saved answer.
 
-With chat tools on (settings.chat_tools), an answer may call them: when a round of generation ends
+With chat tools on (settings.chat.tools), an answer may call them: when a round of generation ends
 in tool calls, the loop pauses, runs each call (app/tools), logs `tool_call` and `tool_result`
 events, appends the calls and results to the prompt and resumes the same run, whose new prompt
 starts with the previous one token for token, so the prefix cache makes resumption cheap. At most
-settings.max_tool_calls_per_answer calls run per answer; after that the model must answer in text.
+settings.chat.max_tool_calls_per_answer calls run per answer; after that the model must answer in text.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from chatloom.app.hotstate.redis_events import LogTakenOver
 from chatloom.app.pipeline import (AnswerText, Ask, ChatPrompt, Finished, GenerationStopped, Pipeline, Run, Thinking,
                                    ToolCall)
 from chatloom.app.recovery import start_checkpointer
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.app.summary_admission import admitted_summary
 from chatloom.app.tool_calls import ToolUse, render_messages
 from chatloom.app.tools.builtins import builtin_registry
@@ -114,7 +114,7 @@ class ConversationService:
         self._running: dict[str, Generation | None] = {}
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
         self.draining = False  # shutting down: no new answers here
-        names = [n.strip() for n in settings.chat_tools.split(",") if n.strip()]
+        names = [n.strip() for n in settings.chat.tools.split(",") if n.strip()]
         self.tools: ToolRegistry = builtin_registry(names)
 
     # -- starting generations ----------------------------------------------------------
@@ -148,9 +148,9 @@ class ConversationService:
     async def send(self, session: AsyncSession, conv: Conversation, text: str, options: GenerationOptions,
                    parent_id: object = UNSET) -> Generation:
         """Save a user message (under parent_id, or at the end of the active branch) and start its answer."""
-        if len(text) > self.settings.max_message_chars:
+        if len(text) > self.settings.chat.max_message_chars:
             raise ApiError(400, f"the message is too long: {len(text)} characters, at most "
-                           f"{self.settings.max_message_chars} allowed", "message_too_long", "text")
+                           f"{self.settings.chat.max_message_chars} allowed", "message_too_long", "text")
         self._claim(conv.id)
         run = None
         claimed = False
@@ -169,7 +169,7 @@ class ConversationService:
                                         status="incomplete")
             values = {"current_leaf_id": answer.id}
             if conv.title is None and not tree.by_id:
-                values["title"] = make_title(text, self.settings.title_chars)
+                values["title"] = make_title(text, self.settings.chat.title_chars)
             await Conversations(session).touch(conv.id, **values)
             await session.commit()
             return await self._start(conv.id, user_msg.id, answer.id, run)
@@ -362,7 +362,7 @@ class ConversationService:
             # Recovery and takeover: the saved text is the open assistant turn the first round continues.
             first = messages + [{"role": "assistant", "content": gen.prefix}] if gen.prefix else messages
             await run.admit(ChatPrompt(first, continue_final=bool(gen.prefix)), position)
-            for round_no in range(self.settings.max_tool_calls_per_answer + 1):
+            for round_no in range(self.settings.chat.max_tool_calls_per_answer + 1):
                 text, calls = ([gen.prefix] if gen.prefix and round_no == 0 else []), []
                 async for piece in run.stream():
                     await self._write(gen, piece, out)
@@ -412,7 +412,7 @@ class ConversationService:
                          out: _Outcome) -> list[dict]:
         """Run a round's calls; the prompt for the next round (the round's turn, then one turn per result)."""
         ctx = ToolContext(run.ask.user, self.db, gen.conversation_id)
-        budget = self.settings.max_tool_calls_per_answer
+        budget = self.settings.chat.max_tool_calls_per_answer
         turns = [{"role": "assistant", "content": "\n".join([text] * bool(text) + [c.text() for c in calls])}]
         for call in calls:
             if len(out.steps) >= budget:

@@ -19,7 +19,7 @@ from chatloom.app.conversation_service import ConversationService
 from chatloom.app.errors import ApiError, not_found
 from chatloom.app.hotstate.state import HotState
 from chatloom.app.pipeline import Pipeline
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.app.traffic import Traffic
 from chatloom.serving import Backend
 from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import sys
 from typing import Iterator
 
@@ -19,7 +18,7 @@ from chatloom.argtypes import positive_int
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", default=None, metavar="URL",
                    help="serve the model from this OpenAI-compatible replica (chatloom replica, vLLM, SGLang); "
-                        "repeat for several. See also [[models]] in the settings file")
+                        "repeat for several. See also [[fleet.models]] in the settings file")
     p.add_argument("--local-replicas", type=positive_int, default=None, metavar="N",
                    help="start N `chatloom replica` processes of --model here and route over them")
     p.add_argument("--replica-threads", type=positive_int, default=1, metavar="T",
@@ -39,30 +38,30 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[object]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     changes: dict = {}
     if args.router_policy:
-        changes["router_policy"] = args.router_policy
+        changes["fleet.router_policy"] = args.router_policy
     if args.replica:
-        changes["replicas"] = list(args.replica)
+        changes["fleet.replicas"] = list(args.replica)
     local = None
     if args.local_replicas:
-        if args.replica or settings.models:
-            raise ValueError("--local-replicas replaces --replica and [[models]]; give one of them")
+        if args.replica or settings.fleet.models:
+            raise ValueError("--local-replicas replaces --replica and [[fleet.models]]; give one of them")
         from chatloom.serving.local_fleet import LocalReplicas
 
-        extra = ["--kv-cache-gb", str(settings.kv_cache_gb), "--max-num-seqs", str(settings.max_num_seqs),
-                 "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--dtype", settings.dtype,
-                 "--kv-cache-dtype", settings.kv_cache_dtype]
-        if settings.num_blocks:
-            extra += ["--num-blocks", str(settings.num_blocks)]
-        local = LocalReplicas(settings.model, args.local_replicas, args.replica_threads, extra)
-        print(f"chatloom: starting {args.local_replicas} local replicas of {settings.model}", file=sys.stderr)
+        extra = ["--kv-cache-gb", str(settings.engine.kv_cache_gb), "--max-num-seqs", str(settings.engine.max_num_seqs),
+                 "--max-num-batched-tokens", str(settings.engine.max_num_batched_tokens), "--dtype", settings.model.dtype,
+                 "--kv-cache-dtype", settings.engine.kv_cache_dtype]
+        if settings.engine.num_blocks:
+            extra += ["--num-blocks", str(settings.engine.num_blocks)]
+        local = LocalReplicas(settings.model.name, args.local_replicas, args.replica_threads, extra)
+        print(f"chatloom: starting {args.local_replicas} local replicas of {settings.model.name}", file=sys.stderr)
         try:
-            changes["replicas"] = local.start()
+            changes["fleet.replicas"] = local.start()
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
-    settings = dataclasses.replace(settings, **changes)
+    settings = settings.with_values(changes)
     try:
-        fleet = parse_fleet(settings.models, settings.replicas, settings.router_policy, settings.router_weights,
-                            settings.model)
+        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
+                            settings.model.name)
         asyncio.run(_probe(fleet))
         yield settings
     finally:

@@ -1,14 +1,14 @@
-"""The `[[models]]` setting: which models the service offers and where each one runs.
+"""The `[[fleet.models]]` setting: which models the service offers and where each one runs.
 
     router_policy = "prefix_aware"            # round_robin | least_load | prefix_aware
     router_weights = { prefix = 1.0, kv_usage = 0.5, waiting = 0.25, min_prefix_fraction = 0.1 }
 
-    [[models]]                                # served by replicas (chatloom replica, vLLM, SGLang)
+    [[fleet.models]]                                # served by replicas (chatloom replica, vLLM, SGLang)
     id = "smollm2-135m-instruct"
     replicas = ["http://10.0.0.5:8100", "http://10.0.0.6:8100"]
     tokenizer = "smollm2-135m-instruct"       # optional: a registry id or model file to tokenize with here
 
-    [[models]]                                # served in this process
+    [[fleet.models]]                                # served in this process
     id = "tiny-random"
     path = "tiny-random"                      # optional: registry id, GGUF file or HF folder (default: id)
 
@@ -53,19 +53,19 @@ def parse_fleet(models: object, replicas: object = None, policy: object = "prefi
     entries: list[ModelEntry] = []
     if models is not None:
         if not isinstance(models, list) or not models:
-            raise ValueError("models: expected one or more [[models]] tables")
+            raise ValueError("fleet.models: expected one or more [[fleet.models]] tables")
         for i, raw in enumerate(models):
             entries.append(_entry(i, raw))
     if replicas:
         if not isinstance(replicas, list) or not all(isinstance(u, str) for u in replicas):
             raise ValueError("replicas: expected a list of URLs")
         if entries:
-            raise ValueError("give replica URLs either with --replica / replicas or inside [[models]], not both")
+            raise ValueError("give replica URLs either with --replica / fleet.replicas or inside [[fleet.models]], not both")
         entries.append(_entry(0, {"id": _served_id(default_model), "path": default_model, "replicas": replicas}))
     ids = [e.id for e in entries]
     dupes = sorted({m for m in ids if ids.count(m) > 1})
     if dupes:
-        raise ValueError(f"models: {', '.join(dupes)} listed twice")
+        raise ValueError(f"fleet.models: {', '.join(dupes)} listed twice")
     return FleetSettings(tuple(entries), policy, _weights(weights))
 
 
@@ -76,7 +76,7 @@ def _served_id(spec: str) -> str:
 
 
 def _entry(i: int, raw: object) -> ModelEntry:
-    where = f"models[{i}]"
+    where = f"fleet.models[{i}]"
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a table with an id")
     unknown = sorted(set(raw) - _ENTRY_KEYS)

@@ -14,21 +14,21 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 
 
 def hypercorn_config(settings: Settings, tls_cert: str, tls_key: str):
     from hypercorn.config import Config
 
     config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
+    config.bind = [f"{settings.server.host}:{settings.server.port}"]
     config.certfile = tls_cert
     config.keyfile = tls_key
     config.alpn_protocols = ["h2", "http/1.1"]
     # Open SSE connections are closed after 2 s (clients resume elsewhere with Last-Event-ID); the
     # answers themselves are jobs, finished or handed over by the app's shutdown.
     config.graceful_timeout = 2.0
-    config.loglevel = settings.log_level.upper()
+    config.loglevel = settings.server.log_level.upper()
     config.accesslog = None
     return config
 
@@ -57,5 +57,5 @@ def run(app, settings: Settings, tls_cert: str | None = None, tls_key: str | Non
         return
     import uvicorn
 
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+    uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
                 timeout_graceful_shutdown=2)

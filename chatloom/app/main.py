@@ -19,10 +19,10 @@ from chatloom.app import openapi_responses
 from chatloom.app.pipeline import Pipeline
 from chatloom.app.recovery import Sweeper, drain
 from chatloom.app.routes import admin, auth, conversations, health, openai, recovery, usage, web
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.app.traffic import RateLimitHeaders, build_traffic
 from chatloom.app.validation import EdgeGuard
-from chatloom.model_args import bf16_matmul, int8_matmul
+from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
 from chatloom.store import Database
 
@@ -30,19 +30,18 @@ log = logging.getLogger(__name__)
 
 
 def default_backend(settings: Settings) -> Backend:
-    if settings.models or settings.replicas:  # several models, or replicas: the fleet
+    if settings.fleet.models or settings.fleet.replicas:  # several models, or replicas: the fleet
         from chatloom.app.fleet_settings import build_fleet_backend, parse_fleet
 
-        fleet = parse_fleet(settings.models, settings.replicas, settings.router_policy, settings.router_weights,
-                            settings.model)
+        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
+                            settings.model.name)
         return build_fleet_backend(fleet, lambda spec: local_backend(settings, spec))
-    return local_backend(settings, settings.model)
+    return local_backend(settings, settings.model.name)
 
 
 def local_backend(settings: Settings, spec: str) -> Backend:
-    return LocalBackend(spec, settings.dtype, settings.engine_config(),
-                        int8_matmul=int8_matmul(settings.int8_matmul),  # the switches resolved once, here
-                        bf16_matmul=bf16_matmul(None))
+    return LocalBackend(spec, settings.model.dtype, EngineConfig.from_settings(settings.engine),
+                        int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul)
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
@@ -59,10 +58,10 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     pipeline = Pipeline(backend, traffic, settings)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
-        passwords=Passwords(settings.argon2_time_cost, settings.argon2_memory_kib),
-        tokens=Tokens(settings.secret(), settings.token_ttl_s), traffic=traffic, pipeline=pipeline,
+        passwords=Passwords(settings.accounts.argon2_time_cost, settings.accounts.argon2_memory_kib),
+        tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
-        callers=CallerCache(settings.auth_cache_s),
+        callers=CallerCache(settings.accounts.auth_cache_s),
     )
 
     @asynccontextmanager
@@ -83,13 +82,13 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                 await sweeper.stop()
             if hot.shared:
                 # SIGTERM: running answers get shutdown_grace_s to finish, then go to other gateways.
-                await ctx.conversations.shutdown(settings.shutdown_grace_s, hand_over=True)
+                await ctx.conversations.shutdown(settings.shared_state.shutdown_grace_s, hand_over=True)
             else:
                 # Running answers get until the drain deadline (counted from SIGTERM where the CLI saw it),
                 # then are stopped and marked interrupted.
                 started = getattr(app.state, "shutdown_started", None)
                 spent = time.monotonic() - started if started is not None else 0.0
-                await drain(ctx.conversations, max(0.0, settings.shutdown_drain_s - spent))
+                await drain(ctx.conversations, max(0.0, settings.recovery.shutdown_drain_s - spent))
             await hot.close()
             if not loading.done():
                 loading.cancel()
@@ -105,7 +104,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     install_error_handlers(app)
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
-    app.add_middleware(EdgeGuard, max_body_bytes=settings.max_body_bytes)  # outermost: before any parsing
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes)  # outermost: before any parsing
     for module in (health, auth, conversations, recovery, usage, admin, openai, web):
         app.include_router(module.router)
     return app

@@ -105,10 +105,9 @@ class SamplingIn(BaseModel):
             reasoning_effort: str | None = None) -> Ask:
         if self.n not in (None, 1):
             raise ApiError(400, "only n=1 is supported", "unsupported_value", "n")
-        # OpenAI's defaults, not the chat product's.
-        return Ask(user=user, model=self.model, max_tokens=max_tokens,
-                   temperature=1.0 if self.temperature is None else self.temperature,
-                   top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=tuple(self.stop or ()),
+        # Left out, temperature and top_p are the service's sampling defaults (settings: [sampling]).
+        return Ask(user=user, model=self.model, max_tokens=max_tokens, temperature=self.temperature,
+                   top_p=self.top_p, seed=self.seed, stop=tuple(self.stop or ()),
                    reasoning_effort=reasoning_effort, request_id=request_id, param=param)
 
 

@@ -37,7 +37,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from chatloom.app import reasoning
 from chatloom.app.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.errors import ApiError
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.app.tiers import Tier
 from chatloom.app.tool_calls import ToolCall, ToolCallParser, ToolUse
 from chatloom.app.traffic import Traffic
@@ -144,7 +144,7 @@ class Pipeline:
     def context_window(self) -> int:
         """Prompt plus answer tokens one request may use (the backend's, capped by the settings)."""
         window = self.backend.context_window
-        return min(window, self.settings.context_window) if self.settings.context_window else window
+        return min(window, self.settings.engine.context_window) if self.settings.engine.context_window else window
 
     async def open(self, ask: Ask, moderate: str | None = None) -> "Run":
         """Apply the caps and moderate `moderate` (the user's own text); raises ApiError."""
@@ -154,14 +154,14 @@ class Pipeline:
         return run
 
     def _limits(self, ask: Ask) -> Limits:
-        s, traffic = self.settings, self.traffic
+        sampling, traffic = self.settings.sampling, self.traffic
         model = self.backend.resolve_model(ask.model)
         tier = traffic.tier(ask.user)
         traffic.check_model(tier, model)
         window = self.context_window
-        max_tokens = ask.max_tokens if ask.max_tokens is not None else min(s.default_max_tokens, window // 2)
-        if max_tokens > s.max_tokens_limit:
-            raise ApiError(400, f"max_tokens may be at most {s.max_tokens_limit}", "invalid_value", "max_tokens")
+        max_tokens = ask.max_tokens if ask.max_tokens is not None else min(sampling.max_tokens, window // 2)
+        if max_tokens > sampling.max_tokens_limit:
+            raise ApiError(400, f"max_tokens may be at most {sampling.max_tokens_limit}", "invalid_value", "max_tokens")
         if max_tokens >= window:
             raise ApiError(400, f"max_tokens must be below the context window ({window} tokens)",
                            "invalid_value", "max_tokens")
@@ -169,8 +169,8 @@ class Pipeline:
         effort = traffic.effort(ask.reasoning_effort)
         if effort is not None:  # room for the thinking on top of the answer, within the window
             max_tokens = min(max_tokens + reasoning.BUDGET_TOKENS[effort], (window + max_tokens) // 2)
-        temperature = s.default_temperature if ask.temperature is None else ask.temperature
-        top_p = s.default_top_p if ask.top_p is None else ask.top_p
+        temperature = sampling.temperature if ask.temperature is None else ask.temperature
+        top_p = sampling.top_p if ask.top_p is None else ask.top_p
         return Limits(model, tier, max_tokens, temperature, top_p, effort)
 
 

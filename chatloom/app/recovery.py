@@ -64,7 +64,7 @@ def start_checkpointer(service: ConversationService, gen: Generation) -> asyncio
 
 
 async def _checkpoint(service: ConversationService, gen: Generation) -> None:
-    interval = service.settings.checkpoint_interval_s
+    interval = service.settings.recovery.checkpoint_interval_s
     parts: list[str] = []
     saved = -1  # characters of text saved so far (-1: nothing, not even the heartbeat)
     last = time.monotonic()
@@ -129,7 +129,7 @@ class Sweeper:
 
     async def sweep(self) -> list[str]:
         own = {g.message_id for g in self.service._running.values() if g is not None}
-        return await interrupt_stale(self.service.db, self.service.settings.recovery_stale_s, own)
+        return await interrupt_stale(self.service.db, self.service.settings.recovery.stale_s, own)
 
     async def start(self) -> None:
         try:
@@ -140,7 +140,7 @@ class Sweeper:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(max(0.5, self.service.settings.recovery_stale_s / 2))
+            await asyncio.sleep(max(0.5, self.service.settings.recovery.stale_s / 2))
             try:
                 await self.sweep()
             except Exception as exc:

@@ -9,14 +9,12 @@ ModerationUnavailable: the input is refused with a 503, and an answer being stre
 """
 from __future__ import annotations
 
-import os
 
 import httpx
 
 from chatloom.app.moderation import Moderator, ModerationUnavailable, Verdict
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 
-API_KEY_ENV = "CHATLOOM_MODERATION_API_KEY"
 
 
 class RemoteModerator(Moderator):
@@ -31,10 +29,10 @@ class RemoteModerator(Moderator):
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "RemoteModerator":
-        if not settings.moderation_url:
+        if not settings.moderation.url:
             raise ValueError("moderation = 'openai' needs moderation_url (the server's base URL, ending in /v1)")
-        return cls(settings.moderation_url, settings.moderation_model,
-                   settings.moderation_api_key or os.environ.get(API_KEY_ENV), settings.moderation_timeout_s)
+        return cls(settings.moderation.url, settings.moderation.model,
+                   settings.moderation.api_key, settings.moderation.timeout_s)
 
     async def _ask(self, text: str) -> Verdict | None:
         body: dict = {"input": text}

@@ -19,7 +19,7 @@ from chatloom.app.moderation import LexiconModerator, ModerationUnavailable, Mod
 from chatloom.app.remote_moderation import RemoteModerator
 from chatloom.app.quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, Reservation
 from chatloom.app.reasoning import EFFORTS, cap_effort
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.app.tiers import Tier, TierTable
 from chatloom.app.usage import Meter
 from chatloom.serving import Backend
@@ -65,7 +65,7 @@ class Traffic:
                            "content_policy_violation", param)
 
     def output_guard(self) -> OutputGuard:
-        return OutputGuard(self.moderator, self.settings.moderation_holdback_tokens)
+        return OutputGuard(self.moderator, self.settings.moderation.holdback_tokens)
 
     def output_blocked(self, guard: OutputGuard) -> None:
         if guard.verdict is not None:
@@ -125,7 +125,7 @@ class Traffic:
 
 
 def build_moderator(settings: Settings) -> Moderator:
-    name = settings.moderation
+    name = settings.moderation.mode
     if name in ("off", "none", ""):
         return NoModerator()
     if name == "lexicon":
@@ -136,21 +136,21 @@ def build_moderator(settings: Settings) -> Moderator:
 
 
 def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic:
-    if settings.reasoning_max_effort not in EFFORTS:
+    if settings.traffic.reasoning_max_effort not in EFFORTS:
         raise ValueError(f"reasoning_max_effort must be one of {', '.join(EFFORTS)}")
     metrics = Metrics(backend.stats, lambda: backend.default_model if backend.model_ids else "unknown",
-                      Slo(settings.slo_ttft_s, settings.slo_tpot_s))
+                      Slo(settings.traffic.slo_ttft_s, settings.traffic.slo_tpot_s))
 
     def on_wait(ticket: Ticket, waited: float, admitted: bool) -> None:
         metrics.queue_wait.labels(ticket.tier.name, ticket.kind).observe(waited)
 
-    admission = AdmissionQueue(backend.has_room, settings.admission_max_running or settings.max_num_seqs,
-                               settings.queue_max_wait_s, settings.reasoning_share, on_wait=on_wait)
+    admission = AdmissionQueue(backend.has_room, settings.traffic.admission_max_running or settings.engine.max_num_seqs,
+                               settings.traffic.queue_max_wait_s, settings.traffic.reasoning_share, on_wait=on_wait)
     metrics.queue_waiting.set_function(lambda: admission.waiting)
     metrics.queue_running.set_function(lambda: admission.running)
-    return Traffic(settings=settings, tiers=TierTable.load(settings.tiers_file, default=settings.default_tier),
+    return Traffic(settings=settings, tiers=TierTable.load(settings.traffic.tiers_file, default=settings.traffic.default_tier),
                    quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings),
-                   metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.reasoning_max_effort)
+                   metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.traffic.reasoning_max_effort)
 
 
 class RateLimitHeaders:

@@ -47,7 +47,7 @@ def run_attention(sequences: int, positions: int, layers: int, heads: int, kv_he
 
     kernels = load_kernels()
     if kernels is None:
-        raise ValueError("the C++ kernels are unavailable (no compiler, or CHATLOOM_KERNELS=0)")
+        raise ValueError("the C++ kernels are unavailable (no compiler, or CHATLOOM_RUNTIME__KERNELS=0)")
     if heads % kv_heads:
         raise ValueError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
     if kv_dtype not in KV_CACHE_DTYPES:

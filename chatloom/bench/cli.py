@@ -19,7 +19,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--bf16-matmul", action="store_true", default=None,
                    help="keep every matmul weight in bfloat16 (AVX-512 BF16 where the CPU has it; see README; "
-                        "default: $CHATLOOM_BF16_MATMUL, else off)")
+                        "default: $CHATLOOM_MODEL__BF16_MATMUL, else off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
 

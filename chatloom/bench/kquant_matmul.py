@@ -69,7 +69,7 @@ def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds
 
     kernels = load_kernels()
     if kernels is None:
-        raise ValueError("the C++ kernels are unavailable (no compiler, or CHATLOOM_KERNELS=0)")
+        raise ValueError("the C++ kernels are unavailable (no compiler, or CHATLOOM_RUNTIME__KERNELS=0)")
     if k % 256:
         raise ValueError(f"k must be a multiple of 256 (K-quant super-blocks), got {k}")
     int8 = int8_matmul_supported(kernels)

@@ -249,7 +249,7 @@ def _stats(samples: list[Sample]) -> dict:
 async def _run_layers(loaded: LoadedModel, prompt_lengths: list[int], in_flight: list[int], repeats: int,
                       max_tokens: int, layers: list[str], engine_config: EngineConfig, breakdown_steps: int) -> dict:
     from chatloom.app.main import create_app
-    from chatloom.app.settings import Settings
+    from chatloom.settings import Settings
     from chatloom.serving import LocalBackend
 
     tok = loaded.tokenizer
@@ -265,10 +265,7 @@ async def _run_layers(loaded: LoadedModel, prompt_lengths: list[int], in_flight:
         tiers = Path(data_dir) / "tiers.toml"
         tiers.write_text("[free]\ntokens_per_minute = 100000000\ntokens_per_day = 1000000000\n"
                          "requests_per_minute = 1000000\nmax_concurrent = 1024\nmax_tokens = 100000\n")
-        settings = Settings(data_dir=data_dir, jwt_secret="bench-latency-" + "0" * 32, argon2_time_cost=1,
-                            argon2_memory_kib=1024, system_prompt=SYSTEM_PROMPT, tiers_file=str(tiers),
-                            max_num_seqs=engine_config.max_num_seqs, max_tokens_limit=max(4096, max_tokens),
-                            log_level="warning", chat_tools="")  # tool definitions would lengthen one layer's prompt
+        settings = Settings(server={"data_dir": data_dir, "log_level": "warning"}, accounts={"jwt_secret": "bench-latency-" + "0" * 32, "argon2_time_cost": 1, "argon2_memory_kib": 1024}, chat={"system_prompt": SYSTEM_PROMPT, "tools": ""}, traffic={"tiers_file": str(tiers)}, engine={"max_num_seqs": engine_config.max_num_seqs}, sampling={"max_tokens_limit": max(4096, max_tokens)})  # tool definitions would lengthen one layer's prompt
         app = create_app(settings, backend)
         with LoopbackServer(app) as server:
             limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)

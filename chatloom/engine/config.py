@@ -5,6 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
+from chatloom.settings import DEFAULTS
+from chatloom.settings.tree import EngineSettings
+
+_E = DEFAULTS.engine  # every default below is the settings tree's
+
 # What the KV pool may hold: "auto" is the model's own dtype, or a 16-bit pool where the model
 # multiplies with int8 activations (that mode is not bit-exact anyway, and a decode step's
 # attention reads half the bytes).
@@ -25,22 +30,33 @@ def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, int8_matmul: b
 
 @dataclass
 class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # overrides kv_cache_gb when set
-    kv_cache_gb: float = 1.0
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: the model's context length, capped at 8192
+    block_size: int = _E.block_size
+    num_blocks: int | None = _E.num_blocks  # overrides kv_cache_gb when set
+    kv_cache_gb: float = _E.kv_cache_gb
+    max_num_batched_tokens: int = _E.max_num_batched_tokens
+    max_num_seqs: int = _E.max_num_seqs
+    max_model_len: int | None = _E.context_window  # default: the model's context length, capped at 8192
     # "auto" (the model's dtype; fp16 with int8 matmuls), "fp32", "bf16" or "fp16".
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = _E.kv_cache_dtype
+    enable_prefix_caching: bool = _E.enable_prefix_caching
+    enable_chunked_prefill: bool = _E.enable_chunked_prefill
     seed: int | None = None  # for unseeded sampled requests
     # Speculative decoding (engine/spec_decode/): "off", "ngram" (prompt lookup) or "draft".
-    speculative: str = "off"
-    num_speculative_tokens: int = 4  # the most tokens proposed per sequence and step
-    speculative_model: str | None = None  # for "draft": a registry id, path, or self-int8 / self-layers:N
-    speculative_adaptive: bool = True  # choose k per step from acceptance and measured step cost
+    speculative: str = _E.speculative
+    num_speculative_tokens: int = _E.num_speculative_tokens  # the most tokens proposed per sequence and step
+    speculative_model: str | None = _E.speculative_model  # for "draft": a registry id, path, or self-int8 / self-layers:N
+    speculative_adaptive: bool = _E.speculative_adaptive  # choose k per step from acceptance and measured step cost
+
+    @classmethod
+    def from_settings(cls, engine: EngineSettings) -> "EngineConfig":
+        """The engine sizing the settings tree's engine group asks for."""
+        return cls(block_size=engine.block_size, num_blocks=engine.num_blocks, kv_cache_gb=engine.kv_cache_gb,
+                   max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
+                   max_model_len=engine.context_window, kv_cache_dtype=engine.kv_cache_dtype,
+                   enable_prefix_caching=engine.enable_prefix_caching,
+                   enable_chunked_prefill=engine.enable_chunked_prefill, speculative=engine.speculative,
+                   num_speculative_tokens=engine.num_speculative_tokens,
+                   speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive)
 
     def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
         if self.num_blocks is not None:

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from chatloom.engine.structured.constraint import Constraint, ConstraintError
+from chatloom.settings import DEFAULTS
 
 # Below these, sampling is greedy: dividing logits by a smaller temperature overflows float32
 # (1e-40 is a denormal, 1e-320 rounds to 0), and a smaller nucleus keeps only the top token anyway.
@@ -20,10 +21,11 @@ class InvalidRequest(ValueError):
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
+    # The defaults are the settings tree's [sampling] group, as on every front.
+    max_tokens: int = DEFAULTS.sampling.max_tokens
+    temperature: float = DEFAULTS.sampling.temperature
+    top_p: float = DEFAULTS.sampling.top_p
+    top_k: int = DEFAULTS.sampling.top_k  # 0 or -1: off
     seed: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False

@@ -112,7 +112,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
                bf16_matmul: bool = False) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
     quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) with int8 activations (faster, slightly
-    less exact; off by default; commands resolve their flag and CHATLOOM_INT8_MATMUL once, in
+    less exact; off by default; commands resolve their flag and CHATLOOM_MODEL__INT8_MATMUL once, in
     chatloom/model_args.py). `bf16_matmul` keeps every matmul weight in bfloat16 (AVX-512 BF16 where
     the CPU has it; off by default, resolved like int8 in chatloom/model_args.py). Before any weight is read, the weights plus `kv_cache_bytes` (or what it
     returns for the model's config) are checked against the memory available: ModelError if they do not fit."""

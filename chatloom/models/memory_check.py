@@ -8,7 +8,6 @@ other tensor becomes float32 (or the chosen dtype).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from chatloom.models.config import ModelConfig, ModelError
@@ -103,8 +102,10 @@ def format_bytes(n: float) -> str:
 
 def check_fits(what: str, weight_bytes: int, kv_bytes: int, available: int | None = None) -> None:
     """Raise ModelError (one line, the sizes named) when weights + KV cache exceed memory.
-    CHATLOOM_SKIP_MEMORY_CHECK=1 turns the check off (swap, or memory freed later)."""
-    if os.environ.get("CHATLOOM_SKIP_MEMORY_CHECK", "0") not in ("", "0"):
+    CHATLOOM_RUNTIME__SKIP_MEMORY_CHECK=1 turns the check off (swap, or memory freed later)."""
+    from chatloom.settings import environment_settings
+
+    if environment_settings().runtime.skip_memory_check:
         return
     available = available_memory_bytes() if available is None else available
     if available is None or weight_bytes + kv_bytes <= available:

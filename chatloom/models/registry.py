@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatloom.models.config import ModelConfig, ModelError
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from chatloom.settings.tree import DEFAULT_MODEL  # the default is the settings tree's
 
 
 @dataclass(frozen=True)

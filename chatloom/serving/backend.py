@@ -10,6 +10,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from chatloom.settings import DEFAULTS
+
 from chatloom.engine.spec_decode.decoder import SpecDecodeStats
 from chatloom.engine.structured.constraint import Constraint
 
@@ -50,10 +52,10 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     model: str | None = None  # None: the backend's default model
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_tokens: int = DEFAULTS.sampling.max_tokens  # sampling defaults: the settings tree's
+    temperature: float = DEFAULTS.sampling.temperature
+    top_p: float = DEFAULTS.sampling.top_p
+    top_k: int = DEFAULTS.sampling.top_k
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     request_id: str | None = None  # lets the caller abort() it later

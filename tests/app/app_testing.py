@@ -16,7 +16,7 @@ import uvicorn
 
 from chatloom.app.main import create_app
 from chatloom.app.prompt import SUMMARIZER_SYSTEM
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.serving import Backend, GenerationRequest
 
 
@@ -95,14 +95,26 @@ class LiveServer:
 
 # -- settings, accounts, conversations -------------------------------------------------
 
-def make_settings(tmp_path, **overrides) -> Settings:
+def make_settings(tmp_path, **overrides: dict) -> Settings:
+    """Test settings; overrides are groups of the settings tree (`engine={"max_num_seqs": 2}`), merged
+    key by key into these."""
     # Cheap argon2 parameters: the tests sign up many users; production keeps the defaults.
-    base = dict(data_dir=str(tmp_path), jwt_secret="test-secret-0123456789abcdef0123456789", argon2_time_cost=1,
-                argon2_memory_kib=1024, system_prompt="Be brief.", default_max_tokens=16,
-                default_temperature=0.0, shutdown_grace_s=0.0,
-                chat_tools="")  # tool tests turn tools on
-    base.update(overrides)
-    return Settings(**base)
+    base = {"server": {"data_dir": str(tmp_path)},
+            "accounts": {"jwt_secret": "test-secret-0123456789abcdef0123456789", "argon2_time_cost": 1,
+                         "argon2_memory_kib": 1024},
+            "chat": {"system_prompt": "Be brief.", "tools": ""},  # tool tests turn tools on
+            "sampling": {"max_tokens": 16, "temperature": 0.0},
+            "shared_state": {"shutdown_grace_s": 0.0}}
+    return Settings(**merge_groups(base, overrides))
+
+
+def merge_groups(*layers: dict) -> dict:
+    """Settings-tree groups merged key by key, later layers winning."""
+    merged: dict = {}
+    for layer in layers:
+        for group, values in layer.items():
+            merged.setdefault(group, {}).update(values)
+    return merged
 
 
 async def signup(client: httpx.AsyncClient, username: str, password: str = "correct horse") -> dict:

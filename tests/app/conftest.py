@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from chatloom.app.main import create_app
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
 
@@ -27,7 +27,7 @@ def tiny_backend(tiny_model_fp32):
 @pytest.fixture
 def settings(tmp_path, db_url) -> Settings:
     """Each test of the app fixture runs on SQLite and on PostgreSQL (db_url: skipped without a server)."""
-    return make_settings(tmp_path, db_url=db_url)
+    return make_settings(tmp_path, server={"db_url": db_url})
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ async def bob(client) -> dict:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, tiny_backend):
-    settings = make_settings(tmp_path_factory.mktemp("live"), default_max_tokens=16)
+    settings = make_settings(tmp_path_factory.mktemp("live"), sampling={"max_tokens": 16})
     with LiveServer(create_app(settings, tiny_backend)) as server:
         yield server
 

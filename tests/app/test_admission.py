@@ -12,7 +12,7 @@ from chatloom.app.main import create_app
 from chatloom.engine import EngineConfig
 from chatloom.app.tiers import DEFAULT_TIERS
 
-from app_testing import make_settings, new_conversation, parse_sse, signup
+from app_testing import make_settings, merge_groups, new_conversation, parse_sse, signup
 from traffic_testing import ScriptedBackend, write_tiers
 
 FREE, PLUS, PRO = DEFAULT_TIERS["free"], DEFAULT_TIERS["plus"], DEFAULT_TIERS["pro"]
@@ -108,12 +108,13 @@ async def test_a_cancelled_waiter_leaves_the_queue():
 def traffic_app(tmp_path, backend, **settings):
     tiers = write_tiers(tmp_path, free={"max_concurrent": 50, "requests_per_minute": 1000},
                         pro={"max_concurrent": 50})
-    return create_app(make_settings(tmp_path, tiers_file=tiers, moderation="off", **settings), backend)
+    return create_app(make_settings(tmp_path, **merge_groups(
+        {"traffic": {"tiers_file": tiers}, "moderation": {"mode": "off"}}, settings)), backend)
 
 
 async def test_free_tier_is_served_under_a_flood_of_paid_requests(tmp_path):
     backend = ScriptedBackend(["a", " b"], delay_s=0.01)
-    app = traffic_app(tmp_path, backend, admission_max_running=1)
+    app = traffic_app(tmp_path, backend, traffic={"admission_max_running": 1})
     body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
@@ -141,7 +142,7 @@ async def test_free_tier_is_served_under_a_flood_of_paid_requests(tmp_path):
 
 async def test_queue_timeout_is_a_503_and_costs_no_model_work(tmp_path):
     backend = ScriptedBackend(["a"] * 50, delay_s=0.02)
-    app = traffic_app(tmp_path, backend, admission_max_running=1, queue_max_wait_s=0.2)
+    app = traffic_app(tmp_path, backend, traffic={"admission_max_running": 1, "queue_max_wait_s": 0.2})
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                      timeout=60) as c:
@@ -182,7 +183,7 @@ def test_the_local_backend_reports_room_from_its_kv_blocks(tiny_backend):
 
 async def test_stopping_an_answer_that_waits_in_the_queue(tmp_path):
     backend = ScriptedBackend(["a"] * 40, delay_s=0.02)
-    app = traffic_app(tmp_path, backend, admission_max_running=1, queue_max_wait_s=20)
+    app = traffic_app(tmp_path, backend, traffic={"admission_max_running": 1, "queue_max_wait_s": 20})
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                      timeout=60) as c:

@@ -15,7 +15,7 @@ often the ids of a real conversation, answer, API key and user (and body fields 
 tier names), so the routes go past their 404s.
 Generation is derandomized (a fixed seed) and bounded, so CI reruns the same 1,380 cases in about 20 s.
 
-Run it alone:  CHATLOOM_KERNELS=0 python -m pytest -q tests/app/test_api_fuzz.py -s
+Run it alone:  CHATLOOM_RUNTIME__KERNELS=0 python -m pytest -q tests/app/test_api_fuzz.py -s
 """
 from __future__ import annotations
 
@@ -166,8 +166,7 @@ def _fuzz_operation(operation, mode: GenerationMode, known: Known, tally: Tally)
 def app(tmp_path):
     tiers = write_tiers(tmp_path, free=ROOMY, plus=ROOMY, pro=ROOMY)
     # max_tokens_limit keeps fuzzed answers short on the tiny model; the window leaves them room.
-    application = create_app(make_settings(tmp_path, model="tiny-random", tiers_file=tiers,
-                                           max_tokens_limit=64))
+    application = create_app(make_settings(tmp_path, model={"name": "tiny-random"}, traffic={"tiers_file": tiers}, sampling={"max_tokens_limit": 64}))
     yield application
     shutdown_lifespans()  # the app's lifespan ran in schemathesis' event loop thread
 
@@ -198,7 +197,7 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
 
 
 def test_the_schema_declares_errors_streams_and_metrics_as_sent(tmp_path):
-    schema = create_app(make_settings(tmp_path, model="tiny-random")).openapi()
+    schema = create_app(make_settings(tmp_path, model={"name": "tiny-random"})).openapi()
     components = schema["components"]["schemas"]
     assert "HTTPValidationError" not in components and {"ErrorOut", "AnswerEvent"} <= set(components)
     paths = schema["paths"]

@@ -56,7 +56,7 @@ async def test_every_route_needs_a_credential(client, alice):
 
 async def test_expired_token_is_refused(client, app, alice):
     me = (await client.get("/auth/me", headers=alice)).json()
-    secret = app.state.ctx.settings.jwt_secret
+    secret = app.state.ctx.settings.accounts.jwt_secret
     old = jwt.encode({"sub": me["id"], "iat": 0, "exp": int(time.time()) - 10}, secret, "HS256")
     r = await client.get("/conversations", headers={"Authorization": f"Bearer {old}"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_token"

@@ -54,7 +54,7 @@ async def test_bad_message_bodies(client, app, alice, body, status, code, words)
 
 
 async def test_message_longer_than_the_context_window(tmp_path, tiny_backend):
-    async with app_client(make_settings(tmp_path, context_window=128), tiny_backend) as (client, app, alice):
+    async with app_client(make_settings(tmp_path, engine={"context_window": 128}), tiny_backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
         r = await client.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "y" * 120})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

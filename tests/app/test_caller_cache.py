@@ -102,7 +102,7 @@ async def test_a_tier_set_by_an_admin_applies_from_the_next_request(tmp_path):
 
 
 async def test_without_the_cache_every_request_looks_the_caller_up(tmp_path):
-    async with _app(tmp_path, auth_cache_s=0) as (app, c):
+    async with _app(tmp_path, accounts={"auth_cache_s": 0}) as (app, c):
         alice = await signup(c, "alice")
         statements = _count_queries(app)
         for _ in range(3):

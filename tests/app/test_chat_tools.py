@@ -85,7 +85,7 @@ async def test_registry_turns_every_failure_into_a_tool_error():
 
 async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_path):
     backend = CallingBackend()
-    settings = make_settings(tmp_path, chat_tools="calculator,time,search", default_max_tokens=200)
+    settings = make_settings(tmp_path, chat={"tools": "calculator,time,search"}, sampling={"max_tokens": 200})
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
         _, events = await send(client, alice, cid, "please calculate 17 * 23")
@@ -110,7 +110,7 @@ async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_pa
 
 async def test_calls_per_answer_are_capped(tmp_path):
     backend = CallingBackend(calls_per_answer=10)
-    settings = make_settings(tmp_path, chat_tools="calculator", max_tool_calls_per_answer=2, default_max_tokens=200)
+    settings = make_settings(tmp_path, chat={"tools": "calculator", "max_tool_calls_per_answer": 2}, sampling={"max_tokens": 200})
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
         _, events = await send(client, alice, cid, "calculate 2 + 2")
@@ -122,7 +122,7 @@ async def test_calls_per_answer_are_capped(tmp_path):
 
 async def test_search_finds_only_the_users_own_conversations(tmp_path):
     backend = CallingBackend()
-    settings = make_settings(tmp_path, chat_tools="search", default_max_tokens=200)
+    settings = make_settings(tmp_path, chat={"tools": "search"}, sampling={"max_tokens": 200})
     async with app_client(settings, backend) as (client, app, alice):
         from app_testing import signup
         bob = await signup(client, "bob")

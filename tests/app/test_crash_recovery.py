@@ -43,15 +43,17 @@ QUESTION = "Count from 1 to 300, one number per line, nothing else."
 def _serve(tmp: Path, port: int) -> subprocess.Popen:
     config = tmp / "chatloom.toml"
     config.write_text("\n".join([
-        f'data_dir = "{tmp}"', f"port = {port}", 'jwt_secret = "crash-test-secret-0123456789abcdef0123"',
-        "argon2_time_cost = 1", "argon2_memory_kib = 1024", "default_temperature = 0.0",
-        "checkpoint_interval_s = 0.5", "recovery_stale_s = 2.0", "shutdown_drain_s = 1.0",
-        "max_num_seqs = 4", "num_blocks = 256", "context_window = 2048", 'log_level = "warning"',
-        f'model = "{_model_folder(tmp)}"', "default_max_tokens = 1500", "max_tokens_limit = 2000",
-        'moderation = "off"', 'system_prompt = "You follow instructions exactly."', 'default_tier = "pro"',
+        "[server]", f'data_dir = "{tmp}"', f"port = {port}", 'log_level = "warning"',
+        "[accounts]", 'jwt_secret = "crash-test-secret-0123456789abcdef0123"',
+        "argon2_time_cost = 1", "argon2_memory_kib = 1024",
+        "[sampling]", "temperature = 0.0", "max_tokens = 1500", "max_tokens_limit = 2000",
+        "[recovery]", "checkpoint_interval_s = 0.5", "stale_s = 2.0", "shutdown_drain_s = 1.0",
+        "[engine]", "max_num_seqs = 4", "num_blocks = 256", "context_window = 2048",
+        "[model]", f'name = "{_model_folder(tmp)}"',
+        "[moderation]", 'mode = "off"', "[traffic]", 'default_tier = "pro"',
         # No chat tools: their definitions would take 1,200 of the 2,048-token window and shorten the answer.
-        'chat_tools = ""']) + "\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CHATLOOM_KERNELS": "0"}
+        "[chat]", 'system_prompt = "You follow instructions exactly."', 'tools = ""']) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CHATLOOM_RUNTIME__KERNELS": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "chatloom.cli", "serve", "--config", str(config)], cwd=tmp,
                             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"serve-{time.time():.0f}.log", "w"))
     deadline = time.time() + 120

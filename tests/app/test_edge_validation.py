@@ -79,7 +79,7 @@ async def test_seed_range_on_the_openai_api(client, alice, seed, status):
 
 
 async def test_body_size_limit_is_413_before_parsing(tmp_path, tiny_backend):
-    async with app_client(make_settings(tmp_path, max_body_bytes=10_000), tiny_backend) as (client, app, alice):
+    async with app_client(make_settings(tmp_path, server={"max_body_bytes": 10_000}), tiny_backend) as (client, app, alice):
         r = await client.post("/v1/chat/completions", headers=alice, json=chat("x" * 20_000))
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert "10000" in r.json()["error"]["message"]
@@ -108,7 +108,7 @@ async def test_impossible_requests_are_400_on_both_apis_never_429_or_503(tmp_pat
     await backend.start()
     try:
         tiers = write_tiers(tmp_path, free={"tokens_per_minute": 100})
-        settings = make_settings(tmp_path, tiers_file=tiers, queue_max_wait_s=5)
+        settings = make_settings(tmp_path, traffic={"tiers_file": tiers, "queue_max_wait_s": 5})
         async with app_client(settings, backend) as (client, app, alice):
             t0 = time.monotonic()
             # Longer than the context window: 400, not the quota's 429.
@@ -128,7 +128,7 @@ async def test_impossible_requests_are_400_on_both_apis_never_429_or_503(tmp_pat
 
 
 async def test_large_input_is_tokenized_off_the_event_loop(tmp_path, tiny_backend):
-    async with app_client(make_settings(tmp_path, moderation="lexicon"), tiny_backend) as (client, app, alice):
+    async with app_client(make_settings(tmp_path, moderation={"mode": "lexicon"}), tiny_backend) as (client, app, alice):
         big = chat("w" * 900_000)
         stalls = []
         done = asyncio.Event()

@@ -34,7 +34,7 @@ def certificate(tmp_path_factory):
 async def test_ten_sse_streams_progress_together_over_one_http2_connection(tmp_path, certificate):
     port = free_port()
     tiers = write_tiers(tmp_path, free={"max_concurrent": 100, "tokens_per_minute": 100_000})
-    settings = make_settings(tmp_path, port=port, default_max_tokens=50, tiers_file=tiers)
+    settings = make_settings(tmp_path, server={"port": port}, sampling={"max_tokens": 50}, traffic={"tiers_file": tiers})
     backend = ScriptedBackend(PIECES, delay_s=0.1)  # each answer takes about 3 s
     app = create_app(settings, backend)
     stop = asyncio.Event()

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from chatloom.app.main import create_app
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -30,6 +30,7 @@ def _serve(model: Path, workdir: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     # Port 0: the process must end before it would ever listen; the timeout is the test's failure.
     return subprocess.run([sys.executable, "-m", "chatloom.cli", "serve", "--model", str(model), "--port", "0",
+                           "--num-blocks", "32",  # a small pool: the memory check never decides the outcome
                            "--db", f"sqlite+aiosqlite:///{workdir}/chatloom.db"],
                           capture_output=True, text=True, timeout=120, cwd=workdir, env=env)
 
@@ -54,8 +55,8 @@ def test_serve_exits_when_the_model_fails_while_loading(tmp_path):
 
 async def test_an_embedded_app_stays_up_and_reports_the_failure(tmp_path):
     model = _model_folder(tmp_path / "no-weights", LLAMA_CONFIG)
-    app = create_app(Settings(model=str(model), data_dir=str(tmp_path),
-                              db_url=f"sqlite+aiosqlite:///{tmp_path}/chatloom.db"))
+    app = create_app(Settings(model={"name": str(model)}, engine={"num_blocks": 32},
+                              server={"data_dir": str(tmp_path), "db_url": f"sqlite+aiosqlite:///{tmp_path}/chatloom.db"}))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             for _ in range(200):  # the load runs in the background: wait for its verdict

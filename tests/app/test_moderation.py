@@ -166,7 +166,7 @@ async def test_flagged_output_never_reaches_the_client(scripted_app):
 
 async def test_moderation_can_be_switched_off(tmp_path):
     backend = ScriptedBackend(THREAT)
-    app = create_app(make_settings(tmp_path, moderation="off"), backend)
+    app = create_app(make_settings(tmp_path, moderation={"mode": "off"}), backend)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             alice = await signup(c, "alice")

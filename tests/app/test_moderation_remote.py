@@ -89,9 +89,7 @@ def fake_moderations():
 @asynccontextmanager
 async def remote_app(tmp_path, url: str, pieces: list[str]):
     backend = ScriptedBackend(pieces)
-    settings = make_settings(tmp_path, moderation="openai", moderation_url=f"{url}/v1",
-                             moderation_model="omni-moderation-latest", moderation_api_key="sk-test",
-                             moderation_timeout_s=2.0)
+    settings = make_settings(tmp_path, moderation={"mode": "openai", "url": f"{url}/v1", "model": "omni-moderation-latest", "api_key": "sk-test", "timeout_s": 2.0})
     app = create_app(settings, backend)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -144,4 +142,4 @@ async def test_remote_moderator_down_fails_closed(tmp_path, fake_moderations):
 
 def test_remote_moderation_needs_a_url(tmp_path):
     with pytest.raises(ValueError, match="moderation_url"):
-        create_app(make_settings(tmp_path, moderation="openai"), ScriptedBackend())
+        create_app(make_settings(tmp_path, moderation={"mode": "openai"}), ScriptedBackend())

@@ -143,7 +143,7 @@ def test_the_stream_ends_before_its_usage_is_metered(tmp_path, tiny_backend, mon
     tiers = tmp_path / "tiers.toml"
     tiers.write_text("[free]\ntokens_per_minute = 100000\ntokens_per_day = 1000000\nrequests_per_minute = 1000\n"
                      "max_concurrent = 1\nmax_tokens = 1000\n")
-    settings = make_settings(tmp_path, tiers_file=str(tiers))
+    settings = make_settings(tmp_path, traffic={"tiers_file": str(tiers)})
     with LiveServer(create_app(settings, tiny_backend)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         token = http.post("/auth/signup", json={"username": "meter", "password": "correct horse"}).json()["token"]
         headers = {"Authorization": f"Bearer {token}"}

@@ -54,7 +54,7 @@ def live(tmp_path_factory, tiny_backend):
     path = tmp_path_factory.mktemp("structured")
     tiers = write_tiers(path, free={"tokens_per_minute": 10_000_000, "tokens_per_day": 100_000_000,
                                     "requests_per_minute": 10_000, "max_concurrent": 200})
-    settings = make_settings(path, tiers_file=tiers, moderation="off", queue_max_wait_s=600)
+    settings = make_settings(path, traffic={"tiers_file": tiers, "queue_max_wait_s": 600}, moderation={"mode": "off"})
     with LiveServer(create_app(settings, tiny_backend)) as server:
         yield server
 

@@ -106,7 +106,7 @@ async def test_an_arrival_that_can_start_now_is_never_refused():
 
 async def test_a_conversation_message_the_queue_cannot_take_is_refused_before_anything_is_saved(tmp_path):
     backend = ScriptedBackend(["word "] * 10, delay_s=0.05)  # each answer holds its slot about 0.5 s
-    app = create_app(make_settings(tmp_path, admission_max_running=1, queue_max_wait_s=0.2), backend)
+    app = create_app(make_settings(tmp_path, traffic={"admission_max_running": 1, "queue_max_wait_s": 0.2}), backend)
     body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}]}
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
@@ -132,8 +132,7 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
     await backend.start()
     tiers = write_tiers(tmp_path, free={"max_concurrent": 1000, "requests_per_minute": 100_000,
                                         "tokens_per_minute": 10_000_000, "tokens_per_day": 100_000_000})
-    settings = make_settings(tmp_path, tiers_file=tiers, moderation="off", admission_max_running=4,
-                             queue_max_wait_s=1.0)
+    settings = make_settings(tmp_path, traffic={"tiers_file": tiers, "admission_max_running": 4, "queue_max_wait_s": 1.0}, moderation={"mode": "off"})
     app = create_app(settings, backend)
     body = {"model": "tiny-random", "messages": [{"role": "user", "content": "go"}], "max_tokens": 600,
             "stream": True}
@@ -168,7 +167,7 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
                 assert len(served) >= 4 and len(refused) >= 100, (len(served), len(refused))
                 assert len(early) >= 0.5 * len(refused), (len(early), len(refused))
                 late = [s for r, s, _ in refused if r.json()["error"]["code"] != "queue_full"]
-                assert all(s < settings.queue_max_wait_s + 2.0 for s in late), max(late)
+                assert all(s < settings.traffic.queue_max_wait_s + 2.0 for s in late), max(late)
                 assert all(int(r.headers["retry-after"]) >= 1 for r, _, _ in refused)
                 # The bar: the excess is refused in well under 100 ms (each in the step that
                 # received it: the caller from the auth cache, the queue joined or refused synchronously).
@@ -177,7 +176,7 @@ async def test_overload_4_slots_200_concurrent_requests(tmp_path, tiny_model_fp3
                 # Counted from the burst's first request, a refusal also waits for the requests handled
                 # before it on the one event loop (client and server here): far less than the timeout.
                 from_burst = statistics.median(b for _, b in early)
-                assert from_burst < settings.queue_max_wait_s / 2, from_burst
+                assert from_burst < settings.traffic.queue_max_wait_s / 2, from_burst
                 # Every admitted request streamed to its end.
                 for r, _, _ in served:
                     assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason"' in r.text

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from chatloom.app.main import create_app
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings, SettingsError, load_settings
 from chatloom.engine import EngineConfig
 from chatloom.serving import Delta, LocalBackend
 
@@ -36,7 +36,7 @@ def chat(text: str, **extra) -> dict:
 
 async def test_overlong_prompt_is_refused_at_once_on_both_apis(tmp_path):
     # room=False: anything that reached the admission queue would wait there and end in a 503.
-    async with scripted(tmp_path, ScriptedBackend(room=False), queue_max_wait_s=5) as (c, app, backend, alice):
+    async with scripted(tmp_path, ScriptedBackend(room=False), traffic={"queue_max_wait_s": 5}) as (c, app, backend, alice):
         long = "word " * 5000  # the scripted window is 4096 tokens
         cid = await new_conversation(c, alice)
         t0 = time.monotonic()
@@ -59,7 +59,7 @@ async def test_request_larger_than_the_kv_pool_is_refused_at_once(tmp_path, tiny
     await backend.start()
     try:
         assert backend.context_window == 64
-        app = create_app(make_settings(tmp_path, queue_max_wait_s=5), backend)
+        app = create_app(make_settings(tmp_path, traffic={"queue_max_wait_s": 5}), backend)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
                 alice = await signup(c, "alice")
@@ -80,7 +80,7 @@ async def test_request_larger_than_the_kv_pool_is_refused_at_once(tmp_path, tiny
 
 
 async def test_max_tokens_limit_holds_on_both_apis(tmp_path):
-    async with scripted(tmp_path, max_tokens_limit=100) as (c, app, backend, alice):
+    async with scripted(tmp_path, sampling={"max_tokens_limit": 100}) as (c, app, backend, alice):
         cid = await new_conversation(c, alice)
         r1 = await c.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "hi", "max_tokens": 101})
         r2 = await c.post(CHAT, headers=alice, json=chat("hi", max_tokens=101))
@@ -214,7 +214,7 @@ def _sample(metrics: str, name: str) -> float | None:
 @pytest.mark.parametrize("ttft,counted", [(2.0, 1.0), (0.001, 0.0)])
 async def test_goodput_under_the_slo_on_metrics(tmp_path, ttft, counted):
     # The scripted engine reports ttft 10 ms, tpot 2 ms.
-    async with scripted(tmp_path, slo_ttft_s=ttft, slo_tpot_s=0.05) as (c, app, backend, alice):
+    async with scripted(tmp_path, traffic={"slo_ttft_s": ttft, "slo_tpot_s": 0.05}) as (c, app, backend, alice):
         cid = await new_conversation(c, alice)
         await send(c, alice, cid, "hi")
         assert (await c.post(CHAT, headers=alice, json=chat("hi"))).status_code == 200
@@ -238,26 +238,29 @@ async def test_routes_declare_what_they_return(tmp_path):
 
 # -- settings -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("toml,words", [('model = ["a", "b"]', "'model' must be str, not list"),
-                                        ('port = "80"', "'port' must be int, not str"),
-                                        ("kv_cache_gb = true", "'kv_cache_gb' must be float, not bool"),
-                                        ("model = ", "not valid TOML")])
+@pytest.mark.parametrize("toml,words", [('[model]\nname = ["a", "b"]', "setting model.name: input should be a valid string"),
+                                        ('[server]\nport = "80"', "setting server.port: input should be a valid integer, not '80'"),
+                                        ("[engine]\nkv_cache_gb = true", "setting engine.kv_cache_gb: input should be a valid number, not True"),
+                                        ("[model]\nname = ", "not valid TOML"),
+                                        ("port = 80", "unknown settings group \\[port\\]")])
 def test_settings_file_with_a_wrong_value_is_one_clear_error(tmp_path, toml, words):
     path = tmp_path / "bad.toml"
     path.write_text(toml + "\n")
-    with pytest.raises(ValueError, match=words):
-        Settings.from_file(path)
+    with pytest.raises(SettingsError, match=words) as err:
+        load_settings(path)
+    assert "\n" not in str(err.value)
 
 
 def test_engine_sizing_defaults_are_the_engines():
     s, e = Settings(), EngineConfig()
-    assert (s.kv_cache_gb, s.max_num_seqs, s.max_num_batched_tokens, s.num_blocks) == \
+    assert (s.engine.kv_cache_gb, s.engine.max_num_seqs, s.engine.max_num_batched_tokens, s.engine.num_blocks) == \
         (e.kv_cache_gb, e.max_num_seqs, e.max_num_batched_tokens, e.num_blocks)
-    assert Settings(max_num_seqs=7, context_window=99).engine_config() == EngineConfig(max_num_seqs=7, max_model_len=99)
+    assert EngineConfig.from_settings(Settings(engine={"max_num_seqs": 7, "context_window": 99}).engine) == \
+        EngineConfig(max_num_seqs=7, max_model_len=99)
 
 
 async def test_stop_while_queued_still_settles_through_the_pipeline(tmp_path):
-    async with scripted(tmp_path, ScriptedBackend(room=False), queue_max_wait_s=5) as (c, app, backend, alice):
+    async with scripted(tmp_path, ScriptedBackend(room=False), traffic={"queue_max_wait_s": 5}) as (c, app, backend, alice):
         cid = await new_conversation(c, alice)
         sending = asyncio.create_task(c.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "hi"}))
         await asyncio.sleep(0.2)

@@ -150,7 +150,7 @@ async def test_fifty_concurrent_api_requests_never_get_more_than_the_limit(tmp_p
     tiers = write_tiers(tmp_path, free={"tokens_per_minute": 95, "max_concurrent": 100,
                                         "requests_per_minute": 1000})
     backend = ScriptedBackend(["a", " b", " c", " d", " e"], delay_s=0.01)
-    app = app_with(tmp_path, backend, tiers_file=tiers, moderation="off")
+    app = app_with(tmp_path, backend, traffic={"tiers_file": tiers}, moderation={"mode": "off"})
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             await signup(c, "root")
@@ -173,7 +173,7 @@ async def test_fifty_concurrent_api_requests_never_get_more_than_the_limit(tmp_p
 async def test_429_carries_retry_after_and_ratelimit_headers(tmp_path):
     tiers = write_tiers(tmp_path, free={"tokens_per_minute": 60, "tokens_per_day": 1000})
     backend = ScriptedBackend(["ok"])
-    app = app_with(tmp_path, backend, tiers_file=tiers, default_max_tokens=40)
+    app = app_with(tmp_path, backend, traffic={"tiers_file": tiers}, sampling={"max_tokens": 40})
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             alice = await signup(c, "alice")
@@ -204,7 +204,7 @@ async def test_429_carries_retry_after_and_ratelimit_headers(tmp_path):
 
 async def test_daily_quota_gives_insufficient_quota(tmp_path):
     tiers = write_tiers(tmp_path, free={"tokens_per_minute": 10_000, "tokens_per_day": 18})
-    app = app_with(tmp_path, ScriptedBackend(["ok"]), tiers_file=tiers)
+    app = app_with(tmp_path, ScriptedBackend(["ok"]), traffic={"tiers_file": tiers})
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             alice = await signup(c, "alice")
@@ -219,7 +219,7 @@ async def test_tier_caps_max_tokens_and_models(tmp_path):
     tiers = write_tiers(tmp_path, free={"max_tokens": 2, "models": ["scripted"]},
                         plus={"models": ["other"]})
     backend = ScriptedBackend(["a", " b", " c", " d"])
-    app = app_with(tmp_path, backend, tiers_file=tiers)
+    app = app_with(tmp_path, backend, traffic={"tiers_file": tiers})
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             root = await signup(c, "root")

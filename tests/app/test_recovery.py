@@ -25,7 +25,7 @@ async def _message(app, message_id) -> Message:
 
 async def test_the_text_so_far_reaches_the_database_while_streaming(tmp_path):
     backend = ScriptedBackend(WORDS, delay_s=0.05)  # 3 s for the whole answer
-    settings = make_settings(tmp_path, checkpoint_interval_s=0.3, default_max_tokens=100, moderation="off")
+    settings = make_settings(tmp_path, recovery={"checkpoint_interval_s": 0.3}, sampling={"max_tokens": 100}, moderation={"mode": "off"})
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
         sending = asyncio.create_task(client.post(f"/conversations/{cid}/messages", headers=alice,
@@ -62,7 +62,7 @@ async def _stale_answer(app, cid: str, text: str, stale_s: float = 60) -> str:
 
 async def test_answers_left_by_a_dead_process_are_interrupted_and_can_be_continued(tmp_path):
     backend = RecordingBackend(ScriptedBackend([" and", " then", " the", " end."]))
-    settings = make_settings(tmp_path, recovery_stale_s=1.0, moderation="off")
+    settings = make_settings(tmp_path, recovery={"stale_s": 1.0}, moderation={"mode": "off"})
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
         fresh = await _stale_answer(app, cid, "still being written", stale_s=0)
@@ -96,7 +96,7 @@ async def test_answers_left_by_a_dead_process_are_interrupted_and_can_be_continu
 
 
 async def test_regenerating_an_interrupted_answer_makes_a_sibling(tmp_path):
-    settings = make_settings(tmp_path, recovery_stale_s=0.5, moderation="off")
+    settings = make_settings(tmp_path, recovery={"stale_s": 0.5}, moderation={"mode": "off"})
     async with app_client(settings, ScriptedBackend()) as (client, app, alice):
         cid = await new_conversation(client, alice)
         stale = await _stale_answer(app, cid, "half an ans", stale_s=60)
@@ -113,7 +113,7 @@ async def test_regenerating_an_interrupted_answer_makes_a_sibling(tmp_path):
 
 async def test_shutdown_drains_then_interrupts_what_is_left(tmp_path):
     backend = ScriptedBackend(WORDS, delay_s=0.05)
-    settings = make_settings(tmp_path, checkpoint_interval_s=0.2, default_max_tokens=100, moderation="off")
+    settings = make_settings(tmp_path, recovery={"checkpoint_interval_s": 0.2}, sampling={"max_tokens": 100}, moderation={"mode": "off"})
     async with app_client(settings, backend) as (client, app, alice):
         short_cid = await new_conversation(client, alice)
         long_cid = await new_conversation(client, alice)

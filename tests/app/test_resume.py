@@ -19,7 +19,7 @@ PIECES = [f" w{i}" for i in range(30)]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     backend = ScriptedBackend(PIECES, delay_s=0.03)
-    settings = make_settings(tmp_path_factory.mktemp("resume"), moderation="off", default_max_tokens=64)
+    settings = make_settings(tmp_path_factory.mktemp("resume"), moderation={"mode": "off"}, sampling={"max_tokens": 64})
     with LiveServer(create_app(settings, backend)) as live:
         with httpx.Client(base_url=live.url, timeout=30) as http:
             r = http.post("/auth/signup", json={"username": "alice", "password": "correct horse"})

@@ -14,7 +14,7 @@ from chatloom.app.continuation import logged_answer_tokens
 from chatloom.app.main import create_app
 from chatloom.app.recovery import mark_interrupted
 
-from app_testing import make_settings, new_conversation, parse_sse, signup
+from app_testing import make_settings, merge_groups, new_conversation, parse_sse, signup
 from backing_services import PrivateRedis, require_redis
 from traffic_testing import ScriptedBackend, write_tiers
 
@@ -26,8 +26,9 @@ async def gateways(stack: AsyncExitStack, tmp_path, db_url: str, redis_url: str,
     prefix = f"t{uuid.uuid4().hex[:8]}"
     clients = []
     for i in range(n):
-        app = create_app(make_settings(tmp_path, db_url=db_url, redis_url=redis_url, redis_prefix=prefix,
-                                       gateway_id=f"gw{i + 1}", **settings), backend)
+        app = create_app(make_settings(tmp_path, **merge_groups(
+            {"server": {"db_url": db_url},
+             "shared_state": {"redis_url": redis_url, "prefix": prefix, "gateway_id": f"gw{i + 1}"}}, settings)), backend)
         await stack.enter_async_context(app.router.lifespan_context(app))
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=f"http://gw{i + 1}")
         clients.append(await stack.enter_async_context(client))
@@ -40,7 +41,7 @@ async def gateways(stack: AsyncExitStack, tmp_path, db_url: str, redis_url: str,
 async def test_a_stream_started_on_one_gateway_resumes_on_the_other(tmp_path, db_url):
     backend = ScriptedBackend(WORDS[:12], delay_s=0.01)
     async with AsyncExitStack() as stack:
-        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, default_max_tokens=100)
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, sampling={"max_tokens": 100})
         alice = await signup(g1, "alice")
         cid = await new_conversation(g1, alice)
         r = await g1.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "hi"})
@@ -62,7 +63,7 @@ async def test_a_stream_started_on_one_gateway_resumes_on_the_other(tmp_path, db
 async def test_stop_on_one_gateway_stops_the_answer_running_on_the_other(tmp_path, db_url):
     backend = ScriptedBackend(WORDS, delay_s=0.05)
     async with AsyncExitStack() as stack:
-        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, default_max_tokens=100)
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, sampling={"max_tokens": 100})
         alice = await signup(g1, "alice")
         cid = await new_conversation(g1, alice)
 
@@ -100,8 +101,7 @@ async def test_quotas_are_shared_by_the_gateways(tmp_path, db_url):
                                         "requests_per_minute": 1000})
     backend = ScriptedBackend(["a", " b", " c", " d", " e"], delay_s=0.01)  # uses all 10
     async with AsyncExitStack() as stack:
-        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, tiers_file=tiers,
-                                moderation="off")
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, traffic={"tiers_file": tiers}, moderation={"mode": "off"})
         alice = await signup(g1, "alice")
         body = {"model": "scripted", "max_tokens": 5, "messages": [{"role": "user", "content": "hi there"}]}
         replies = await asyncio.gather(*(g.post("/v1/chat/completions", headers=alice, json=body)
@@ -145,7 +145,7 @@ async def test_redis_lost_means_fast_503s_and_recovery_without_restart(tmp_path,
 
 
 async def test_lost_database_is_a_503_on_readyz(tmp_path):
-    settings = make_settings(tmp_path, db_url="postgresql://nobody@127.0.0.1:9/nothing")
+    settings = make_settings(tmp_path, server={"db_url": "postgresql://nobody@127.0.0.1:9/nothing"})
     app = create_app(settings, ScriptedBackend())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         r = await client.get("/readyz")  # (no lifespan: the database was never reached)
@@ -157,7 +157,7 @@ async def _answer_on_the_first_of_two(stack: AsyncExitStack, tmp_path, db_url: s
     """Two gateways with short leases; alice's answer runs on gateway 1 until its log holds `events` events.
     Its budget (1500 tokens) is far beyond what runs before a test freezes it, so a takeover has some left.
     Returns (gateway 1, gateway 2, alice's headers, conversation id, the request's task, the generation)."""
-    g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, job_lease_s=0.6, moderation="off")
+    g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, shared_state={"job_lease_s": 0.6}, moderation={"mode": "off"})
     alice = await signup(g1, "alice")
     cid = await new_conversation(g1, alice)
     app1 = g1._transport.app
@@ -288,8 +288,7 @@ async def test_a_frozen_gateway_that_wakes_and_writes_does_not_leave_the_answer_
 async def test_an_answer_that_cannot_be_continued_is_saved_as_failed(tmp_path, db_url):
     backend = ScriptedBackend(WORDS, delay_s=0.05)  # no tokenizer: nothing to continue with
     async with AsyncExitStack() as stack:
-        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, job_lease_s=0.6,
-                                default_max_tokens=100)
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, shared_state={"job_lease_s": 0.6}, sampling={"max_tokens": 100})
         app1 = g1._transport.app
         alice = await signup(g1, "alice")
         cid = await new_conversation(g1, alice)

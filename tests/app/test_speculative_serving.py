@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings, load_settings
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
 
@@ -16,7 +16,7 @@ from app_testing import app_client, done_of, make_settings, new_conversation, se
 async def test_serving_with_ngram_speculation(tmp_path, tiny_model_fp32):
     backend = LocalBackend(tiny_model_fp32, engine_config=EngineConfig(
         num_blocks=256, speculative="ngram", speculative_adaptive=False))
-    settings = make_settings(tmp_path, speculative="ngram")
+    settings = make_settings(tmp_path, engine={"speculative": "ngram"})
     quote = "abcabcabcabcabcabc " * 4
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
@@ -36,12 +36,12 @@ async def test_serving_with_ngram_speculation(tmp_path, tiny_model_fp32):
 
 
 @pytest.mark.parametrize("bad,match", [
-    ({"speculative": "eagle"}, "speculative must be"),
+    ({"speculative": "eagle"}, "setting engine.speculative: input should be 'off', 'ngram' or 'draft'"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"speculative": "draft"}, "speculative_model"),
 ])
 def test_bad_speculative_settings_are_named(tmp_path, bad, match):
     toml = tmp_path / "s.toml"
-    toml.write_text("".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in bad.items()))
+    toml.write_text("[engine]\n" + "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in bad.items()))
     with pytest.raises(ValueError, match=match):
-        Settings.from_file(toml)
+        load_settings(toml)

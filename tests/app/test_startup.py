@@ -81,7 +81,7 @@ def test_keys_create_prints_a_working_key(tmp_path, capsys, tiny_backend):
     assert key.startswith("cl-")
 
     async def use_key():
-        app = create_app(make_settings(tmp_path, db_url=db), tiny_backend)
+        app = create_app(make_settings(tmp_path, server={"db_url": db}), tiny_backend)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
                 me = await client.get("/auth/me", headers={"Authorization": f"Bearer {key}"})
@@ -94,21 +94,23 @@ def test_keys_create_prints_a_working_key(tmp_path, capsys, tiny_backend):
     args = parser.parse_args(["serve", "--port", "9999", "--model", "tiny-random", "--db", db])
     assert args.func is app_cli.cmd_serve
     settings = app_cli._settings(args)
-    assert (settings.port, settings.model, settings.db_url, settings.host) == (9999, "tiny-random", db, "127.0.0.1")
+    assert (settings.server.port, settings.model.name, settings.server.db_url, settings.server.host) == (9999, "tiny-random", db, "127.0.0.1")
 
 
 def test_settings_file(tmp_path):
     import pytest
 
-    from chatloom.app.settings import Settings
+    from chatloom.settings import load_settings
 
     path = tmp_path / "chatloom.toml"
-    path.write_text('port = 9000\nsystem_prompt = "Talk like a pirate."\ncontext_window = 1024\n')
-    s = Settings.from_file(path)
-    assert (s.port, s.system_prompt, s.context_window, s.host) == (9000, "Talk like a pirate.", 1024, "127.0.0.1")
-    path.write_text("prot = 9000\n")
-    with pytest.raises(ValueError, match="prot"):
-        Settings.from_file(path)
+    path.write_text('[server]\nport = 9000\n[chat]\nsystem_prompt = "Talk like a pirate."\n'
+                    '[engine]\ncontext_window = 1024\n')
+    s = load_settings(path)
+    assert (s.server.port, s.chat.system_prompt, s.engine.context_window, s.server.host) == \
+        (9000, "Talk like a pirate.", 1024, "127.0.0.1")
+    path.write_text("[server]\nprot = 9000\n")
+    with pytest.raises(ValueError, match="unknown setting server.prot"):
+        load_settings(path)
 
 
 def test_serve_engine_flags_reach_the_engine_config(tmp_path):

@@ -9,7 +9,7 @@ from app_testing import RecordingBackend, app_client, done_of, make_settings, ne
 
 async def test_history_past_the_window_is_summarized_once_and_reused(tmp_path, tiny_backend):
     window, max_tokens = 1024, 24
-    settings = make_settings(tmp_path, context_window=window, default_max_tokens=max_tokens, summary_max_tokens=40)
+    settings = make_settings(tmp_path, engine={"context_window": window}, sampling={"max_tokens": max_tokens}, chat={"summary_max_tokens": 40})
     backend = RecordingBackend(tiny_backend)
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)

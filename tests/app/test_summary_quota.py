@@ -30,8 +30,7 @@ async def test_concurrent_turns_with_summaries_stay_within_the_minute_limit(tmp_
     backend = ScriptedBackend([" x"] * 60)
     tiers = write_tiers(tmp_path, free={"tokens_per_minute": LIMIT, "max_concurrent": 100,
                                         "requests_per_minute": 1000, "tokens_per_day": 100_000})
-    settings = make_settings(tmp_path, tiers_file=tiers, moderation="off", context_window=160,
-                             default_max_tokens=30, summary_max_tokens=40)
+    settings = make_settings(tmp_path, traffic={"tiers_file": tiers}, moderation={"mode": "off"}, engine={"context_window": 160}, sampling={"max_tokens": 30}, chat={"summary_max_tokens": 40})
     async with app_client(settings, backend) as (client, app, alice):
         cids = [await new_conversation(client, alice) for _ in range(8)]
         for cid in cids:

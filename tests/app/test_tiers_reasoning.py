@@ -55,7 +55,7 @@ def test_thinking_splitter_handles_tags_split_across_pieces():
 
 async def test_reasoning_streams_thinking_apart_from_the_answer(tmp_path):
     backend = ScriptedBackend(["<think>", "Two", " plus", " two.", "</think>", "Four", "."])
-    app = create_app(make_settings(tmp_path, moderation="off"), backend)
+    app = create_app(make_settings(tmp_path, moderation={"mode": "off"}), backend)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             alice = await signup(c, "alice")

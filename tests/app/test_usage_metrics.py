@@ -86,7 +86,7 @@ async def test_metrics_parse_and_use_vllm_names(client, alice):
 async def test_metrics_count_refusals(tmp_path):
     from traffic_testing import write_tiers
     tiers = write_tiers(tmp_path, free={"tokens_per_minute": 20})
-    app = create_app(make_settings(tmp_path, tiers_file=tiers, metrics_public=False), ScriptedBackend())
+    app = create_app(make_settings(tmp_path, traffic={"tiers_file": tiers}, server={"metrics_public": False}), ScriptedBackend())
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             root = await signup(c, "root")
@@ -104,7 +104,7 @@ async def test_metrics_count_refusals(tmp_path):
 
 async def test_summaries_are_metered_with_the_answer(tmp_path, tiny_backend):
     from app_testing import RecordingBackend, app_client
-    settings = make_settings(tmp_path, context_window=512, default_max_tokens=24, summary_max_tokens=40)
+    settings = make_settings(tmp_path, engine={"context_window": 512}, sampling={"max_tokens": 24}, chat={"summary_max_tokens": 40})
     backend = RecordingBackend(tiny_backend)
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)

@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    settings = make_settings(tmp_path_factory.mktemp("e2e"), default_max_tokens=1000)
+    settings = make_settings(tmp_path_factory.mktemp("e2e"), sampling={"max_tokens": 1000})
     with LiveServer(create_app(settings, ScriptedBackend())) as live:
         yield live
 

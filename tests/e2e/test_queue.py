@@ -14,8 +14,7 @@ from scripted_backend import ScriptedBackend
 
 @pytest.fixture(scope="module")
 def one_slot_server(tmp_path_factory):
-    settings = make_settings(tmp_path_factory.mktemp("e2e-queue"), default_max_tokens=1000,
-                             admission_max_running=1, queue_max_wait_s=2.0)
+    settings = make_settings(tmp_path_factory.mktemp("e2e-queue"), sampling={"max_tokens": 1000}, traffic={"admission_max_running": 1, "queue_max_wait_s": 2.0})
     with LiveServer(create_app(settings, ScriptedBackend())) as live:
         yield live
 

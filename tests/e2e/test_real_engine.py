@@ -35,7 +35,7 @@ def _run(coro, errors) -> None:
 def engine_server(tmp_path_factory, tiny_model_fp32):
     backend = LocalBackend(tiny_model_fp32, engine_config=EngineConfig(num_blocks=256, max_num_seqs=4))
     run_aside(backend.start())
-    settings = make_settings(tmp_path_factory.mktemp("e2e-engine"), default_max_tokens=120)
+    settings = make_settings(tmp_path_factory.mktemp("e2e-engine"), sampling={"max_tokens": 120})
     try:
         with LiveServer(create_app(settings, backend)) as live:
             yield live

@@ -17,8 +17,7 @@ from chatloom.app.main import create_app
 
 @pytest.fixture(scope="module")
 def tools_server(tmp_path_factory):
-    settings = make_settings(tmp_path_factory.mktemp("e2e-tools"), default_max_tokens=1000,
-                             chat_tools="calculator,time,search")
+    settings = make_settings(tmp_path_factory.mktemp("e2e-tools"), sampling={"max_tokens": 1000}, chat={"tools": "calculator,time,search"})
     with LiveServer(create_app(settings, ScriptedBackend())) as live:
         yield live
 

@@ -80,15 +80,15 @@ def test_a_float16_pool_saturates_instead_of_storing_infinity():
 
 
 def test_the_service_setting_and_the_flags_reach_the_engine(tmp_path):
-    from chatloom.app.settings import Settings
+    from chatloom.settings import load_settings
     from chatloom.cli import build_parser
 
     toml = tmp_path / "s.toml"
-    toml.write_text('kv_cache_dtype = "fp16"\n')
-    assert Settings.from_file(toml).engine_config().kv_cache_dtype == "fp16"
-    toml.write_text('kv_cache_dtype = "int4"\n')
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, fp32, bf16, fp16, not 'int4'"):
-        Settings.from_file(toml)
+    toml.write_text('[engine]\nkv_cache_dtype = "fp16"\n')
+    assert EngineConfig.from_settings(load_settings(toml).engine).kv_cache_dtype == "fp16"
+    toml.write_text('[engine]\nkv_cache_dtype = "int4"\n')
+    with pytest.raises(ValueError, match="setting engine.kv_cache_dtype: input should be 'auto', 'fp32', 'bf16' or 'fp16', not 'int4'"):
+        load_settings(toml)
     parser = build_parser()
     for command in (["serve"], ["replica"]):
         for choice in ("auto", *KV_CACHE_DTYPES):  # the flag offers what the engine takes

@@ -37,7 +37,7 @@ class ReplicaProcess:
 
     def launch(self) -> "ReplicaProcess":
         # The tiny model needs no C++ kernels; skipping them keeps a replica start to seconds.
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CHATLOOM_KERNELS": "0"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CHATLOOM_RUNTIME__KERNELS": "0"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "chatloom.cli", "replica", "--model", self.model, "--port", str(self.port),
              "--num-blocks", str(self.num_blocks), "--threads", "1", *self.extra],

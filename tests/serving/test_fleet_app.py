@@ -11,7 +11,7 @@ import pytest
 
 from chatloom.app.fleet_settings import parse_fleet
 from chatloom.app.main import create_app
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 
 from fleet_testing import ReplicaProcess
 
@@ -35,10 +35,8 @@ def hf_replica(tmp_path_factory):
 
 async def test_models_route_by_name_and_unknown_is_404(fleet, hf_replica, tmp_path):
     hf, folder = hf_replica
-    settings = Settings(data_dir=str(tmp_path), jwt_secret="test-secret-0123456789abcdef0123456789",
-                        argon2_time_cost=1, argon2_memory_kib=1024, default_temperature=0.0,
-                        models=[{"id": "tiny-random", "replicas": [fleet[0].url]},
-                                {"id": "tiny-hf", "replicas": [hf.url], "tokenizer": str(folder)}])
+    settings = Settings(server={"data_dir": str(tmp_path)}, accounts={"jwt_secret": "test-secret-0123456789abcdef0123456789", "argon2_time_cost": 1, "argon2_memory_kib": 1024}, sampling={"temperature": 0.0}, fleet={"models": [{"id": "tiny-random", "replicas": [fleet[0].url]},
+                                {"id": "tiny-hf", "replicas": [hf.url], "tokenizer": str(folder)}]})
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -98,8 +96,7 @@ def test_sigkill_mid_answer_through_the_app_keeps_the_stream_whole(fleet, tmp_pa
     from app_testing import LiveServer, make_settings, parse_sse, tokens_of
 
     pair = fleet[1:]
-    settings = make_settings(tmp_path, model="tiny-random", replicas=[r.url for r in pair],
-                             router_policy="round_robin", default_max_tokens=1500, max_tokens_limit=1600)
+    settings = make_settings(tmp_path, model={"name": "tiny-random"}, fleet={"replicas": [r.url for r in pair], "router_policy": "round_robin"}, sampling={"max_tokens": 1500, "max_tokens_limit": 1600})
     with LiveServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         for _ in range(200):
             if http.get("/readyz").status_code == 200:

@@ -25,7 +25,7 @@ from chatloom.app.hotstate.redis_events import RedisEventLogStore
 from chatloom.app.hotstate.redis_quotas import RedisQuotaStore
 from chatloom.app.hotstate.stop_relay import RedisStopRelay, StopRelay
 from chatloom.app.quotas import MemoryQuotaStore, QuotaStore
-from chatloom.app.settings import Settings
+from chatloom.settings import Settings
 from chatloom.store import Conversations, Database, Message, Messages
 
 log = logging.getLogger(__name__)
@@ -120,16 +120,16 @@ class HotState:
 
 
 def build_hot_state(settings: Settings) -> HotState:
-    gateway = settings.gateway_id or default_gateway_id()
-    if not settings.redis_url:
-        return HotState(gateway, MemoryQuotaStore(), MemoryEventLogStore(settings.event_log_retention_s),
+    gateway = settings.shared_state.gateway_id or default_gateway_id()
+    if not settings.shared_state.redis_url:
+        return HotState(gateway, MemoryQuotaStore(), MemoryEventLogStore(settings.chat.event_log_retention_s),
                         MemoryJobs(gateway), StopRelay())
-    hub = RedisHub(settings.redis_url)
-    prefix = settings.redis_prefix
+    hub = RedisHub(settings.shared_state.redis_url)
+    prefix = settings.shared_state.prefix
     return HotState(gateway=gateway, hub=hub,
                     quotas=RedisQuotaStore(hub.commands, prefix),
-                    logs=RedisEventLogStore(hub.commands, hub.blocking, prefix, settings.event_log_retention_s),
-                    jobs=RedisJobs(hub.commands, gateway, prefix, settings.job_lease_s),
+                    logs=RedisEventLogStore(hub.commands, hub.blocking, prefix, settings.chat.event_log_retention_s),
+                    jobs=RedisJobs(hub.commands, gateway, prefix, settings.shared_state.job_lease_s),
                     stops=RedisStopRelay(hub.commands, hub.blocking, prefix),
                     fleet=FleetShares(hub.commands, gateway, prefix))
 

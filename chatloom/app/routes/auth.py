@@ -17,7 +17,7 @@ router = APIRouter(prefix="/auth", tags=["auth"])
 @router.post("/signup", status_code=201, response_model=SessionOut, responses=errors(403, 409))
 async def signup(body: Credentials, ctx: Ctx, session: SessionDep) -> SessionOut:
     users = Users(session)
-    if not ctx.settings.allow_signup and await users.count() > 0:
+    if not ctx.settings.accounts.allow_signup and await users.count() > 0:
         raise ApiError(403, "sign-up is closed on this server", "signup_closed")
     if await users.by_username(body.username) is not None:
         raise ApiError(409, f"the username {body.username!r} is taken", "username_taken", "username")

@@ -51,7 +51,7 @@ async def readyz(ctx: Ctx) -> JSONResponse:
 
 async def _metrics_access(request: Request) -> None:
     """Open to all when metrics_public is set (as vLLM serves them); otherwise admins only."""
-    if get_context(request).settings.metrics_public:
+    if get_context(request).settings.server.metrics_public:
         return
     async for session in get_session(request):
         await require_admin(await current_user(request, session))

@@ -1,4 +1,4 @@
-"""The built-in chat tools by name, as settings.chat_tools lists them."""
+"""The built-in chat tools by name, as settings.chat.tools lists them."""
 from __future__ import annotations
 
 from chatloom.app.tools import calculator, clock, search

@@ -3,13 +3,12 @@
 Attention that reads K/V straight from the paged pool (paged_attention.cpp), a float32
 matmul over weights packed at load time (gemm.cpp), an int8-activation matmul for
 GGUF-quantized weights (int8_gemm.cpp) and fused layer ops (layers.cpp). When no compiler
-is available (or CHATLOOM_KERNELS=0), callers fall back to the pure PyTorch path.
+is available (or CHATLOOM_RUNTIME__KERNELS=0), callers fall back to the pure PyTorch path.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -24,7 +23,10 @@ def load_kernels():
     global _module, _failed
     if _module is not None or _failed:
         return _module
-    if os.environ.get("CHATLOOM_KERNELS", "1") == "0":
+    from chatloom.settings import environment_settings
+
+    runtime = environment_settings().runtime
+    if not runtime.kernels:
         return None
     with _lock:
         if _module is not None or _failed:
@@ -38,8 +40,7 @@ def load_kernels():
         try:
             from torch.utils.cpp_extension import load
 
-            build_dir = Path(os.environ.get("CHATLOOM_KERNEL_CACHE",
-                                            Path.home() / ".cache" / "chatloom" / "kernels")) / digest
+            build_dir = Path(runtime.kernel_cache or Path.home() / ".cache" / "chatloom" / "kernels") / digest
             build_dir.mkdir(parents=True, exist_ok=True)
             _module = load(name=f"chatloom_kernels_{digest}", sources=[str(p) for p in sources],
                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],

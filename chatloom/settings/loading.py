@@ -1,0 +1,76 @@
+"""Building the settings from their sources, with one-line errors that name the key."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from chatloom.settings.root import CONFIG_FILE, Settings, SettingsError, one_line
+
+
+def check_toml(path: str | Path) -> None:
+    """Refuse an unreadable file, or a group or key that does not exist, with one line naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise SettingsError(f"{path}: no such settings file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    groups = Settings.model_fields
+    for group, table in data.items():
+        if group not in groups:
+            raise SettingsError(f"{path}: unknown settings group [{group}] (known: {', '.join(groups)})")
+        if not isinstance(table, dict):
+            raise SettingsError(f"{path}: {group} must be a table ([{group}]), not {type(table).__name__}")
+        model = groups[group].annotation
+        for key in table:
+            if key not in model.model_fields:
+                raise SettingsError(f"{path}: unknown setting {group}.{key}")
+        try:  # strict: in a typed file, port = "80" is a mistake worth naming, not a string to coerce
+            model.model_validate(table, strict=True)
+        except ValidationError as exc:
+            raise SettingsError(one_line(exc, origin=str(path), group=group)) from None
+
+
+def nest(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{"engine.max_num_seqs": 8} -> {"engine": {"max_num_seqs": 8}}; None values are left out."""
+    tree: dict[str, dict[str, Any]] = {}
+    groups = Settings.model_fields
+    for key, value in values.items():
+        if value is None:
+            continue
+        group, dot, name = key.partition(".")
+        if not dot or group not in groups or name not in groups[group].annotation.model_fields:
+            raise SettingsError(f"unknown setting {key!r}")
+        tree.setdefault(group, {})[name] = value
+    return tree
+
+
+def load_settings(config_file: str | Path | None = None, flags: Mapping[str, Any] | None = None) -> Settings:
+    """Defaults, then the TOML file, then CHATLOOM_<GROUP>__<KEY> environment variables, then the
+    flags (dotted keys such as "engine.max_num_seqs"; None means the flag was not given)."""
+    if config_file:
+        check_toml(config_file)
+    token = CONFIG_FILE.set(Path(config_file) if config_file else None)
+    try:
+        return Settings(**nest(flags or {}))
+    except ValidationError as exc:
+        raise SettingsError(one_line(exc, origin=_origin(exc, flags or {}))) from None
+    finally:
+        CONFIG_FILE.reset(token)
+
+
+def _origin(exc: ValidationError, flags: Mapping[str, Any]) -> str:
+    """Where the first wrong value came from: a flag or an environment variable (the file was checked first)."""
+    import os
+
+    from chatloom.settings.root import ENV_NESTED_DELIMITER, ENV_PREFIX
+
+    loc = [str(p) for p in exc.errors()[0]["loc"]]
+    if ".".join(loc[:2]) in flags:
+        return "command line"
+    name = ENV_PREFIX + ENV_NESTED_DELIMITER.join(loc[:2]).upper()
+    return f"environment variable {name}" if name in os.environ else "settings"
