@@ -65,6 +65,11 @@ class Settings:
     # and how many calls one answer may make before it must answer in text.
     chat_tools: str = "calculator,time,search"
     max_tool_calls_per_answer: int = 4
+    # Rounds after the first (a tool's result read back, the answer going on) that an answer with chat
+    # tools reserves quota for before it starts, each twice the first round (its prompt plus max_tokens).
+    # All rounds share that reservation; a round gets what is left of it, and when nothing is left the
+    # answer ends as 'length'. 0: tool rounds share the first round's reservation. See docs/quotas.md.
+    tool_rounds_reserved: int = 1
 
     # Traffic control (tiers, quotas, admission, moderation): see chatloom/app/traffic.py.
     tiers_file: str | None = None  # TOML of tiers; default: built-in free/plus/pro (+ CHATLOOM_TIER_* env)
