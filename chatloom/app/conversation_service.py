@@ -10,6 +10,12 @@ The generation's trip (caps, moderation, quota, admission, stream, output guard,
 shared `Pipeline`; this service adds what is particular to conversations: the message tree, prompt
 assembly with summaries (conversation_prompt.py), the event log and the saved answer.
 
+Quota: before the response starts, the answer's prompt is planned and counted as it will be sent
+(system prompt, summary, turns, tool descriptions, thinking instructions) and that is what is reserved,
+with max_tokens, the tool rounds (settings.chat.tool_rounds_reserved) and an allowance for a summary still
+to be written (`reserve_answer`). The job then never asks the quota for more for the answer, so an
+over-quota message is always a 429, never an error inside the stream (docs/quotas.md).
+
 With chat tools on (settings.chat.tools), an answer may call them: when a round of generation ends
 in tool calls, the loop pauses, runs each call (app/tools), logs `tool_call` and `tool_result`
 events, appends the calls and results to the prompt and resumes the same run, whose new prompt
@@ -27,14 +33,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.branches import Tree
 from chatloom.app.continuation import can_continue, logged_answer_tokens, logged_text
-from chatloom.app.conversation_prompt import ConversationDeleted, PromptAssembler, SummaryAborted
+from chatloom.app.conversation_prompt import ConversationDeleted, Draft, PromptAssembler, SummaryAborted, branch_turns
 from chatloom.app.errors import ApiError, error_event, not_found
 from chatloom.app.events import EventLog, EventLogStore
 from chatloom.app.hotstate.job_keeper import reservation_of, reservation_spec
 from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.app.hotstate.redis_events import LogTakenOver
-from chatloom.app.pipeline import (AnswerText, Ask, ChatPrompt, Finished, GenerationStopped, Pipeline, Run, Thinking,
-                                   ToolCall)
+from chatloom.app.pipeline import (AnswerText, Ask, BudgetSpent, ChatPrompt, Finished, GenerationStopped, Pipeline, Run,
+                                   Thinking, ToolCall)
+from chatloom.app.prompt import Turn
 from chatloom.app.recovery import start_checkpointer
 from chatloom.settings import Settings
 from chatloom.app.summary_admission import admitted_summary
@@ -84,6 +91,12 @@ class Generation:
     prefix_logged: bool = False
     abandoned: bool = False  # another gateway has the job: end here without saving anything
     tokens_before: int = 0  # answer tokens the taken-over prefix already had (its log says how many)
+    # The prompt as planned and reserved before the answer started (None: taken over, planned by the job):
+    # `prompt` when it is known exactly, else the draft whose summary the job writes first and the
+    # tokens reserved for the prompt it then builds.
+    prompt: ChatPrompt | None = None
+    draft: Draft | None = None
+    prompt_tokens: int = 0
 
     def answer_tokens(self) -> int:
         """Answer tokens so far, as logged beside each piece for a gateway that may take this over."""
@@ -161,8 +174,9 @@ class ConversationService:
             run = await self.pipeline.open(self._with_tools(options).ask(""), moderate=text)  # before model work
             text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # i12: large input
             self.prompts.check_fits(text_tokens, run.max_tokens)
-            history = [m.tokens for m in tree.path_to(parent)] if parent is not None else []
-            await run.reserve(self.prompts.estimate(history + [text_tokens], run.max_tokens))
+            history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
+                                            conv.summary_upto)
+            planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens)], summary)
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, run.limits.model,
@@ -172,7 +186,7 @@ class ConversationService:
                 values["title"] = make_title(text, self.settings.chat.title_chars)
             await Conversations(session).touch(conv.id, **values)
             await session.commit()
-            return await self._start(conv.id, user_msg.id, answer.id, run)
+            return await self._start(conv.id, user_msg.id, answer.id, run, planned=planned)
         except BaseException:
             self._unclaim(conv.id)
             if claimed:
@@ -217,12 +231,13 @@ class ConversationService:
             if question_id is None:
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
             tree = Tree(await Messages(session).all_in(conv.id))
-            await run.reserve(self.prompts.estimate([m.tokens for m in tree.path_to(question_id)], run.max_tokens))
+            planned = await self.reserve_answer(run, *branch_turns(tree.path_to(question_id), conv.summary,
+                                                                    conv.summary_upto))
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
                                                  status="incomplete")
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
             await session.commit()
-            return await self._start(conv.id, question_id, answer.id, run)
+            return await self._start(conv.id, question_id, answer.id, run, planned=planned)
         except BaseException:
             self._unclaim(conv.id)
             if claimed:
@@ -231,11 +246,50 @@ class ConversationService:
                 await run.close()
             raise
 
+    async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None,
+                              prefix: str = "") -> tuple[ChatPrompt | None, Draft, int]:
+        """Plan the answer's prompt (no model work) and reserve its quota, before any response: the prompt
+        exactly as it will be sent when no summary has to be written first, else an upper bound of it plus
+        an allowance for the summary; and, with tools, the rounds after the first. Raises the 400, 429 or
+        503 of `Run.reserve`. Returns (the prompt or None, the draft, the tokens reserved for the prompt)
+        for `_start`. `prefix`: the answer's text so far, which the prompt continues."""
+        limit = self.prompts.context_window - run.max_tokens
+
+        def count(messages: list[dict]) -> int:
+            return run.prompt_tokens(self._final_prompt(run, messages, prefix))
+
+        def plan() -> tuple[ChatPrompt | None, Draft, int]:
+            bare = [{"role": "system", "content": self.settings.chat.system_prompt}]
+            extra = count(bare) - self.backend.count_prompt_tokens(bare)  # tools, thinking, the prefix
+            draft = self.prompts.plan(history, summary, run.max_tokens, extra)
+            if draft.pending:
+                return None, draft, self.prompts.bound(draft, count, limit)
+            prompt = self._final_prompt(run, self.prompts.build(draft, draft.summary, count, limit), prefix)
+            return prompt, draft, run.prompt_tokens(prompt)  # counted once: reserve() and admit() reuse it
+
+        size = sum(len(t.text) for t in history) + len(prefix) + len(summary or "")
+        prompt, draft, tokens = await off_loop(plan, size=size)  # a long branch is counted off the event loop
+        tools = run.ask.tools is not None and run.ask.tools.active
+        await run.reserve(prompt if prompt is not None else tokens,
+                          extra_rounds=self.settings.chat.tool_rounds_reserved if tools else 0,
+                          summaries=draft.summary_tokens)
+        return prompt, draft, tokens
+
+    @staticmethod
+    def _final_prompt(run: Run, messages: list[dict], prefix: str) -> ChatPrompt:
+        """Messages as sent: the tool list joins the system message; the text so far opens the answer."""
+        rendered = render_messages(messages, run.ask.tools)
+        if prefix:
+            return ChatPrompt(rendered + [{"role": "assistant", "content": prefix}], continue_final=True)
+        return ChatPrompt(rendered)
+
     async def _start(self, conversation_id: str, question_id: str, answer_id: str, run: Run,
-                     prefix: str = "") -> Generation:
+                     prefix: str = "", planned: tuple[ChatPrompt | None, Draft, int] | None = None) -> Generation:
         run.request_id = answer_id  # stop() and the engine know the answer by its message id
         gen = Generation(conversation_id, question_id, answer_id, run, await self.logs.create(answer_id),
                          prefix=prefix)
+        if planned is not None:
+            gen.prompt, gen.draft, gen.prompt_tokens = planned
         await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
         await self.jobs.update(JobRecord(conversation_id, self.jobs.gateway, answer_id, spec={
             "user_message_id": question_id, "user_id": run.ask.user.id, "model": run.limits.model,
@@ -344,9 +398,7 @@ class ConversationService:
         out = _Outcome(answer=[gen.prefix] if gen.prefix_logged else [])
         run = gen.run
         try:
-            messages = await self.prompts.assemble(gen.conversation_id, gen.user_message_id, run.limits.model,
-                                                   run.max_tokens, gen.next_summary_id, run.charge,
-                                                   lambda request: admitted_summary(run, request))  # i12
+            first = await self._first_prompt(gen)
             if gen.stop_requested:
                 raise GenerationStopped
             if gen.prefix:  # the saved (or logged) text opens the assistant's turn; readers see it whole
@@ -357,11 +409,10 @@ class ConversationService:
                 if not gen.log.closed:
                     await gen.log.append({"queue_position": n})
 
-            tools = run.ask.tools
-            messages = render_messages(messages, tools)
-            # Recovery and takeover: the saved text is the open assistant turn the first round continues.
-            first = messages + [{"role": "assistant", "content": gen.prefix}] if gen.prefix else messages
-            await run.admit(ChatPrompt(first, continue_final=bool(gen.prefix)), position)
+            # Tool rounds go on from the prompt without the open assistant turn (an answer continued from
+            # saved text has no tools).
+            messages = first.messages[:-1] if first.continue_final else first.messages
+            await run.admit(first, position)
             for round_no in range(self.settings.chat.max_tool_calls_per_answer + 1):
                 text, calls = ([gen.prefix] if gen.prefix and round_no == 0 else []), []
                 async for piece in run.stream():
@@ -378,7 +429,9 @@ class ConversationService:
                 await run.resume(ChatPrompt(messages), f"{gen.message_id}-round-{round_no + 1}")
         except (GenerationStopped, ConversationDeleted, SummaryAborted):
             out.finish_reason = "abort"
-        except (ApiError, BadGenerationRequest, BackendError) as exc:  # quota top-up refused, queue timeout, backend
+        except BudgetSpent:  # the tokens reserved before the answer began are used up: cut, like max_tokens
+            out.finish_reason = "length"
+        except (ApiError, BadGenerationRequest, BackendError) as exc:  # queue timeout, backend
             out.error = exc
         except asyncio.CancelledError:
             out.finish_reason = "abort"
@@ -390,6 +443,27 @@ class ConversationService:
             log.exception("generation %s failed", gen.message_id)
             out.error = exc
         await self._finish(gen, out)
+
+    async def _first_prompt(self, gen: Generation) -> ChatPrompt:
+        """The first round's prompt: as planned before the answer started, once its summary is written
+        (within the tokens reserved for it); planned here for an answer taken over from another gateway."""
+        run = gen.run
+        if gen.prompt is not None:
+            return gen.prompt
+        draft, limit = gen.draft, gen.prompt_tokens
+        if draft is None:  # taken over: its reservation was adopted, nothing to fit
+            draft, limit = self.prompts.plan(*await self.prompts.load(gen.conversation_id, gen.user_message_id),
+                                             run.max_tokens), self.prompts.context_window - run.max_tokens
+        summary = await self.prompts.write_summary(draft, gen.conversation_id, run.limits.model, gen.next_summary_id,
+                                                   run.charge, lambda request: admitted_summary(run, request))
+
+        def count(messages: list[dict]) -> int:
+            return run.prompt_tokens(self._final_prompt(run, messages, gen.prefix))
+
+        messages = self.prompts.build(draft, summary, count, limit)
+        if summary is not None and count(messages) > limit:  # a summary longer than allowed for: without it
+            messages = self.prompts.build(draft, None, count, limit)
+        return self._final_prompt(run, messages, gen.prefix)
 
     async def _another_writer(self, gen: Generation, out: _Outcome) -> None:
         """Someone else appended to this answer's log. If another gateway holds the job now, it took the

@@ -5,10 +5,10 @@ through the same stages, in this order:
 
     run = await pipeline.open(ask, moderate=text)  # caps: model allowed for the tier, max_tokens defaulted,
                                                    #   limited and capped, effort capped; input moderation
-    await run.reserve(prompt or estimate)          # 400 context_length_exceeded if it can never fit (before
-                                                   #   any quota or queue), 503 queue_full at once if the queue
-                                                   #   could not take it in time, then the quota reservation (429)
-    await run.admit(prompt, on_position)           # exact prompt, reservation topped up, admission (503)
+    await run.reserve(prompt or bound)             # 400 context_length_exceeded if it can never fit (before
+                                                   #   any quota or queue), then the quota reservation (429),
+                                                   #   503 queue_full at once if the queue could not take it in time
+    await run.admit(prompt, on_position)           # exact prompt, within what was reserved; admission (503)
     async for piece in run.stream(): ...           # backend.stream -> thinking split -> output guard
     await run.release()                            # optional: free the slot and settle now, meter later
     await run.close()                              # release the slot, settle, meter, observe (idempotent)
@@ -25,6 +25,15 @@ aborts the backend request (the stream ends with finish reason 'abort'). `Run.ch
 work done for this run outside the stream (summaries), so it is settled and metered with it.
 Refusals are `ApiError`s with the status and code the API returns; backend failures propagate as
 `BackendError` / `BadGenerationRequest`.
+
+Quota: `reserve()` is the run's only request to the quota store for the answer itself, and it comes
+before any response is sent, so an over-quota run is always refused with a 429 and never fails once
+its stream has begun. What it reserves is the run's `budget`: the prompt as it will be sent (or an
+upper bound of it) plus max_tokens, and room for the tool rounds an answer may run (see `reserve`).
+After that, admit() and resume() fit each round into what is left of the budget (lowering the round's
+max_tokens) instead of asking for more; a later round that no longer fits raises `BudgetSpent` and
+the answer ends as 'length'. Summaries have an allowance of their own (summary_admission.py).
+close() settles the reservation down to the tokens really used. docs/quotas.md states the rule.
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from chatloom.app import reasoning
 from chatloom.app.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.errors import ApiError
+from chatloom.app.quotas import QuotaExceeded
 from chatloom.settings import Settings
 from chatloom.app.tiers import Tier
 from chatloom.app.tool_calls import ToolCall, ToolCallParser, ToolUse
@@ -132,6 +142,11 @@ class GenerationStopped(Exception):
     """Run.stop() was called while the run waited for admission: nothing ran, nothing is owed."""
 
 
+class BudgetSpent(Exception):
+    """The next round's prompt leaves no room in the tokens reserved for the run: the answer ends as
+    'length' (the quota is not asked for more once the answer has begun)."""
+
+
 # -- the pipeline -----------------------------------------------------------------------------
 
 class Pipeline:
@@ -187,8 +202,10 @@ class Run:
         self.finish_reason: str | None = None
         self.timings: Timings | None = None
         self.stopped = False
-        self._extra = Usage()
-        self.summary_reserved = 0  # i12: quota reserved for this run's summaries (summary_admission.py)
+        self._extra = Usage()  # charged from outside the stream (summaries)
+        self._rounds = Usage()  # of the rounds before this one (tool calls): paid from the budget
+        self.budget: int | None = None  # tokens reserved for the answer itself, every round included
+        self.summary_allowance = 0  # tokens reserved for this run's summaries, not yet taken (summary_admission.py)
         self._reservation = None
         self._slot: Slot | None = None
         self._queued: asyncio.Future | None = None
@@ -215,9 +232,14 @@ class Run:
 
     def adopt(self, reservation) -> None:
         """Continue a run another gateway began: its quota reservation (already counted) becomes this
-        run's, to be settled at close; admit() then does not reserve again."""
+        run's, to be settled at close; admit() then neither reserves again nor fits to a budget."""
         self._reservation = reservation
         self.continuing = True
+
+    def prompt_tokens(self, prompt: Prompt) -> int:
+        """The prompt's tokens as it will be sent (thinking instructions included); reserve() and admit()
+        reuse the count for the same prompt object."""
+        return self._prepare(prompt)[1]
 
     # -- before the model ------------------------------------------------------------------
     def _prepare(self, prompt: Prompt) -> tuple[Prompt, int]:
@@ -253,15 +275,33 @@ class Run:
         # i12: nor more KV cache than the engine's whole pool (it would wait in the queue forever).
         check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
 
-    async def reserve(self, prompt: Prompt | int) -> None:
-        """Refuse a prompt that can never fit (400), reserve its tokens plus max_tokens from the quota
-        (429 past it), then refuse at once if the admission queue is full (503, the reservation given
-        back). The user's own limit comes first: its 429 tells a client to slow down, where a 503 would
-        only say the server is busy. Give the prompt itself, or (when it is assembled later) an
-        estimate of its tokens."""
+    async def reserve(self, prompt: Prompt | int, extra_rounds: int = 0, summaries: int = 0) -> None:
+        """Refuse a prompt that can never fit (400), reserve the run's budget from the quota (429 past it),
+        then refuse at once if the admission queue is full (503, the reservation given back). The user's
+        own limit comes first: its 429 tells a client to slow down, where a 503 would only say the server
+        is busy.
+
+        Give the prompt itself, or (when part of it is written later, e.g. a summary) an upper bound of
+        its tokens: every later round must fit in what is reserved here. The budget is the first round
+        (prompt + max_tokens) and, for an answer that may call tools, `extra_rounds` more at twice that
+        each: a later round reads the earlier prompt again, what the model wrote and the tools' results,
+        then answers. All rounds share the budget (capped so that it fits the tier's per-minute limit).
+        `summaries`: tokens for summaries the run writes before its answer, reserved with the budget when
+        the quota has room for both; when it has room for the budget alone, the summaries go without (each
+        then asks the quota itself and is skipped if refused: summary_admission.py)."""
         tokens = prompt if isinstance(prompt, int) else self._prepare(prompt)[1]
         self._fit(tokens)
-        reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+        first = tokens + self.max_tokens
+        tier = self.limits.tier
+        budget = max(first, min(first * (1 + 2 * max(0, extra_rounds)), tier.tokens_per_minute))
+        reservation = None
+        if summaries:
+            try:  # straight to the store: a miss here is no refusal (no 429 counted)
+                reservation = await self.traffic.quotas.reserve(self.ask.user.id, tier, budget + summaries)
+            except QuotaExceeded:
+                summaries = 0
+        if reservation is None:
+            reservation = await self.traffic.reserve(self.ask.user, tier, budget)
         if not self.continuing:  # a taken-over run was admitted on its first gateway
             try:
                 self.refuse_if_full(tokens)
@@ -269,16 +309,19 @@ class Run:
                 await self.traffic.quotas.settle(reservation, 0)
                 raise
         self._reservation = reservation
+        self.budget = budget
+        self.summary_allowance = summaries
 
     async def admit(self, prompt: Prompt, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
-        """Count the exact prompt, top the reservation up to it, and wait for room in the engine.
-        `on_position` hears the place in the queue while it waits."""
+        """Count the exact prompt, fit the round into the budget reserved before, and wait for room in the
+        engine. `on_position` hears the place in the queue while it waits."""
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
         if self._reservation is None:
             self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+            self.budget = tokens + self.max_tokens
         elif not self.continuing:  # a continued answer's tokens were reserved when it began
-            await self.traffic.extend(self._reservation, self.limits.tier, tokens + self.max_tokens + self.summary_reserved)
+            self._within_budget(tokens)
         if self.stopped:
             raise GenerationStopped
         # Joins the queue in this step (a full queue refuses here: 503, nothing made for the request).
@@ -300,6 +343,16 @@ class Run:
         if self.stopped:
             raise GenerationStopped
 
+    def _within_budget(self, prompt_tokens: int) -> None:
+        """Lower this round's max_tokens to what the budget has left after its prompt; BudgetSpent when
+        nothing is left. Never asks the quota for more: the answer may already be streaming."""
+        if self.budget is None:
+            return
+        room = self.budget - self._rounds.total_tokens - prompt_tokens
+        if room < 1:
+            raise BudgetSpent
+        self.max_tokens = min(self.max_tokens, room)
+
     @property
     def kind(self) -> str:
         """The admission class: reasoning answers have their own share of the slots."""
@@ -312,17 +365,17 @@ class Run:
     async def resume(self, prompt: Prompt, request_id: str) -> None:
         """Go on with the same answer from a longer prompt (the answer so far plus tool results), as a
         new backend request under `request_id`: the admission slot is kept, the tokens used so far are
-        banked, and the reservation grows to cover the new round. The prompt repeats the previous one
-        token for token, so the engine's prefix cache serves it and only the new turns are computed."""
+        banked, and the round gets what the budget has left (BudgetSpent when that is nothing). The
+        prompt repeats the previous one token for token, so the engine's prefix cache serves it and only
+        the new turns are computed."""
         assert self._slot is not None, "admit() first"
-        self._extra = self._extra + self.usage
+        self._rounds = self._rounds + self.usage
         self.usage = Usage()
         self.request_id = request_id
         self.max_tokens = self.limits.max_tokens
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
-        await self.traffic.extend(self._reservation, self.limits.tier,
-                                  self._extra.total_tokens + tokens + self.max_tokens)
+        self._within_budget(tokens)
 
     # -- the model ------------------------------------------------------------------------------
     def _request(self) -> GenerationRequest:
@@ -398,6 +451,11 @@ class Run:
             self.pipeline.backend.abort(self.request_id)
 
     # -- after ------------------------------------------------------------------------------------
+    @property
+    def used(self) -> Usage:
+        """Everything this run has cost so far: every round, and the work charged to it."""
+        return self.usage + self._rounds + self._extra
+
     def charge(self, usage: Usage) -> None:
         """Model work for this run done outside its stream (summaries): settled and metered with it."""
         self._extra = self._extra + usage
@@ -412,7 +470,7 @@ class Run:
         if self._slot is not None:
             self._slot.release()
         if self._reservation is not None:
-            await self.traffic.quotas.settle(self._reservation, (self.usage + self._extra).total_tokens)
+            await self.traffic.quotas.settle(self._reservation, self.used.total_tokens)
 
     async def close(self) -> None:
         """Release (if not done yet), meter the tokens used, observe latencies."""
@@ -420,7 +478,7 @@ class Run:
             return
         self._closed = True
         await self.release()
-        used = self.usage + self._extra
+        used = self.used
         if used.total_tokens:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:

@@ -24,6 +24,7 @@ from sqlalchemy import and_, func, or_, select, update
 from chatloom.app.background import cancel_requested, stop_loop
 from chatloom.app.errors import ApiError, not_found
 from chatloom.app.branches import Tree
+from chatloom.app.conversation_prompt import branch_turns
 from chatloom.store import Conversations, Database, Message, Messages
 from chatloom.store.models import utcnow
 
@@ -181,13 +182,13 @@ async def continue_answer(service: ConversationService, session, conv, message_i
         if not target.text:
             raise ApiError(409, "this answer has no text to continue from; regenerate it instead", "not_continuable")
         tree = Tree(await Messages(session).all_in(conv.id))
-        turns = [m.tokens for m in tree.path_to(target.parent_id)] + [target.tokens]
-        await run.reserve(service.prompts.estimate(turns, run.max_tokens))
+        planned = await service.reserve_answer(run, *branch_turns(tree.path_to(target.parent_id), conv.summary,
+                                                                  conv.summary_upto), prefix=target.text)
         await session.execute(update(Message).where(Message.id == target.id).values(
             status="incomplete", finish_reason=None, interrupted_reason=None, error=None, heartbeat=utcnow()))
         await Conversations(session).touch(conv.id, current_leaf_id=target.id)
         await session.commit()
-        return await service._start(conv.id, target.parent_id, target.id, run, prefix=target.text)
+        return await service._start(conv.id, target.parent_id, target.id, run, prefix=target.text, planned=planned)
     except BaseException:
         service._unclaim(conv.id)
         if run is not None:

@@ -1,11 +1,15 @@
 """Summaries are generations like any other: reserved against the user's quota and admitted
 through the queue before they run.
 
-A summary of older turns is model work done for the user who sent the new message. Before it
-runs, the user's reservation grows by the summary's prompt plus its max_tokens (so concurrent turns
-cannot overshoot the per-minute limit together), and it waits for a slot in the admission queue like
-an answer does. A summary that does not fit (the quota would be exceeded, or the queue has no room
-in time) is skipped: the answer is then built from the newest turns that fit, the oldest dropped.
+A summary of older turns is model work done for the user who sent the new message. The answer's
+reservation, made before any response was sent, holds an allowance for it (the run's
+`summary_allowance`, an estimate from the stored token counts of the turns to fold); each summary
+request takes its exact prompt plus its max_tokens from that allowance, so concurrent turns cannot
+overshoot a limit together. A request the allowance cannot cover grows the reservation instead
+(a run whose reservation had no room for the allowance, or one taken over from another gateway).
+It then waits for a slot in the admission queue like an answer does. A summary that does not fit
+(the quota would be exceeded, or the queue has no room in time) is skipped, never an error in the
+answer's stream: the answer is then built from the newest turns that fit, the oldest dropped.
 """
 from __future__ import annotations
 
@@ -27,14 +31,15 @@ async def admitted_summary(run: Any, request: GenerationRequest) -> AsyncIterato
     traffic = run.traffic
     prompt = run.pipeline.backend.count_prompt_tokens(request.messages)
     need = prompt + request.max_tokens
-    if run._reservation is not None:
+    if run.summary_allowance >= need:
+        run.summary_allowance -= need
+    elif run.reservation is not None:
         try:
-            await traffic.extend(run._reservation, run.limits.tier, run._reservation.tokens + need)
+            await traffic.extend(run.reservation, run.limits.tier, run.reservation.tokens + need)
         except ApiError as exc:
             log.info("summary skipped: %s", exc.message)
             yield False
             return
-        run.summary_reserved += need  # the answer's own top-up comes on top of this
     try:
         slot = await traffic.admit(run.limits.tier, prompt, INTERACTIVE)
     except ApiError as exc:

@@ -115,6 +115,10 @@ class ChatSettings(Group):
                                                              "(comma-separated; empty for none).")
     max_tool_calls_per_answer: int = Field(4, ge=0, description="Tool calls one answer may make before it must "
                                                                 "answer in text.")
+    tool_rounds_reserved: int = Field(1, ge=0, description="Rounds after the first (a tool's result read back) "
+                                                           "an answer with tools reserves quota for before it "
+                                                           "starts, each twice the first round; 0: all rounds "
+                                                           "share the first round's reservation.")
 
 
 class TrafficSettings(Group):

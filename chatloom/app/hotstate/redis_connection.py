@@ -19,6 +19,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 COMMAND_CONNECTIONS = 32  # sockets per gateway for plain commands (blocking reads have their own)
 POOL_WAIT_S = 10.0  # longest wait for a free socket; Redis down fails at connect, long before this
+# Sockets per gateway for blocking reads: one per stream being read at once (XREAD BLOCK holds its socket).
+# redis-py's pool defaults to 100, which failed the 101st concurrent stream; this is Redis's own maxclients.
+BLOCKING_CONNECTIONS = 10_000
 
 
 class RedisHub:
@@ -36,7 +39,8 @@ class RedisHub:
                                                      max_connections=COMMAND_CONNECTIONS, timeout=POOL_WAIT_S)
         self.commands: redis.Redis = redis.Redis.from_pool(pool)  # closes the pool with the client
         self.blocking: redis.Redis = redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=None,
-                                                    retry=retry, health_check_interval=5)
+                                                    retry=retry, health_check_interval=5,
+                                                    max_connections=BLOCKING_CONNECTIONS)
 
     @property
     def where(self) -> str:
