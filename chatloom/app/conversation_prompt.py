@@ -199,7 +199,7 @@ class PromptAssembler:
             try:
                 if admit_summary is None:
                     result = await self.backend.complete(request)
-                else:  # i12: reserved against the quota and admitted through the queue, like an answer
+                else:  # reserved against the quota and admitted through the queue, like an answer
                     async with admit_summary(request) as admitted:
                         if not admitted:  # no quota or no room: no summary; the oldest turns are dropped
                             return None

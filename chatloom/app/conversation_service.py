@@ -85,7 +85,7 @@ class Generation:
     stop_requested: bool = False
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    # The answer so far, continued from here: saved text (i12 recovery, app/recovery.py) or, taken over
+    # The answer so far, continued from here: saved text (app/recovery.py) or, taken over
     # from a gateway that died, the text its log already holds (prefix_logged: readers have it).
     prefix: str = ""
     prefix_logged: bool = False
@@ -172,7 +172,7 @@ class ConversationService:
             tree = Tree(await Messages(session).all_in(conv.id))
             parent = self._parent(tree, conv, parent_id)
             run = await self.pipeline.open(self._with_tools(options).ask(""), moderate=text)  # before model work
-            text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # i12: large input
+            text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # large input
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
                                             conv.summary_upto)
@@ -297,7 +297,7 @@ class ConversationService:
             "effort": run.limits.effort, "reservation": reservation_spec(run.reservation)}))
         self._running[conversation_id] = gen
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
-        start_checkpointer(self, gen)  # i12 recovery: the text so far reaches the database every interval
+        start_checkpointer(self, gen)  # the text so far reaches the database every interval
         return gen
 
     # -- stopping --------------------------------------------------------------------
@@ -389,7 +389,7 @@ class ConversationService:
             gen.task = asyncio.create_task(self._finish(gen, _Outcome(answer=[prefix], finish_reason="length")),
                                            name=f"continuation-{record.message_id}")
             return True
-        start_checkpointer(self, gen)  # i12: the continued text reaches the database every interval
+        start_checkpointer(self, gen)  # the continued text reaches the database every interval
         gen.task = asyncio.create_task(self._run(gen), name=f"continuation-{record.message_id}")
         return True
 
@@ -402,7 +402,7 @@ class ConversationService:
             if gen.stop_requested:
                 raise GenerationStopped
             if gen.prefix:  # the saved (or logged) text opens the assistant's turn; readers see it whole
-                if not gen.prefix_logged:  # i12 recovery: a fresh log
+                if not gen.prefix_logged:  # a fresh log
                     await self._write(gen, AnswerText(gen.prefix), out)
 
             async def position(n: int) -> None:

@@ -229,7 +229,7 @@ class LexiconModerator(Moderator):
         return None
 
     async def check_input(self, text: str) -> Verdict | None:
-        return await off_loop(self._check, text, size=len(text))  # i12: a huge message not on the event loop
+        return await off_loop(self._check, text, size=len(text))  # a huge message not on the event loop
 
     async def check_output(self, text: str) -> Verdict | None:
         norm = self._normal(text)

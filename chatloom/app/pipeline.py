@@ -93,7 +93,7 @@ class Limits:
 @dataclass(frozen=True)
 class ChatPrompt:
     messages: list[dict]  # [{"role", "content"}]
-    # i12: the last message is an unfinished assistant turn to go on from (an interrupted answer resuming)
+    # the last message is an unfinished assistant turn to go on from (an interrupted answer resuming)
     continue_final: bool = False
 
 
@@ -260,7 +260,7 @@ class Run:
         return self._prepared[1], self._prepared[2]
 
     async def measure(self, prompt: Prompt) -> None:
-        """Count the prompt now, in a worker thread when it is large (i12: not on the event loop);
+        """Count the prompt now, in a worker thread when it is large (not on the event loop);
         reserve() and admit() then reuse the count."""
         size = sum(len(m.get("content") or "") for m in prompt.messages) if isinstance(prompt, ChatPrompt) \
             else len(prompt.text) if isinstance(prompt, TextPrompt) else 0
@@ -272,7 +272,7 @@ class Run:
             raise ApiError(400, f"the prompt takes {prompt_tokens} tokens; the context window is {window} tokens "
                            "and the answer needs room too", "context_length_exceeded", self.ask.param)
         self.max_tokens = min(self.max_tokens, window - prompt_tokens)
-        # i12: nor more KV cache than the engine's whole pool (it would wait in the queue forever).
+        # nor more KV cache than the engine's whole pool (it would wait in the queue forever).
         check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
 
     async def reserve(self, prompt: Prompt | int, extra_rounds: int = 0, summaries: int = 0) -> None:

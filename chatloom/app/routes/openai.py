@@ -138,7 +138,7 @@ async def _start(ctx: AppContext, ask: Ask, prompt: Prompt, moderate: str,
     run = await ctx.pipeline.open(ask, moderate)
     pieces = None
     try:
-        await run.measure(prompt)  # i12: tokenizing a large prompt off the event loop
+        await run.measure(prompt)  # tokenizing a large prompt off the event loop
         await run.reserve(prompt)
         # Authentication is done with the database: hand its connection back before a possibly long
         # wait in the queue, or a burst of waiting requests would drain the connection pool.
