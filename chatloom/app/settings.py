@@ -92,8 +92,9 @@ class Settings:
 
     # Robustness: edge limits, crash recovery, shutdown (see chatloom/app/validation.py, recovery.py).
     max_body_bytes: int = 1_000_000  # larger request bodies: 413 before parsing
-    checkpoint_interval_s: float = 0.5  # an answer's text so far is saved this often while it streams
-    recovery_stale_s: float = 5.0  # an answer not saved for this long was left by a dead process: interrupted
+    # An answer in progress with no writer id (begun by an older version) and not saved for this long was
+    # left by a dead process: interrupted. Answers with a writer id are judged by their writer (recovery.py).
+    recovery_stale_s: float = 5.0
     shutdown_drain_s: float = 20.0  # on SIGTERM, running answers get this long to finish, then are interrupted
 
     # Several gateways (see README, "Several gateways"): what is hot lives in Redis when redis_url is set.
