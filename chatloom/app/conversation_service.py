@@ -30,7 +30,7 @@ from chatloom.app.branches import Tree
 from chatloom.app.continuation import can_continue, logged_answer_tokens, logged_text
 from chatloom.app.conversation_prompt import ConversationDeleted, PromptAssembler, SummaryAborted
 from chatloom.app.errors import ApiError, error_event, not_found
-from chatloom.app.events import EventLog, EventLogStore
+from chatloom.app.events import EventLogStore
 from chatloom.app.hotstate.job_keeper import reservation_of, reservation_spec
 from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.app.hotstate.redis_events import LogTakenOver

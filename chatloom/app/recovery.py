@@ -89,6 +89,13 @@ class Sweeper:
         self.alone = alone
         self._task: asyncio.Task | None = None
 
+    @property
+    def period_s(self) -> float:
+        """Half the stale period; with Redis at most a lease, the time a dead writer's liveness key takes to expire."""
+        settings = self.service.settings
+        period = settings.recovery_stale_s / 2 if self.alone else min(settings.recovery_stale_s / 2, settings.job_lease_s)
+        return max(0.5, period)
+
     async def abandoned(self, at_start: bool = False) -> list[str]:
         """Answers in progress whose writer is dead (see the module docstring)."""
         service = self.service
@@ -134,7 +141,7 @@ class Sweeper:
     async def _loop(self, first: bool) -> None:
         while True:
             if not first:
-                await asyncio.sleep(max(0.5, self.service.settings.recovery_stale_s / 2))
+                await asyncio.sleep(self.period_s)
             first = False
             try:
                 await self.sweep()

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
+import httpx
 from sqlalchemy import select, update
 
+from chatloom.app.main import create_app
+
 from chatloom.app.recovery import SHUT_DOWN, drain
-from chatloom.store import AnswerChunk, Message, Messages, User
+from chatloom.store import AnswerChunk, AnswerChunks, Message, Messages, User
 from chatloom.store.models import utcnow
 
 from app_testing import RecordingBackend, app_client, make_settings, new_conversation, parse_sse, tokens_of
@@ -163,3 +166,43 @@ async def test_shutdown_drains_then_interrupts_what_is_left(tmp_path):
         assert q.status == "incomplete" and q.finish_reason == "length"  # finished normally (4 tokens)
         assert s.status == "interrupted" and s.interrupted_reason == SHUT_DOWN
         assert s.text and "".join(WORDS).startswith(s.text) and len(s.text) < len("".join(WORDS))
+
+
+async def _in_progress_answer(app, cid: str, writer: str | None, chunks: list[str]) -> str:
+    """An answer in progress as a process that died mid-answer leaves it: a fresh heartbeat, its
+    text in journaled chunks."""
+    async with app.state.ctx.db.session() as s:
+        q = await Messages(s).add(cid, None, "user", "tell me", 2)
+        a = await Messages(s).add(cid, q.id, "assistant", "", 0, "scripted", status="incomplete", writer=writer)
+        await AnswerChunks(s).add([{"message_id": a.id, "kind": "text", "text": c, "tokens": 1} for c in chunks])
+        await s.commit()
+        return a.id
+
+
+async def test_a_restart_alone_marks_the_previous_process_answers_at_once(tmp_path):
+    # A stale period far beyond the test: only the writer's id can tell the answer was left behind.
+    settings = make_settings(tmp_path, recovery_stale_s=3600, moderation="off")
+    async with app_client(settings, ScriptedBackend()) as (client, app, alice):
+        cid = await new_conversation(client, alice)
+        left = await _in_progress_answer(app, cid, "gw/dead-process", [" Once", " upon", " a"])
+        own = await _in_progress_answer(app, cid, app.state.ctx.conversations.jobs.instance, [" x"])
+    app = create_app(settings, ScriptedBackend())  # the restart, on the same database
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post("/auth/login", json={"username": "alice", "password": "correct horse"})
+        alice = {"Authorization": f"Bearer {r.json()['token']}"}
+        # The first read after the start: no sweep period to wait for.
+        conv = (await client.get(f"/conversations/{cid}?leaf={left}", headers=alice)).json()
+        answer = conv["messages"][-1]
+        assert answer["id"] == left and answer["status"] == "interrupted" and answer["interrupted_reason"]
+        assert answer["text"] == " Once upon a"
+        m = await _message(app, left)
+        assert m.tokens == 3
+        # The previous process's own answers too: a new process has a new instance id.
+        assert (await _message(app, own)).status == "interrupted"
+        async with app.state.ctx.db.session() as s:
+            assert not list(await s.scalars(select(AnswerChunk.id)))
+        r = await client.post(f"/conversations/{cid}/messages/{left}/continue", headers=alice, json={})
+        assert r.status_code == 200 and parse_sse(r.text)[-1].data["status"] == "complete"
+        m = await _message(app, left)
+        assert m.text == " Once upon aHello there, friend." and m.status == "complete"
