@@ -1,5 +1,6 @@
-"""Crash recovery in-process (chatloom/app/recovery.py): checkpoints while streaming, the sweep of
-answers left by a dead process, the drain on shutdown, continuing from the saved text.
+"""Crash recovery in-process (chatloom/app/recovery.py, answer_journal.py): streamed text in the database
+before readers get it, the sweep of answers left by a dead process (at once on a restart alone), the
+drain on shutdown, continuing from the saved text.
 (The same with a real `chatloom serve` process and SIGKILL: test_crash_recovery.py.)"""
 from __future__ import annotations
 
