@@ -31,18 +31,18 @@ from dataclasses import dataclass, field, replace
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from chatloom.app.answer_journal import AnswerJournal, JournaledLog
 from chatloom.app.branches import Tree
 from chatloom.app.continuation import can_continue, logged_answer_tokens, logged_text
 from chatloom.app.conversation_prompt import ConversationDeleted, Draft, PromptAssembler, SummaryAborted, branch_turns
 from chatloom.app.errors import ApiError, error_event, not_found
-from chatloom.app.events import EventLog, EventLogStore
+from chatloom.app.events import EventLogStore
 from chatloom.app.hotstate.job_keeper import reservation_of, reservation_spec
 from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.app.hotstate.redis_events import LogTakenOver
 from chatloom.app.pipeline import (AnswerText, Ask, BudgetSpent, ChatPrompt, Finished, GenerationStopped, Pipeline, Run,
                                    Thinking, ToolCall)
 from chatloom.app.prompt import Turn
-from chatloom.app.recovery import start_checkpointer
 from chatloom.settings import Settings
 from chatloom.app.summary_admission import admitted_summary
 from chatloom.app.tool_calls import ToolUse, render_messages
@@ -50,7 +50,7 @@ from chatloom.app.tools.builtins import builtin_registry
 from chatloom.app.tools.registry import ToolContext, ToolRegistry
 from chatloom.app.validation import off_loop
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
-from chatloom.store import Conversation, Conversations, Database, Message, Messages, User, Users
+from chatloom.store import AnswerChunks, Conversation, Conversations, Database, Message, Messages, User, Users
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,13 @@ class Generation:
     user_message_id: str  # the message being answered
     message_id: str  # the assistant message being written
     run: Run
-    log: EventLog
+    log: JournaledLog  # text reaches the database before readers (answer_journal.py)
     summary_ids: int = 0  # summary requests made so far (each has its own request id)
     stop_requested: bool = False
     task: asyncio.Task | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    # The answer so far, continued from here: saved text (app/recovery.py) or, taken over
-    # from a gateway that died, the text its log already holds (prefix_logged: readers have it).
+    # The answer so far, continued from here: saved text (recovery.py) or, taken over from a gateway
+    # that died, the text its log already holds (prefix_logged: readers have it).
     prefix: str = ""
     prefix_logged: bool = False
     abandoned: bool = False  # another gateway has the job: end here without saving anything
@@ -123,6 +123,7 @@ class ConversationService:
         self.backend = pipeline.backend
         self.settings = settings
         self.logs = logs
+        self.journal = AnswerJournal(db)
         self.prompts = PromptAssembler(db, pipeline.backend, settings, lambda: pipeline.context_window)
         self._running: dict[str, Generation | None] = {}
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
@@ -180,7 +181,7 @@ class ConversationService:
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, run.limits.model,
-                                        status="incomplete")
+                                        status="incomplete", writer=self.jobs.instance)
             values = {"current_leaf_id": answer.id}
             if conv.title is None and not tree.by_id:
                 values["title"] = make_title(text, self.settings.chat.title_chars)
@@ -234,7 +235,7 @@ class ConversationService:
             planned = await self.reserve_answer(run, *branch_turns(tree.path_to(question_id), conv.summary,
                                                                     conv.summary_upto))
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
-                                                 status="incomplete")
+                                                 status="incomplete", writer=self.jobs.instance)
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
             await session.commit()
             return await self._start(conv.id, question_id, answer.id, run, planned=planned)
@@ -286,8 +287,8 @@ class ConversationService:
     async def _start(self, conversation_id: str, question_id: str, answer_id: str, run: Run,
                      prefix: str = "", planned: tuple[ChatPrompt | None, Draft, int] | None = None) -> Generation:
         run.request_id = answer_id  # stop() and the engine know the answer by its message id
-        gen = Generation(conversation_id, question_id, answer_id, run, await self.logs.create(answer_id),
-                         prefix=prefix)
+        gen = Generation(conversation_id, question_id, answer_id, run,
+                         JournaledLog(await self.logs.create(answer_id), self.journal, answer_id), prefix=prefix)
         if planned is not None:
             gen.prompt, gen.draft, gen.prompt_tokens = planned
         await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
@@ -297,7 +298,6 @@ class ConversationService:
             "effort": run.limits.effort, "reservation": reservation_spec(run.reservation)}))
         self._running[conversation_id] = gen
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
-        start_checkpointer(self, gen)  # the text so far reaches the database every interval
         return gen
 
     # -- stopping --------------------------------------------------------------------
@@ -382,14 +382,21 @@ class ConversationService:
         if reservation is not None:
             run.adopt(reservation)
         run.charge(Usage(completion_tokens=used))  # its gateway made them but never settled nor metered them
-        gen = Generation(record.conversation_id, spec["user_message_id"], record.message_id, run, event_log,
+        async with self.db.session() as session:
+            # The answer is this process's now, and its text is what its readers were sent: the logged text
+            # (the journal may hold one more batch its dead writer committed but never published).
+            await AnswerChunks(session).clear([record.message_id])
+            await Messages(session).finish(record.message_id, text=prefix, tokens=self._count(prefix),
+                                           writer=self.jobs.instance)
+            await session.commit()
+        gen = Generation(record.conversation_id, spec["user_message_id"], record.message_id, run,
+                         JournaledLog(event_log, self.journal, record.message_id, used),
                          prefix=prefix, prefix_logged=True, tokens_before=used)
         self._running[record.conversation_id] = gen
         if remaining <= 0:  # it had used its whole budget: it ends as its own gateway would have ended it
             gen.task = asyncio.create_task(self._finish(gen, _Outcome(answer=[prefix], finish_reason="length")),
                                            name=f"continuation-{record.message_id}")
             return True
-        start_checkpointer(self, gen)  # the continued text reaches the database every interval
         gen.task = asyncio.create_task(self._run(gen), name=f"continuation-{record.message_id}")
         return True
 
@@ -402,8 +409,10 @@ class ConversationService:
             if gen.stop_requested:
                 raise GenerationStopped
             if gen.prefix:  # the saved (or logged) text opens the assistant's turn; readers see it whole
-                if not gen.prefix_logged:  # a fresh log
-                    await self._write(gen, AnswerText(gen.prefix), out)
+                if not gen.prefix_logged:  # a continued answer: a fresh log, the text saved already
+                    text = gen.prefix.replace("\x00", "")
+                    out.answer.append(text)
+                    await gen.log.append({"token": text}, answer_tokens=gen.answer_tokens(), saved=True)
 
             async def position(n: int) -> None:
                 if not gen.log.closed:
@@ -478,7 +487,7 @@ class ConversationService:
             gen.abandoned = True
             return
         log.warning("answer %s: a gateway that had lost it wrote to its log; it ends here", gen.message_id)
-        gen.log = event_log
+        gen.log = JournaledLog(event_log, self.journal, gen.message_id)
         out.answer = [logged_text(await self.logs.events(gen.message_id))]
         out.error = RuntimeError("a gateway that had lost this answer wrote to it after it was taken over")
 
@@ -521,12 +530,14 @@ class ConversationService:
 
     async def _finish(self, gen: Generation, out: _Outcome) -> None:
         if gen.abandoned:  # another gateway has the job: it saves the answer and settles the quota
+            gen.log.discard()
             gen.run.drop()
             if self._running.get(gen.conversation_id) is gen:
                 del self._running[gen.conversation_id]
             gen.finished.set()
             return
         try:
+            await gen.log.flush()  # every journal write done before the final save replaces them
             await gen.run.close()  # settle, meter, observe: before the client hears 'done'
             reason = out.finish_reason or ("error" if out.error else "abort")
             status = "error" if out.error else STATUS_FOR_FINISH.get(reason, "incomplete")
@@ -540,6 +551,7 @@ class ConversationService:
             try:
                 async with self.db.session() as session:
                     await Messages(session).finish(gen.message_id, **values)
+                    await AnswerChunks(session).clear([gen.message_id])
                     await Conversations(session).touch(gen.conversation_id)
                     await session.commit()
             except Exception:

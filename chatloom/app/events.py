@@ -39,6 +39,11 @@ class EventLog(abc.ABC):
     @abc.abstractmethod
     def closed(self) -> bool: ...
 
+    @property
+    @abc.abstractmethod
+    def next_id(self) -> int:
+        """The id the next appended event gets."""
+
     @abc.abstractmethod
     def read(self, after: int = 0, heartbeat_s: float | None = None) -> AsyncIterator[StreamEvent | None]:
         """Events with id > after, waiting for new ones until the log closes.
@@ -92,6 +97,10 @@ class MemoryEventLog(EventLog):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def next_id(self) -> int:
+        return len(self._events) + 1
 
     @property
     def events(self) -> list[StreamEvent]:

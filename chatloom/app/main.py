@@ -68,18 +68,17 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await db.migrate()
         await start_hot_state(hot, ctx.conversations, db, traffic.admission.max_running)
-        # Answers left running by a dead process: alone, the sweeper marks them interrupted; with shared
-        # state (Redis) their job leases lapse and another gateway takes them over and continues them.
-        sweeper = None if hot.shared else Sweeper(ctx.conversations)
-        if sweeper is not None:
-            await sweeper.start()
+        # Answers left running by a dead process: alone, the sweeper marks them interrupted now, before the
+        # first request; with shared state (Redis) their job leases lapse and another gateway takes them
+        # over and continues them, and the sweeper marks those no lease covers once their writer is dead.
+        sweeper = Sweeper(ctx.conversations, alone=not hot.shared)
+        await sweeper.start()
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend, _app), name="backend-start")
         try:
             yield
         finally:
-            if sweeper is not None:
-                await sweeper.stop()
+            await sweeper.stop()
             if hot.shared:
                 # SIGTERM: running answers get shutdown_grace_s to finish, then go to other gateways.
                 await ctx.conversations.shutdown(settings.shared_state.shutdown_grace_s, hand_over=True)

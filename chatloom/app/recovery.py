@@ -1,10 +1,15 @@
 """Crash recovery: an answer being written survives the process that writes it.
 
-- Checkpoints: while an answer streams, a reader of its event log (like any SSE client) saves the
-  text so far to the database every `checkpoint_interval_s` (not per token), with a heartbeat time.
-- Sweeps: an answer still marked in progress whose heartbeat is older than `recovery_stale_s` was
-  left by a dead process (this one before a restart, or another gateway). At start and then
-  periodically it is marked `interrupted`, keeping the saved text and a reason.
+- Journal: every piece of answer text (and reasoning) is in the database before any client is sent it
+  (answer_journal.py), appended per engine step to `answer_chunks`; when the answer ends its rows are
+  folded into the message. Each answer also names its writer: the instance id of the process writing it.
+- Sweeps: an answer still marked in progress whose writer is dead was left behind; it is marked
+  `interrupted`, its journaled text folded into it, with a reason. Alone (no Redis), this process is
+  the only writer, so at start every answer in progress is such an answer, and is marked before the
+  first request is served. With Redis, a writer is dead once its liveness key has expired (shared_state.job_lease_s
+  after its last renewal); its answers that a job lease still covers are left to the job keeper, which
+  takes them over and continues them (hotstate/job_keeper.py), and the rest are marked. Answers with no
+  writer (written by an older version) are judged by their heartbeat's age, `recovery.stale_s`.
 - Drain: on shutdown (SIGTERM), running answers get up to `shutdown_drain_s` to finish; the rest
   are stopped and marked `interrupted` with their partial text.
 - Continue: an interrupted (or stopped, or cut-off) answer resumes from its saved text: the prompt
@@ -15,21 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, or_, select, update
 
 from chatloom.app.background import cancel_requested, stop_loop
 from chatloom.app.errors import ApiError, not_found
 from chatloom.app.branches import Tree
 from chatloom.app.conversation_prompt import branch_turns
-from chatloom.store import Conversations, Database, Message, Messages
+from chatloom.store import AnswerChunks, Conversations, Database, Message, Messages
 from chatloom.store.models import utcnow
 
 # The conversation service and its Generation are passed in, not imported: the service imports this
-# module (to start checkpoints), and rooms keep their imports one-way.
+# module, and rooms keep their imports one-way.
 ConversationService = Any
 Generation = Any
 
@@ -39,69 +43,24 @@ CRASHED = "the server stopped while this answer was being written"
 SHUT_DOWN = "the server shut down before this answer was finished"
 CONTINUABLE = ("interrupted", "stopped", "incomplete")
 
-_tasks: set[asyncio.Task] = set()  # strong references to the checkpoint tasks while they run
-
 
 def _in_progress():
     """Answers still being written: incomplete with no outcome yet."""
     return and_(Message.role == "assistant", Message.status == "incomplete", Message.finish_reason.is_(None))
 
 
-async def save_checkpoint(db: Database, message_id: str, text: str, tokens: int) -> bool:
-    """Save the text so far and a fresh heartbeat, unless the answer has ended meanwhile."""
+def _aware(dt: datetime) -> datetime:
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)  # SQLite returns naive UTC
+
+
+async def interrupt(db: Database, message_ids: list[str], reason: str = CRASHED) -> list[str]:
+    """Mark answers still in progress as interrupted, their journaled text folded in; returns their ids."""
+    if not message_ids:
+        return []
     async with db.session() as session:
-        result = await session.execute(update(Message).where(Message.id == message_id, _in_progress())
-                                       .values(text=text, tokens=tokens, heartbeat=utcnow()))
-        await session.commit()
-        return result.rowcount > 0
-
-
-def start_checkpointer(service: ConversationService, gen: Generation) -> asyncio.Task:
-    """Save `gen`'s answer text every checkpoint interval while it runs."""
-    task = asyncio.get_running_loop().create_task(_checkpoint(service, gen), name=f"checkpoint-{gen.message_id}")
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
-    return task
-
-
-async def _checkpoint(service: ConversationService, gen: Generation) -> None:
-    interval = service.settings.recovery.checkpoint_interval_s
-    parts: list[str] = []
-    saved = -1  # characters of text saved so far (-1: nothing, not even the heartbeat)
-    last = time.monotonic()
-    try:
-        async for ev in gen.log.read(0, heartbeat_s=interval):
-            if ev is not None:
-                token = ev.data.get("token")
-                if token:
-                    parts.append(token)
-                if ev.data.get("done") or ev.event == "error":
-                    return  # the generation saves its own outcome
-            now = time.monotonic()
-            if now - last >= interval or ev is None:
-                last = now
-                text = "".join(parts)
-                # Tokens of the text: prompt assembly uses them if the answer ends up interrupted.
-                tokens = service._count(text) if len(text) != saved else None
-                if tokens is not None or ev is None:
-                    await save_checkpoint(service.db, gen.message_id, text,
-                                          tokens if tokens is not None else service._count(text))
-                    saved = len(text)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # a failed save must not fail the answer; the final save still comes
-        log.exception("checkpoint of %s failed", gen.message_id)
-
-
-async def interrupt_stale(db: Database, stale_s: float, exclude: set[str] | None = None,
-                          reason: str = CRASHED) -> list[str]:
-    """Mark answers whose writer stopped beating `stale_s` ago as interrupted; returns their ids."""
-    cutoff = utcnow() - timedelta(seconds=stale_s)
-    async with db.session() as session:
-        ids = list(await session.scalars(select(Message.id).where(
-            _in_progress(), func.coalesce(Message.heartbeat, Message.created) < cutoff)))
-        ids = [i for i in ids if i not in (exclude or set())]
+        ids = list(await session.scalars(select(Message.id).where(Message.id.in_(message_ids), _in_progress())))
         if ids:
+            await AnswerChunks(session).fold(ids)
             await session.execute(update(Message).where(Message.id.in_(ids), _in_progress()).values(
                 status="interrupted", finish_reason="interrupted", interrupted_reason=reason))
             await session.commit()
@@ -115,6 +74,7 @@ async def mark_interrupted(db: Database, message_ids: list[str], reason: str) ->
     if not message_ids:
         return
     async with db.session() as session:
+        await AnswerChunks(session).fold(message_ids)  # saved when they stopped; whatever is left, kept
         await session.execute(update(Message).where(
             Message.id.in_(message_ids), or_(Message.status.in_(("stopped", "incomplete")))).values(
             status="interrupted", finish_reason="interrupted", interrupted_reason=reason))
@@ -122,26 +82,68 @@ async def mark_interrupted(db: Database, message_ids: list[str], reason: str) ->
 
 
 class Sweeper:
-    """Marks answers abandoned by dead processes, at start and every half stale period after."""
+    """Marks answers abandoned by dead processes: at start (before the first request), then every half
+    stale period. `alone`: no shared state, so this process is the only writer."""
 
-    def __init__(self, service: ConversationService) -> None:
+    def __init__(self, service: ConversationService, alone: bool) -> None:
         self.service = service
+        self.alone = alone
         self._task: asyncio.Task | None = None
 
-    async def sweep(self) -> list[str]:
-        own = {g.message_id for g in self.service._running.values() if g is not None}
-        return await interrupt_stale(self.service.db, self.service.settings.recovery.stale_s, own)
+    @property
+    def period_s(self) -> float:
+        """Half the stale period; with Redis at most a lease, the time a dead writer's liveness key takes to expire."""
+        settings = self.service.settings
+        period = settings.recovery.stale_s / 2 if self.alone else min(settings.recovery.stale_s / 2, settings.shared_state.job_lease_s)
+        return max(0.5, period)
+
+    async def abandoned(self, at_start: bool = False) -> list[str]:
+        """Answers in progress whose writer is dead (see the module docstring)."""
+        service = self.service
+        jobs = service.jobs
+        own = {g.message_id for g in service._running.values() if g is not None}
+        async with service.db.session() as session:
+            rows = (await session.execute(select(Message.id, Message.conversation_id, Message.writer,
+                                                 Message.heartbeat, Message.created).where(_in_progress()))).all()
+        cutoff = utcnow() - timedelta(seconds=service.settings.recovery.stale_s)
+        others = {r.writer for r in rows if r.writer is not None and r.writer != jobs.instance}
+        alive = await jobs.alive(others) if others else set()
+        out = []
+        for r in rows:
+            if r.id in own:
+                continue
+            if r.writer is None or r.writer == jobs.instance:
+                # An older version's answer, or one of this process's that is not running (a failure
+                # between saving it and starting it): judged by age. Alone at start, none can be alive.
+                if not (self.alone and at_start) and _aware(r.heartbeat or r.created) >= cutoff:
+                    continue
+            elif r.writer in alive:
+                continue
+            elif not self.alone:
+                holder = await jobs.holder(r.conversation_id)
+                if holder is not None and holder.message_id == r.id:
+                    continue  # a job lease covers it: the job keeper takes it over (or ends it)
+            out.append(r.id)
+        return out
+
+    async def sweep(self, at_start: bool = False) -> list[str]:
+        return await interrupt(self.service.db, await self.abandoned(at_start))
 
     async def start(self) -> None:
-        try:
-            await self.sweep()
-        except Exception:
-            log.exception("recovery sweep failed")
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="recovery-sweeper")
+        """Alone, sweep now (the database is all it needs); with Redis, from the background loop, so that a
+        gateway starts while Redis is away."""
+        if self.alone:
+            try:
+                await self.sweep(at_start=True)
+            except Exception:
+                log.exception("recovery sweep failed")
+        self._task = asyncio.get_running_loop().create_task(self._loop(first=not self.alone), name="recovery-sweeper")
 
-    async def _loop(self) -> None:
+    async def _loop(self, first: bool) -> None:
         while True:
-            await asyncio.sleep(max(0.5, self.service.settings.recovery.stale_s / 2))
+            if not first:
+                await asyncio.sleep(self.period_s)
+            first = False
             try:
                 await self.sweep()
             except Exception as exc:
@@ -185,7 +187,8 @@ async def continue_answer(service: ConversationService, session, conv, message_i
         planned = await service.reserve_answer(run, *branch_turns(tree.path_to(target.parent_id), conv.summary,
                                                                   conv.summary_upto), prefix=target.text)
         await session.execute(update(Message).where(Message.id == target.id).values(
-            status="incomplete", finish_reason=None, interrupted_reason=None, error=None, heartbeat=utcnow()))
+            status="incomplete", finish_reason=None, interrupted_reason=None, error=None, heartbeat=utcnow(),
+            writer=service.jobs.instance))
         await Conversations(session).touch(conv.id, current_leaf_id=target.id)
         await session.commit()
         return await service._start(conv.id, target.parent_id, target.id, run, prefix=target.text, planned=planned)

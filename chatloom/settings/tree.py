@@ -163,9 +163,10 @@ class FleetSettings(Group):
 class RecoverySettings(Group):
     """Crash recovery and shutdown."""
 
-    checkpoint_interval_s: float = Field(0.5, gt=0, description="An answer's text so far is saved this often.")
-    stale_s: float = Field(5.0, gt=0, description="An answer not saved for this long was left by a dead "
-                                                  "process: interrupted.")
+    stale_s: float = Field(5.0, gt=0, description="An answer in progress with no writer id (begun by an older "
+                                                  "version) and not saved for this long was left by a dead "
+                                                  "process: interrupted. Answers with a writer id are judged "
+                                                  "by their writer.")
     shutdown_drain_s: float = Field(20.0, ge=0, description="On SIGTERM, running answers get this long to finish.")
 
 

@@ -106,12 +106,33 @@ class Message(Base):
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
     reasoning: Mapped[str | None] = mapped_column(Text)  # the thinking before the answer (reasoning requests)
-    # While an answer is written: when its text was last saved (a stale one was left by a dead process).
+    # While an answer is written: when its writer began it (or, for answers of versions before `writer`
+    # existed, last saved it). Only answers with no writer are judged by its age.
     heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The gateway process (instance id, unique per start) writing the answer, so an answer left by a dead
+    # process is known exactly: its writer is not this process (alone) or not alive in Redis (a fleet).
+    writer: Mapped[str | None] = mapped_column(String(120))
     interrupted_reason: Mapped[str | None] = mapped_column(Text)
     # The answer's tool steps, in order: [{"id", "name", "arguments", "output", "error"}] (chat tools).
     tool_steps: Mapped[list | None] = mapped_column(JSON)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AnswerChunk(Base):
+    """Answer text appended while it streams, one row per flush (an engine step's pieces, or several
+    steps' when the database is slower than the engine), written before any client is sent that text.
+    An answer that ends folds its rows into its message and deletes them; so does recovery."""
+
+    __tablename__ = "answer_chunks"
+
+    # The order of appends. BIGINT on PostgreSQL (rows come and go at every streamed step for the
+    # service's lifetime); INTEGER PRIMARY KEY on SQLite, its auto-incrementing row id.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    message_id: Mapped[str] = mapped_column(ForeignKey("messages.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # text | reasoning
+    text: Mapped[str] = mapped_column(Text)
+    tokens: Mapped[int] = mapped_column(Integer, default=0)  # model tokens this row's text took
 
 
 class Usage(Base):

@@ -1,12 +1,13 @@
 """Queries, one small class per table. Each takes an AsyncSession; the caller commits."""
 from __future__ import annotations
 
+from collections import defaultdict
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatloom.store.models import ApiKey, Conversation, Feedback, Message, Usage, User, utcnow
+from chatloom.store.models import AnswerChunk, ApiKey, Conversation, Feedback, Message, Usage, User, utcnow
 
 
 class Users:
@@ -96,6 +97,8 @@ class Conversations:
 
     async def delete(self, conversation_id: str) -> None:
         # Messages first and explicitly, so nothing depends on the database enforcing ON DELETE CASCADE.
+        await self.s.execute(delete(AnswerChunk).where(AnswerChunk.message_id.in_(
+            select(Message.id).where(Message.conversation_id == conversation_id))))
         await self.s.execute(delete(Message).where(Message.conversation_id == conversation_id))
         await self.s.execute(delete(Conversation).where(Conversation.id == conversation_id))
 
@@ -109,9 +112,11 @@ class Messages:
         self.s = session
 
     async def add(self, conversation_id: str, parent_id: str | None, role: str, text: str, tokens: int,
-                  model: str | None = None, status: str = "complete") -> Message:
+                  model: str | None = None, status: str = "complete", writer: str | None = None) -> Message:
+        now = utcnow()
         msg = Message(conversation_id=conversation_id, parent_id=parent_id, role=role, text=text, tokens=tokens,
-                      model=model, status=status, created=utcnow())
+                      model=model, status=status, created=now, writer=writer,
+                      heartbeat=now if writer is not None else None)
         self.s.add(msg)
         await self.s.flush()
         return msg
@@ -130,6 +135,42 @@ class Messages:
         """Write a generation's outcome; False when the message is gone (its conversation was deleted)."""
         result = await self.s.execute(update(Message).where(Message.id == message_id).values(**values))
         return result.rowcount > 0
+
+
+class AnswerChunks:
+    """Answer text journaled while it streams (models.AnswerChunk), folded into the message at the end."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.s = session
+
+    async def add(self, rows: list[dict]) -> None:
+        """rows: [{"message_id", "kind", "text", "tokens"}], appended in this order."""
+        if rows:
+            await self.s.execute(insert(AnswerChunk), rows)
+
+    async def fold(self, message_ids: list[str]) -> None:
+        """Append each answer's journaled text (and reasoning) to its message, then drop the rows."""
+        if not message_ids:
+            return
+        rows = await self.s.execute(select(AnswerChunk.message_id, AnswerChunk.kind, AnswerChunk.text,
+                                           AnswerChunk.tokens)
+                                    .where(AnswerChunk.message_id.in_(message_ids)).order_by(AnswerChunk.id))
+        parts: dict[str, dict[str, list[str]]] = defaultdict(lambda: {"text": [], "reasoning": []})
+        tokens: dict[str, int] = defaultdict(int)
+        for message_id, kind, text, n in rows:
+            parts[message_id][kind].append(text)
+            tokens[message_id] += n if kind == "text" else 0
+        for message_id, kinds in parts.items():
+            values = {}
+            if kinds["text"]:
+                values.update(text=Message.text + "".join(kinds["text"]), tokens=Message.tokens + tokens[message_id])
+            if kinds["reasoning"]:
+                values["reasoning"] = func.coalesce(Message.reasoning, "") + "".join(kinds["reasoning"])
+            await self.s.execute(update(Message).where(Message.id == message_id).values(**values))
+        await self.clear(message_ids)
+
+    async def clear(self, message_ids: list[str]) -> None:
+        await self.s.execute(delete(AnswerChunk).where(AnswerChunk.message_id.in_(message_ids)))
 
 
 def _aware(dt: datetime | None) -> datetime | None:

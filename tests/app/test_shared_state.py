@@ -12,7 +12,9 @@ import pytest
 
 from chatloom.app.continuation import logged_answer_tokens
 from chatloom.app.main import create_app
+from chatloom.app.hotstate.jobs import JobRecord
 from chatloom.app.recovery import mark_interrupted
+from chatloom.store import AnswerChunks, Message, Messages
 
 from app_testing import make_settings, merge_groups, new_conversation, parse_sse, signup
 from backing_services import PrivateRedis, require_redis
@@ -307,3 +309,40 @@ async def test_an_answer_that_cannot_be_continued_is_saved_as_failed(tmp_path, d
         assert saved["status"] == "error" and "could not be continued" in saved["error"]
         assert saved["text"].startswith(WORDS[0])  # what readers were shown is kept
         first.cancel()
+
+
+async def test_answers_of_a_dead_writer_that_no_lease_covers_are_interrupted(tmp_path, db_url):
+    """With Redis, an answer left by a process whose liveness key has expired, and whose job is gone (a
+    Redis that lost its data, say), is marked interrupted with its journaled text, without waiting for
+    its heartbeat to age; a living writer's answer and a leased one (the job keeper's) are left alone."""
+    async with AsyncExitStack() as stack:
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), ScriptedBackend(), shared_state={"job_lease_s": 0.6}, recovery={"stale_s": 3600})
+        app1, app2 = g1._transport.app, g2._transport.app
+        alice = await signup(g1, "alice")
+        cids = [await new_conversation(g1, alice) for _ in range(3)]
+        ids = []
+        async with app1.state.ctx.db.session() as s:
+            for cid, writer in zip(cids, ["gw9/gone", app2.state.ctx.hot.jobs.instance, "gw9/gone"]):
+                q = await Messages(s).add(cid, None, "user", "tell me", 2)
+                a = await Messages(s).add(cid, q.id, "assistant", "", 0, "scripted", status="incomplete",
+                                          writer=writer)
+                await AnswerChunks(s).add([{"message_id": a.id, "kind": "text", "text": " so far", "tokens": 2}])
+                ids.append(a.id)
+            await s.commit()
+        dead, living, leased = ids
+        jobs = app1.state.ctx.hot.jobs  # gateway 1 holds the third answer's job (its keeper renews the lease)
+        assert await jobs.claim(cids[2])
+        await jobs.update(JobRecord(cids[2], jobs.gateway, leased))
+
+        async def status(message_id: str) -> str:
+            async with app1.state.ctx.db.session() as s:
+                return (await s.get(Message, message_id, populate_existing=True)).status
+
+        for _ in range(500):
+            if await status(dead) == "interrupted":
+                break
+            await asyncio.sleep(0.01)
+        conv = (await g2.get(f"/conversations/{cids[0]}", headers=alice)).json()
+        assert conv["messages"][-1]["status"] == "interrupted" and conv["messages"][-1]["text"] == " so far"
+        assert await status(living) == "incomplete" and await status(leased) == "incomplete"
+        await jobs.release(cids[2])

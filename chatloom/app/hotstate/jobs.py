@@ -6,12 +6,18 @@ conversation (or says another gateway holds it: a 409); the job record then says
 every `lease_s / 3`; a gateway that dies stops renewing, the lease lapses, and another gateway finds
 the job in `lapsed()` and `take`s it, atomically, so exactly one continues it.
 
+Each process also has an instance id (unique per start, even where gateways are named in the settings),
+written beside every answer it writes. `RedisJobs` keeps a liveness key per instance, renewed with the
+leases and gone `lease_s` after the process stops, so `alive` says exactly whose answers were left by a
+dead process (see recovery.py); alone (`MemoryJobs`), only this process is alive.
+
 `MemoryJobs` serves one process (a lease cannot lapse while the process lives); `RedisJobs` a fleet.
 """
 from __future__ import annotations
 
 import abc
 import json
+import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
@@ -33,9 +39,19 @@ class JobRecord:
         return cls(**json.loads(raw))
 
 
+def new_instance_id(gateway: str) -> str:
+    """This process's id: the gateway's name and a random part, so a restart under the same name differs."""
+    return f"{gateway[:100]}/{uuid.uuid4().hex[:12]}"
+
+
 class Jobs(abc.ABC):
     gateway: str
+    instance: str
     lease_s: float
+
+    @abc.abstractmethod
+    async def alive(self, instances: set[str]) -> set[str]:
+        """The instances (of those given) whose process is alive."""
 
     @abc.abstractmethod
     async def claim(self, conversation_id: str) -> bool:
@@ -66,10 +82,14 @@ class Jobs(abc.ABC):
 
 
 class MemoryJobs(Jobs):
-    def __init__(self, gateway: str = "local", lease_s: float = 10.0) -> None:
+    def __init__(self, gateway: str = "local", lease_s: float = 10.0, instance: str | None = None) -> None:
         self.gateway = gateway
+        self.instance = instance or new_instance_id(gateway)
         self.lease_s = lease_s
         self._jobs: dict[str, JobRecord] = {}
+
+    async def alive(self, instances: set[str]) -> set[str]:
+        return instances & {self.instance}  # alone: every other process that wrote here has stopped
 
     async def claim(self, conversation_id: str) -> bool:
         if conversation_id in self._jobs:
@@ -132,9 +152,11 @@ return record
 
 
 class RedisJobs(Jobs):
-    def __init__(self, client: redis.Redis, gateway: str, prefix: str = "chatloom", lease_s: float = 3.0) -> None:
+    def __init__(self, client: redis.Redis, gateway: str, prefix: str = "chatloom", lease_s: float = 3.0,
+                 instance: str | None = None) -> None:
         self.client = client
         self.gateway = gateway
+        self.instance = instance or new_instance_id(gateway)
         self.prefix = prefix
         self.lease_s = lease_s
         self._mine: set[str] = set()
@@ -154,6 +176,19 @@ class RedisJobs(Jobs):
     @property
     def _lease_ms(self) -> int:
         return max(1, int(self.lease_s * 1000))
+
+    def _alive_key(self, instance: str) -> str:
+        return f"{self.prefix}:alive:{instance}"
+
+    async def alive(self, instances: set[str]) -> set[str]:
+        order = sorted(instances)
+        if not order:
+            return set()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for instance in order:
+                pipe.exists(self._alive_key(instance))
+            found = await pipe.execute()
+        return {i for i, n in zip(order, found) if n}
 
     async def claim(self, conversation_id: str) -> bool:
         record = JobRecord(conversation_id, self.gateway)
@@ -176,6 +211,7 @@ class RedisJobs(Jobs):
         return JobRecord.loads(raw) if raw else None
 
     async def renew(self) -> list[str]:
+        await self.client.set(self._alive_key(self.instance), self.gateway, px=self._lease_ms)
         lost = []
         for cid in list(self._mine):
             if not await self._renew(keys=[self._keys(cid)[1]], args=[self.gateway, self._lease_ms]):

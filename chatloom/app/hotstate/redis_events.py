@@ -83,6 +83,10 @@ class RedisEventLog(EventLog):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def next_id(self) -> int:
+        return self._next
+
     async def read(self, after: int = 0, heartbeat_s: float | None = None) -> AsyncIterator[StreamEvent | None]:
         client = self._store.blocking
         last = f"0-{max(0, after)}"

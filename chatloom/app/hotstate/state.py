@@ -14,19 +14,20 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy import select
 
 from chatloom.app.errors import error_response
 from chatloom.app.events import EventLogStore, MemoryEventLogStore
 from chatloom.app.hotstate.fleet_shares import FleetShares
 from chatloom.app.hotstate.job_keeper import JobKeeper, settle_taken
-from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs, RedisJobs
+from chatloom.app.hotstate.jobs import JobRecord, Jobs, MemoryJobs, RedisJobs, new_instance_id
 from chatloom.app.hotstate.redis_connection import UNAVAILABLE, RedisHub, unavailable_message
 from chatloom.app.hotstate.redis_events import RedisEventLogStore
 from chatloom.app.hotstate.redis_quotas import RedisQuotaStore
 from chatloom.app.hotstate.stop_relay import RedisStopRelay, StopRelay
 from chatloom.app.quotas import MemoryQuotaStore, QuotaStore
 from chatloom.settings import Settings
-from chatloom.store import Conversations, Database, Message, Messages
+from chatloom.store import AnswerChunks, Conversations, Database, Message, Messages
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,17 @@ class HotState:
                 # interrupted), or it was deleted: nothing to save, but its readers must not wait forever.
                 await self._end_open_log(record, message)
                 return
-        text = ""
+        logged = ""
         if isinstance(self.logs, RedisEventLogStore) and record.message_id:
             events = await self.logs.events(record.message_id)
-            text = "".join(e.data.get("token", "") for e in events if isinstance(e.data, dict))
+            logged = "".join(e.data.get("token", "") for e in events if isinstance(e.data, dict))
         if record.message_id:
             async with db.session() as session:
+                # The database holds at least what readers were sent (answer_journal.py), even when Redis
+                # lost the log; the log is longer only for an answer of a gateway that journaled nothing.
+                await AnswerChunks(session).fold([record.message_id])
+                saved = await session.scalar(select(Message.text).where(Message.id == record.message_id)) or ""
+                text = logged if len(logged) > len(saved) else saved
                 await Messages(session).finish(record.message_id, text=text, status="error", error=reason)
                 await Conversations(session).touch(record.conversation_id)
                 await session.commit()
@@ -121,15 +127,16 @@ class HotState:
 
 def build_hot_state(settings: Settings) -> HotState:
     gateway = settings.shared_state.gateway_id or default_gateway_id()
+    instance = new_instance_id(gateway)
     if not settings.shared_state.redis_url:
         return HotState(gateway, MemoryQuotaStore(), MemoryEventLogStore(settings.chat.event_log_retention_s),
-                        MemoryJobs(gateway), StopRelay())
+                        MemoryJobs(gateway, instance=instance), StopRelay())
     hub = RedisHub(settings.shared_state.redis_url)
     prefix = settings.shared_state.prefix
     return HotState(gateway=gateway, hub=hub,
                     quotas=RedisQuotaStore(hub.commands, prefix),
                     logs=RedisEventLogStore(hub.commands, hub.blocking, prefix, settings.chat.event_log_retention_s),
-                    jobs=RedisJobs(hub.commands, gateway, prefix, settings.shared_state.job_lease_s),
+                    jobs=RedisJobs(hub.commands, gateway, prefix, settings.shared_state.job_lease_s, instance),
                     stops=RedisStopRelay(hub.commands, hub.blocking, prefix),
                     fleet=FleetShares(hub.commands, gateway, prefix))
 
