@@ -12,9 +12,12 @@ by the matcher, so the walk can only produce text the grammar accepts; it is not
 When the tokens left are no more than the walk's length plus a small margin, the sequence follows
 the walk token by token (its mask holds that one token), so an answer whose budget can hold the
 walk ends complete, with end of sequence. Otherwise it ends cut, with finish_reason "length".
+Within a horizon of that point (as many spare tokens as the first walk is long), every step keeps
+only the walk's next token and those of the model's likeliest tokens after which a walk still fits,
+so the answer cannot open what it could no longer close (one more tool call, say).
 The walk costs tens of microseconds a token and runs on a shrinking schedule: again after a third
-of the spare tokens, and every step only when close to the end; requests without a grammar never
-get here.
+of the spare tokens, and every step only within the horizon; requests without a grammar never get
+here. docs/structured-output.md states what this guarantees.
 """
 from __future__ import annotations
 
@@ -216,8 +219,8 @@ class Budget:
                     walk: list[int]) -> list[int]:
         """Near the end: the walk's next token, and those of the model's likeliest allowed tokens
         after which a closing walk still fits the budget."""
-        allowed = allowed_tokens(matcher, table.vocab)
         row = logits[:table.vocab].float().cpu().numpy()
+        allowed = allowed_tokens(matcher, table.vocab)[:len(row)]
         ranked = np.where(allowed, row[:len(allowed)], -np.inf)
         top = np.argpartition(-ranked, TOP_K)[:TOP_K] if len(ranked) > TOP_K else np.arange(len(ranked))
         keep = [walk[0]]
