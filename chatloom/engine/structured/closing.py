@@ -204,6 +204,11 @@ class Budget:
             # more call after a complete one), so below that many spare tokens every step is checked.
             self.horizon = max(ENDGAME, len(walk))
         spare = self.left - len(walk) - MARGIN
+        if len(walk) > self.left:
+            # The walk itself no longer fits; the model's own way may be shorter (another branch of
+            # the grammar), so it stays free and is looked at again next step.
+            self.check_at = self.left - 1
+            return None
         if spare <= 0:
             self.walk = deque(walk)
             return [walk[0]]
