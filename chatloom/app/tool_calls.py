@@ -194,16 +194,18 @@ class ToolCallParser:
         """At the end of the answer: an unclosed last call still counts if its JSON is whole."""
         out: list[str | ToolCall] = []
         if self._in_call:
-            out.append(self._close(self._buf))
+            out.append(self._close(self._buf, closed=False))
         elif self._buf.strip() or (self._buf and not self.calls):
             out.append(self._buf)
         self._buf, self._in_call = "", False
         return [p for p in out if p != ""]
 
-    def _close(self, block: str) -> str | ToolCall:
-        call = parse_call(block.strip(), self.names, f"{OPEN}{block}{CLOSE}")
+    def _close(self, block: str, closed: bool = True) -> str | ToolCall:
+        # An answer cut inside a block (finish_reason "length") shows it as written, without a closing tag.
+        raw = f"{OPEN}{block}{CLOSE if closed else ''}"
+        call = parse_call(block.strip(), self.names, raw)
         if call is None:
-            return f"{OPEN}{block}{CLOSE}"
+            return raw
         self.calls.append(call)
         return call
 

@@ -111,7 +111,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if params.constraint is not None:
-            self.guide.add(request_id, params.constraint)
+            # The budget the grammar must finish in; without EOS ending the answer there is none to steer by.
+            budget = None if params.ignore_eos else min(params.max_tokens, self.max_model_len - len(token_ids))
+            self.guide.add(request_id, params.constraint, budget)
         seq = Sequence(request_id, token_ids, params, priority)
         self.requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)

@@ -179,3 +179,35 @@ def test_tool_results_are_checked(sdk):
     with pytest.raises(openai.BadRequestError, match="no earlier assistant message called"):
         sdk.chat.completions.create(model=MODEL, max_tokens=5, tools=[ADD], messages=history + [
             {"role": "tool", "tool_call_id": "call_2", "content": "3"}])
+
+
+# The tiny model's tokenizer is byte-level: the shortest call block is this many tokens, plus EOS.
+SHORTEST_CALL = len('<tool_call>\n{"name":"add","arguments":{"a":0,"b":0}}\n</tool_call>') + 1
+
+
+def test_short_budgets_give_whole_calls_and_json_or_say_length(sdk):
+    """max_tokens from 40 to 120: where the budget holds the shortest call, the steering closes the
+    answer in time and it parses; where it cannot, finish_reason is "length"."""
+    for n in range(40, 121, 10):
+        r = sdk.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=n, max_tokens=n,
+                                        tools=[WEATHER, ADD], tool_choice="required")
+        c = r.choices[0]
+        if n < SHORTEST_CALL:
+            assert c.finish_reason == "length" and not c.message.tool_calls, (n, c)
+            assert not c.message.content.endswith("</tool_call>")  # shown as cut, not closed
+            continue
+        assert c.message.tool_calls, (n, c)
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert c.finish_reason == "tool_calls" or r.usage.completion_tokens == n, (n, c)
+        r = sdk.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=n, max_tokens=n,
+                                        response_format={"type": "json_object"})
+        assert isinstance(json.loads(r.choices[0].message.content), dict), (n, r.choices[0])
+
+
+def test_a_streamed_answer_too_short_for_a_call_ends_with_length(sdk):
+    stream = sdk.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=1, max_tokens=20,
+                                         tools=[WEATHER, ADD], tool_choice="required", stream=True)
+    chunks = [ch for ch in stream if ch.choices]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["length"]
+    assert not any(ch.choices[0].delta.tool_calls for ch in chunks)

@@ -4,6 +4,8 @@ Each step, the rows of constrained sequences get their allowed-token bitmasks co
 tensor and disallowed logits set to -inf in one masked_fill; free rows are untouched, so constrained and free requests share every forward pass. After
 sampling, each matcher consumes its sequence's token. A matcher's state lives as long as its
 sequence, so preemption by recompute (which keeps the tokens) needs nothing special.
+A sequence added with a token budget is steered to finish its structure before the budget runs out
+(see closing.py): near the end its mask may hold only the next token of the closing walk.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import llguidance.torch as llg_torch
 import torch
 
 from chatloom.engine.sampling_params import InvalidRequest
+from chatloom.engine.structured.closing import Budget, ClosingTable
 from chatloom.engine.structured.constraint import Constraint, ConstraintError
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,17 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     if allowed.shape[1] < vocab:  # logits wider than the tokenizer (padded embedding rows): never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     return allowed[:, :vocab]
+
+
+def _bits(tokens: list[int], words: int) -> torch.Tensor:
+    """One bitmask row ([words] int32) allowing exactly `tokens` (a handful)."""
+    row = torch.zeros(words, dtype=torch.int32)
+    packed: dict[int, int] = {}
+    for t in tokens:
+        packed[t // 32] = packed.get(t // 32, 0) | 1 << (t % 32)
+    for word, bits in packed.items():
+        row[word] = bits - (1 << 32) if bits >= 1 << 31 else bits  # as int32
+    return row
 
 
 @dataclass
@@ -57,6 +71,8 @@ class GrammarGuide:
         self._eos_ids = list(eos_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._budgets: dict[str, Budget] = {}
+        self._closing: ClosingTable | None = None
         self.stats = MaskStats()
 
     @property
@@ -68,8 +84,16 @@ class GrammarGuide:
                                                         eos_token=self._eos_ids or None)
         return self._ll_tokenizer
 
-    def add(self, request_id: str, constraint: Constraint) -> None:
-        """Start a matcher for a new sequence; InvalidRequest if its grammar does not compile."""
+    @property
+    def closing_table(self) -> ClosingTable:
+        if self._closing is None:
+            self._closing = ClosingTable(self.ll_tokenizer, self._eos_ids)
+        return self._closing
+
+    def add(self, request_id: str, constraint: Constraint, budget: int | None = None) -> None:
+        """Start a matcher for a new sequence; InvalidRequest if its grammar does not compile.
+        `budget`: the most tokens the sequence may generate (end of sequence included); with it the
+        sequence is steered to complete its structure in time. None: not steered."""
         try:
             grammar = constraint.grammar
         except ConstraintError as exc:
@@ -78,9 +102,13 @@ class GrammarGuide:
         if matcher.is_error():
             raise InvalidRequest(f"cannot compile the {constraint.kind} constraint: {matcher.get_error()}")
         self._matchers[request_id] = matcher
+        if budget is not None and self._eos_ids:
+            self.closing_table  # noqa: B018 - built now, not in the middle of a step
+            self._budgets[request_id] = Budget(budget)
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._budgets.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -92,7 +120,7 @@ class GrammarGuide:
     def apply(self, logits: torch.Tensor, request_ids: list[str]) -> bool:
         """Mask, in place, the rows of `logits` ([N, V]) whose request is constrained.
         Returns whether any row was masked (then a precomputed argmax is stale)."""
-        rows = [(i, self._matchers[r]) for i, r in enumerate(request_ids) if r in self._matchers]
+        rows = [(i, r, self._matchers[r]) for i, r in enumerate(request_ids) if r in self._matchers]
         if not rows:
             return False
         t0 = time.perf_counter()
@@ -100,14 +128,19 @@ class GrammarGuide:
         # One row after another in this thread: llguidance's parallel executor keeps worker threads that
         # spin after each batch and, on a small CPU, steal the cores torch's OpenMP threads need
         # (measured: every forward pass slowed 20x). Per row the mask costs tens of microseconds.
-        for j, (_, matcher) in enumerate(rows):
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
+        for j, (i, request_id, matcher) in enumerate(rows):
+            budget = self._budgets.get(request_id)
+            tokens = budget.allowed(matcher, self._closing, logits[i]) if budget is not None else None
+            if tokens is None:
+                llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
+            else:  # finishing within the budget: only tokens after which the answer can still close
+                bitmask[j] = _bits(tokens, bitmask.shape[1])
         allowed = bitmask_to_bool(bitmask, logits.shape[-1])
         # A matcher in an error state allows nothing; let it end with EOS rather than sample from all -inf.
         stuck = ~allowed.any(dim=1)
         if bool(stuck.any()) and self._eos_ids:
             allowed[stuck.nonzero().flatten().unsqueeze(1), torch.tensor(self._eos_ids)] = True
-        index = torch.tensor([i for i, _ in rows])
+        index = torch.tensor([i for i, _, _ in rows])
         sub = logits[index]
         logits[index] = sub.masked_fill(~allowed, float("-inf")).to(logits.dtype)
         self.stats.record(len(rows), time.perf_counter() - t0)
@@ -119,6 +152,9 @@ class GrammarGuide:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return True
+        budget = self._budgets.get(request_id)
+        if budget is not None:
+            budget.consumed(token, self._closing.token_bytes[token] if 0 <= token < self._closing.vocab else b"")
         if token in self._eos_ids and matcher.is_accepting():
             return True
         t0 = time.perf_counter()
