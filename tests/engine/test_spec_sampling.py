@@ -102,7 +102,7 @@ def sample_second_tokens(model, rule) -> tuple[torch.Tensor, LLMEngine]:
     expected = second_token_distribution(model)
     engine.spec.proposer = FixedProposer([int(expected.argmax()), 5])
     engine.spec.rule = rule
-    params = [SamplingParams(max_tokens=3, temperature=TEMPERATURE, seed=i, ignore_eos=True) for i in range(N)]
+    params = [SamplingParams(max_tokens=3, temperature=TEMPERATURE, top_p=1.0, seed=i, ignore_eos=True) for i in range(N)]
     outs = engine.generate([PROMPT] * N, params, use_tqdm=False)
     counts = torch.zeros(expected.shape[0], dtype=torch.float64)
     for o in outs:
