@@ -14,13 +14,18 @@ def _replayed(events: KVEventLog) -> set[int]:
 
 
 def test_cached_keys_are_the_ones_a_router_computes():
+    tokens = list(range(100, 111))  # two full blocks and three tokens
+    want = block_hash.prefix_block_keys(tokens, 4, "m")
+    # In one call, and block by block (the second chaining onto the first's key): the same keys.
+    at_once = BlockPool(8, 4, "m")
+    table = [at_once.get_new_block().block_id for _ in range(3)]
+    at_once.cache_full_blocks(table, tokens, 0, 2)
+    assert [at_once.blocks[b].key for b in table[:2]] == want
     events = KVEventLog("m", 4)
     pool = BlockPool(8, 4, "m", events=events)
-    tokens = list(range(100, 111))  # two full blocks and three tokens
     table = [pool.get_new_block().block_id for _ in range(3)]
     pool.cache_full_blocks(table, tokens, 0, 1)
-    pool.cache_full_blocks(table, tokens, 1, 2)  # the second block chains onto the first's key
-    want = block_hash.prefix_block_keys(tokens, 4, "m")
+    pool.cache_full_blocks(table, tokens, 1, 2)
     assert [pool.blocks[b].key for b in table[:2]] == want
     assert pool.blocks[table[2]].key is None  # not full: never keyed
     assert set(pool.cached) == set(want) == _replayed(events)
