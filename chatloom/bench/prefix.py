@@ -59,7 +59,7 @@ def run_prefix(loaded: LoadedModel, turns: int = 8, max_tokens: int = 32, conver
         key = "cache_on" if enabled else "cache_off"
         results[key] = {
             "ttft_ms_per_turn": [round(1000 * sum(v) / len(v), 2) for v in per_turn],
-            "hit_rate": round(engine.block_manager.hit_rate, 4),
+            "hit_rate": round(engine.kv_cache_manager.hit_rate, 4),
         }
         results["prompt_tokens_per_turn"] = prompt_lens
     on, off = results["cache_on"]["ttft_ms_per_turn"], results["cache_off"]["ttft_ms_per_turn"]

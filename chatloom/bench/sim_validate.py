@@ -75,8 +75,8 @@ def run_real(loaded: LoadedModel, prompts: list[list[int]], times: list[float], 
     out_tokens = sum(len(toks) for _, toks in done.values())
     return {"ttft_s": [first[k] - times[int(k)] for k in ids], "duration_s": duration,
             "output_tokens": out_tokens, "outputs": [done[k][1] for k in ids],
-            "kv_blocks": engine.block_manager.num_blocks, "max_model_len": engine.max_model_len,
-            "prefix_hit_rate": engine.block_manager.hit_rate, "steps": timed.samples}
+            "kv_blocks": engine.kv_cache_manager.num_blocks, "max_model_len": engine.max_model_len,
+            "prefix_hit_rate": engine.kv_cache_manager.hit_rate, "steps": timed.samples}
 
 
 def run_simulated(loaded: LoadedModel, step_time: StepTimeModel, prompts, times, outputs, real: dict) -> dict:
@@ -91,7 +91,7 @@ def run_simulated(loaded: LoadedModel, step_time: StepTimeModel, prompts, times,
     reqs = run.requests
     return {"ttft_s": [r.first_token - r.arrival for r in reqs], "duration_s": max(r.finished for r in reqs),
             "output_tokens": sum(len(r.answer) for r in reqs),
-            "prefix_hit_rate": sim.replicas[0].bm.hit_rate}
+            "prefix_hit_rate": sim.replicas[0].kv.hit_rate}
 
 
 def _figures(r: dict) -> dict:

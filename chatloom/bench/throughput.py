@@ -23,10 +23,12 @@ def pool_blocks_for(requests: list[BenchRequest], block_size: int = 16, extra_le
     return sum(-(-(len(r.prompt_token_ids) + extra_len + r.output_len) // block_size) for r in requests) + 8
 
 
-def _engine(loaded: LoadedModel, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> LLMEngine:
+def _engine(loaded: LoadedModel, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int,
+            chunked: bool = True) -> LLMEngine:
     # Prefix caching off: throughput should not depend on accidental prompt overlap.
     return LLMEngine(loaded, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                          enable_prefix_caching=False, num_blocks=num_blocks))
+                                          enable_prefix_caching=False, num_blocks=num_blocks,
+                                          enable_chunked_prefill=chunked))
 
 
 def _params(n: int) -> SamplingParams:
@@ -59,8 +61,7 @@ def run_static(loaded: LoadedModel, requests: list[BenchRequest], batch_size: in
     longest_prompt = max(len(r.prompt_token_ids) for r in requests)
     longest_output = max(r.output_len for r in requests)
     engine = _engine(loaded, batch_size, 1 << 30,
-                     batch_size * -(-(2 * longest_prompt + longest_output) // 16) + 8)
-    engine.scheduler.config.enable_chunked_prefill = False
+                     batch_size * -(-(2 * longest_prompt + longest_output) // 16) + 8, chunked=False)
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]

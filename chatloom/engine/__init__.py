@@ -1,4 +1,5 @@
-"""One engine replica: sequences, block manager, scheduler, model runner, sampler, engine loops.
+"""One engine replica: sequences, KV-cache manager over a block pool, scheduler, model runner, sampler,
+output processor, speculative decoding, structured output, the engine loops (sync and async).
 Knows nothing of HTTP, users or databases."""
 from chatloom.engine.config import EngineConfig
 from chatloom.engine.llm_engine import LLMEngine

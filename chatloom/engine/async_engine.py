@@ -87,7 +87,7 @@ class AsyncEngine:
                 # Frees the blocks now; the final 'abort' output comes out of the next step().
                 self.engine.abort(args)
             elif cmd == "reset_prefix_cache":
-                self.engine.block_manager.reset_prefix_cache()
+                self.engine.kv_cache_manager.reset_prefix_cache()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._deliver_all([(request_id, item)])

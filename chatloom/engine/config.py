@@ -1,4 +1,9 @@
-"""Engine sizing: the KV pool and the per-step budget."""
+"""The engine's one configuration, and what its parts derive from it.
+
+EngineConfig holds every knob of one replica (the KV pool, the per-step budget, speculative decoding);
+the scheduler's limits are read from it (`SchedulerConfig.from_engine`), never given defaults of their
+own, so one number cannot disagree with another.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +20,9 @@ _E = DEFAULTS.engine  # every default below is the settings tree's
 # attention reads half the bytes).
 KV_CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT8_MODE_KV_CACHE_DTYPE = "fp16"
+# The longest context a replica serves unless told otherwise: a model's full window (often 128k) would
+# let one request take a whole pool.
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, int8_matmul: bool) -> torch.dtype:
@@ -30,12 +38,14 @@ def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, int8_matmul: b
 
 @dataclass
 class EngineConfig:
+    """Every setting of one engine replica; the defaults are the settings tree's engine group."""
+
     block_size: int = _E.block_size
     num_blocks: int | None = _E.num_blocks  # overrides kv_cache_gb when set
     kv_cache_gb: float = _E.kv_cache_gb
     max_num_batched_tokens: int = _E.max_num_batched_tokens
     max_num_seqs: int = _E.max_num_seqs
-    max_model_len: int | None = _E.context_window  # default: the model's context length, capped at 8192
+    max_model_len: int | None = _E.context_window  # default: the model's context length, capped at DEFAULT_MAX_MODEL_LEN
     # "auto" (the model's dtype; fp16 with int8 matmuls), "fp32", "bf16" or "fp16".
     kv_cache_dtype: str = _E.kv_cache_dtype
     enable_prefix_caching: bool = _E.enable_prefix_caching
@@ -58,6 +68,10 @@ class EngineConfig:
                    num_speculative_tokens=engine.num_speculative_tokens,
                    speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive)
 
+    def resolve_max_model_len(self, max_position: int) -> int:
+        """The context window for a model that knows `max_position` positions."""
+        return self.max_model_len or min(max_position, DEFAULT_MAX_MODEL_LEN)
+
     def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
@@ -66,3 +80,21 @@ class EngineConfig:
     def kv_cache_bytes(self, kv_bytes_per_token: int) -> int:
         """Bytes the KV pool will take (what the memory check before loading adds to the weights)."""
         return self.resolve_num_blocks(kv_bytes_per_token) * self.block_size * kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits. No defaults: they come from an EngineConfig (`from_engine`) or, in the
+    simulator, from the replica it stands in for."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    # Off: a prompt is prefilled in one step however long (for the sake of comparison).
+    enable_chunked_prefill: bool
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
+        """The limits of `config`, with its context window resolved (`EngineConfig.resolve_max_model_len`)."""
+        return cls(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                   max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill)

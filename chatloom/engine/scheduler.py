@@ -1,25 +1,23 @@
-"""Iteration-level (continuous) batching under a token budget, with chunked prefill
-and preemption by recompute."""
+"""The first stage of a step: which sequences run and how many tokens each, under a token budget.
+
+Iteration-level (continuous) batching with chunked prefill and preemption by recompute. The scheduler
+owns the waiting and running queues and decides; the KV-cache manager (kv_cache_manager.py) gives
+the blocks its plan needs. Its limits come from the engine's configuration (config.SchedulerConfig).
+"""
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
-from chatloom.engine.block_manager import BlockManager
+from chatloom.engine.config import SchedulerConfig
+from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    # Off: a prompt is prefilled in one step however long (for the sake of comparison).
-    enable_chunked_prefill: bool = True
-
-
-@dataclass
 class ScheduledBatch:
+    """One step's plan, what the model runner executes."""
+
     # Running sequences taking one token each, then prefill chunks (seq, number of tokens).
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -39,9 +37,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    """The waiting and running queues, and each step's plan over them (`schedule`)."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
-        self.bm = block_manager
+        self.kv = kv_cache_manager
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -57,7 +57,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free_sequence(seq)
+        self.kv.free_sequence(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -65,7 +65,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         victim.spec_token_ids = []
-        self.bm.free_sequence(victim)
+        self.kv.free_sequence(victim)
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         # Its original arrival order puts it back at the front of its priority class.
@@ -85,7 +85,7 @@ class Scheduler:
             if n > budget:
                 break
             # Grow the block table; when the pool is full, preempt the lowest-priority, newest.
-            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+            while not self.kv.can_grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -93,7 +93,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted itself; the list shifted under i
-            self.bm.grow(seq, seq.num_computed_tokens + n)
+            self.kv.grow(seq, seq.num_computed_tokens + n)
             if remaining == 1:
                 batch.decodes.append(seq)
             else:
@@ -104,13 +104,13 @@ class Scheduler:
         # 2. Waiting sequences, strictly in order, while budget, sequence slots and blocks allow.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            if not self.bm.can_allocate(seq):
+            if not self.kv.can_allocate(seq):
                 break
-            self.bm.allocate(seq)
+            self.kv.allocate(seq)
             remaining = len(seq) - seq.num_computed_tokens
             if not cfg.enable_chunked_prefill and remaining > budget:
                 if batch:  # a whole prompt must wait for an empty step
-                    self.bm.free_sequence(seq)
+                    self.kv.free_sequence(seq)
                     break
                 n = remaining
             else:
@@ -130,10 +130,10 @@ class Scheduler:
             if not seq.spec_token_ids:
                 continue
             k = min(len(seq.spec_token_ids), budget, cfg.max_model_len - len(seq))
-            while k > 0 and not self.bm.can_grow(seq, len(seq) + k):
+            while k > 0 and not self.kv.can_grow(seq, len(seq) + k):
                 k -= 1
             del seq.spec_token_ids[max(k, 0):]
             if k > 0:
-                self.bm.grow(seq, len(seq) + k)
+                self.kv.grow(seq, len(seq) + k)
                 budget -= k
         return batch

@@ -101,7 +101,7 @@ class LocalBackend(Backend):
         if self._engine is not None:
             return min(self._engine.engine.max_model_len, self._engine.engine.pool_tokens)
         if self._loaded is not None:
-            return self._config.max_model_len or min(self._loaded.config.max_position, 8192)
+            return self._config.resolve_max_model_len(self._loaded.config.max_position)
         return self._config.max_model_len or 0
 
     @property

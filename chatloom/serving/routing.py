@@ -8,7 +8,7 @@ simulated time, and a test can check that both choose alike for the same inputs.
 
 Who fills `cached_blocks` is the caller's business: the live router from each replica's published
 cache events (exact) or from what it sent there itself (approximate, for engines without a feed);
-the simulator from its replicas' real BlockManagers.
+the simulator from its replicas' real KV-cache managers.
 """
 from __future__ import annotations
 

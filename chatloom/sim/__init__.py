@@ -1,6 +1,6 @@
 """The fleet simulator and capacity planner.
 
-Runs the engine's real Scheduler and BlockManager and the serving room's routing policies in
+Runs the engine's real Scheduler and KV-cache manager and the serving room's routing policies in
 simulated time, with a step-time model standing in for the GPUs, so "how many replicas, which
 policy, which SLO" can be answered before buying hardware. Loads no weights.
 

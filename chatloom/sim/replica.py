@@ -1,4 +1,4 @@
-"""One simulated engine replica: the engine's real Scheduler and BlockManager, no model.
+"""One simulated engine replica: the engine's real Scheduler and KV-cache manager, no model.
 
 A step goes as in LLMEngine.step: the Scheduler plans a batch, the step takes the time the step-time
 model gives, then the planned tokens count as computed, each sequence whose prompt is complete gets
@@ -17,9 +17,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from chatloom.engine import block_hash
-from chatloom.engine.block_manager import BlockManager
+from chatloom.engine.block_pool import BlockPool
+from chatloom.engine.config import SchedulerConfig
+from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sampling_params import SamplingParams
-from chatloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from chatloom.engine.scheduler import ScheduledBatch, Scheduler
 from chatloom.engine.sequence import Sequence, SequenceStatus
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.step_time import shape_of
@@ -81,8 +83,8 @@ def _no_kv_to_copy(src: int, dst: int, n: int) -> None:
     pass
 
 
-class SimBlockManager(BlockManager):
-    """The engine's BlockManager, with its block keys memoized (the only method replaced: speed)."""
+class SimBlockPool(BlockPool):
+    """The engine's BlockPool, with its block keys memoized (the only method replaced: speed)."""
 
     def block_key(self, parent: int, tokens: tuple[int, ...]) -> int:
         return memo_block_key(parent, tokens)
@@ -94,11 +96,11 @@ class SimReplica:
         self.spec = spec
         # No K/V to copy, but the same reuse of part of a cached block as the engine's, so the same
         # tokens are left to compute.
-        self.bm = SimBlockManager(spec.num_blocks, spec.block_size, spec.model_key, enable_prefix_caching,
-                                  copy_prefix=_no_kv_to_copy)
+        pool = SimBlockPool(spec.num_blocks, spec.block_size, spec.model_key, enable_prefix_caching)
+        self.kv = KVCacheManager(pool, copy_prefix=_no_kv_to_copy)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
-                                               max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len),
-                               self.bm)
+                                               max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
+                                               enable_chunked_prefill=True), self.kv)
         self.model = spec.step_time
         self.requests: dict[Sequence, SimRequest] = {}
         self.busy = False
@@ -121,7 +123,7 @@ class SimReplica:
     # -- the router's view ----------------------------------------------------------------
     def cached_prefix_blocks(self, keys: tuple[int, ...]) -> int:
         """How many of `keys` (a prompt's leading full blocks) this replica's prefix cache holds."""
-        cached = self.bm.cached
+        cached = self.kv.pool.cached
         n = 0
         for k in keys:
             if k not in cached:
@@ -152,15 +154,15 @@ class SimReplica:
         already made. Its blocks are allocated (reusing any this replica has cached) and it joins the
         running sequences as a decode, as a KV-connector load does; False when no slot or blocks.
         Only between steps (start() calls it for the inbox): a step in flight owns its plan's blocks."""
-        sched, bm = self.sched, self.bm
+        sched, kv = self.sched, self.kv
         if len(sched.running) >= sched.config.max_num_seqs:
             return False
         params = SamplingParams(max_tokens=len(req.answer), temperature=0, ignore_eos=True)
         seq = Sequence(req.rid, req.prompt, params, req.priority)
         seq.token_ids.append(req.answer[0])
-        if not bm.can_allocate(seq):
+        if not kv.can_allocate(seq):
             return False
-        bm.allocate(seq)
+        kv.allocate(seq)
         seq.num_computed_tokens = len(req.prompt)  # the transferred KV; the first token is decoded next
         m = seq.metrics
         m.arrival_time, m.first_scheduled_time, m.first_token_time = req.arrival, req.first_scheduled, req.first_token
@@ -221,9 +223,9 @@ class SimReplica:
     def _run_length(self, batch: ScheduledBatch) -> int:
         if batch.prefills or batch.preempted or len(batch.decodes) == 0:
             return 1
-        sched, bm = self.sched, self.bm
+        sched, kv = self.sched, self.kv
         if sched.waiting and len(sched.running) < sched.config.max_num_seqs and \
-                len(batch.decodes) < sched.config.max_num_batched_tokens and bm.can_allocate(sched.waiting[0]):
+                len(batch.decodes) < sched.config.max_num_batched_tokens and kv.can_allocate(sched.waiting[0]):
             return 1  # the next plan admits a waiting request
         k = MAX_RUN_STEPS
         max_len = sched.config.max_model_len
@@ -234,11 +236,11 @@ class SimReplica:
                 if k <= 1:
                     return 1
         # Blocks the next k-1 steps grow into, all of which the pool must hold (else: a preemption).
-        bs = bm.block_size
+        bs = kv.block_size
         need = 0
         for seq in batch.decodes:
             need += -(-(seq.num_computed_tokens + k) // bs) - len(seq.block_table)
-        return k if need <= bm.num_free_blocks else 1
+        return k if need <= kv.num_free_blocks else 1
 
     def cut_short(self, now: float) -> float | None:
         """An arrival: end the run at the step in flight so the next plan can admit it. Returns the new
@@ -259,24 +261,24 @@ class SimReplica:
         """The step (or run) in flight has ended at `now`: apply its results."""
         batch, k = self._batch, len(self._run_ends)
         self._batch = None
-        bm, reqs = self.bm, self.requests
+        kv, reqs = self.kv, self.requests
         dt = now - self._run_start
         self.steps += k
         self.busy_time += dt
-        self.usage_time += bm.usage * dt
-        if bm.usage > self.peak_usage:
-            self.peak_usage = bm.usage
+        self.usage_time += kv.usage * dt
+        if kv.usage > self.peak_usage:
+            self.peak_usage = kv.usage
         for seq in batch.decodes:
             if k > 1:
                 # The later steps of the run: the scheduler would have grown these blocks one step at a time.
-                bm.grow(seq, seq.num_computed_tokens + k)
+                kv.grow(seq, seq.num_computed_tokens + k)
             seq.num_computed_tokens += k
         completed = []
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq):
                 completed.append(seq)
-        held = bm.num_blocks - bm.num_free_blocks
+        held = kv.num_blocks - kv.num_free_blocks
         if held > self.max_blocks_held:
             self.max_blocks_held = held
         first_end = self._run_ends[0]
@@ -291,13 +293,13 @@ class SimReplica:
             self._after_tokens(seq, req, 1, now, now)
         # As LLMEngine.step: publish the full blocks of every unfinished sequence (skipping the call
         # when no block filled up, which is most decode steps).
-        bs = bm.block_size
+        bs = kv.block_size
         for seq in batch.decodes:
             if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
-                bm.register_full_blocks(seq)
+                kv.register_full_blocks(seq)
         for seq, _ in batch.prefills:
             if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
-                bm.register_full_blocks(seq)
+                kv.register_full_blocks(seq)
 
     def _after_tokens(self, seq: Sequence, req: SimRequest, got: int, first_at: float, now: float) -> None:
         self.tokens_generated += got
@@ -310,7 +312,7 @@ class SimReplica:
             if self.on_first_token is not None and self.on_first_token(req, now):
                 # Disaggregation: a prefill replica hands the request (and its KV) on; the prompt's
                 # blocks stay in its prefix cache.
-                self.bm.register_full_blocks(seq)
+                self.kv.register_full_blocks(seq)
                 self.sched.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 del self.requests[seq]
@@ -331,13 +333,13 @@ class SimReplica:
     def check_kv(self) -> None:
         """KV is never over-committed: each block is held by exactly its refcount of live tables,
         free blocks are held by none, and the pool's size never changes."""
-        bm = self.bm
-        counts = [0] * bm.num_blocks
+        kv = self.kv
+        counts = [0] * kv.num_blocks
         for seq in list(self.sched.running) + list(self.sched.waiting):
             for b in seq.block_table:
                 counts[b] += 1
-        for b, blk in enumerate(bm.blocks):
+        for b, blk in enumerate(kv.pool.blocks):
             assert blk.ref_count == counts[b], f"{self.name}: block {b} refcount {blk.ref_count} != {counts[b]} holders"
-            assert (blk.ref_count == 0) == (b in bm.free), f"{self.name}: block {b} free-list state is wrong"
+            assert (blk.ref_count == 0) == (b in kv.pool.free), f"{self.name}: block {b} free-list state is wrong"
         assert all(not s.block_table for s in self.sched.waiting), f"{self.name}: a waiting sequence holds blocks"
-        assert len(bm.free) + sum(1 for blk in bm.blocks if blk.ref_count > 0) == bm.num_blocks
+        assert len(kv.pool.free) + sum(1 for blk in kv.pool.blocks if blk.ref_count > 0) == kv.num_blocks

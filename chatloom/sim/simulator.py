@@ -2,7 +2,7 @@
 
 Events sit on one heap ordered by simulated time: a new conversation, a message arriving, a replica's
 step (or fast-forward run) ending. A replica is stepped only while it has work; an idle one costs
-nothing. The router builds a `ReplicaState` per replica (its BlockManager's usage and how many of the
+nothing. The router builds a `ReplicaState` per replica (its KV-cache manager's usage and how many of the
 prompt's leading blocks its prefix cache holds, its Scheduler's queues) and asks the policy, exactly
 the call the live router makes (chatloom.serving.routing).
 
@@ -183,7 +183,7 @@ class Simulator:
         out = []
         for r in self.replicas:
             s = r.sched
-            out.append(ReplicaState(name=r.name, kv_cache_usage=r.bm.usage, num_running=len(s.running),
+            out.append(ReplicaState(name=r.name, kv_cache_usage=r.kv.usage, num_running=len(s.running),
                                     num_waiting=r.num_queued, cached_blocks=r.cached_prefix_blocks(keys)))
         return out
 

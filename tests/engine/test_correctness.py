@@ -58,7 +58,7 @@ def test_greedy_matches_no_cache_reference(tiny_model, references, block_size, b
         assert stats["num_preemptions"] > 0, "the small pool should force preemptions"
     if shared and budget == "chunked" and block_size < 32:
         assert stats["prefix_cache_hits"] > 0, "shared prefixes should hit the prefix cache"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -50,10 +50,10 @@ def test_abort_mid_generation_frees_every_block(tiny_model):
            for p in _prompts(tiny_model.config.vocab_size, 4)]
     for _ in range(5):
         engine.step()
-    assert engine.block_manager.num_free_blocks < 128
+    assert engine.kv_cache_manager.num_free_blocks < 128
     for rid in ids:
         assert engine.abort(rid)
-    assert engine.block_manager.num_free_blocks == 128
+    assert engine.kv_cache_manager.num_free_blocks == 128
     outs = engine.step()
     assert sorted(o.request_id for o in outs) == sorted(ids)
     assert all(o.finished and o.finish_reason == "abort" for o in outs)

@@ -61,7 +61,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone(tiny_model, setup):
     outs = engine.generate(prompts, [impossible] + [_bystander_params(i) for i in range(4)], use_tqdm=False)
     assert outs[0].finish_reason == "error" and "sampling failed" in outs[0].error
     assert [o.token_ids for o in outs[1:]] == solo
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     assert engine.get_stats()["failed_requests"] == 1
 
 
@@ -93,7 +93,7 @@ def test_a_failing_forward_is_retried_without_the_suspect(tiny_model, setup):
     assert outs[0].finish_reason == "error" and "kernel fault" in outs[0].error
     assert [o.finish_reason for o in outs[1:]] == ["length"] * 4
     assert [o.token_ids for o in outs[1:]] == solo
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
 
 
 @pytest.mark.parametrize("seed", [2 ** 63, 2 ** 64, -(2 ** 63) - 1, 10 ** 30])

@@ -24,7 +24,7 @@ def test_the_pool_holds_16_bit_values_and_twice_the_tokens(tiny_model_fp32, kv):
     narrow, _ = _greedy(tiny_model_fp32, PROMPTS[:1], kv_cache_gb=0.01, kv_cache_dtype=kv)
     want = {"fp16": torch.float16, "bf16": torch.bfloat16}[kv]
     assert all(k.dtype == want and v.dtype == want for k, v in narrow.runner.kv_caches)
-    assert abs(narrow.pool_tokens - 2 * wide.pool_tokens) <= narrow.block_manager.block_size  # whole blocks
+    assert abs(narrow.pool_tokens - 2 * wide.pool_tokens) <= narrow.kv_cache_manager.block_size  # whole blocks
 
 
 @pytest.mark.parametrize("kv", ["fp16", "bf16"])

@@ -61,9 +61,9 @@ def test_greedy_ngram_is_token_identical(tiny_model, name, adaptive):
             "some proposals should be rejected, so rollback is exercised"
     if name == "tight-pool":
         assert stats["num_preemptions"] > 0
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(b.ref_count == 0 for b in kv.pool.blocks)
 
 
 def test_prefix_cache_hits_after_speculation_stay_exact(tiny_model):
@@ -83,14 +83,14 @@ def test_prefix_cache_hits_after_speculation_stay_exact(tiny_model):
     plain = LLMEngine(tiny_model, EngineConfig(num_blocks=128, block_size=4, enable_prefix_caching=False))
     assert [o.token_ids for o in second] == [o.token_ids for o in plain.generate(follow, params, use_tqdm=False)]
     # Every published key names a block of verified tokens: no rejected proposal was published.
-    bm = engine.block_manager
+    pool = engine.kv_cache_manager.pool
     valid = set()
     for p, o in zip(prompts + follow, first + second):
-        tokens, parent = p + o.token_ids, bm.root_key
-        for i in range(len(tokens) // bm.block_size):
-            parent = bm.block_key(parent, tuple(tokens[i * bm.block_size:(i + 1) * bm.block_size]))
+        tokens, parent = p + o.token_ids, pool.root_key
+        for i in range(len(tokens) // pool.block_size):
+            parent = pool.block_key(parent, tuple(tokens[i * pool.block_size:(i + 1) * pool.block_size]))
             valid.add(parent)
-    assert bm.cached and set(bm.cached) <= valid
+    assert pool.cached and set(pool.cached) <= valid
 
 
 def test_stops_inside_an_accepted_run(tiny_model):
@@ -118,7 +118,7 @@ def test_stops_inside_an_accepted_run(tiny_model):
     for w, g in zip(want, got):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
     assert spec.get_stats()["spec_decode_num_accepted_tokens"] > 0
-    assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
+    assert spec.kv_cache_manager.num_free_blocks == spec.kv_cache_manager.num_blocks
 
 
 def _stream(engine: LLMEngine, prompt: list[int]) -> tuple[str, list[int], object]:

@@ -21,10 +21,10 @@ def test_greedy_draft_model_is_token_identical(tiny_model, name):
     assert got == want
     stats = engine.get_stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
     draft = engine.spec.proposer
-    assert not draft.shadows and draft.bm.num_free_blocks == draft.bm.num_blocks
+    assert not draft.shadows and draft.kv.num_free_blocks == draft.kv.num_blocks
 
 
 def test_a_draft_identical_to_the_target_is_always_accepted(tiny_model):

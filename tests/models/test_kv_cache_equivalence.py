@@ -66,8 +66,8 @@ def test_tiny_model_part_of_a_block_reused_equals_recompute(tiny_model):
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=16))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     copies = []
-    copy = engine.block_manager.copy_prefix
-    engine.block_manager.copy_prefix = lambda *a: (copies.append(a), copy(*a))
+    copy = engine.kv_cache_manager.copy_prefix
+    engine.kv_cache_manager.copy_prefix = lambda *a: (copies.append(a), copy(*a))
     got = [engine.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert [o.token_ids for o in got] == want
     assert [n for _, _, n in copies] == [8, 4]  # tokens 16-23 of the second prompt, 16-19 of the third

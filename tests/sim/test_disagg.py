@@ -27,7 +27,7 @@ def test_disaggregated_pools_finish_everything():
     assert sim.transfers == len(multi)
     assert all(r.replica.startswith("d") for r in multi)  # decoded in the decode pool
     for rep in sim.replicas:
-        assert not rep.sched.has_work() and rep.bm.num_free_blocks == rep.bm.num_blocks
+        assert not rep.sched.has_work() and rep.kv.num_free_blocks == rep.kv.num_blocks
     # 1 MB/s and 1 KB per token: a prompt of P tokens waits P ms before its second token at least.
     for r in multi:
         second_token_earliest = r.first_token + len(r.prompt) * 1000 / 1e6

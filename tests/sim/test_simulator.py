@@ -51,8 +51,8 @@ def test_every_request_finishes_or_is_refused_and_kv_is_never_overcommitted(poli
             assert r.arrival <= r.first_scheduled <= r.first_token <= r.finished
     for rep in out.replicas:
         assert not rep.sched.has_work()
-        assert rep.bm.num_free_blocks == rep.bm.num_blocks  # everything given back
-        assert rep.max_blocks_held <= rep.bm.num_blocks
+        assert rep.kv.num_free_blocks == rep.kv.num_blocks  # everything given back
+        assert rep.max_blocks_held <= rep.kv.num_blocks
         assert rep.tokens_generated >= 0
     # Every answer token was produced exactly once, preemptions or not.
     done = [r for r in out.requests if r.finished is not None]
@@ -84,18 +84,18 @@ def test_the_router_sees_each_replicas_real_prefix_cache():
     class Checking(MostCached):
         def choose(self, request, replicas):
             for state in replicas:
-                bm = sim.by_name[state.name].bm
-                # What the replica's BlockManager would reuse for these blocks right now.
+                kv = sim.by_name[state.name].kv
+                # What the replica's KV-cache manager would reuse for these blocks right now.
                 expect = 0
                 for key in request.block_keys:
-                    if key not in bm.cached:
+                    if key not in kv.pool.cached:
                         break
                     expect += 1
                 assert state.cached_blocks == expect
                 rep = sim.by_name[state.name]
                 assert state.num_running == len(rep.sched.running)
                 assert state.num_waiting == len(rep.sched.waiting)
-                assert state.kv_cache_usage == rep.bm.usage
+                assert state.kv_cache_usage == rep.kv.usage
             seen.append(max(s.cached_blocks for s in replicas))
             return super().choose(request, replicas)
 

@@ -5,7 +5,8 @@ distribution, by the rejection rule with residual resampling).
 
 proposer.py   the interface and the n-gram (prompt lookup) proposer
 draft.py      the draft-model proposer, with its own paged KV cache kept in step
-rejection.py  turning target logits and proposals into accepted tokens
+rejection.py  the acceptance rules: greedy exact match, and min(1, p/q) with residual resampling
+verify.py     a step's logits rows into each sequence's kept tokens, by those rules
 planner.py    how many tokens to propose per sequence this step (or none): acceptance
               rates against the measured cost of a step
 decoder.py    the piece the engine talks to, and the counters behind /metrics

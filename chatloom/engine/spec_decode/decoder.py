@@ -18,8 +18,8 @@ from chatloom.engine.sampler import GreedyPicks, Sampler, SamplingError
 from chatloom.engine.sequence import Sequence
 from chatloom.engine.spec_decode.planner import AcceptanceTracker, CostModel, plan_lengths
 from chatloom.engine.spec_decode.proposer import NgramProposer, Proposal, Proposer
-from chatloom.engine.spec_decode.rejection import (Rule, accept_greedy, accept_sampled, ban_early_stops,
-                                                   exact_rule, target_probs)
+from chatloom.engine.spec_decode.rejection import Rule, exact_rule
+from chatloom.engine.spec_decode.verify import verify_proposals
 
 MODES = ("off", "ngram", "draft")
 
@@ -111,63 +111,15 @@ class SpeculativeDecoder:
     def verify(self, logits: torch.Tensor, argmax: torch.Tensor | None, sampled: list[Sequence],
                sampler: Sampler, eos_ids: list[int], picks: GreedyPicks | None = None
                ) -> tuple[list[list[int]], dict[int, SamplingError]]:
-        """New tokens for each sequence in `sampled`, and the sequences that failed (by index in
-        `sampled`; they get no tokens). Logits rows come 1 + len(spec_token_ids) per sequence, in that
-        order (ModelRunner lays decodes out that way). `picks`: every row's argmax and NaN rows, where
-        the forward found them alone (every sequence greedy; the logits may then have no columns)."""
-        starts, row = [], 0
-        for seq in sampled:
-            starts.append(row)
-            row += 1 + len(seq.spec_token_ids)
-        plain = [i for i, s in enumerate(sampled) if not s.spec_token_ids]
-        out: list[list[int]] = [[] for _ in sampled]
-        failures: dict[int, SamplingError] = {}
-        nan_rows = set(picks.nan_rows) if picks is not None else set()
-        if plain:
-            rows = [starts[i] for i in plain]
-            sub_argmax = None if argmax is None else argmax[rows]
-            sub_picks = None if picks is None else GreedyPicks(
-                [picks.tokens[r] for r in rows], [j for j, r in enumerate(rows) if r in nan_rows])
-            tokens, failed = sampler.sample(logits[rows], [sampled[i] for i in plain], eos_ids, sub_argmax, sub_picks)
-            for j, (i, token) in enumerate(zip(plain, tokens)):
-                if j in failed:
-                    failures[i] = failed[j]
-                else:
-                    out[i] = [token]
+        """New tokens for each sequence in `sampled` and the failures by index (verify.py), counted."""
+        out, failures = verify_proposals(logits, argmax, sampled, sampler, eos_ids, picks, self._draft_probs,
+                                         self.rule)
         any_spec = False
         for i, seq in enumerate(sampled):
-            proposed = seq.spec_token_ids
-            if not proposed:
-                continue
-            any_spec = True
-            span = range(starts[i], starts[i] + 1 + len(proposed))
-            if picks is not None and seq.params.greedy:  # past min_tokens: the runner's rule for argmax-only steps
-                if any(r in nan_rows for r in span):
-                    failures[i] = SamplingError.nan_logits()
-                    continue
-                tokens = accept_greedy([picks.tokens[r] for r in span], proposed)
-                self._count(seq, proposed, tokens)
-                out[i] = tokens
-                continue
-            rows = logits[starts[i]:starts[i] + 1 + len(proposed)].float()
-            banned = ban_early_stops(rows, seq, eos_ids)
-            if seq.params.greedy:
-                best = rows.argmax(dim=-1) if banned or argmax is None else argmax[span.start:span.stop]
-                # argmax ranks NaN above every number: one look per row finds a failed row.
-                if bool(torch.isnan(rows.gather(1, best.unsqueeze(1))).any()):
-                    failures[i] = SamplingError.nan_logits()
-                    continue
-                tokens = accept_greedy(best.tolist(), proposed)
-            else:
-                if bool(torch.isnan(rows).any()):
-                    failures[i] = SamplingError.nan_logits()
-                    continue
-                q = self._draft_probs.get(seq.request_id)
-                tokens = accept_sampled(target_probs(rows, seq), proposed,
-                                        None if q is None else q[:len(proposed)],
-                                        seq.generator or sampler.generator, self.rule)
-            out[i] = tokens
-            self._count(seq, proposed, tokens)
+            if seq.spec_token_ids:
+                any_spec = True
+                if i not in failures:
+                    self._count(seq, seq.spec_token_ids, out[i])
         if any_spec:
             self.stats.num_spec_steps += 1
         return out, failures

@@ -1,7 +1,7 @@
 """The draft-model proposer: a smaller or cheaper model with the target's tokenizer
 proposes k tokens autoregressively, with its own paged KV cache kept in step.
 
-The draft keeps one shadow Sequence per request in its own BlockManager (so it has its
+The draft keeps one shadow Sequence per request in its own KV-cache manager (so it has its
 own prefix cache, keyed by its own id) and its own KV pool. Each proposal first catches
 the shadow up on the tokens the target has appended since (one chunk: usually the last
 kept proposal and the target's extra token), then decodes k - 1 more tokens. After the
@@ -23,8 +23,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from chatloom.engine.block_manager import BlockManager
+from chatloom.engine.block_pool import BlockPool
 from chatloom.engine.config import EngineConfig
+from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.scheduler import ScheduledBatch
 from chatloom.engine.sampler import draw_token
@@ -77,7 +78,7 @@ class DraftModelProposer:
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, seed: int | None = None) -> None:
         self.draft = draft
         self.runner = ModelRunner(draft.model, num_blocks, block_size)
-        self.bm = BlockManager(num_blocks, block_size, f"{draft.id}:draft")
+        self.kv = KVCacheManager(BlockPool(num_blocks, block_size, f"{draft.id}:draft"))
         self.shadows: dict[str, Sequence] = {}
         self._base: dict[str, int] = {}  # request id -> length of its tokens when proposals began
         self._generators: dict[str, torch.Generator] = {}
@@ -100,16 +101,16 @@ class DraftModelProposer:
         sh = self.shadows.get(seq.request_id)
         if sh is None:
             sh = Sequence(seq.request_id, list(seq.token_ids), seq.params)
-            if not self._make_room(lambda: self.bm.can_allocate(sh), keep):
+            if not self._make_room(lambda: self.kv.can_allocate(sh), keep):
                 return None
-            self.bm.allocate(sh)
+            self.kv.allocate(sh)
             self.shadows[seq.request_id] = sh
         else:
             self._sync(sh, seq)
         need = len(seq.token_ids) + k - 1
-        if not self._make_room(lambda: self.bm.can_grow(sh, need), keep):
+        if not self._make_room(lambda: self.kv.can_grow(sh, need), keep):
             return None
-        self.bm.grow(sh, need)
+        self.kv.grow(sh, need)
         return sh
 
     def _make_room(self, fits, keep: set[str]) -> bool:
@@ -123,7 +124,7 @@ class DraftModelProposer:
     def _drop(self, request_id: str) -> None:
         sh = self.shadows.pop(request_id, None)
         if sh is not None:
-            self.bm.free_sequence(sh)
+            self.kv.free_sequence(sh)
         self._base.pop(request_id, None)
         self._generators.pop(request_id, None)
 
@@ -192,8 +193,8 @@ class DraftModelProposer:
         # The last token is always recomputed: its logits give the next proposal.
         sh.num_computed_tokens = min(sh.num_computed_tokens, agree, len(seq.token_ids) - 1)
         sh.token_ids = list(seq.token_ids)
-        self.bm.trim(sh, len(sh.token_ids))
-        self.bm.register_full_blocks(sh)
+        self.kv.trim(sh, len(sh.token_ids))
+        self.kv.register_full_blocks(sh)
 
     def forget(self, seq: Sequence) -> None:
         self._drop(seq.request_id)

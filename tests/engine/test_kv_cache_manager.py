@@ -1,56 +1,63 @@
-"""Property tests: the block manager's invariants hold under any sequence of operations."""
+"""The KV-cache manager over its block pool: invariants under any sequence of operations, prefix reuse."""
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from chatloom.engine.block_manager import BlockManager
+from chatloom.engine.block_pool import BlockPool
+from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.kv_events import KVEventLog
 from chatloom.engine.sampling_params import SamplingParams
 from chatloom.engine.sequence import Sequence
 
 
-def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
-    refs = [0] * bm.num_blocks
+def manager(num_blocks: int, block_size: int, events: KVEventLog | None = None,
+            copy_prefix=None) -> KVCacheManager:
+    return KVCacheManager(BlockPool(num_blocks, block_size, events=events), copy_prefix=copy_prefix)
+
+
+def check_invariants(kv: KVCacheManager, live: list[Sequence]) -> None:
+    pool = kv.pool
+    refs = [0] * kv.num_blocks
     for seq in live:
         for b in seq.block_table:
             refs[b] += 1
-    for block in bm.blocks:
+    for block in pool.blocks:
         assert block.ref_count >= 0
         assert block.ref_count == refs[block.block_id]
-        in_free = block.block_id in bm.free
+        in_free = block.block_id in pool.free
         assert in_free == (block.ref_count == 0), "a block is either free or in use, never both"
-    for key, block_id in bm.cached.items():
-        assert bm.blocks[block_id].key == key
-    if bm.events is not None:
+    for key, block_id in pool.cached.items():
+        assert pool.blocks[block_id].key == key
+    if pool.events is not None:
         # Replaying the published feed from the start gives exactly the keys the cache holds.
         replayed: set[int] = set()
-        for e in bm.events.since(0).events:
+        for e in pool.events.since(0).events:
             replayed = replayed | set(e.keys) if e.kind == "stored" else replayed - set(e.keys)
-        assert replayed == set(bm.cached)
+        assert replayed == set(pool.cached)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 10_000)), max_size=60)
 
 
-def run_ops(bm: BlockManager, ops, pools: "FakePools | None" = None) -> list[Sequence]:
+def run_ops(kv: KVCacheManager, ops, pools: "FakePools | None" = None) -> list[Sequence]:
     """Apply add/grow/free operations, checking the invariants (and, with pools, every live
     sequence's K/V) after each; returns the live sequences."""
-    bs = bm.block_size
+    bs = kv.block_size
     live: list[Sequence] = []
 
     def compute(seq: Sequence) -> None:
         if pools is not None:
             pools.compute(seq, bs)
         seq.num_computed_tokens = len(seq)
-        bm.register_full_blocks(seq)
+        kv.register_full_blocks(seq)
 
     for i, (op, arg) in enumerate(ops):
         if op == "add":
             # Small alphabet so prefixes repeat and the prefix cache is exercised.
             tokens = [(arg >> k) % 3 for k in range(1 + arg % 12)]
             seq = Sequence(f"s{i}", tokens, SamplingParams(max_tokens=1))
-            if bm.can_allocate(seq):
-                bm.allocate(seq)
+            if kv.can_allocate(seq):
+                kv.allocate(seq)
                 if pools is not None:
                     pools.check(seq, bs)  # what the cache supplied, before anything is computed
                 compute(seq)
@@ -58,14 +65,14 @@ def run_ops(bm: BlockManager, ops, pools: "FakePools | None" = None) -> list[Seq
         elif op == "grow" and live:
             seq = live[arg % len(live)]
             seq.token_ids.append(arg % 3)
-            if bm.can_grow(seq, len(seq)):
-                bm.grow(seq, len(seq))
+            if kv.can_grow(seq, len(seq)):
+                kv.grow(seq, len(seq))
                 compute(seq)
             else:
                 seq.token_ids.pop()
         elif op == "free" and live:
-            bm.free_sequence(live.pop(arg % len(live)))
-        check_invariants(bm, live)
+            kv.free_sequence(live.pop(arg % len(live)))
+        check_invariants(kv, live)
         for seq in live if pools is not None else ():
             pools.check(seq, bs)
     return live
@@ -73,12 +80,12 @@ def run_ops(bm: BlockManager, ops, pools: "FakePools | None" = None) -> list[Seq
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24))
-def test_block_manager_invariants(ops, block_size, num_blocks):
-    bm = BlockManager(num_blocks, block_size, events=KVEventLog("", block_size))
-    for seq in run_ops(bm, ops):
-        bm.free_sequence(seq)
-    check_invariants(bm, [])
-    assert bm.num_free_blocks == num_blocks
+def test_kv_cache_manager_invariants(ops, block_size, num_blocks):
+    kv = manager(num_blocks, block_size, events=KVEventLog("", block_size))
+    for seq in run_ops(kv, ops):
+        kv.free_sequence(seq)
+    check_invariants(kv, [])
+    assert kv.num_free_blocks == num_blocks
 
 
 class FakePools:
@@ -100,12 +107,12 @@ class FakePools:
             self.slots[(seq.block_table[p // bs], p % bs)] = tuple(seq.token_ids[:p + 1])
         seq.num_computed_tokens = len(seq)
 
-    def prefilled(self, bm: BlockManager, request_id: str, tokens: list[int]) -> Sequence:
-        """A sequence given blocks, computed and published in bm's prefix cache."""
+    def prefilled(self, kv: KVCacheManager, request_id: str, tokens: list[int]) -> Sequence:
+        """A sequence given blocks, computed and published in kv's prefix cache."""
         seq = Sequence(request_id, tokens, SamplingParams(max_tokens=1))
-        bm.allocate(seq)
-        self.compute(seq, bm.block_size)
-        bm.register_full_blocks(seq)
+        kv.allocate(seq)
+        self.compute(seq, kv.block_size)
+        kv.register_full_blocks(seq)
         return seq
 
     def check(self, seq: Sequence, bs: int) -> None:
@@ -120,29 +127,29 @@ def test_reused_cached_tokens_hold_their_own_prefix(ops, block_size, num_blocks)
     """With reuse of part of a block: every computed slot of every live sequence holds the K/V of
     that sequence's own prefix, whatever was allocated, evicted or copied before."""
     pools = FakePools()
-    bm = BlockManager(num_blocks, block_size, events=KVEventLog("", block_size), copy_prefix=pools.copy)
-    run_ops(bm, ops, pools)
-    assert bm.hit_tokens <= bm.query_tokens
+    kv = manager(num_blocks, block_size, events=KVEventLog("", block_size), copy_prefix=pools.copy)
+    run_ops(kv, ops, pools)
+    assert kv.hit_tokens <= kv.query_tokens
 
 
 def test_part_of_a_cached_block_is_copied_into_a_fresh_one():
     pools = FakePools()
-    bm = BlockManager(16, 4, copy_prefix=pools.copy)
-    a = pools.prefilled(bm, "a", list(range(10)))
+    kv = manager(16, 4, copy_prefix=pools.copy)
+    a = pools.prefilled(kv, "a", list(range(10)))
     b = Sequence("b", [0, 1, 2, 3, 4, 5, 99, 98], SamplingParams(max_tokens=1))
-    bm.allocate(b)
+    kv.allocate(b)
     assert b.block_table[0] == a.block_table[0]  # the whole block is shared
     assert b.block_table[1] != a.block_table[1]  # the partly matching one is copied, not shared
     assert pools.copies == [(a.block_table[1], b.block_table[1], 2)]
     assert b.num_computed_tokens == 6 and b.metrics.num_cached_tokens == 6
     pools.check(b, 4)
-    assert bm.hit_tokens == 6 and bm.query_tokens == 9 + 7
+    assert kv.hit_tokens == 6 and kv.query_tokens == 9 + 7
     # A prompt that is all cached still leaves its last token to compute.
     c = Sequence("c", list(range(8)), SamplingParams(max_tokens=1))
-    bm.allocate(c)
+    kv.allocate(c)
     assert c.num_computed_tokens == 7
     # Without the hook only whole blocks are reused.
-    plain = BlockManager(16, 4)
+    plain = manager(16, 4)
     FakePools().prefilled(plain, "a", list(range(10)))
     b2 = Sequence("b", [0, 1, 2, 3, 4, 5, 99, 98], SamplingParams(max_tokens=1))
     plain.allocate(b2)
@@ -151,11 +158,11 @@ def test_part_of_a_cached_block_is_copied_into_a_fresh_one():
 
 def test_the_copy_is_made_before_the_donor_block_can_be_handed_out():
     pools = FakePools()
-    bm = BlockManager(3, 4, copy_prefix=pools.copy)
-    a = pools.prefilled(bm, "a", list(range(8)))
+    kv = manager(3, 4, copy_prefix=pools.copy)
+    a = pools.prefilled(kv, "a", list(range(8)))
     donor = a.block_table[1]
-    bm.free_sequence(a)  # both blocks stay cached on the free list
-    take = bm._take_free_block
+    kv.free_sequence(a)  # both blocks stay cached on the free list
+    take = kv.pool.get_new_block
 
     def take_and_overwrite():  # a block handed out is as good as overwritten
         block = take()
@@ -163,9 +170,9 @@ def test_the_copy_is_made_before_the_donor_block_can_be_handed_out():
             pools.slots.pop((block.block_id, off), None)
         return block
 
-    bm._take_free_block = take_and_overwrite
+    kv.pool.get_new_block = take_and_overwrite
     b = Sequence("b", [0, 1, 2, 3, 4, 5, 9, 9, 9], SamplingParams(max_tokens=1))
-    bm.allocate(b)  # needs every block: the donor itself is handed out as b's third
+    kv.allocate(b)  # needs every block: the donor itself is handed out as b's third
     assert b.block_table[2] == donor and pools.copies == [(donor, b.block_table[1], 2)]
     assert b.num_computed_tokens == 6
     pools.check(b, 4)
@@ -173,12 +180,12 @@ def test_the_copy_is_made_before_the_donor_block_can_be_handed_out():
 
 def test_a_donor_handed_out_as_the_fresh_block_keeps_its_slots_in_place():
     pools = FakePools()
-    bm = BlockManager(2, 4, copy_prefix=pools.copy)
-    a = pools.prefilled(bm, "a", list(range(8)))
+    kv = manager(2, 4, copy_prefix=pools.copy)
+    a = pools.prefilled(kv, "a", list(range(8)))
     blocks = list(a.block_table)
-    bm.free_sequence(a)
+    kv.free_sequence(a)
     b = Sequence("b", [0, 1, 2, 3, 4, 5, 9], SamplingParams(max_tokens=1))
-    bm.allocate(b)
+    kv.allocate(b)
     assert b.block_table == blocks  # the second is the donor, handed out again
     assert pools.copies == []  # nothing to copy: the slots are where they were
     assert b.num_computed_tokens == 6
@@ -186,44 +193,32 @@ def test_a_donor_handed_out_as_the_fresh_block_keeps_its_slots_in_place():
 
 
 def test_prefix_hit_reuses_blocks_and_counts():
-    bm = BlockManager(16, 4)
+    kv = manager(16, 4)
     a = Sequence("a", list(range(10)), SamplingParams(max_tokens=1))
-    bm.allocate(a)
+    kv.allocate(a)
     a.num_computed_tokens = 10
-    bm.register_full_blocks(a)
+    kv.register_full_blocks(a)
     b = Sequence("b", list(range(8)) + [99, 98, 97], SamplingParams(max_tokens=1))
-    bm.allocate(b)
+    kv.allocate(b)
     assert b.block_table[:2] == a.block_table[:2]
     assert b.num_computed_tokens == 8
-    assert bm.blocks[a.block_table[0]].ref_count == 2
-    bm.free_sequence(a)
-    bm.free_sequence(b)
+    assert kv.pool.blocks[a.block_table[0]].ref_count == 2
+    kv.free_sequence(a)
+    kv.free_sequence(b)
     # Freed blocks keep their contents: a third request still hits them.
     c = Sequence("c", list(range(9)), SamplingParams(max_tokens=1))
-    bm.allocate(c)
+    kv.allocate(c)
     assert c.num_computed_tokens == 8
-    assert bm.hit_tokens == 16
-    assert bm.query_tokens == 9 + 10 + 8  # every token but each prompt's last could have been a hit
+    assert kv.hit_tokens == 16
+    assert kv.query_tokens == 9 + 10 + 8  # every token but each prompt's last could have been a hit
 
 
 def test_whole_prompt_cached_still_leaves_a_token_to_compute():
-    bm = BlockManager(8, 4)
+    kv = manager(8, 4)
     a = Sequence("a", list(range(8)), SamplingParams(max_tokens=1))
-    bm.allocate(a)
+    kv.allocate(a)
     a.num_computed_tokens = 8
-    bm.register_full_blocks(a)
+    kv.register_full_blocks(a)
     b = Sequence("b", list(range(8)), SamplingParams(max_tokens=1))
-    bm.allocate(b)
+    kv.allocate(b)
     assert b.num_computed_tokens == 4  # the last block is recomputed for its logits
-
-
-def test_event_log_gives_a_snapshot_to_a_reader_too_far_behind_or_ahead():
-    log = KVEventLog("m", 4, window=3)
-    for k in range(5):
-        log.stored([k])
-    log.removed([0])
-    recent = log.since(4)
-    assert [e.seq for e in recent.events] == [5, 6] and not recent.reset
-    behind = log.since(1)  # events 2.. are no longer all in the window
-    assert behind.reset and set(behind.snapshot) == {1, 2, 3, 4} and behind.last_seq == 6
-    assert log.since(99).reset  # a reader ahead of the log: the replica restarted

@@ -1,0 +1,160 @@
+"""Each sequence's blocks: its block table, grown, trimmed and freed, and its prompt's prefix found in the cache.
+
+The manager is the only writer of a Sequence's `block_table`, `num_hashed_blocks` and, at allocation,
+of its `num_computed_tokens` (what the cache already holds). It asks the block pool (block_pool.py)
+for blocks and keys, and keeps the prefix-cache counters in tokens (vLLM's convention).
+
+A prompt reuses every leading full block the cache holds, and also the leading tokens of a cached
+block it agrees with only in part: every chat shares its template's first 24 tokens (system prompt
+and all), one and a half blocks of 16, and the half is most of what a short question would recompute.
+The new sequence then gets a fresh block and the cached block's first k slots are copied into it
+(`copy_prefix`, the runner's; K and V of a token depend only on the tokens up to it, so they are the
+ones a recomputation would write).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from chatloom.engine.block_pool import BlockPool, NoFreeBlocks
+from chatloom.engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, copy_prefix: Callable[[int, int, int], None] | None = None) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        # copy_prefix(src, dst, n): copy the K/V of block src's first n slots into block dst. Without
+        # it, only whole blocks are reused.
+        self.copy_prefix = copy_prefix
+        self.query_tokens = 0  # prompt tokens that could have come from the cache
+        self.hit_tokens = 0  # those that did
+        self._free = pool.free  # read on every decode's growth: one lookup less
+
+    # -- counts --------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences."""
+        return self.pool.usage
+
+    @property
+    def evictions(self) -> int:
+        return self.pool.evictions
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix lookup ----------------------------------------------------------------
+    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids holding the longest cached run of full blocks at the start of token_ids."""
+        hits: list[int] = []
+        pool = self.pool
+        if not pool.enable_caching:
+            return hits
+        bs, parent = self.block_size, pool.root_key
+        # Leave at least one token to compute: its logits are needed.
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = pool.block_key(parent, tokens)
+            block_id = pool.lookup(key, tokens)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = key
+        return hits
+
+    def _partial_hit(self, token_ids: list[int], num_hits: int, parent: int) -> tuple[int | None, int]:
+        """A cached block after `parent` whose first k tokens are the next ones of token_ids, with k as
+        large as the pool's index knows (and at least one token left to compute): (block id, k), or (None, 0)."""
+        if self.copy_prefix is None or not self.pool.enable_caching:
+            return None, 0
+        start = num_hits * self.block_size
+        want = tuple(token_ids[start:start + min(self.block_size - 1, len(token_ids) - 1 - start)])
+        return self.pool.find_partial(parent, want)
+
+    # -- block tables ------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq.token_ids)
+        # Hit blocks sitting on the free list are not free for this purpose: we take them.
+        blocks = self.pool.blocks
+        hits_on_free = sum(1 for b in hits if blocks[b].ref_count == 0)
+        need = self.blocks_needed(len(seq)) - len(hits)
+        return need <= self.num_free_blocks - hits_on_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, "sequence already holds blocks"
+        pool = self.pool
+        hits = self._cached_prefix(seq.token_ids)
+        parent = pool.blocks[hits[-1]].key if hits else pool.root_key
+        donor, partial = self._partial_hit(seq.token_ids, len(hits), parent)
+        # Every token but the last could have come from the cache (its logits are needed).
+        self.query_tokens += len(seq) - 1
+        self.hit_tokens += len(hits) * self.block_size + partial
+        for block_id in hits:
+            pool.touch(block_id)
+            seq.block_table.append(block_id)
+        try:
+            for i in range(self.blocks_needed(len(seq)) - len(hits)):
+                block = pool.get_new_block()
+                seq.block_table.append(block.block_id)
+                if i == 0 and partial and block.block_id != donor:
+                    # Copied before any other block is taken: until then the donor keeps its contents
+                    # even if it sits on the free list (when it is this very block, they are in place).
+                    self.copy_prefix(donor, block.block_id, partial)
+        except NoFreeBlocks:
+            self.free_sequence(seq)
+            raise
+        seq.num_computed_tokens = len(hits) * self.block_size + partial
+        seq.num_hashed_blocks = len(hits)
+        seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, seq.num_computed_tokens)
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= len(self._free)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Make room for `num_tokens` tokens in total (decode: one more)."""
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self.pool.get_new_block().block_id)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (speculative tokens that
+        were rejected). Those blocks were never registered (registration stops at the
+        computed tokens), so they go to the front of the free list, reused first."""
+        keep = self.blocks_needed(num_tokens)
+        table = seq.block_table
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.release(reversed(tail), reuse_first=True)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish every computed, full block of `seq` in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full > seq.num_hashed_blocks:
+            self.pool.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full)
+            seq.num_hashed_blocks = num_full
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop `seq`'s references; its tail blocks are evicted first."""
+        self.pool.release(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no running sequence holds (between benchmark runs)."""
+        self.pool.reset_prefix_cache()
