@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from chatloom.app.settings import Settings
+from chatloom.app.core.settings import Settings
 
 
 def hypercorn_config(settings: Settings, tls_cert: str, tls_key: str):

@@ -371,7 +371,7 @@ def _stats(samples: list[Sample]) -> dict:
 async def _run_layers(loaded: LoadedModel, prompt_lengths: list[int], in_flight: list[int], repeats: int,
                       max_tokens: int, layers: list[str], engine_config: EngineConfig, breakdown_steps: int) -> dict:
     from chatloom.app.main import create_app
-    from chatloom.app.settings import Settings
+    from chatloom.app.core.settings import Settings
     from chatloom.serving import LocalBackend
 
     tok = loaded.tokenizer

@@ -24,7 +24,7 @@ from chatloom.sim.replica import SimRequest
 from chatloom.sim.simulator import SimConfig, Simulator
 from chatloom.sim.step_time import BatchShape, StepTimeModel, load_step_time
 
-# The server's engine settings (chatloom.app.settings defaults).
+# The server's engine settings (chatloom.app.core.settings defaults).
 SERVER_CONFIG = dict(kv_cache_gb=0.5, max_num_seqs=32, max_num_batched_tokens=512)
 
 

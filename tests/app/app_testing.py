@@ -15,8 +15,8 @@ import httpx
 import uvicorn
 
 from chatloom.app.main import create_app
-from chatloom.app.prompt import SUMMARIZER_SYSTEM
-from chatloom.app.settings import Settings
+from chatloom.app.chat.prompt import SUMMARIZER_SYSTEM
+from chatloom.app.core.settings import Settings
 from chatloom.serving import Backend, GenerationRequest
 
 

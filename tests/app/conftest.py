@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from chatloom.app.main import create_app
-from chatloom.app.settings import Settings
+from chatloom.app.core.settings import Settings
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatloom.app.settings import Settings
+from chatloom.app.core.settings import Settings
 from chatloom.engine import EngineConfig
 from chatloom.serving import LocalBackend
 

@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from chatloom.app import cli as app_cli
+from chatloom.cli import serve as app_cli
 from chatloom.app.main import create_app
 from chatloom.serving import LocalBackend
 
@@ -100,7 +100,7 @@ def test_keys_create_prints_a_working_key(tmp_path, capsys, tiny_backend):
 def test_settings_file(tmp_path):
     import pytest
 
-    from chatloom.app.settings import Settings
+    from chatloom.app.core.settings import Settings
 
     path = tmp_path / "chatloom.toml"
     path.write_text('port = 9000\nsystem_prompt = "Talk like a pirate."\ncontext_window = 1024\n')

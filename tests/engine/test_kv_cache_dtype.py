@@ -80,8 +80,8 @@ def test_a_float16_pool_saturates_instead_of_storing_infinity():
 
 
 def test_the_service_setting_and_the_flags_reach_the_engine(tmp_path):
-    from chatloom.app.settings import Settings
-    from chatloom.cli import build_parser
+    from chatloom.app.core.settings import Settings
+    from chatloom.cli.main import build_parser
 
     toml = tmp_path / "s.toml"
     toml.write_text('kv_cache_dtype = "fp16"\n')

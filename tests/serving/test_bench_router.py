@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from chatloom.bench.router import conversations, plot, run_router_bench, table
-from chatloom.cli import main
+from chatloom.cli.main import main
 
 
 def test_bench_router_reports_every_policy_and_plots(fleet, tmp_path):

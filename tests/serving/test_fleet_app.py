@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chatloom.app.fleet_settings import parse_fleet
+from chatloom.app.core.fleet_settings import parse_fleet
 from chatloom.app.main import create_app
-from chatloom.app.settings import Settings
+from chatloom.app.core.settings import Settings
 
 from fleet_testing import ReplicaProcess
 
