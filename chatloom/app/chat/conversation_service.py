@@ -4,50 +4,42 @@ A generation is a job, not a connection: it writes its events to an event log an
 answer when it ends, whether or not any client is still reading. One generation runs per
 conversation at a time (across gateways: `jobs`); POST .../stop aborts it and the partial answer is
 kept as 'stopped'. A gateway that dies mid-answer has its answers taken over by another gateway and
-continued from their logged text (`resume_job`, see hotstate/job_keeper.py and continuation.py).
+continued from their logged text (`resume_job`, see state/job_keeper.py and takeover.py).
 
 The generation's trip (caps, moderation, quota, admission, stream, output guard, settlement) is the
 shared `Pipeline`; this service adds what is particular to conversations: the message tree, prompt
 assembly with summaries (conversation_prompt.py), the event log and the saved answer.
 
-With chat tools on (settings.chat_tools), an answer may call them: when a round of generation ends
-in tool calls, the loop pauses, runs each call (app/tools), logs `tool_call` and `tool_result`
-events, appends the calls and results to the prompt and resumes the same run, whose new prompt
-starts with the previous one token for token, so the prefix cache makes resumption cheap. At most
-settings.max_tool_calls_per_answer calls run per answer; after that the model must answer in text.
+The service is one object in four modules: this one starts answers (send, regenerate);
+answer_job.py runs each answer to its end; stopping.py stops them; takeover.py continues the
+answers of a gateway that died.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from chatloom.app.chat.answer_job import AnswerJob, Generation
 from chatloom.app.chat.branches import Tree
-from chatloom.app.chat.takeover import can_continue, logged_answer_tokens, logged_text
-from chatloom.app.chat.conversation_prompt import ConversationDeleted, PromptAssembler, SummaryAborted
-from chatloom.app.core.errors import ApiError, error_event, not_found
-from chatloom.app.state.events import EventLog, EventLogStore
-from chatloom.app.state.job_keeper import reservation_of, reservation_spec
-from chatloom.app.state.jobs import JobRecord, Jobs, MemoryJobs
-from chatloom.app.state.redis_events import LogTakenOver
-from chatloom.app.generation.pipeline import (AnswerText, Ask, ChatPrompt, Finished, GenerationStopped, Pipeline, Run, Thinking,
-                                   ToolCall)
+from chatloom.app.chat.conversation_prompt import PromptAssembler
 from chatloom.app.chat.recovery import start_checkpointer
-from chatloom.app.core.settings import Settings
-from chatloom.app.chat.summary_admission import admitted_summary
-from chatloom.app.generation.tool_calls import ToolUse, render_messages
+from chatloom.app.chat.stopping import Stopping
+from chatloom.app.chat.takeover import TakeOver
 from chatloom.app.chat.tools.builtins import builtin_registry
-from chatloom.app.chat.tools.registry import ToolContext, ToolRegistry
+from chatloom.app.chat.tools.registry import ToolRegistry
+from chatloom.app.core.errors import ApiError, not_found
+from chatloom.app.core.settings import Settings
 from chatloom.app.core.validation import off_loop
-from chatloom.serving import BackendError, BadGenerationRequest, Usage
-from chatloom.store import Conversation, Conversations, Database, Message, Messages, User, Users
+from chatloom.app.generation.pipeline import Ask, Pipeline, Run
+from chatloom.app.generation.tool_calls import ToolUse
+from chatloom.app.state.events import EventLogStore
+from chatloom.app.state.job_keeper import reservation_spec
+from chatloom.app.state.jobs import JobRecord, Jobs, MemoryJobs
+from chatloom.store import Conversation, Conversations, Database, Messages, User
 
-log = logging.getLogger(__name__)
-
-STATUS_FOR_FINISH = {"stop": "complete", "tool_calls": "complete", "length": "incomplete", "abort": "stopped", "content_filter": "filtered"}
 UNSET = object()
 
 
@@ -65,45 +57,9 @@ class GenerationOptions:
                    reasoning_effort=self.reasoning_effort, request_id=request_id, param="text", tools=self.tools)
 
 
-@dataclass
-class Generation:
-    """A running (or recently finished) answer."""
+class ConversationService(AnswerJob, Stopping, TakeOver):
+    """Starts, runs, stops and takes over the answers of conversations."""
 
-    conversation_id: str
-    user_message_id: str  # the message being answered
-    message_id: str  # the assistant message being written
-    run: Run
-    log: EventLog
-    summary_ids: int = 0  # summary requests made so far (each has its own request id)
-    stop_requested: bool = False
-    task: asyncio.Task | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    # The answer so far, continued from here: saved text (i12 recovery, app/recovery.py) or, taken over
-    # from a gateway that died, the text its log already holds (prefix_logged: readers have it).
-    prefix: str = ""
-    prefix_logged: bool = False
-    abandoned: bool = False  # another gateway has the job: end here without saving anything
-    tokens_before: int = 0  # answer tokens the taken-over prefix already had (its log says how many)
-
-    def answer_tokens(self) -> int:
-        """Answer tokens so far, as logged beside each piece for a gateway that may take this over."""
-        return self.tokens_before + self.run.usage.completion_tokens
-
-    def next_summary_id(self) -> str:
-        self.summary_ids += 1
-        return f"{self.message_id}-summary-{self.summary_ids - 1}"
-
-
-@dataclass
-class _Outcome:
-    answer: list[str] = field(default_factory=list)  # as shown: thinking and held-back text excluded
-    thinking: list[str] = field(default_factory=list)
-    steps: list[dict] = field(default_factory=list)  # tool calls and their results, in order
-    finish_reason: str | None = None
-    error: Exception | None = None
-
-
-class ConversationService:
     def __init__(self, db: Database, pipeline: Pipeline, settings: Settings, logs: EventLogStore) -> None:
         self.db = db
         self.pipeline = pipeline
@@ -245,256 +201,6 @@ class ConversationService:
         gen.task = asyncio.create_task(self._run(gen), name=f"generation-{answer_id}")
         start_checkpointer(self, gen)  # i12 recovery: the text so far reaches the database every interval
         return gen
-
-    # -- stopping --------------------------------------------------------------------
-    async def stop(self, conversation_id: str, timeout: float = 10.0) -> Generation | None:
-        """Abort the running answer (the engine frees its blocks at once) and wait until it is saved."""
-        gen = self._running.get(conversation_id)
-        if gen is None:
-            return None
-        gen.stop_requested = True
-        gen.run.stop()
-        if gen.summary_ids:  # a summary may be running under its own id
-            self.backend.abort(f"{gen.message_id}-summary-{gen.summary_ids - 1}")
-        try:
-            await asyncio.wait_for(gen.finished.wait(), timeout)
-        except asyncio.TimeoutError:
-            log.warning("generation %s did not stop within %.0f s", gen.message_id, timeout)
-        return gen
-
-    async def shutdown(self, grace_s: float = 0.0, hand_over: bool = False) -> None:
-        """Take no new answers; give the running ones `grace_s` to finish; then hand the rest over to
-        the other gateways (hand_over: their leases lapse and another gateway continues them) or, alone,
-        stop them (saved as 'stopped')."""
-        self.draining = True
-        running = [g for g in self._running.values() if g is not None]
-        if running and grace_s > 0:
-            await asyncio.wait([asyncio.ensure_future(g.finished.wait()) for g in running], timeout=grace_s)
-        left = [cid for cid, g in list(self._running.items()) if g is not None]
-        if not hand_over:
-            await asyncio.gather(*(self.stop(cid) for cid in left))
-            return
-        for cid in left:
-            log.warning("handing the answer of conversation %s over to another gateway", cid)
-            forget = getattr(self.jobs, "forget", None)
-            if forget is not None:
-                forget(cid)  # stop renewing: the lease lapses and another gateway takes the job
-            await self.abandon(cid)
-
-    async def abandon(self, conversation_id: str, timeout: float = 5.0) -> None:
-        """End the answer here without saving it: another gateway has it (or will take it over)."""
-        gen = self._running.get(conversation_id)
-        if gen is None:
-            return
-        gen.abandoned = gen.stop_requested = True
-        gen.run.stop()
-        try:
-            await asyncio.wait_for(gen.finished.wait(), timeout)
-        except asyncio.TimeoutError:
-            if gen.task is not None:
-                gen.task.cancel()
-
-    # -- taking over the answer of a gateway that died ---------------------------------
-    async def resume_job(self, record: JobRecord) -> bool:
-        """Continue a taken-over answer from the text its log holds; False when it cannot be continued."""
-        spec = record.spec
-        if spec.get("effort") or not can_continue(self.backend):
-            log.warning("answer %s cannot be continued here: %s", record.message_id,
-                        "its hidden thinking is not logged" if spec.get("effort") else "the backend renders its own prompts")
-            return False
-        reopen = getattr(self.logs, "open_for_writing", None)
-        event_log = await reopen(record.message_id) if reopen is not None else None
-        if event_log is None:
-            log.warning("answer %s cannot be continued: its event log is closed or gone", record.message_id)
-            return False
-        async with self.db.session() as session:
-            message = await session.get(Message, record.message_id)
-            user = await Users(session).get(spec["user_id"])
-        if message is None or message.status != "incomplete" or user is None:
-            log.warning("answer %s is not continued: %s", record.message_id, "it was deleted" if message is None
-                        else f"it is already {message.status}" if user is None or message.status != "incomplete"
-                        else "its user is gone")
-            return False
-        events = await self.logs.events(record.message_id)
-        prefix = logged_text(events)
-        used = logged_answer_tokens(events)
-        if used is None:  # logged by a gateway that did not count: the prefix's own tokens
-            used = self._count(prefix)
-        remaining = spec["max_tokens"] - used
-        run = await self.pipeline.open(Ask(user=user, model=spec["model"], max_tokens=max(1, remaining),
-                                           temperature=spec["temperature"], top_p=spec.get("top_p"),
-                                           request_id=f"{record.message_id}-cont", param="text"))
-        reservation = reservation_of(spec)
-        if reservation is not None:
-            run.adopt(reservation)
-        run.charge(Usage(completion_tokens=used))  # its gateway made them but never settled nor metered them
-        gen = Generation(record.conversation_id, spec["user_message_id"], record.message_id, run, event_log,
-                         prefix=prefix, prefix_logged=True, tokens_before=used)
-        self._running[record.conversation_id] = gen
-        if remaining <= 0:  # it had used its whole budget: it ends as its own gateway would have ended it
-            gen.task = asyncio.create_task(self._finish(gen, _Outcome(answer=[prefix], finish_reason="length")),
-                                           name=f"continuation-{record.message_id}")
-            return True
-        start_checkpointer(self, gen)  # i12: the continued text reaches the database every interval
-        gen.task = asyncio.create_task(self._run(gen), name=f"continuation-{record.message_id}")
-        return True
-
-    # -- the job ---------------------------------------------------------------------------
-    async def _run(self, gen: Generation) -> None:
-        out = _Outcome(answer=[gen.prefix] if gen.prefix_logged else [])
-        run = gen.run
-        try:
-            messages = await self.prompts.assemble(gen.conversation_id, gen.user_message_id, run.limits.model,
-                                                   run.max_tokens, gen.next_summary_id, run.charge,
-                                                   lambda request: admitted_summary(run, request))  # i12
-            if gen.stop_requested:
-                raise GenerationStopped
-            if gen.prefix:  # the saved (or logged) text opens the assistant's turn; readers see it whole
-                if not gen.prefix_logged:  # i12 recovery: a fresh log
-                    await self._write(gen, AnswerText(gen.prefix), out)
-
-            async def position(n: int) -> None:
-                if not gen.log.closed:
-                    await gen.log.append({"queue_position": n})
-
-            tools = run.ask.tools
-            messages = render_messages(messages, tools)
-            # Recovery and takeover: the saved text is the open assistant turn the first round continues.
-            first = messages + [{"role": "assistant", "content": gen.prefix}] if gen.prefix else messages
-            await run.admit(ChatPrompt(first, continue_final=bool(gen.prefix)), position)
-            for round_no in range(self.settings.max_tool_calls_per_answer + 1):
-                text, calls = ([gen.prefix] if gen.prefix and round_no == 0 else []), []
-                async for piece in run.stream():
-                    await self._write(gen, piece, out)
-                    if isinstance(piece, AnswerText):
-                        text.append(piece.text)
-                    elif isinstance(piece, ToolCall):
-                        calls.append(piece)
-                if out.finish_reason != "tool_calls" or gen.stop_requested:
-                    break
-                messages = await self._run_tools(gen, run, messages, "".join(text), calls, out)
-                if gen.stop_requested:
-                    raise GenerationStopped
-                await run.resume(ChatPrompt(messages), f"{gen.message_id}-round-{round_no + 1}")
-        except (GenerationStopped, ConversationDeleted, SummaryAborted):
-            out.finish_reason = "abort"
-        except (ApiError, BadGenerationRequest, BackendError) as exc:  # quota top-up refused, queue timeout, backend
-            out.error = exc
-        except asyncio.CancelledError:
-            out.finish_reason = "abort"
-            await self._finish(gen, out)
-            raise
-        except LogTakenOver:
-            await self._another_writer(gen, out)
-        except Exception as exc:  # keep the job's failure in the conversation, not in a log nobody reads
-            log.exception("generation %s failed", gen.message_id)
-            out.error = exc
-        await self._finish(gen, out)
-
-    async def _another_writer(self, gen: Generation, out: _Outcome) -> None:
-        """Someone else appended to this answer's log. If another gateway holds the job now, it took the
-        answer over: end here unsaved. If this one still does, the other was a writer that had lost the job
-        (a gateway that froze, then woke): the log no longer holds the text being continued, so the answer
-        ends here as failed, with the text its readers were shown, rather than leave them waiting."""
-        gen.run.stop()
-        holder = await self.jobs.holder(gen.conversation_id)
-        event_log = await self.logs.open_for_writing(gen.message_id) \
-            if holder is not None and holder.gateway == self.jobs.gateway else None
-        if event_log is None:
-            gen.abandoned = True
-            return
-        log.warning("answer %s: a gateway that had lost it wrote to its log; it ends here", gen.message_id)
-        gen.log = event_log
-        out.answer = [logged_text(await self.logs.events(gen.message_id))]
-        out.error = RuntimeError("a gateway that had lost this answer wrote to it after it was taken over")
-
-    async def _run_tools(self, gen: Generation, run: Run, messages: list[dict], text: str, calls: list[ToolCall],
-                         out: _Outcome) -> list[dict]:
-        """Run a round's calls; the prompt for the next round (the round's turn, then one turn per result)."""
-        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id)
-        budget = self.settings.max_tool_calls_per_answer
-        turns = [{"role": "assistant", "content": "\n".join([text] * bool(text) + [c.text() for c in calls])}]
-        for call in calls:
-            if len(out.steps) >= budget:
-                result_event = {"id": call.id, "name": call.name, "output": "",
-                                "error": f"the limit of {budget} tool calls per answer is reached"}
-                model_text = f"error: {result_event['error']}"
-            else:
-                result = await self.tools.run(call, ctx)
-                result_event, model_text = result.event(), result.model_text()
-            out.steps.append({"arguments": call.arguments, **result_event})
-            await gen.log.append({"tool_result": result_event})
-            turns.append({"role": "tool", "content": model_text})
-        if len(out.steps) >= budget:  # no more calls: the next round is read as plain text
-            run.ask = replace(run.ask, tools=replace(run.ask.tools, choice="none"))
-        return messages + turns
-
-    @staticmethod
-    async def _write(gen: Generation, piece: object, out: _Outcome) -> None:
-        if isinstance(piece, ToolCall):
-            await gen.log.append({"tool_call": {"id": piece.id, "name": piece.name, "arguments": piece.arguments}})
-        # PostgreSQL text cannot hold NUL: drop it here, so what is streamed is exactly what is saved.
-        elif isinstance(piece, AnswerText):
-            text = piece.text.replace("\x00", "")
-            out.answer.append(text)
-            await gen.log.append({"token": text}, answer_tokens=gen.answer_tokens())
-        elif isinstance(piece, Thinking):
-            text = piece.text.replace("\x00", "")
-            out.thinking.append(text)
-            await gen.log.append({"thinking": text})
-        elif isinstance(piece, Finished):
-            out.finish_reason = piece.finish_reason
-
-    async def _finish(self, gen: Generation, out: _Outcome) -> None:
-        if gen.abandoned:  # another gateway has the job: it saves the answer and settles the quota
-            gen.run.drop()
-            if self._running.get(gen.conversation_id) is gen:
-                del self._running[gen.conversation_id]
-            gen.finished.set()
-            return
-        try:
-            await gen.run.close()  # settle, meter, observe: before the client hears 'done'
-            reason = out.finish_reason or ("error" if out.error else "abort")
-            status = "error" if out.error else STATUS_FOR_FINISH.get(reason, "incomplete")
-            text = "".join(out.answer)
-            values = {"text": text, "tokens": self._count(text), "status": status,
-                      "reasoning": "".join(out.thinking) or None, "tool_steps": out.steps or None,
-                      "finish_reason": None if out.error else reason,
-                      "prompt_tokens": gen.run.usage.prompt_tokens or None}
-            if out.error is not None:
-                values["error"] = str(out.error) or type(out.error).__name__
-            try:
-                async with self.db.session() as session:
-                    await Messages(session).finish(gen.message_id, **values)
-                    await Conversations(session).touch(gen.conversation_id)
-                    await session.commit()
-            except Exception:
-                log.exception("could not save the answer %s", gen.message_id)
-            if out.error is not None:
-                await gen.log.append({**error_event(out.error), "message_id": gen.message_id}, event="error")
-            else:
-                usage: Usage = gen.run.usage
-                await gen.log.append({
-                    "done": True, "message_id": gen.message_id, "user_message_id": gen.user_message_id,
-                    "conversation_id": gen.conversation_id, "status": status, "finish_reason": reason,
-                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}})
-        finally:
-            try:
-                await gen.log.close()
-            finally:
-                if self._running.get(gen.conversation_id) is gen:
-                    del self._running[gen.conversation_id]
-                gen.finished.set()
-                try:
-                    await self.jobs.release(gen.conversation_id)
-                except Exception as exc:  # Redis away: the lease lapses, and the keeper finds the answer saved
-                    log.warning("could not release the job of %s: %s", gen.conversation_id, exc)
-
-    def _count(self, text: str) -> int:
-        try:
-            return self.backend.count_tokens(text) if text else 0
-        except BackendError:
-            return 0
 
 
 def make_title(text: str, limit: int = 60) -> str:
