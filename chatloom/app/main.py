@@ -13,7 +13,7 @@ from chatloom.app.core.auth import Passwords, Tokens
 from chatloom.app.core.caller_cache import CallerCache
 from chatloom.app.chat.conversation_service import ConversationService
 from chatloom.app.api.deps import AppContext
-from chatloom.app.core.errors import install_error_handlers
+from chatloom.app.api.error_handlers import install_error_handlers
 from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, start_hot_state
 from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline

@@ -9,7 +9,7 @@ The routes take their `responses=` from here:
   unreadable Content-Length, and 413 for a body over `max_body_bytes`; `validation.EdgeGuard` answers
   both before any route runs.
 - Request validation errors are 422 on the product API and 400 on the OpenAI-compatible /v1/ API
-  (`errors.install_error_handlers`); `install` rewrites FastAPI's own 422 entry, whose body the app never
+  (`error_handlers.install_error_handlers`); `install` rewrites FastAPI's own 422 entry, whose body the app never
   sends, to say exactly that.
 - Streamed answers are text/event-stream (`sse.EventStreamResponse` as the route's response_class) and
   /metrics is Prometheus text (`PrometheusText`).
@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from chatloom.app.core.errors import ErrorOut, is_openai_path
+from chatloom.app.api.error_handlers import is_openai_path
+from chatloom.app.core.errors import ErrorOut
 from chatloom.app.traffic.metrics import CONTENT_TYPE
 from chatloom.app.api.schemas import AnswerEvent
 
