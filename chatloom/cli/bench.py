@@ -396,7 +396,7 @@ def _sim_validate(args) -> int:
                                   args.step_time), args.table)
 
 def _router(args) -> int:
-    from chatloom.bench.router import plot, run_router_bench, table
+    from chatloom.bench.router_policies import plot, run_router_bench, table
     from chatloom.serving.local_fleet import LocalReplicas
     from chatloom.serving.policies import POLICIES
 

@@ -133,7 +133,7 @@ def replica_spec(args):
 
 
 def traffic_model(args):
-    from chatloom.sim.traffic import TrafficModel
+    from chatloom.sim.arrivals import TrafficModel
 
     kw = dict(mean_turns=args.mean_turns, think_time_s=args.think_time, system_prompt_tokens=args.system_prompt_tokens,
               user_median_tokens=args.user_median_tokens, answer_median_tokens=args.answer_median_tokens,

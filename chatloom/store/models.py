@@ -114,7 +114,7 @@ class Message(Base):
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class Usage(Base):
+class DailyUsage(Base):
     """Tokens metered per user, UTC day and model (one row each, added to as generations end)."""
 
     __tablename__ = "usage"

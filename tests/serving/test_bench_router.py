@@ -1,7 +1,7 @@
 """`chatloom bench router` end to end on running tiny replicas (speed is measured by running it, not here)."""
 from __future__ import annotations
 
-from chatloom.bench.router import conversations, plot, run_router_bench, table
+from chatloom.bench.router_policies import conversations, plot, run_router_bench, table
 from chatloom.cli.main import main
 
 

@@ -24,13 +24,13 @@ TOKEN_LO, TOKEN_HI = 1000, 30000
 
 
 @dataclass(frozen=True)
-class Tier:
+class SimTier:
     name: str
     share: float
     priority: int  # the scheduler's: lower runs first
 
 
-DEFAULT_TIERS = (Tier("free", 0.70, 2), Tier("plus", 0.25, 1), Tier("pro", 0.05, 0))
+DEFAULT_TIERS = (SimTier("free", 0.70, 2), SimTier("plus", 0.25, 1), SimTier("pro", 0.05, 0))
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TrafficModel:
     reasoning_sigma: float = 0.6
     max_answer_tokens: int = 4096
     max_user_tokens: int = 4000
-    tiers: tuple[Tier, ...] = DEFAULT_TIERS
+    tiers: tuple[SimTier, ...] = DEFAULT_TIERS
     single_prompt: list[int] | None = field(default=None, repr=False)  # (validation) a fixed workload
 
     def __post_init__(self) -> None:
@@ -108,12 +108,12 @@ class TrafficModel:
         return replace(self, peak_rate=self.peak_rate * factor)
 
 
-class Conversation:
+class SimConversation:
     """One user's conversation: its turns so far and its block keys, kept incrementally."""
 
     __slots__ = ("cid", "tier", "turns_left", "turns", "tokens", "keys", "rng_seed")
 
-    def __init__(self, cid: str, tier: Tier, turns_left: int) -> None:
+    def __init__(self, cid: str, tier: SimTier, turns_left: int) -> None:
         self.cid = cid
         self.tier = tier
         self.turns_left = turns_left
@@ -123,8 +123,8 @@ class Conversation:
 
 
 @dataclass
-class Turn:
-    conversation: Conversation
+class SimTurn:
+    conversation: SimConversation
     prompt: list[int]
     answer: list[int]
     reasoning: bool
@@ -157,12 +157,12 @@ class TrafficSource:
             if self.rng.random() * top <= m.conversation_rate(t):
                 return t
 
-    def new_conversation(self) -> Conversation:
+    def new_conversation(self) -> SimConversation:
         m = self.model
         self._count += 1
         tier = m.tiers[int(self.rng.choice(len(m.tiers), p=self._tier_p))]
         turns = int(self.rng.geometric(1.0 / m.mean_turns))
-        return Conversation(f"c{self._count}", tier, turns)
+        return SimConversation(f"c{self._count}", tier, turns)
 
     def think_time(self) -> float:
         return float(self.rng.exponential(self.model.think_time_s))
@@ -170,7 +170,7 @@ class TrafficSource:
     def _lognormal(self, median: float, sigma: float, lo: int, hi: int) -> int:
         return int(min(max(round(median * math.exp(sigma * self.rng.standard_normal())), lo), hi))
 
-    def next_turn(self, conv: Conversation) -> Turn:
+    def next_turn(self, conv: SimConversation) -> SimTurn:
         """The conversation's next message: its prompt (system + the newest turns that fit) and the
         answer the model will give (drawn now; the simulator reveals it token by token)."""
         m = self.model
@@ -208,4 +208,4 @@ class TrafficSource:
             prompt += a
         prompt += user
         conv.turns.append((user, answer))
-        return Turn(conv, prompt, answer, reasoning)
+        return SimTurn(conv, prompt, answer, reasoning)
