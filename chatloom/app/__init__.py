@@ -1,6 +1,6 @@
 """The product: auth, conversations, prompt assembly, streams, the REST/SSE and OpenAI-compatible routes.
 
-`create_app` is imported lazily so that `chatloom.app.cli` (loaded for every CLI command) stays light.
+`create_app` is imported lazily so that `chatloom.cli.serve` (loaded for every CLI command) stays light.
 """
 from __future__ import annotations
 

@@ -9,19 +9,19 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from chatloom.app.auth import Passwords, Tokens
-from chatloom.app.caller_cache import CallerCache
-from chatloom.app.conversation_service import ConversationService
-from chatloom.app.deps import AppContext
-from chatloom.app.errors import install_error_handlers
-from chatloom.app.hotstate.state import build_hot_state, install_redis_errors, start_hot_state
-from chatloom.app import openapi_responses
-from chatloom.app.pipeline import Pipeline
-from chatloom.app.recovery import Sweeper, drain
-from chatloom.app.routes import admin, auth, conversations, health, openai, recovery, usage, web
+from chatloom.app.core.auth import Passwords, Tokens
+from chatloom.app.core.caller_cache import CallerCache
+from chatloom.app.chat.conversation_service import ConversationService
+from chatloom.app.api.deps import AppContext
+from chatloom.app.api.error_handlers import install_error_handlers
+from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, start_hot_state
+from chatloom.app.api import openapi_responses
+from chatloom.app.generation.pipeline import Pipeline
+from chatloom.app.chat.recovery import Sweeper, drain
+from chatloom.app.api.routes import admin, auth, conversations, health, openai, recovery, usage, web
 from chatloom.settings import Settings
-from chatloom.app.traffic import RateLimitHeaders, build_traffic
-from chatloom.app.validation import EdgeGuard
+from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
+from chatloom.app.core.validation import EdgeGuard
 from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
 from chatloom.store import Database
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def default_backend(settings: Settings) -> Backend:
     if settings.fleet.models or settings.fleet.replicas:  # several models, or replicas: the fleet
-        from chatloom.app.fleet_settings import build_fleet_backend, parse_fleet
+        from chatloom.app.core.fleet_settings import build_fleet_backend, parse_fleet
 
         fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
                             settings.model.name)

@@ -20,7 +20,7 @@ from chatloom.bench.serve import make_prompts, percentiles
 
 
 async def measure(backend, prompts: list[str], max_tokens: int, holdback: int) -> dict:
-    from chatloom.app.moderation import LexiconModerator, OutputGuard
+    from chatloom.app.traffic.moderation import LexiconModerator, OutputGuard
     from chatloom.serving import GenerationRequest
 
     class _Fixed(LexiconModerator):  # the same checks, without knowing what is safe

@@ -24,7 +24,7 @@ from chatloom.serving.backend import Delta, Timings
 log = logging.getLogger(__name__)
 
 
-class AnswerText:
+class AnswerProgress:
     """One answer's tokens and the text the user has seen, across any number of replicas."""
 
     def __init__(self, params: SamplingParams, tokenizer=None) -> None:
@@ -39,7 +39,7 @@ class AnswerText:
         self._max_stop = max((len(s) for s in params.stop), default=0)
 
     @classmethod
-    def resumed(cls, params: SamplingParams, tokenizer, token_ids: list[int], sent_text: str) -> "AnswerText":
+    def resumed(cls, params: SamplingParams, tokenizer, token_ids: list[int], sent_text: str) -> "AnswerProgress":
         """An answer begun elsewhere: its token ids and the text its user already has."""
         answer = cls(params, tokenizer)
         answer.token_ids = list(token_ids)

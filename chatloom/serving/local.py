@@ -190,9 +190,9 @@ class LocalBackend(Backend):
     async def _resume(self, request: GenerationRequest, ids: list[int], params: SamplingParams):
         """The rest of an answer begun elsewhere: prompt + its tokens as the prompt, the text decoded
         from the whole answer (continuation.py), so the user's text goes on with no gap or repeat."""
-        from chatloom.serving.continuation import AnswerText
+        from chatloom.serving.continuation import AnswerProgress
 
-        answer = AnswerText.resumed(params, self.tokenizer, request.resume_token_ids, request.resume_text)
+        answer = AnswerProgress.resumed(params, self.tokenizer, request.resume_token_ids, request.resume_text)
         rest = answer.remaining_params()
         if rest is None:
             yield answer.finish(answer.natural_finish(), len(ids), 0, None)

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Sequence
 from chatloom.engine.block_hash import prefix_block_keys
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
                                       Delta, GenerationRequest, ReplicaStatus, Timings)
-from chatloom.serving.continuation import AnswerText
+from chatloom.serving.continuation import AnswerProgress
 from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
 from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts,
@@ -309,8 +309,8 @@ class Router(Backend):
                                        f"{self.context_window} tokens and the answer needs room too",
                                        "context_length_exceeded", "messages")
         rid = request.request_id or f"route-{next(self._ids)}"
-        answer = (AnswerText.resumed(params, self._tokenizer, request.resume_token_ids, request.resume_text)
-                  if request.resume_token_ids else AnswerText(params, self._tokenizer))
+        answer = (AnswerProgress.resumed(params, self._tokenizer, request.resume_token_ids, request.resume_text)
+                  if request.resume_token_ids else AnswerProgress(params, self._tokenizer))
         t0 = time.monotonic()
         first_token: float | None = None
         tried: set[str] = set()
@@ -382,7 +382,7 @@ class Router(Backend):
             self._aborted.discard(rid)
 
     @staticmethod
-    def _metrics(t0: float, first_token: float | None, answer: AnswerText) -> Timings:
+    def _metrics(t0: float, first_token: float | None, answer: AnswerProgress) -> Timings:
         now = time.monotonic()
         n = len(answer.token_ids)
         ttft = (first_token - t0) if first_token is not None else None

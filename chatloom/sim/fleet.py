@@ -20,7 +20,7 @@ from chatloom.serving.policies import make_policy as serving_make_policy
 from chatloom.serving.routing import RoutingPolicy
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.simulator import SimConfig, Simulator
-from chatloom.sim.traffic import TrafficModel
+from chatloom.sim.arrivals import TrafficModel
 
 REFUSED_CODES = ("", "queue_timeout", "no_replica", "longer_than_kv_pool")
 PolicySpec = str | Callable[[], RoutingPolicy]

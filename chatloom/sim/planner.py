@@ -17,7 +17,7 @@ from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.report import SLO, summarize
 from chatloom.sim.simulator import SimConfig
 from chatloom.sim.step_time import BatchShape
-from chatloom.sim.traffic import TrafficModel
+from chatloom.sim.arrivals import TrafficModel
 
 
 def replica_capacity(spec: ReplicaSpec, traffic: TrafficModel) -> dict:

@@ -24,7 +24,7 @@ from chatloom.engine import block_hash
 from chatloom.serving.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.replica import SimReplica, SimRequest, memo_block_key
-from chatloom.sim.traffic import Conversation, TrafficModel, TrafficSource
+from chatloom.sim.arrivals import SimConversation, TrafficModel, TrafficSource
 
 _STEP, _ARRIVAL, _CONVERSATION, _TRACED = 0, 1, 2, 3
 
@@ -164,7 +164,7 @@ class Simulator:
         raise RuntimeError(f"unknown event kind {kind}")
 
     # -- arrivals and routing ------------------------------------------------------------------
-    def _keys(self, conv: Conversation, prompt: list[int]) -> list[int]:
+    def _keys(self, conv: SimConversation, prompt: list[int]) -> list[int]:
         """The prompt's full-block keys, extending those of the conversation's previous prompt."""
         bs = self.spec.block_size
         prev = conv.tokens
@@ -187,7 +187,7 @@ class Simulator:
                                     num_waiting=r.num_queued, cached_blocks=r.cached_prefix_blocks(keys)))
         return out
 
-    def _arrive(self, conv: Conversation, t: float) -> None:
+    def _arrive(self, conv: SimConversation, t: float) -> None:
         turn = self.source.next_turn(conv)
         keys = tuple(self._keys(conv, turn.prompt))
         req = SimRequest(f"q{next(self._ids)}", t, turn.prompt, turn.answer, conv.tier.priority, conv.tier.name,

@@ -135,7 +135,7 @@ class AnswerChunk(Base):
     tokens: Mapped[int] = mapped_column(Integer, default=0)  # model tokens this row's text took
 
 
-class Usage(Base):
+class DailyUsage(Base):
     """Tokens metered per user, UTC day and model (one row each, added to as generations end)."""
 
     __tablename__ = "usage"

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatloom.store.models import AnswerChunk, ApiKey, Conversation, Feedback, Message, Usage, User, utcnow
+from chatloom.store.models import AnswerChunk, ApiKey, Conversation, DailyUsage, Feedback, Message, User, utcnow
 
 
 class Users:
@@ -191,30 +191,30 @@ class UsageRows:
                   cached_tokens: int, requests: int = 1) -> None:
         # An UPDATE first: the common case is a row that exists already, and an UPDATE of
         # counters is atomic in SQL, so concurrent writers never lose an increment.
-        values = dict(requests=Usage.requests + requests, prompt_tokens=Usage.prompt_tokens + prompt_tokens,
-                      completion_tokens=Usage.completion_tokens + completion_tokens,
-                      cached_tokens=Usage.cached_tokens + cached_tokens)
-        where = (Usage.user_id == user_id, Usage.day == day, Usage.model == model)
-        result = await self.s.execute(update(Usage).where(*where).values(**values))
+        values = dict(requests=DailyUsage.requests + requests, prompt_tokens=DailyUsage.prompt_tokens + prompt_tokens,
+                      completion_tokens=DailyUsage.completion_tokens + completion_tokens,
+                      cached_tokens=DailyUsage.cached_tokens + cached_tokens)
+        where = (DailyUsage.user_id == user_id, DailyUsage.day == day, DailyUsage.model == model)
+        result = await self.s.execute(update(DailyUsage).where(*where).values(**values))
         if result.rowcount:
             return
         # A concurrent writer may insert the same row first: the flush then raises IntegrityError,
         # and the caller retries (the UPDATE above then finds the row).
-        self.s.add(Usage(user_id=user_id, day=day, model=model, requests=requests, prompt_tokens=prompt_tokens,
+        self.s.add(DailyUsage(user_id=user_id, day=day, model=model, requests=requests, prompt_tokens=prompt_tokens,
                          completion_tokens=completion_tokens, cached_tokens=cached_tokens))
         await self.s.flush()
 
     async def query(self, user_id: str | None = None, since: str | None = None,
-                    until: str | None = None) -> list[tuple[Usage, str]]:
+                    until: str | None = None) -> list[tuple[DailyUsage, str]]:
         """Rows with their username, newest day first."""
-        q = select(Usage, User.username).join(User, User.id == Usage.user_id)
+        q = select(DailyUsage, User.username).join(User, User.id == DailyUsage.user_id)
         if user_id is not None:
-            q = q.where(Usage.user_id == user_id)
+            q = q.where(DailyUsage.user_id == user_id)
         if since is not None:
-            q = q.where(Usage.day >= since)
+            q = q.where(DailyUsage.day >= since)
         if until is not None:
-            q = q.where(Usage.day <= until)
-        rows = await self.s.execute(q.order_by(Usage.day.desc(), User.username, Usage.model))
+            q = q.where(DailyUsage.day <= until)
+        rows = await self.s.execute(q.order_by(DailyUsage.day.desc(), User.username, DailyUsage.model))
         return [(u, name) for u, name in rows.all()]
 
 

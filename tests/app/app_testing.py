@@ -15,7 +15,7 @@ import httpx
 import uvicorn
 
 from chatloom.app.main import create_app
-from chatloom.app.prompt import SUMMARIZER_SYSTEM
+from chatloom.app.chat.prompt import SUMMARIZER_SYSTEM
 from chatloom.settings import Settings
 from chatloom.serving import Backend, GenerationRequest
 

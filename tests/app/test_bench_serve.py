@@ -6,7 +6,7 @@ import json
 import pytest
 
 from chatloom.bench.serve import Result, parse_goodput, percentiles
-from chatloom.cli import main as cli_main
+from chatloom.cli.main import main as cli_main
 
 
 def test_bench_serve_against_a_live_server(live, http, admin, capsys):

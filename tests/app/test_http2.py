@@ -12,7 +12,7 @@ import pytest
 
 from chatloom.app.http_server import serve_h2
 from chatloom.app.main import create_app
-from chatloom.cli import main as cli_main
+from chatloom.cli.main import main as cli_main
 
 from app_testing import free_port, make_settings, new_conversation, parse_sse, signup
 from traffic_testing import ScriptedBackend, write_tiers

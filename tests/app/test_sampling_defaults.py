@@ -2,8 +2,6 @@
 one place, the settings tree: change it there and every front follows."""
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from chatloom.engine import EngineConfig, SamplingParams
@@ -30,7 +28,7 @@ def test_the_engine_and_the_backend_request_default_to_the_tree():
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_the_cli_defaults_are_the_trees_and_follow_the_environment(command, monkeypatch):
-    from chatloom.cli import build_parser
+    from chatloom.cli.main import build_parser
 
     args = build_parser().parse_args([command] + (["hi"] if command == "generate" else []))
     sampling = DEFAULTS.sampling

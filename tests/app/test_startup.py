@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from chatloom.app import cli as app_cli
+from chatloom.cli import serve as app_cli
 from chatloom.app.main import create_app
 from chatloom.serving import LocalBackend
 

@@ -6,7 +6,7 @@ import json
 import math
 
 from chatloom.bench.perplexity import TEXT, negative_log_likelihood, run_perplexity, windows
-from chatloom.cli import main
+from chatloom.cli.main import main
 
 
 def test_the_text_ships_and_is_a_few_kilobytes():
@@ -57,7 +57,7 @@ def test_kquant_matmul_bench(capsys):
 
 
 def test_kv_cache_modes_run_through_a_pool_of_their_dtype():
-    from chatloom.bench import cli as bench_cli
+    from chatloom.cli import bench as bench_cli
     from chatloom.bench.perplexity import MODES, parse_mode
 
     assert bench_cli.PERPLEXITY_MODES == MODES

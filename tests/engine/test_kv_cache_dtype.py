@@ -81,7 +81,7 @@ def test_a_float16_pool_saturates_instead_of_storing_infinity():
 
 def test_the_service_setting_and_the_flags_reach_the_engine(tmp_path):
     from chatloom.settings import load_settings
-    from chatloom.cli import build_parser
+    from chatloom.cli.main import build_parser
 
     toml = tmp_path / "s.toml"
     toml.write_text('[engine]\nkv_cache_dtype = "fp16"\n')

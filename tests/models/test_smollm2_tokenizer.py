@@ -79,7 +79,7 @@ def test_fallback_template_when_model_has_none():
 
 def test_a_long_text_gives_the_same_ids_without_holding_the_gil(tok):
     """From _GIL_FREE_CHARS on, encode goes through encode_batch (which lets other threads run: see
-    tests/app/test_edge_validation.py); the ids must be what the single call gives."""
+    tests/app/core/test_edge_validation.py); the ids must be what the single call gives."""
     import threading
     import time
 

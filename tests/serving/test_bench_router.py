@@ -1,8 +1,8 @@
 """`chatloom bench router` end to end on running tiny replicas (speed is measured by running it, not here)."""
 from __future__ import annotations
 
-from chatloom.bench.router import conversations, plot, run_router_bench, table
-from chatloom.cli import main
+from chatloom.bench.router_policies import conversations, plot, run_router_bench, table
+from chatloom.cli.main import main
 
 
 def test_bench_router_reports_every_policy_and_plots(fleet, tmp_path):

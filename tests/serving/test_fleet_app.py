@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chatloom.app.fleet_settings import parse_fleet
+from chatloom.app.core.fleet_settings import parse_fleet
 from chatloom.app.main import create_app
 from chatloom.settings import Settings
 

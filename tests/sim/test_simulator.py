@@ -9,12 +9,12 @@ import pytest
 
 from chatloom.sim import replica as replica_mod
 from chatloom.sim.fleet import RequestTable, replica_stats, run_fleet
-from chatloom.sim.hardware import ReplicaSpec, roofline_replica
+from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.replica import SimRequest
 from chatloom.sim.report import SLO, summarize
 from chatloom.sim.simulator import SimConfig, Simulator
 from chatloom.sim.step_time import LinearStepTime
-from chatloom.sim.traffic import TrafficModel
+from chatloom.sim.arrivals import TrafficModel
 from sim_policies import FewestQueued, MostCached, Rotate
 
 STEP = LinearStepTime(coef={"const": 0.01, "decode_tokens": 0.0005, "prefill_tokens": 0.0001, "decode_ctx": 1e-7,

@@ -1,0 +1,150 @@
+"""FastAPI dependencies: the shared application context, one DB session per request, the caller
+(from a session token or an API key), the admin check, and the caller's own conversation.
+
+Routes use the `Annotated` shorthands: `SessionDep`, `CurrentUser`, `AdminUser`, `Ctx`, `OwnedConversation`.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Annotated, AsyncIterator
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from chatloom.app.core.auth import API_KEY_PREFIX, Passwords, Tokens, hash_api_key
+from chatloom.app.core.caller_cache import CallerCache
+from chatloom.app.chat.conversation_service import ConversationService
+from chatloom.app.core.errors import ApiError, not_found
+from chatloom.app.state.hot_state import HotState
+from chatloom.app.generation.pipeline import Pipeline
+from chatloom.settings import Settings
+from chatloom.app.traffic.control import Traffic
+from chatloom.serving import Backend
+from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users
+
+
+@dataclass
+class AppContext:
+    """Everything the routes share, built once by create_app."""
+
+    settings: Settings
+    db: Database
+    backend: Backend
+    passwords: Passwords
+    tokens: Tokens
+    traffic: Traffic
+    pipeline: Pipeline
+    conversations: ConversationService
+    hot: HotState  # quotas, stream logs, stops, job leases: in memory, or shared by the gateways in Redis
+    callers: CallerCache  # recently authenticated callers (spares the database a lookup per request)
+
+
+def get_context(request: Request) -> AppContext:
+    return request.app.state.ctx
+
+
+async def _context(request: Request) -> AppContext:
+    # async on purpose: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per request
+    # that, under a burst, queues every request behind the pool and the GIL.
+    return get_context(request)
+
+
+Ctx = Annotated[AppContext, Depends(_context)]
+
+
+async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
+    """A session for this request; whatever was not committed is rolled back when it closes."""
+    session = get_context(request).db.session()
+    try:
+        yield session
+    finally:
+        if session.in_transaction():
+            # Shielded, as AsyncSession's own `async with` closes: a cancelled request still hands its
+            # connection back cleanly.
+            await asyncio.shield(session.close())
+        else:
+            # Nothing to roll back or hand back: close inline. (The shielded close costs a turn of the
+            # event loop, and under a burst that turn waits behind every other request.)
+            await session.close()
+
+
+SessionDep = Annotated[AsyncSession, Depends(get_session)]
+
+
+def _unauthorized(message: str, code: str) -> ApiError:
+    return ApiError(401, message, code, headers={"WWW-Authenticate": "Bearer"})
+
+
+# Declares the bearer scheme in the OpenAPI schema of every route that needs a caller; the header itself is
+# read below, so a missing or malformed one gets this API's own 401 rather than FastAPI's 403.
+bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
+                    description="a session token (POST /auth/login or /auth/signup) or an API key (POST /auth/api-keys)")
+
+
+async def current_user(request: Request, session: SessionDep,
+                       _declared: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None) -> User:
+    """The caller, from `Authorization: Bearer <session token | API key>`."""
+    header = request.headers.get("authorization")
+    if not header:
+        raise _unauthorized("missing Authorization header: send 'Bearer <token or API key>'", "missing_token")
+    scheme, _, credential = header.partition(" ")
+    credential = credential.strip()
+    if scheme.lower() != "bearer" or not credential:
+        raise _unauthorized("the Authorization header must be 'Bearer <token or API key>'", "invalid_token")
+    ctx = get_context(request)
+    if credential.startswith(API_KEY_PREFIX):
+        key_hash = hash_api_key(credential)
+        cache_key = "key:" + key_hash
+        user = ctx.callers.get(cache_key)
+        if user is None:
+            keys = ApiKeys(session)
+            key = await keys.by_hash(key_hash)
+            if key is None:
+                raise _unauthorized("invalid API key", "invalid_api_key")
+            if await keys.touch(key):
+                await session.commit()
+            user = await _look_up(ctx, session, cache_key, key.user_id)
+    else:
+        user_id = ctx.tokens.subject(credential)  # verified on every request; only the lookup is cached
+        if user_id is None:
+            raise _unauthorized("invalid or expired token", "invalid_token")
+        cache_key = "usr:" + user_id
+        user = ctx.callers.get(cache_key) or await _look_up(ctx, session, cache_key, user_id)
+    request.state.user = user  # for the x-ratelimit-* headers on the response
+    return user
+
+
+async def _look_up(ctx: AppContext, session: AsyncSession, cache_key: str, user_id: str) -> User:
+    """The account from the database, remembered for auth_cache_s (from now: a hit does not extend it,
+    so changes made elsewhere are seen within that time however often the caller comes back)."""
+    user = await Users(session).get(user_id)
+    if user is None:
+        raise _unauthorized("the account behind this credential no longer exists", "invalid_token")
+    ctx.callers.put(cache_key, user)
+    return user
+
+
+CurrentUser = Annotated[User, Depends(current_user)]
+
+
+async def require_admin(user: CurrentUser) -> User:  # async: no thread hop (see _context)
+    """The caller, who must be an admin (the one admin check of the API)."""
+    if not user.is_admin:
+        raise ApiError(403, "admins only", "forbidden")
+    return user
+
+
+AdminUser = Annotated[User, Depends(require_admin)]
+
+
+async def owned_conversation(conversation_id: str, user: CurrentUser, session: SessionDep) -> Conversation:
+    """The conversation, if it is the caller's; 404 otherwise (someone else's is not even acknowledged)."""
+    conv = await Conversations(session).get_owned(user.id, conversation_id)
+    if conv is None:
+        raise not_found("conversation")
+    return conv
+
+
+OwnedConversation = Annotated[Conversation, Depends(owned_conversation)]

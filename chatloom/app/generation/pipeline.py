@@ -1,0 +1,413 @@
+"""One generation's trip through the product, written once and used by every API front.
+
+Every answer, whether the conversation API's background job or an OpenAI-compatible request, goes
+through the same stages, in this order:
+
+    run = await pipeline.open(ask, moderate=text)  # caps: model allowed for the tier, max_tokens defaulted,
+                                                   #   limited and capped, effort capped; input moderation
+    await run.reserve(prompt or bound)             # 400 context_length_exceeded if it can never fit (before
+                                                   #   any quota or queue), then the quota reservation (429),
+                                                   #   503 queue_full at once if the queue could not take it in time
+    await run.admit(prompt, on_position)           # exact prompt, within what was reserved; admission (503)
+    async for piece in run.stream(): ...           # backend.stream -> thinking split -> output guard
+    await run.release()                            # optional: free the slot and settle now, meter later
+    await run.close()                              # release the slot, settle, meter, observe (idempotent)
+
+`stream()` yields typed pieces, a union of small frozen dataclasses: `Thinking` and `AnswerText` as text
+arrives, then exactly one `Finished` (finish reason, `Usage`, `Timings`). Fronts match on the piece type
+and ignore types they do not know, so new kinds can be added without breaking them: `ToolCall` is one
+(a whole call the model made, picked out of its text when the ask has tools; see tool_calls.py).
+An ask may carry a `constraint` (JSON mode, a schema...) that the engine enforces token by token. Prompts are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`); continuing an answer from
+text already produced (after a crash or a lost replica) is another prompt kind to add here.
+
+`Run.stop()` may be called from any task: it leaves the queue (admit raises `GenerationStopped`) or
+aborts the backend request (the stream ends with finish reason 'abort'). `Run.charge(usage)` adds model
+work done for this run outside the stream (summaries), so it is settled and metered with it.
+Refusals are `ApiError`s with the status and code the API returns; backend failures propagate as
+`BackendError` / `BadGenerationRequest`.
+
+Quota: `reserve()` is the run's only request to the quota store for the answer itself, and it comes
+before any response is sent, so an over-quota run is always refused with a 429 and never fails once
+its stream has begun. What it reserves is the run's `budget`: the prompt as it will be sent (or an
+upper bound of it) plus max_tokens, and room for the tool rounds an answer may run (see `reserve`).
+After that, admit() and resume() fit each round into what is left of the budget (lowering the round's
+max_tokens) instead of asking for more; a later round that no longer fits raises `BudgetSpent` and
+the answer ends as 'length'. Summaries have an allowance of their own (summary_admission.py).
+close() settles the reservation down to the tokens really used. docs/quotas.md states the rule.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator, Awaitable, Callable
+
+from chatloom.app.traffic import reasoning
+from chatloom.app.traffic.admission import INTERACTIVE, REASONING, Slot
+from chatloom.app.core.errors import ApiError
+from chatloom.app.traffic.quotas import QuotaExceeded
+from chatloom.settings import Settings
+from chatloom.app.generation.run_types import (AnswerText, Ask, BudgetSpent, ChatPrompt, Finished, GenerationStopped,
+                                               Limits, Piece, Prompt, TextPrompt, Thinking, TokenPrompt)
+from chatloom.app.generation.tool_calls import ToolCall, ToolCallParser
+from chatloom.app.traffic.control import Traffic
+from chatloom.app.core.validation import check_fits, off_loop
+from chatloom.serving import Backend, GenerationRequest, Timings, Usage
+
+# The trip's values live in run_types.py; fronts import them from here with the pipeline.
+__all__ = ["Pipeline", "Run", "Ask", "Limits", "ChatPrompt", "TextPrompt", "TokenPrompt", "Prompt", "Thinking",
+           "AnswerText", "Finished", "Piece", "ToolCall", "GenerationStopped", "BudgetSpent"]
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+# -- the pipeline -----------------------------------------------------------------------------
+
+class Pipeline:
+    def __init__(self, backend: Backend, traffic: Traffic, settings: Settings) -> None:
+        self.backend = backend
+        self.traffic = traffic
+        self.settings = settings
+
+    @property
+    def context_window(self) -> int:
+        """Prompt plus answer tokens one request may use (the backend's, capped by the settings)."""
+        window = self.backend.context_window
+        return min(window, self.settings.engine.context_window) if self.settings.engine.context_window else window
+
+    async def open(self, ask: Ask, moderate: str | None = None) -> "Run":
+        """Apply the caps and moderate `moderate` (the user's own text); raises ApiError."""
+        run = Run(self, ask, self._limits(ask))
+        if moderate:
+            await self.traffic.check_input(moderate, ask.param)
+        return run
+
+    def _limits(self, ask: Ask) -> Limits:
+        sampling, traffic = self.settings.sampling, self.traffic
+        model = self.backend.resolve_model(ask.model)
+        tier = traffic.tier(ask.user)
+        traffic.check_model(tier, model)
+        window = self.context_window
+        max_tokens = ask.max_tokens if ask.max_tokens is not None else min(sampling.max_tokens, window // 2)
+        if max_tokens > sampling.max_tokens_limit:
+            raise ApiError(400, f"max_tokens may be at most {sampling.max_tokens_limit}", "invalid_value", "max_tokens")
+        if max_tokens >= window:
+            raise ApiError(400, f"max_tokens must be below the context window ({window} tokens)",
+                           "invalid_value", "max_tokens")
+        max_tokens = traffic.cap_max_tokens(tier, max_tokens)
+        effort = traffic.effort(ask.reasoning_effort)
+        if effort is not None:  # room for the thinking on top of the answer, within the window
+            max_tokens = min(max_tokens + reasoning.BUDGET_TOKENS[effort], (window + max_tokens) // 2)
+        temperature = sampling.temperature if ask.temperature is None else ask.temperature
+        top_p = sampling.top_p if ask.top_p is None else ask.top_p
+        return Limits(model, tier, max_tokens, temperature, top_p, effort)
+
+
+class Run:
+    """One generation's trip; see the module docstring for the order of the calls."""
+
+    def __init__(self, pipeline: Pipeline, ask: Ask, limits: Limits) -> None:
+        self.pipeline = pipeline
+        self.ask = ask
+        self.limits = limits
+        self.request_id = ask.request_id or f"gen-{uuid.uuid4().hex}"
+        self.max_tokens = limits.max_tokens  # lowered when the prompt leaves less room
+        self.usage = Usage()  # of the stream, so far (settled even if the run fails half-way)
+        self.finish_reason: str | None = None
+        self.timings: Timings | None = None
+        self.stopped = False
+        self._extra = Usage()  # charged from outside the stream (summaries)
+        self._rounds = Usage()  # of the rounds before this one (tool calls): paid from the budget
+        self.budget: int | None = None  # tokens reserved for the answer itself, every round included
+        self.summary_allowance = 0  # tokens reserved for this run's summaries, not yet taken (summary_admission.py)
+        self._reservation = None
+        self._slot: Slot | None = None
+        self._queued: asyncio.Future | None = None
+        self._prepared: tuple[Prompt, Prompt, int] | None = None  # (as given, as sent, its tokens)
+        self._streaming = False
+        self._released = False
+        self._closed = False
+        self.continuing = False  # taken over from a gateway that died (see adopt)
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.pipeline.traffic
+
+    @property
+    def reservation(self):
+        """The quota reservation (a job record carries it, so whichever gateway ends the run settles it)."""
+        return self._reservation
+
+    def drop(self) -> None:
+        """End here without settling: another gateway took the run over and settles it. Frees the slot."""
+        self._closed = self._released = True
+        if self._slot is not None:
+            self._slot.release()
+
+    def adopt(self, reservation) -> None:
+        """Continue a run another gateway began: its quota reservation (already counted) becomes this
+        run's, to be settled at close; admit() then neither reserves again nor fits to a budget."""
+        self._reservation = reservation
+        self.continuing = True
+
+    def prompt_tokens(self, prompt: Prompt) -> int:
+        """The prompt's tokens as it will be sent (thinking instructions included); reserve() and admit()
+        reuse the count for the same prompt object."""
+        return self._prepare(prompt)[1]
+
+    # -- before the model ------------------------------------------------------------------
+    def _prepare(self, prompt: Prompt) -> tuple[Prompt, int]:
+        """The prompt as sent (thinking instructions added) and its exact token count."""
+        if self._prepared is None or self._prepared[0] is not prompt:
+            backend = self.pipeline.backend
+            if isinstance(prompt, ChatPrompt):
+                sent = prompt
+                if self.limits.effort is not None:
+                    sent = ChatPrompt(reasoning.with_instructions(prompt.messages, self.limits.effort),
+                                      prompt.continue_final)
+                tokens = backend.count_prompt_tokens(sent.messages)
+            elif isinstance(prompt, TextPrompt):
+                sent, tokens = prompt, backend.count_tokens(prompt.text)
+            else:
+                sent, tokens = prompt, len(prompt.token_ids)
+            self._prepared = (prompt, sent, tokens)
+        return self._prepared[1], self._prepared[2]
+
+    async def measure(self, prompt: Prompt) -> None:
+        """Count the prompt now, in a worker thread when it is large (not on the event loop);
+        reserve() and admit() then reuse the count."""
+        size = sum(len(m.get("content") or "") for m in prompt.messages) if isinstance(prompt, ChatPrompt) \
+            else len(prompt.text) if isinstance(prompt, TextPrompt) else 0
+        await off_loop(self._prepare, prompt, size=size)
+
+    def _fit(self, prompt_tokens: int) -> None:
+        window = self.pipeline.context_window
+        if prompt_tokens >= window:
+            raise ApiError(400, f"the prompt takes {prompt_tokens} tokens; the context window is {window} tokens "
+                           "and the answer needs room too", "context_length_exceeded", self.ask.param)
+        self.max_tokens = min(self.max_tokens, window - prompt_tokens)
+        # nor more KV cache than the engine's whole pool (it would wait in the queue forever).
+        check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
+
+    async def reserve(self, prompt: Prompt | int, extra_rounds: int = 0, summaries: int = 0) -> None:
+        """Refuse a prompt that can never fit (400), reserve the run's budget from the quota (429 past it),
+        then refuse at once if the admission queue is full (503, the reservation given back). The user's
+        own limit comes first: its 429 tells a client to slow down, where a 503 would only say the server
+        is busy.
+
+        Give the prompt itself, or (when part of it is written later, e.g. a summary) an upper bound of
+        its tokens: every later round must fit in what is reserved here. The budget is the first round
+        (prompt + max_tokens) and, for an answer that may call tools, `extra_rounds` more at twice that
+        each: a later round reads the earlier prompt again, what the model wrote and the tools' results,
+        then answers. All rounds share the budget (capped so that it fits the tier's per-minute limit).
+        `summaries`: tokens for summaries the run writes before its answer, reserved with the budget when
+        the quota has room for both; when it has room for the budget alone, the summaries go without (each
+        then asks the quota itself and is skipped if refused: summary_admission.py)."""
+        tokens = prompt if isinstance(prompt, int) else self._prepare(prompt)[1]
+        self._fit(tokens)
+        first = tokens + self.max_tokens
+        tier = self.limits.tier
+        budget = max(first, min(first * (1 + 2 * max(0, extra_rounds)), tier.tokens_per_minute))
+        reservation = None
+        if summaries:
+            try:  # straight to the store: a miss here is no refusal (no 429 counted)
+                reservation = await self.traffic.quotas.reserve(self.ask.user.id, tier, budget + summaries)
+            except QuotaExceeded:
+                summaries = 0
+        if reservation is None:
+            reservation = await self.traffic.reserve(self.ask.user, tier, budget)
+        if not self.continuing:  # a taken-over run was admitted on its first gateway
+            try:
+                self.refuse_if_full(tokens)
+            except ApiError:
+                await self.traffic.quotas.settle(reservation, 0)
+                raise
+        self._reservation = reservation
+        self.budget = budget
+        self.summary_allowance = summaries
+
+    async def admit(self, prompt: Prompt, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
+        """Count the exact prompt, fit the round into the budget reserved before, and wait for room in the
+        engine. `on_position` hears the place in the queue while it waits."""
+        sent, tokens = self._prepare(prompt)
+        self._fit(tokens)
+        if self._reservation is None:
+            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+            self.budget = tokens + self.max_tokens
+        elif not self.continuing:  # a continued answer's tokens were reserved when it began
+            self._within_budget(tokens)
+        if self.stopped:
+            raise GenerationStopped
+        # Joins the queue in this step (a full queue refuses here: 503, nothing made for the request).
+        ticket = self.traffic.enqueue(self.limits.tier, tokens, self.kind, on_position)
+        self._queued = asyncio.ensure_future(self.traffic.wait(ticket))
+        try:
+            self._slot = await self._queued
+        except asyncio.CancelledError:
+            self.traffic.admission.abandon(ticket)  # even if the wait was cancelled before it began
+            # stop() cancelled the wait (not this task): the run ends as stopped, at no cost.
+            if self.stopped and not asyncio.current_task().cancelling():
+                raise GenerationStopped from None
+            raise
+        except BaseException:
+            self.traffic.admission.abandon(ticket)
+            raise
+        finally:
+            self._queued = None
+        if self.stopped:
+            raise GenerationStopped
+
+    def _within_budget(self, prompt_tokens: int) -> None:
+        """Lower this round's max_tokens to what the budget has left after its prompt; BudgetSpent when
+        nothing is left. Never asks the quota for more: the answer may already be streaming."""
+        if self.budget is None:
+            return
+        room = self.budget - self._rounds.total_tokens - prompt_tokens
+        if room < 1:
+            raise BudgetSpent
+        self.max_tokens = min(self.max_tokens, room)
+
+    @property
+    def kind(self) -> str:
+        """The admission class: reasoning answers have their own share of the slots."""
+        return REASONING if self.limits.effort is not None else INTERACTIVE
+
+    def refuse_if_full(self, prompt_tokens: int) -> None:
+        """503 at once if the admission queue could not take this run within its timeout."""
+        self.traffic.refuse_if_full(self.limits.tier, prompt_tokens, self.kind)
+
+    async def resume(self, prompt: Prompt, request_id: str) -> None:
+        """Go on with the same answer from a longer prompt (the answer so far plus tool results), as a
+        new backend request under `request_id`: the admission slot is kept, the tokens used so far are
+        banked, and the round gets what the budget has left (BudgetSpent when that is nothing). The
+        prompt repeats the previous one token for token, so the engine's prefix cache serves it and only
+        the new turns are computed."""
+        assert self._slot is not None, "admit() first"
+        self._rounds = self._rounds + self.usage
+        self.usage = Usage()
+        self.request_id = request_id
+        self.max_tokens = self.limits.max_tokens
+        sent, tokens = self._prepare(prompt)
+        self._fit(tokens)
+        self._within_budget(tokens)
+
+    # -- the model ------------------------------------------------------------------------------
+    def _request(self) -> GenerationRequest:
+        assert self._prepared is not None, "admit() first"
+        sent, limits = self._prepared[1], self.limits
+        req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
+                                top_p=limits.top_p, seed=self.ask.seed, stop=list(self.ask.stop),
+                                request_id=self.request_id, priority=-limits.tier.priority,  # low numbers run first
+                                constraint=self.ask.constraint)
+        if isinstance(sent, ChatPrompt):
+            req.messages = sent.messages
+            req.continue_final = sent.continue_final
+        elif isinstance(sent, TextPrompt):
+            req.prompt = sent.text
+        else:
+            req.prompt_token_ids = sent.token_ids
+        return req
+
+    async def stream(self) -> AsyncIterator[Piece]:
+        """The answer as pieces; the last is Finished. Closing the iterator aborts the request."""
+        backend = self.pipeline.backend
+        guard = self.traffic.output_guard()
+        splitter = reasoning.ThinkingSplitter() if self.limits.effort is not None else None
+        tools = self.ask.tools
+        calls = ToolCallParser(tools.names()) if tools is not None and tools.active else None
+        aborted = False
+        self._streaming = True
+        async with aclosing(backend.stream(self._request())) as deltas:
+            async for delta in deltas:
+                self._slot.started()
+                if self.stopped and not aborted:  # a stop that raced the request's start
+                    backend.abort(self.request_id)
+                    aborted = True
+                self.usage = delta.usage
+                cut = delta.finished and delta.finish_reason in ("length", "abort")
+                text = _drop_cut_character(delta.text) if cut else delta.text
+                if guard.verdict is None:
+                    parts = splitter.push(text) if splitter else [("answer", text)] if text else []
+                    if delta.finished and splitter:
+                        parts += splitter.finish()
+                    for kind, part in parts:
+                        if kind == "thinking":
+                            yield Thinking(part)
+                        else:
+                            for shown in await guard.push(part):
+                                for out in _split_calls(calls, shown):
+                                    yield out
+                    if delta.finished and guard.verdict is None:
+                        for shown in await guard.finish():
+                            for out in _split_calls(calls, shown):
+                                yield out
+                        for out in _split_calls(calls, None):
+                            yield out
+                    if guard.verdict is not None and not aborted:
+                        # Caught before the user saw it: stop the model now; the run ends as content_filter.
+                        self.traffic.output_blocked(guard)
+                        if not delta.finished:
+                            backend.abort(self.request_id)
+                            aborted = True
+                if delta.finished:
+                    self.finish_reason = "content_filter" if guard.verdict else (delta.finish_reason or "stop")
+                    if calls is not None and calls.calls and self.finish_reason == "stop":
+                        self.finish_reason = "tool_calls"
+                    self.timings = delta.metrics
+                    yield Finished(self.finish_reason, delta.usage, delta.metrics)
+
+    def stop(self) -> None:
+        """End the run early: leave the queue, or abort the backend request."""
+        self.stopped = True
+        if self._queued is not None:
+            self._queued.cancel()
+        if self._streaming:
+            self.pipeline.backend.abort(self.request_id)
+
+    # -- after ------------------------------------------------------------------------------------
+    @property
+    def used(self) -> Usage:
+        """Everything this run has cost so far: every round, and the work charged to it."""
+        return self.usage + self._rounds + self._extra
+
+    def charge(self, usage: Usage) -> None:
+        """Model work for this run done outside its stream (summaries): settled and metered with it."""
+        self._extra = self._extra + usage
+
+    async def release(self) -> None:
+        """The answer is over: free its concurrency slot and settle the quota with the tokens really used,
+        so that the user's next request finds both free. close() does the rest: metering, a database
+        write a front may leave until its response is complete. Charges must come before this."""
+        if self._released:
+            return
+        self._released = True
+        if self._slot is not None:
+            self._slot.release()
+        if self._reservation is not None:
+            await self.traffic.quotas.settle(self._reservation, self.used.total_tokens)
+
+    async def close(self) -> None:
+        """Release (if not done yet), meter the tokens used, observe latencies."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.release()
+        used = self.used
+        if used.total_tokens:
+            await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
+        if self.usage.total_tokens:
+            self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage)
+
+
+def _split_calls(parser: ToolCallParser | None, text: str | None) -> list[AnswerText | ToolCall]:
+    """Answer text as pieces: plain text, or the tool calls found in it (text None: the answer ended)."""
+    if parser is None:
+        return [AnswerText(text)] if text else []
+    parts = parser.finish() if text is None else parser.push(text)
+    return [p if isinstance(p, ToolCall) else AnswerText(p) for p in parts if p]
+
+
+def _drop_cut_character(text: str) -> str:
+    """An answer cut (by max_tokens or a stop) in the middle of a multi-byte character ends in U+FFFD,
+    the decoder's stand-in for the partial bytes: drop it rather than show a broken character."""
+    return text.rstrip(REPLACEMENT_CHAR)

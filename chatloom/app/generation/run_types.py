@@ -1,0 +1,100 @@
+"""The values of a generation's trip: what a front asks for (`Ask`), what the caps leave it (`Limits`), the
+prompts a run takes, the pieces its stream yields, and the two ways a run ends early. Frozen dataclasses
+and unions, so fronts match on types (pipeline.py explains the trip itself)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chatloom.app.generation.tool_calls import ToolCall, ToolUse
+from chatloom.app.traffic.tiers import Tier
+from chatloom.serving import Constraint, Timings, Usage
+from chatloom.store import User
+
+
+# -- what a front asks for -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ask:
+    """A generation as a front received it, before any check. None means the service's default."""
+
+    user: User
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    reasoning_effort: str | None = None  # low | medium | high: think first (chat prompts only)
+    request_id: str | None = None  # default: a fresh id
+    param: str = "messages"  # the request field that errors about the prompt name
+    constraint: Constraint | None = None  # the answer must match this grammar
+    tools: ToolUse | None = None  # tools the model may call: its calls come out as ToolCall pieces
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The ask after the caps: what the run may spend."""
+
+    model: str
+    tier: Tier
+    max_tokens: int  # the answer's budget, thinking included
+    temperature: float
+    top_p: float
+    effort: str | None
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    messages: list[dict]  # [{"role", "content"}]
+    # the last message is an unfinished assistant turn to go on from (an interrupted answer resuming)
+    continue_final: bool = False
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    token_ids: list[int]
+
+
+Prompt = ChatPrompt | TextPrompt | TokenPrompt
+
+
+# -- what a run yields ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Thinking:
+    """Reasoning text (from the <think> block), shown apart from the answer."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class AnswerText:
+    """Answer text that passed the output guard."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last piece: why the answer ended (stop | length | abort | content_filter) and what it cost."""
+
+    finish_reason: str
+    usage: Usage
+    timings: Timings | None = None
+
+
+Piece = Thinking | AnswerText | ToolCall | Finished
+
+
+class GenerationStopped(Exception):
+    """Run.stop() was called while the run waited for admission: nothing ran, nothing is owed."""
+
+
+class BudgetSpent(Exception):
+    """The next round's prompt leaves no room in the tokens reserved for the run: the answer ends as
+    'length' (the quota is not asked for more once the answer has begun)."""

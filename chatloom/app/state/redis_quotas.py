@@ -1,0 +1,201 @@
+"""Token quotas in Redis, so every gateway counts against the same budgets.
+
+Each call is one Lua script, and Redis runs a script alone: the check and the reservation cannot
+interleave with another gateway's, so concurrent requests on any number of gateways are never
+granted a token past the limit. Per user (keys share the user's hash tag, so a cluster keeps them
+on one shard):
+
+- `win`: the minute window, a sorted set of reservation ids scored by their time;
+- `tok`: the tokens of each reservation still in the window or still running;
+- `req`: request start times (requests per minute);
+- `act`: running reservations, scored by when they stop counting (a gateway that died mid-answer
+  does not hold a concurrency slot forever);
+- `day:<date>`: the tokens of one UTC day.
+
+Time comes from the caller's clock (the gateways' clocks are assumed NTP-synced; tests inject one).
+The refusals and the x-ratelimit-* figures are built by chatloom.app.traffic.quotas, exactly as in memory.
+"""
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as redis
+
+from chatloom.app.traffic.quotas import (QuotaState, QuotaStore, Reservation, TOKENS_PER_MINUTE, _today, quota_state,
+                                 refusal)
+from chatloom.app.traffic.tiers import Tier
+
+# Drop what left the minute window (tokens stay while the reservation still runs), then read the figures.
+_PRUNE_AND_READ = """
+local win, tok, req, act, day = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local now = tonumber(ARGV[1])
+local old = redis.call('ZRANGEBYSCORE', win, '-inf', now - 60)
+for _, id in ipairs(old) do
+  if not redis.call('ZSCORE', act, id) then redis.call('HDEL', tok, id) end
+end
+redis.call('ZREMRANGEBYSCORE', win, '-inf', now - 60)
+redis.call('ZREMRANGEBYSCORE', req, '-inf', now - 60)
+redis.call('ZREMRANGEBYSCORE', act, '-inf', now)
+local entries = redis.call('ZRANGE', win, 0, -1, 'WITHSCORES')
+local used, times, amounts = 0, {}, {}
+for i = 1, #entries, 2 do
+  local n = tonumber(redis.call('HGET', tok, entries[i]) or '0')
+  used = used + n
+  times[#times + 1] = tonumber(entries[i + 1])
+  amounts[#amounts + 1] = n
+end
+local day_used = tonumber(redis.call('GET', day) or '0')
+local nreq = redis.call('ZCARD', req)
+local active = redis.call('ZCARD', act)
+local oldest = redis.call('ZRANGE', req, 0, 0, 'WITHSCORES')
+local oldest_req = oldest[2] or ''
+local newest = times[#times] or ''
+"""
+
+# Figures as strings: Redis would truncate Lua numbers to integers.
+_FIGURES = "tostring(used), tostring(day_used), tostring(nreq), tostring(active), tostring(oldest_req), tostring(newest)"
+
+_WAIT_FOR = """
+local function wait_for(need, limit)
+  local left = used
+  for i = 1, #times do
+    left = left - amounts[i]
+    if left + need <= limit then return times[i] + 60 - now end
+  end
+  return 60
+end
+"""
+
+_CHECK = """
+local function check(tokens, new_request)
+  if tokens > tpm then return 1 end
+  if day_used + tokens > tpd then return 2 end
+  if new_request and active >= max_conc then return 3 end
+  if new_request and nreq >= rpm then return 4 end
+  if used + tokens > tpm then return 5 end
+  return 0
+end
+"""
+
+RESERVE = _PRUNE_AND_READ + _WAIT_FOR + """
+local id, tokens = ARGV[2], tonumber(ARGV[3])
+local tpm, tpd, rpm, max_conc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local hold_s = tonumber(ARGV[8])
+""" + _CHECK + """
+local kind = check(tokens, true)
+if kind ~= 0 then
+  local wait = 0
+  if kind == 5 then wait = wait_for(tokens, tpm) end
+  return {tostring(kind), tostring(wait), """ + _FIGURES + """}
+end
+redis.call('ZADD', win, now, id)
+redis.call('HSET', tok, id, tokens)
+redis.call('ZADD', req, now, id)
+redis.call('ZADD', act, now + hold_s, id)
+redis.call('INCRBY', day, tokens)
+redis.call('EXPIRE', day, 2 * 86400)
+for _, k in ipairs({win, tok, req, act}) do redis.call('EXPIRE', k, math.max(120, hold_s + 60)) end
+return {'0', '0', """ + _FIGURES + """}
+"""
+
+EXTEND = _PRUNE_AND_READ + _WAIT_FOR + """
+local id, extra = ARGV[2], tonumber(ARGV[3])
+local tpm, tpd, rpm, max_conc = tonumber(ARGV[4]), tonumber(ARGV[5]), 0, 0
+""" + _CHECK + """
+local kind = check(extra, false)
+if kind ~= 0 then
+  local wait = 0
+  if kind == 5 then wait = wait_for(extra, tpm) end
+  return {tostring(kind), tostring(wait), """ + _FIGURES + """}
+end
+if redis.call('HEXISTS', tok, id) == 1 then redis.call('HINCRBY', tok, id, extra) end
+redis.call('INCRBY', day, extra)
+return {'0', '0', """ + _FIGURES + """}
+"""
+
+# Settling happens once, whichever gateway does it: only the call that removes the running entry counts.
+SETTLE = """
+local tok, act, day = KEYS[1], KEYS[2], KEYS[3]
+local id, used, reserved = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+if redis.call('ZREM', act, id) == 0 then return 0 end
+local current = tonumber(redis.call('HGET', tok, id) or reserved)
+if redis.call('HEXISTS', tok, id) == 1 then redis.call('HSET', tok, id, used) end
+local day_used = tonumber(redis.call('GET', day) or '0')
+if redis.call('EXISTS', day) == 1 then
+  redis.call('SET', day, math.max(0, day_used + used - current), 'KEEPTTL')
+end
+return 1
+"""
+
+STATE = _PRUNE_AND_READ + """
+return {'0', '0', """ + _FIGURES + """}
+"""
+
+
+class RedisQuotaStore(QuotaStore):
+    """The quota counters of a fleet of gateways, in one Redis."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "chatloom", clock=time.time,
+                 hold_s: float = 3600.0) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.clock = clock
+        # A reservation nobody settles (its gateway died and no other took the job) stops holding a
+        # concurrency slot after this long; its tokens stay counted, as they may have been used.
+        self.hold_s = hold_s
+        self._reserve = client.register_script(RESERVE)
+        self._extend = client.register_script(EXTEND)
+        self._settle = client.register_script(SETTLE)
+        self._state = client.register_script(STATE)
+
+    def _keys(self, user_id: str, day: str) -> list[str]:
+        base = f"{self.prefix}:quota:{{{user_id}}}"
+        return [f"{base}:win", f"{base}:tok", f"{base}:req", f"{base}:act", f"{base}:day:{day}"]
+
+    @staticmethod
+    def _figures(reply: list) -> tuple[int, float, int, int, int, int, float | None, float | None]:
+        kind, wait, used, day_used, nreq, active, oldest, newest = (x.decode() if isinstance(x, bytes) else x
+                                                                   for x in reply)
+        return (int(kind), float(wait), int(float(used)), int(float(day_used)), int(nreq), int(active),
+                float(oldest) if oldest else None, float(newest) if newest else None)
+
+    def _raise_if_refused(self, reply: list, tier: Tier, tokens: int, now: float) -> None:
+        kind, wait, used, day_used, nreq, _active, oldest, newest = self._figures(reply)
+        if kind:
+            state = quota_state(tier, used, day_used, nreq, newest, oldest, now)
+            raise refusal(kind, tier, tokens, used, day_used, now, oldest if oldest is not None else now,
+                          wait if kind == TOKENS_PER_MINUTE else 0.0, state)
+
+    async def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
+        now = self.clock()
+        reservation = Reservation(user_id, tokens, now, _today(now))
+        reply = await self._reserve(keys=self._keys(user_id, reservation.day),
+                                    args=[repr(now), reservation.id, tokens, tier.tokens_per_minute,
+                                          tier.tokens_per_day, tier.requests_per_minute, tier.max_concurrent,
+                                          repr(self.hold_s)])
+        self._raise_if_refused(reply, tier, tokens, now)
+        return reservation
+
+    async def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
+        extra = tokens - reservation.tokens
+        if extra <= 0 or reservation.settled:
+            return
+        now = self.clock()
+        reply = await self._extend(keys=self._keys(reservation.user_id, reservation.day),
+                                   args=[repr(now), reservation.id, extra, tier.tokens_per_minute,
+                                         tier.tokens_per_day])
+        self._raise_if_refused(reply, tier, extra, now)
+        reservation.tokens = tokens
+
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        if reservation.settled:
+            return
+        _win, tok, _req, act, day = self._keys(reservation.user_id, reservation.day)
+        await self._settle(keys=[tok, act, day], args=[reservation.id, used_tokens, reservation.tokens])
+        reservation.settled = True
+
+    async def state(self, user_id: str, tier: Tier) -> QuotaState:
+        now = self.clock()
+        reply = await self._state(keys=self._keys(user_id, _today(now)), args=[repr(now)])
+        _kind, _wait, used, day_used, nreq, _active, oldest, newest = self._figures(reply)
+        return quota_state(tier, used, day_used, nreq, newest, oldest, now)

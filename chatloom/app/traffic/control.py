@@ -1,0 +1,183 @@
+"""Traffic control, wired together: tiers, token quotas, the admission queue, moderation, metering
+and metrics, as one object the routes and the conversation service share.
+
+The helpers here turn each component's refusal into the API's answer: a quota refusal is a 429
+with Retry-After, OpenAI's code and the x-ratelimit-* headers; a flagged message a 400 naming the
+category; a queue timeout a 503 with Retry-After. `RateLimitHeaders` puts the x-ratelimit-* headers
+on every signed-in response. A generation's use of all this is written once, in `pipeline.py`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from chatloom.app.traffic.admission import INTERACTIVE, AdmissionQueue, QueueTimeout, Slot, Ticket
+from chatloom.app.core.errors import ApiError
+from chatloom.app.traffic.metrics import Metrics, Slo
+from chatloom.app.traffic.moderation import LexiconModerator, ModerationUnavailable, Moderator, NoModerator, OutputGuard
+from chatloom.app.traffic.remote_moderation import RemoteModerator
+from chatloom.app.traffic.quotas import MemoryQuotaStore, QuotaExceeded, QuotaStore, Reservation
+from chatloom.app.traffic.reasoning import EFFORTS, cap_effort
+from chatloom.settings import Settings
+from chatloom.app.traffic.tiers import Tier, TierTable
+from chatloom.app.traffic.metering import Meter
+from chatloom.serving import Backend
+from chatloom.store import Database, User
+
+
+@dataclass
+class Traffic:
+    settings: Settings
+    tiers: TierTable
+    quotas: QuotaStore
+    admission: AdmissionQueue
+    moderator: Moderator
+    metrics: Metrics
+    meter: Meter
+    reasoning_max_effort: str = "high"
+
+    # -- tiers ------------------------------------------------------------------------
+    def tier(self, user: User) -> Tier:
+        return self.tiers.for_user(user.tier)
+
+    def check_model(self, tier: Tier, model: str) -> None:
+        if not tier.allows_model(model):
+            raise ApiError(403, f"the {tier.name} tier may not use the model {model!r}", "model_not_allowed", "model")
+
+    def cap_max_tokens(self, tier: Tier, max_tokens: int) -> int:
+        """Answers of a tier are at most tier.max_tokens long, whatever the request asks."""
+        return min(max_tokens, tier.max_tokens)
+
+    def effort(self, requested: str | None) -> str | None:
+        return None if requested is None else cap_effort(requested, self.reasoning_max_effort)
+
+    # -- moderation ---------------------------------------------------------------------
+    async def check_input(self, text: str, param: str = "text") -> None:
+        try:
+            verdict = await self.moderator.check_input(text)
+        except ModerationUnavailable as exc:
+            raise ApiError(503, f"the message could not be checked: {exc}", "moderation_unavailable",
+                           headers={"Retry-After": "5"}) from None
+        if verdict is not None:
+            self.metrics.moderation_blocks.labels("input", verdict.category).inc()
+            raise ApiError(400, f"the message was flagged by moderation ({verdict.category}) and not sent",
+                           "content_policy_violation", param)
+
+    def output_guard(self) -> OutputGuard:
+        return OutputGuard(self.moderator, self.settings.moderation.holdback_tokens)
+
+    def output_blocked(self, guard: OutputGuard) -> None:
+        if guard.verdict is not None:
+            self.metrics.moderation_blocks.labels("output", guard.verdict.category).inc()
+
+    # -- quotas ------------------------------------------------------------------------
+    def _refusal(self, exc: QuotaExceeded) -> ApiError:
+        self.metrics.rate_limited.labels(exc.code).inc()
+        retry = max(1, math.ceil(exc.retry_after))
+        return ApiError(429, str(exc), exc.code, headers={"Retry-After": str(retry), **exc.state.headers()})
+
+    async def reserve(self, user: User, tier: Tier, tokens: int) -> Reservation:
+        try:
+            return await self.quotas.reserve(user.id, tier, tokens)
+        except QuotaExceeded as exc:
+            raise self._refusal(exc) from None
+
+    async def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
+        try:
+            await self.quotas.extend(reservation, tier, tokens)
+        except QuotaExceeded as exc:
+            raise self._refusal(exc) from None
+
+    async def headers(self, user: User) -> dict[str, str]:
+        return (await self.quotas.state(user.id, self.tier(user))).headers()
+
+    # -- admission ----------------------------------------------------------------------
+    async def admit(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
+                    on_position: Callable[[int], Awaitable[None]] | None = None) -> Slot:
+        return await self.wait(self.enqueue(tier, prompt_tokens, kind, on_position))
+
+    def enqueue(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
+                on_position: Callable[[int], Awaitable[None]] | None = None) -> Ticket:
+        """Join the admission queue now (503 at once if it could not take the request in time)."""
+        try:
+            return self.admission.enqueue(tier, prompt_tokens, kind, on_position)
+        except QueueTimeout as exc:
+            raise self._busy(exc) from None
+
+    async def wait(self, ticket: Ticket) -> Slot:
+        """The slot of an enqueued request (503 after the queue timeout)."""
+        try:
+            return await self.admission.wait(ticket)
+        except QueueTimeout as exc:
+            raise self._busy(exc) from None
+
+    def refuse_if_full(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE) -> None:
+        """503 now (no await, nothing queued) if the queue could not take this request in time."""
+        try:
+            self.admission.refuse_if_full(tier, prompt_tokens, kind)
+        except QueueTimeout as exc:
+            raise self._busy(exc) from None
+
+    def _busy(self, exc: QueueTimeout) -> ApiError:
+        self.metrics.queue_timeouts.inc()
+        return ApiError(503, str(exc), exc.code, headers={"Retry-After": str(exc.retry_after)})
+
+
+def build_moderator(settings: Settings) -> Moderator:
+    name = settings.moderation.mode
+    if name in ("off", "none", ""):
+        return NoModerator()
+    if name == "lexicon":
+        return LexiconModerator()
+    if name == "openai":
+        return RemoteModerator.from_settings(settings)
+    raise ValueError(f"unknown moderation {name!r} (use 'lexicon', 'openai' or 'off')")
+
+
+def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic:
+    if settings.traffic.reasoning_max_effort not in EFFORTS:
+        raise ValueError(f"reasoning_max_effort must be one of {', '.join(EFFORTS)}")
+    metrics = Metrics(backend.stats, lambda: backend.default_model if backend.model_ids else "unknown",
+                      Slo(settings.traffic.slo_ttft_s, settings.traffic.slo_tpot_s))
+
+    def on_wait(ticket: Ticket, waited: float, admitted: bool) -> None:
+        metrics.queue_wait.labels(ticket.tier.name, ticket.kind).observe(waited)
+
+    admission = AdmissionQueue(backend.has_room, settings.traffic.admission_max_running or settings.engine.max_num_seqs,
+                               settings.traffic.queue_max_wait_s, settings.traffic.reasoning_share, on_wait=on_wait)
+    metrics.queue_waiting.set_function(lambda: admission.waiting)
+    metrics.queue_running.set_function(lambda: admission.running)
+    return Traffic(settings=settings, tiers=TierTable.load(settings.traffic.tiers_file, default=settings.traffic.default_tier),
+                   quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings),
+                   metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.traffic.reasoning_max_effort)
+
+
+class RateLimitHeaders:
+    """ASGI middleware: every response to a signed-in caller carries x-ratelimit-* headers.
+    (Pure ASGI, not BaseHTTPMiddleware, so streamed answers are not buffered.)"""
+
+    def __init__(self, app, traffic: Callable[[], Traffic]) -> None:
+        self.app = app
+        self.traffic = traffic
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                user = scope.get("state", {}).get("user")
+                traffic = self.traffic()
+                headers = list(message.get("headers", []))
+                if user is not None and not any(k == b"x-ratelimit-limit-tokens" for k, _ in headers):
+                    try:
+                        figures = await traffic.headers(user)
+                    except Exception:  # a shared quota store out of reach: the answer itself says so, or not
+                        figures = {}
+                    headers += [(k.encode(), v.encode()) for k, v in figures.items()]
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
