@@ -10,7 +10,7 @@ import llguidance
 import pytest
 import torch
 
-from chatloom.app.tool_calls import ToolCallParser, ToolSpec, ToolUse
+from chatloom.app.generation.tool_calls import ToolCallParser, ToolSpec, ToolUse
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.engine.structured.closing import StringState, closing_walk
 from chatloom.engine.structured.constraint import Constraint
