@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -22,7 +22,8 @@ from chatloom.app.core.errors import ApiError, error_body
 from chatloom.app.api.openai_out import ChatCompletionOut, CompletionOut, ModelList, ModelOut
 from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
-from chatloom.app.generation.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Run, Thinking, ToolCall
+from chatloom.app.generation.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Thinking, ToolCall
+from chatloom.app.api.run_start import start_run
 from chatloom.app.api.sse import SSE_HEADERS, EventStreamResponse, frame
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 
@@ -131,32 +132,9 @@ class _TextChunks:
         return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
 
-async def _start(ctx: AppContext, ask: Ask, prompt: Prompt, moderate: str,
-                 session: AsyncSession) -> tuple[Run, AsyncIterator[Piece], Piece | None]:
-    """Through the pipeline up to the first piece, so a refusal (too long, over quota, busy, model not
-    ready) is a proper HTTP error rather than an error inside a 200 stream."""
-    run = await ctx.pipeline.open(ask, moderate)
-    pieces = None
-    try:
-        await run.measure(prompt)  # i12: tokenizing a large prompt off the event loop
-        await run.reserve(prompt)
-        # Authentication is done with the database: hand its connection back before a possibly long
-        # wait in the queue, or a burst of waiting requests would drain the connection pool.
-        await session.close()
-        await run.admit(prompt)
-        pieces = run.stream()
-        first = await anext(pieces, None)
-    except BaseException:
-        if pieces is not None:
-            await pieces.aclose()
-        await run.close()
-        raise
-    return run, pieces, first
-
-
 async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, moderate: str, fmt,
                    session: AsyncSession):
-    run, pieces, first = await _start(ctx, ask, prompt, moderate, session)
+    run, pieces, first = await start_run(ctx.pipeline, ask, prompt, moderate, session)
     base = {"id": run.request_id, "object": fmt.object, "created": int(time.time()), "model": run.limits.model,
             "system_fingerprint": None}
 
