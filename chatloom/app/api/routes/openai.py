@@ -12,14 +12,14 @@ import time
 import uuid
 from typing import Callable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.background import BackgroundTask
 
 from chatloom.app.api.deps import AppContext, Ctx, CurrentUser, SessionDep
 from chatloom.app.core.errors import ApiError, error_body
-from chatloom.app.api.openai_out import ChatCompletionOut, CompletionOut, ModelList, ModelOut
+from chatloom.app.api.openai_out import CapabilitiesOut, ChatCompletionOut, CompletionOut, ModelList, ModelOut
 from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
 from chatloom.app.generation.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Thinking, ToolCall
@@ -228,13 +228,24 @@ def _decode(ctx: AppContext, ids: list[int]) -> str:
         return ""
 
 
+def _model(request: Request, model_id: str) -> ModelOut:
+    """A served model and what it supports. Every model the backend serves takes chat and plain-text
+    prompts (a model without a chat template of its own gets the fallback template) and tool calls (rendered
+    into the prompt, forced by a grammar); embeddings are there when the API serves them; no model here
+    reads images (image content is refused on every route)."""
+    paths = {getattr(route, "path", None) for route in request.app.routes}
+    return ModelOut(id=model_id, capabilities=CapabilitiesOut(
+        chat=True, completions=True, embeddings="/v1/embeddings" in paths, tools=True, vision=False))
+
+
 @router.get("/models", response_model=ModelList, responses=SIGNED_IN)
-async def list_models(ctx: Ctx, user: CurrentUser) -> ModelList:
-    return ModelList(data=[ModelOut(id=m) for m in ctx.backend.model_ids])
+async def list_models(request: Request, ctx: Ctx, user: CurrentUser) -> ModelList:
+    """The served models, each with a `capabilities` extension field."""
+    return ModelList(data=[_model(request, m) for m in ctx.backend.model_ids])
 
 
 @router.get("/models/{model_id:path}", response_model=ModelOut, responses=errors(401, 404))
-async def get_model(model_id: str, ctx: Ctx, user: CurrentUser) -> ModelOut:
+async def get_model(model_id: str, request: Request, ctx: Ctx, user: CurrentUser) -> ModelOut:
     if model_id not in ctx.backend.model_ids:
         raise ApiError(404, f"the model {model_id!r} does not exist", "model_not_found", "model")
-    return ModelOut(id=model_id)
+    return _model(request, model_id)
