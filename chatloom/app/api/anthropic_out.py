@@ -33,7 +33,7 @@ class MessageUsageOut(BaseModel):
     cache_read_input_tokens: int = 0
 
 
-class MessageOut(BaseModel):
+class AnthropicMessageOut(BaseModel):
     """A whole answer (`stream: false`); streamed, the same arrives as Anthropic's events
     (message_start, content_block_start/delta/stop, message_delta, message_stop, ping, error)."""
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from chatloom.app.core.errors import ApiError
 from chatloom.app.generation.pipeline import Ask, ChatPrompt
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse, render_messages
-from chatloom.app.api.openai_schemas import MAX_TOOL_OUTPUT_CHARS, _check
+from chatloom.app.api.openai_schemas import MAX_TOOL_OUTPUT_CHARS, checked
 from chatloom.serving import Constraint
 from chatloom.store import User
 
@@ -59,7 +59,7 @@ class ToolResultBlockIn(BaseModel):
 ContentBlockIn = Annotated[Union[TextBlockIn, ToolUseBlockIn, ToolResultBlockIn], Field(discriminator="type")]
 
 
-class MessageIn(BaseModel):
+class AnthropicMessageIn(BaseModel):
     model_config = LENIENT
     role: Literal["user", "assistant"]
     content: str | list[ContentBlockIn]
@@ -68,7 +68,7 @@ class MessageIn(BaseModel):
         return [TextBlockIn(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
-class ToolIn(BaseModel):
+class AnthropicToolIn(BaseModel):
     """A client tool: its name, what it does, and its input's JSON schema."""
 
     model_config = LENIENT
@@ -90,9 +90,9 @@ class MessagesBase(BaseModel):
 
     model_config = LENIENT
     model: str = Field(min_length=1)
-    messages: list[MessageIn] = Field(min_length=1)
+    messages: list[AnthropicMessageIn] = Field(min_length=1)
     system: str | list[TextBlockIn] | None = None
-    tools: list[ToolIn] | None = Field(default=None, max_length=64)
+    tools: list[AnthropicToolIn] | None = Field(default=None, max_length=64)
     tool_choice: ToolChoiceIn | None = None
 
     def tool_use(self) -> ToolUse | None:
@@ -114,7 +114,7 @@ class MessagesBase(BaseModel):
                                f"({', '.join(names)})", "invalid_value", "tool_choice")
         parallel = not (choice is not None and choice.disable_parallel_tool_use)
         for spec in specs:
-            _check(Constraint.json_schema(spec.parameters), f"the input_schema of tool {spec.name!r}", "tools")
+            checked(Constraint.json_schema(spec.parameters), f"the input_schema of tool {spec.name!r}", "tools")
         return ToolUse(tuple(specs), mode, parallel)
 
     def system_text(self) -> str:
@@ -186,7 +186,7 @@ class MessagesIn(MessagesBase):
         return v
 
     def to_ask(self, user: User, request_id: str, tools: ToolUse | None) -> Ask:
-        constraint = _check(tools.constraint(), "the tools", "tools") if tools is not None and tools.forced else None
+        constraint = checked(tools.constraint(), "the tools", "tools") if tools is not None and tools.forced else None
         # Anthropic's defaults: temperature 1, no nucleus or top-k cut.
         return Ask(user=user, model=self.model, max_tokens=self.max_tokens,
                    temperature=1.0 if self.temperature is None else self.temperature,

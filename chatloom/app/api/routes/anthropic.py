@@ -14,7 +14,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
-from chatloom.app.api.anthropic_out import CountTokensOut, MessageOut
+from chatloom.app.api.anthropic_out import AnthropicMessageOut, CountTokensOut
 from chatloom.app.api.anthropic_schemas import CountTokensIn, MessagesIn
 from chatloom.app.api.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.api.openapi_responses import ANTHROPIC_ANSWER, ANTHROPIC_ERROR_SCHEMA, anthropic_stream, errors
@@ -100,7 +100,7 @@ class _StreamFormat:
         return events
 
 
-@router.post("/messages", responses=anthropic_stream(MessageOut) | ANTHROPIC_ANSWER)
+@router.post("/messages", responses=anthropic_stream(AnthropicMessageOut) | ANTHROPIC_ANSWER)
 async def create_message(body: MessagesIn, ctx: Ctx, user: CurrentUser, session: SessionDep):
     tools = body.tool_use()
     prompt = body.prompt(tools)
