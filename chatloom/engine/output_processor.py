@@ -29,6 +29,7 @@ class RequestState:
         self.emitted = 0  # characters of detok.text already handed out
         self.max_stop_len = max((len(s) for s in seq.params.stop), default=0)
         self.stopped_by_string = False
+        self.stop_str: str | None = None  # the stop string that ended the request
 
 
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -82,9 +83,10 @@ class OutputProcessor:
         if p.stop and seq.num_output_tokens >= p.min_tokens:
             text = state.detok.text
             window_start = max(0, state.emitted - state.max_stop_len)
-            hits = [i for i in (text.find(s, window_start) for s in p.stop) if i >= 0]
+            hits = [(i, s) for s in p.stop if (i := text.find(s, window_start)) >= 0]
             if hits:
-                state.detok.text = text[:min(hits)]
+                at, state.stop_str = min(hits, key=lambda hit: hit[0])
+                state.detok.text = text[:at]
                 state.stopped_by_string = True
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
@@ -121,7 +123,7 @@ class OutputProcessor:
         out = RequestOutput(seq.request_id, delta, [], text, finished=True, finish_reason=reason,
                             num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens,
                             num_cached_tokens=seq.metrics.num_cached_tokens, metrics=seq.metrics,
-                            token_ids=seq.output_token_ids)
+                            token_ids=seq.output_token_ids, stop_str=state.stop_str)
         if emit:
             self._finished.append(out)
         return out

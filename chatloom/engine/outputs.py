@@ -20,3 +20,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     token_ids: list[int] = field(default_factory=list)  # all output tokens, on the final output
     error: str | None = None  # with finish_reason 'error': why this request (alone) failed
+    stop_str: str | None = None  # with finish_reason 'stop': the stop string that ended it (None: an end token)

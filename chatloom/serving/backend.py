@@ -117,6 +117,9 @@ class Delta:
     # so that another process can resume the answer; see resume_token_ids).
     token_ids: list[int] | None = None
     failovers: int = 0  # on the last delta from a router: replicas the answer moved off mid-way
+    # On the last delta, with finish_reason 'stop': the stop sequence that ended the answer, where the
+    # backend tells (None: an end-of-text token, or a backend that does not say).
+    stop_sequence: str | None = None
 
     @property
     def usage(self) -> Usage:

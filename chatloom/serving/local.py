@@ -181,7 +181,8 @@ class LocalBackend(Backend):
                 new_ids = out.token_ids[sent:] if out.finished else out.delta_token_ids
                 sent += len(new_ids)
                 yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
-                            out.num_output_tokens, out.num_cached_tokens, metrics, list(new_ids))
+                            out.num_output_tokens, out.num_cached_tokens, metrics, list(new_ids),
+                            stop_sequence=out.stop_str)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         except EngineDeadError as exc:

@@ -71,6 +71,7 @@ def test_finish_reasons_and_token_limits(tiny_model):
     stopped = engine.generate([p], SamplingParams(max_tokens=7, temperature=0, stop_token_ids=[first]),
                               use_tqdm=False)[0]
     assert stopped.finish_reason == "stop" and stopped.num_output_tokens == 1
+    assert stopped.stop_str is None  # a stop token, not a stop string
     # min_tokens forbids stop tokens until reached.
     held = engine.generate([p], SamplingParams(max_tokens=7, min_tokens=3, temperature=0,
                                                stop_token_ids=[first, eos]), use_tqdm=False)[0]
@@ -84,14 +85,14 @@ def test_stop_string_ends_generation_and_is_not_emitted(smollm2):
     stop = full.text.strip().split(",")[1].strip()  # some number the model will write
     assert stop
     streamed = ""
-    engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, stop=[stop]), "s")
+    engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, stop=["never written", stop]), "s")
     final = None
     while final is None:
         for out in engine.step():
             streamed += out.delta_text
             if out.finished:
                 final = out
-    assert final.finish_reason == "stop"
+    assert final.finish_reason == "stop" and final.stop_str == stop  # which stop string ended it
     assert stop not in final.text and stop not in streamed
     assert streamed == final.text
 

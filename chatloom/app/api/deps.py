@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Annotated, AsyncIterator
 
 from fastapi import Depends, Request, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.core.auth import API_KEY_PREFIX, Passwords, Tokens, hash_api_key
@@ -83,16 +83,35 @@ bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
                     description="a session token (POST /auth/login or /auth/signup) or an API key (POST /auth/api-keys)")
 
 
-async def current_user(request: Request, session: SessionDep,
-                       _declared: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None) -> User:
-    """The caller, from `Authorization: Bearer <session token | API key>`."""
+# Anthropic's SDKs send the API key in this header instead.
+api_key_header = APIKeyHeader(name="x-api-key", auto_error=False, scheme_name="x-api-key",
+                              description="an API key (POST /auth/api-keys), as Anthropic's clients send it")
+
+
+def _credential(request: Request) -> str:
+    """The credential from `Authorization: Bearer ...`, or else an API key from `x-api-key`."""
     header = request.headers.get("authorization")
     if not header:
-        raise _unauthorized("missing Authorization header: send 'Bearer <token or API key>'", "missing_token")
+        key = request.headers.get("x-api-key", "").strip()
+        if not key:
+            raise _unauthorized("missing Authorization header: send 'Bearer <token or API key>' "
+                                "(or the API key in x-api-key)", "missing_token")
+        if not key.startswith(API_KEY_PREFIX):
+            raise _unauthorized(f"x-api-key must hold an API key (it starts with {API_KEY_PREFIX!r}); send a "
+                                "session token as 'Authorization: Bearer <token>'", "invalid_api_key")
+        return key
     scheme, _, credential = header.partition(" ")
     credential = credential.strip()
     if scheme.lower() != "bearer" or not credential:
         raise _unauthorized("the Authorization header must be 'Bearer <token or API key>'", "invalid_token")
+    return credential
+
+
+async def current_user(request: Request, session: SessionDep,
+                       _declared: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)] = None,
+                       _key: Annotated[str | None, Security(api_key_header)] = None) -> User:
+    """The caller, from `Authorization: Bearer <session token | API key>` or `x-api-key: <API key>`."""
+    credential = _credential(request)
     ctx = get_context(request)
     if credential.startswith(API_KEY_PREFIX):
         key_hash = hash_api_key(credential)

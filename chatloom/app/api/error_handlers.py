@@ -50,40 +50,42 @@ def _describe(errors: list[dict]) -> tuple[str, str | None, str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param, code = _describe(list(exc.errors()))
         # OpenAI answers malformed requests with 400; the product API uses 422 for well-formed but wrong bodies.
         status = 400 if code == "invalid_json" or _is_openai(request) else 422
-        return error_response(status, message, code, param)
+        return error_response(status, message, code, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(exc.status_code, message, code, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, code, headers=getattr(exc, "headers", None),
+                              path=request.url.path)
 
     @app.exception_handler(UnknownModel)
     async def _unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
-        return error_response(404 if _is_openai(request) else 400, str(exc), exc.code, exc.param)
+        return error_response(404 if _is_openai(request) else 400, str(exc), exc.code, exc.param,
+                              path=request.url.path)
 
     @app.exception_handler(BadGenerationRequest)
-    async def _bad_generation(_request: Request, exc: BadGenerationRequest) -> JSONResponse:
-        return error_response(400, str(exc), exc.code, exc.param)
+    async def _bad_generation(request: Request, exc: BadGenerationRequest) -> JSONResponse:
+        return error_response(400, str(exc), exc.code, exc.param, path=request.url.path)
 
     @app.exception_handler(BackendNotReady)
-    async def _not_ready(_request: Request, exc: BackendNotReady) -> JSONResponse:
-        return error_response(503, str(exc), "model_not_ready", headers={"Retry-After": "5"})
+    async def _not_ready(request: Request, exc: BackendNotReady) -> JSONResponse:
+        return error_response(503, str(exc), "model_not_ready", headers={"Retry-After": "5"}, path=request.url.path)
 
     @app.exception_handler(BackendError)
-    async def _backend(_request: Request, exc: BackendError) -> JSONResponse:
+    async def _backend(request: Request, exc: BackendError) -> JSONResponse:
         log.error("backend failure: %s", exc)
-        return error_response(502, f"the model backend failed: {exc}", "backend_error")
+        return error_response(502, f"the model backend failed: {exc}", "backend_error", path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal error", "internal_error")
+        return error_response(500, "internal error", "internal_error", path=request.url.path)

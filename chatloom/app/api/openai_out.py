@@ -87,11 +87,22 @@ class CompletionOut(BaseModel):
     usage: UsageOut
 
 
+class CapabilitiesOut(BaseModel):
+    """What a model can be asked for here (an extension: OpenAI's model object has no such field)."""
+
+    chat: bool  # /v1/chat/completions, /v1/messages, the conversations API
+    completions: bool  # /v1/completions
+    embeddings: bool  # /v1/embeddings
+    tools: bool  # function calling / tool use
+    vision: bool  # images in the input
+
+
 class ModelOut(BaseModel):
     id: str
     object: str = "model"
     created: int = CREATED
     owned_by: str = "chatloom"
+    capabilities: CapabilitiesOut | None = None
 
 
 class ModelList(BaseModel):

@@ -182,7 +182,7 @@ class ChatCompletionIn(SamplingIn):
         use = ToolUse(tuple(specs), choice, self.parallel_tool_calls is not False)
         # Every schema must compile, forced or not: a bad one is the caller's error either way.
         for spec in specs:
-            _check(Constraint.json_schema(spec.parameters), f"the parameters of tool {spec.name!r}", "tools")
+            checked(Constraint.json_schema(spec.parameters), f"the parameters of tool {spec.name!r}", "tools")
         return use
 
     def constraint(self, tools: ToolUse | None) -> Constraint | None:
@@ -192,7 +192,7 @@ class ChatCompletionIn(SamplingIn):
             if fmt is not None and fmt.type != "text":
                 raise ApiError(400, "response_format cannot be combined with a forced tool_choice",
                                "invalid_value", "response_format")
-            return _check(tools.constraint(), "the tools", "tools")
+            return checked(tools.constraint(), "the tools", "tools")
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
@@ -200,7 +200,7 @@ class ChatCompletionIn(SamplingIn):
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise ApiError(400, "response_format json_schema needs json_schema.schema", "invalid_value",
                            "response_format")
-        return _check(Constraint.json_schema(fmt.json_schema.schema_), "response_format's JSON schema",
+        return checked(Constraint.json_schema(fmt.json_schema.schema_), "response_format's JSON schema",
                       "response_format")
 
     def prompt(self, tools: ToolUse | None = None) -> ChatPrompt:
@@ -238,7 +238,7 @@ class ChatCompletionIn(SamplingIn):
         return replace(ask, constraint=constraint, tools=tools)
 
 
-def _check(constraint: Constraint | None, what: str, param: str) -> Constraint | None:
+def checked(constraint: Constraint | None, what: str, param: str) -> Constraint | None:
     """A constraint that compiles, or a 400 naming what did not."""
     if constraint is None:
         return None

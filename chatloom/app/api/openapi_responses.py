@@ -4,7 +4,8 @@ Generated clients and contract tests trust the schema's status codes and content
 (tests/app/test_api_fuzz.py runs schemathesis against it and fails on anything undeclared).
 The routes take their `responses=` from here:
 
-- Every error answer is the JSON body `errors.ErrorOut`: {"error": {"message", "type", "param", "code"}}.
+- Every error answer is the JSON body `errors.ErrorOut`: {"error": {"message", "type", "param", "code"}};
+  on the Anthropic Messages API, `anthropic_out.AnthropicErrorOut` ({"type": "error", "error": {...}}).
 - `EDGE`, on every route (set once on the app): 400 for a bad character in the URL or the body or an
   unreadable Content-Length, and 413 for a body over `max_body_bytes`; `validation.EdgeGuard` answers
   both before any route runs.
@@ -22,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from chatloom.app.api.anthropic_out import AnthropicErrorOut
 from chatloom.app.api.error_handlers import is_openai_path
 from chatloom.app.core.errors import ErrorOut
 from chatloom.app.traffic.metrics import CONTENT_TYPE
@@ -31,6 +33,7 @@ Responses = dict[int | str, dict[str, Any]]
 
 COMPONENTS = "#/components/schemas/"
 ERROR_SCHEMA = {"$ref": COMPONENTS + "ErrorOut"}
+ANTHROPIC_ERROR_SCHEMA = {"$ref": COMPONENTS + "AnthropicErrorOut"}
 
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again",
                                "schema": {"type": "integer", "minimum": 1}}}
@@ -57,21 +60,24 @@ WHY: dict[int, str] = {
     502: "The model backend failed.",
     503: "Temporarily unable: the admission queue is full or timed out, the model is loading, moderation or "
          "Redis is out of reach, or the gateway is shutting down; Retry-After says when to retry.",
+    529: "Overloaded (Anthropic's overloaded_error): the admission queue is full or timed out; Retry-After says "
+         "when to retry.",
 }
 
 _HEADERS: dict[int, dict] = {
     401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     429: RATE_LIMIT_HEADERS,
     503: RETRY_AFTER,
+    529: RETRY_AFTER,
 }
 
 
-def errors(*statuses: int) -> Responses:
-    """OpenAPI `responses` for these error statuses, each with the app's JSON error body."""
+def errors(*statuses: int, schema: dict[str, Any] = ERROR_SCHEMA) -> Responses:
+    """OpenAPI `responses` for these error statuses, each with the app's JSON error body (or `schema`)."""
     out: Responses = {}
     for status in statuses:
         response: dict[str, Any] = {"description": WHY[status],
-                                    "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+                                    "content": {"application/json": {"schema": schema}}}
         if status in _HEADERS:
             response["headers"] = _HEADERS[status]
         out[status] = response
@@ -110,6 +116,8 @@ OWN_CONVERSATION = errors(401, 404)
 # Starting an answer: caps, moderation, quota and admission (pipeline.py) before the stream begins.
 CONVERSATION_ANSWER = errors(401, 403, 404, 409, 429, 502, 503)
 OPENAI_ANSWER = errors(401, 403, 404, 429, 502, 503)
+# The Anthropic Messages API: its own error body, and 529 where the other APIs send a queue's 503.
+ANTHROPIC_ANSWER = errors(400, 401, 403, 404, 413, 429, 502, 503, 529, schema=ANTHROPIC_ERROR_SCHEMA)
 
 # An answer of the conversation API: every event's data is a JSON schemas.AnswerEvent.
 ANSWER_STREAM = event_stream(
@@ -117,6 +125,15 @@ ANSWER_STREAM = event_stream(
     "`{\"token\"}` pieces (and `thinking`, `queue_position`, `tool_call`, `tool_result`), then "
     "`{\"done\": true, ...}`, or an `event: error` when it is refused or fails after the stream began.",
     {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": COMPONENTS + "AnswerEvent"}})
+
+
+def anthropic_stream(json_model: type) -> Responses:
+    """The Anthropic Messages API's 200: `json_model` as JSON, or with `stream: true` Anthropic's events."""
+    return event_stream(
+        "One JSON object; with `stream: true`, server-sent events named by their `type`: message_start, ping, "
+        "content_block_start, content_block_delta (text_delta, input_json_delta), content_block_stop, "
+        "message_delta (stop_reason, usage), message_stop; a failure after the stream began is an `error` event.",
+        {"type": "string", "contentMediaType": "application/json"}, json_model)
 
 
 def openai_stream(chunk: str, json_model: type) -> Responses:
@@ -136,7 +153,7 @@ def install(app: FastAPI) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = generate()  # FastAPI caches it in app.openapi_schema; finished here, in place
-            _add_models(schema, ErrorOut, AnswerEvent)
+            _add_models(schema, ErrorOut, AnthropicErrorOut, AnswerEvent)
             _validation_errors_as_sent(schema)
             _event_streams_by_event(schema)
         return app.openapi_schema

@@ -24,7 +24,7 @@ from urllib.parse import unquote
 from fastapi import Query
 from pydantic import Field
 
-from chatloom.app.core.errors import ApiError, error_body
+from chatloom.app.core.errors import ApiError, error_response
 from chatloom.engine.sampling_params import SEED_MAX, SEED_MIN
 
 T = TypeVar("T")
@@ -126,16 +126,16 @@ class EdgeGuard:
             return await self.app(scope, receive, send)
         problem = _bad_target(scope)
         if problem is not None:
-            return await _reply(send, 400, *problem)
+            return await _reply(scope, send, 400, *problem)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         length = headers.get(b"content-length")
         if length is not None:
             try:
                 declared = int(length)
             except ValueError:
-                return await _reply(send, 400, "Content-Length is not a number", "header", "invalid_header")
+                return await _reply(scope, send, 400, "Content-Length is not a number", "header", "invalid_header")
             if declared > self.max_body_bytes:
-                return await _reply(send, 413, *self._too_large(declared))
+                return await _reply(scope, send, 413, *self._too_large(declared))
         elif b"transfer-encoding" not in headers:
             return await self.app(scope, receive, send)  # no body at all
 
@@ -148,7 +148,7 @@ class EdgeGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return await _reply(send, 413, *self._too_large(size))
+                return await _reply(scope, send, 413, *self._too_large(size))
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -159,7 +159,7 @@ class EdgeGuard:
                      else scan_json_body(body))
             if found is not None:
                 field, why = found
-                return await _reply(send, 400, f"{field}: {why}", field, "invalid_text")
+                return await _reply(scope, send, 400, f"{field}: {why}", field, "invalid_text")
 
         replayed = False
 
@@ -194,8 +194,8 @@ def _bad_target(scope) -> tuple[str, str, str] | None:
     return None
 
 
-async def _reply(send, status: int, message: str, param: str | None, code: str) -> None:
-    body = json.dumps(error_body(status, message, code, param)).encode()
+async def _reply(scope, send, status: int, message: str, param: str | None, code: str) -> None:
+    body = error_response(status, message, code, param, path=scope.get("path", "")).body  # the API's own shape
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -114,6 +114,7 @@ class Run:
         self.max_tokens = limits.max_tokens  # lowered when the prompt leaves less room
         self.usage = Usage()  # of the stream, so far (settled even if the run fails half-way)
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop sequence that ended the answer (see Finished)
         self.timings: Timings | None = None
         self.stopped = False
         self._extra = Usage()  # charged from outside the stream (summaries)
@@ -172,6 +173,11 @@ class Run:
                 sent, tokens = prompt, len(prompt.token_ids)
             self._prepared = (prompt, sent, tokens)
         return self._prepared[1], self._prepared[2]
+
+    @property
+    def counted_prompt_tokens(self) -> int | None:
+        """The last prompt's exact token count as sent, once measure(), reserve() or admit() has counted it."""
+        return None if self._prepared is None else self._prepared[2]
 
     async def measure(self, prompt: Prompt) -> None:
         """Count the prompt now, in a worker thread when it is large (not on the event loop);
@@ -296,7 +302,7 @@ class Run:
         assert self._prepared is not None, "admit() first"
         sent, limits = self._prepared[1], self.limits
         req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
-                                top_p=limits.top_p, seed=self.ask.seed, stop=list(self.ask.stop),
+                                top_p=limits.top_p, top_k=self.ask.top_k or 0, seed=self.ask.seed, stop=list(self.ask.stop),
                                 request_id=self.request_id, priority=-limits.tier.priority,  # low numbers run first
                                 constraint=self.ask.constraint)
         if isinstance(sent, ChatPrompt):
@@ -353,8 +359,10 @@ class Run:
                     self.finish_reason = "content_filter" if guard.verdict else (delta.finish_reason or "stop")
                     if calls is not None and calls.calls and self.finish_reason == "stop":
                         self.finish_reason = "tool_calls"
+                    if self.finish_reason == "stop":
+                        self.stop_sequence = delta.stop_sequence
                     self.timings = delta.metrics
-                    yield Finished(self.finish_reason, delta.usage, delta.metrics)
+                    yield Finished(self.finish_reason, delta.usage, delta.metrics, self.stop_sequence)
 
     def stop(self) -> None:
         """End the run early: leave the queue, or abort the backend request."""

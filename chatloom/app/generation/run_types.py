@@ -22,6 +22,7 @@ class Ask:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # sample from the k likeliest tokens only (None or 0: all of them)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     reasoning_effort: str | None = None  # low | medium | high: think first (chat prompts only)
@@ -81,11 +82,13 @@ class AnswerText:
 
 @dataclass(frozen=True)
 class Finished:
-    """The last piece: why the answer ended (stop | length | abort | content_filter) and what it cost."""
+    """The last piece: why the answer ended (stop | length | abort | content_filter | tool_calls) and what
+    it cost; with 'stop', the stop sequence that ended it where the backend says (None: an end token)."""
 
     finish_reason: str
     usage: Usage
     timings: Timings | None = None
+    stop_sequence: str | None = None
 
 
 Piece = Thinking | AnswerText | ToolCall | Finished

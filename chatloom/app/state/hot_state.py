@@ -146,9 +146,9 @@ def install_redis_errors(app: FastAPI, hot: HotState) -> None:
     if hot.hub is None:
         return
 
-    async def unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    async def unavailable(request: Request, exc: Exception) -> JSONResponse:
         return error_response(503, unavailable_message(hot.hub.where, exc), "redis_unavailable",
-                              headers={"Retry-After": "1"})
+                              headers={"Retry-After": "1"}, path=request.url.path)
 
     for exc_type in UNAVAILABLE:
         app.add_exception_handler(exc_type, unavailable)

@@ -32,10 +32,38 @@ class Verdict:
     match: str  # the normalized text that matched, for logs (not shown to users)
 
 
+@dataclass(frozen=True)
+class Classification:
+    """One text's full result, as /v1/moderations reports it: every category, flagged or not, and a score."""
+
+    flagged: bool
+    categories: dict[str, bool]
+    category_scores: dict[str, float]
+
+
+# OpenAI's moderation categories: /v1/moderations reports each of them (clients read them by name).
+OPENAI_CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit",
+                     "illicit/violent", "self-harm", "self-harm/intent", "self-harm/instructions", "sexual",
+                     "sexual/minors", "violence", "violence/graphic")
+
+
+def classification(flagged_categories: set[str], own: tuple[str, ...] = (),
+                   same_as: dict[str, tuple[str, ...]] | None = None) -> Classification:
+    """A yes/no result as a Classification: OpenAI's categories and `own` all reported, those flagged (and
+    the OpenAI categories `same_as` says they imply) true with score 1.0, the rest false with 0.0."""
+    hits = set(flagged_categories)
+    for category in flagged_categories:
+        hits.update((same_as or {}).get(category, ()))
+    names = list(dict.fromkeys((*OPENAI_CATEGORIES, *own, *sorted(flagged_categories))))
+    return Classification(bool(hits), {n: n in hits for n in names}, {n: float(n in hits) for n in names})
+
+
 class Moderator(abc.ABC):
     # How much already-shown text the output check sees with the held-back part, so a phrase split
     # across pieces still matches.
     window_chars: int = 200
+    enabled = True  # False: nothing is checked (and /v1/moderations says so rather than pass everything)
+    name = "chatloom-moderation"  # the `model` /v1/moderations reports
 
     @abc.abstractmethod
     async def check_input(self, text: str) -> Verdict | None:
@@ -47,6 +75,15 @@ class Moderator(abc.ABC):
 
     async def close(self) -> None:
         """Release connections (a remote moderator's)."""
+
+    async def classify(self, texts: list[str]) -> tuple[str, list[Classification]]:
+        """Each text's full result, for /v1/moderations, and the name of the model that judged them.
+        By default the input check's verdict: its one category flagged, or nothing."""
+        results = []
+        for text in texts:
+            verdict = await self.check_input(text)
+            results.append(classification({verdict.category} if verdict else set()))
+        return self.name, results
 
     def safe_prefix(self, text: str, cuts: Sequence[int] | None = None) -> int | None:
         """How many leading characters of `text` (which check_output passed) no continuation can
@@ -62,6 +99,7 @@ class ModerationUnavailable(Exception):
 
 class NoModerator(Moderator):
     window_chars = 0
+    enabled = False
 
     async def check_input(self, text: str) -> Verdict | None:
         return None
@@ -163,7 +201,19 @@ def normalize(text: str) -> str:
     return _SPACES.sub(" ", t).strip() if spelled_out else t
 
 
+# The OpenAI categories each of the built-in lexicon's categories falls under.
+LEXICON_AS_OPENAI: dict[str, tuple[str, ...]] = {
+    "violence/threat": ("violence", "harassment/threatening"),
+    "hate": ("hate", "hate/threatening"),
+    "self-harm": ("self-harm", "self-harm/intent"),
+    "sexual/minors": ("sexual", "sexual/minors"),
+    "weapons/instructions": ("illicit", "illicit/violent"),
+}
+
+
 class LexiconModerator(Moderator):
+    name = "chatloom-lexicon"
+
     def __init__(self, lexicon: dict[str, list[str]] | None = None, window_chars: int = 200) -> None:
         self.lexicon = LEXICON if lexicon is None else lexicon
         # One alternation per category, whole words only; the category order decides ties.
@@ -230,6 +280,17 @@ class LexiconModerator(Moderator):
 
     async def check_input(self, text: str) -> Verdict | None:
         return await off_loop(self._check, text, size=len(text))  # a huge message not on the event loop
+
+    def _classify(self, text: str) -> Classification:
+        """Every category whose phrases occur (the input check stops at the first)."""
+        norm = normalize(text)
+        hits = set()
+        if self._any_full is not None and self._any_full.search(norm) is not None:
+            hits = {category for category, pattern in self._patterns if pattern.search(norm)}
+        return classification(hits, tuple(self.lexicon), LEXICON_AS_OPENAI)
+
+    async def classify(self, texts: list[str]) -> tuple[str, list[Classification]]:
+        return self.name, [await off_loop(self._classify, text, size=len(text)) for text in texts]
 
     async def check_output(self, text: str) -> Verdict | None:
         norm = self._normal(text)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import httpx
 
-from chatloom.app.traffic.moderation import Moderator, ModerationUnavailable, Verdict
+from chatloom.app.traffic.moderation import Classification, Moderator, ModerationUnavailable, Verdict
 from chatloom.settings import Settings
 
 
@@ -54,6 +54,25 @@ class RemoteModerator(Moderator):
 
     async def check_input(self, text: str) -> Verdict | None:
         return await self._ask(text)
+
+    async def classify(self, texts: list[str]) -> tuple[str, list[Classification]]:
+        """The service's own results for every text, in one request, as it gave them."""
+        body: dict = {"input": texts}
+        if self.model:
+            body["model"] = self.model
+        try:
+            r = await self._client.post(self.url, json=body)
+            r.raise_for_status()
+            data = r.json()
+            results = [Classification(bool(x["flagged"]), {k: bool(v) for k, v in (x.get("categories") or {}).items()},
+                                      {k: float(v) for k, v in (x.get("category_scores") or {}).items()})
+                       for x in data["results"]]
+            if len(results) != len(texts):
+                raise ValueError(f"{len(results)} results for {len(texts)} inputs")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ModerationUnavailable(f"the moderation service at {self.url} did not answer: "
+                                        f"{type(exc).__name__}: {exc}") from None
+        return str(data.get("model") or self.model or self.name), results
 
     async def check_output(self, text: str) -> Verdict | None:
         return await self._ask(text)

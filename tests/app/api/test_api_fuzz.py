@@ -45,9 +45,10 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 15}
 # Requests the OpenAI API can serve, and the generated fields kept on them.
 WELL_FORMED = {"/v1/chat/completions": {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}]},
-               "/v1/completions": {"model": "tiny-random", "prompt": "Once upon a time"}}
+               "/v1/completions": {"model": "tiny-random", "prompt": "Once upon a time"},
+               "/v1/messages": {"model": "tiny-random", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}}
 SAMPLING = {"stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-            "stop", "n", "user", "reasoning_effort"}
+            "stop", "n", "user", "reasoning_effort", "top_k", "stop_sequences"}
 MIN_OPERATIONS = 30  # the API has 33 operations; fewer means the schema lost routes
 ROOMY = {"tokens_per_minute": 100_000_000, "tokens_per_day": 1_000_000_000, "requests_per_minute": 1_000_000,
          "max_concurrent": 100}
@@ -202,6 +203,7 @@ def test_the_schema_declares_errors_streams_and_metrics_as_sent(tmp_path):
     assert "HTTPValidationError" not in components and {"ErrorOut", "AnswerEvent"} <= set(components)
     paths = schema["paths"]
     error = {"$ref": "#/components/schemas/ErrorOut"}
+    anthropic_error = {"$ref": "#/components/schemas/AnthropicErrorOut"}  # the Anthropic Messages API's own
     for path, operations in paths.items():
         for method, op in operations.items():
             responses = op["responses"]
@@ -210,7 +212,8 @@ def test_the_schema_declares_errors_streams_and_metrics_as_sent(tmp_path):
             assert {"400", "413"} <= set(responses), where
             for status, response in responses.items():
                 if int(status) >= 400 and (path, status) != ("/readyz", "503"):  # its 503 says what is missing
-                    assert response["content"]["application/json"]["schema"] == error, (where, status)
+                    expected = anthropic_error if path.startswith("/v1/messages") else error
+                    assert response["content"]["application/json"]["schema"] == expected, (where, status)
             if path.startswith("/v1/"):
                 assert "422" not in responses, where  # validation errors are 400 there
             if op.get("security"):  # the bearer scheme: a route with a caller declares its 401
@@ -227,3 +230,6 @@ def test_the_schema_declares_errors_streams_and_metrics_as_sent(tmp_path):
     assert "429" in paths["/v1/completions"]["post"]["responses"]
     assert "Retry-After" in paths["/v1/completions"]["post"]["responses"]["503"]["headers"]
     assert "204" in paths["/conversations/{conversation_id}"]["delete"]["responses"]
+    messages = paths["/v1/messages"]["post"]["responses"]
+    assert set(messages["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "Retry-After" in messages["529"]["headers"]

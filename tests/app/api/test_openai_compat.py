@@ -26,6 +26,14 @@ def test_models(sdk):
     assert sdk.models.retrieve(MODEL).owned_by == "chatloom"
 
 
+def test_models_say_what_they_support(sdk, live):
+    served = {route.path for route in live.server.config.app.routes if hasattr(route, "path")}
+    expected = {"chat": True, "completions": True, "embeddings": "/v1/embeddings" in served, "tools": True,
+                "vision": False}
+    assert [m.model_extra["capabilities"] for m in sdk.models.list()] == [expected]
+    assert sdk.models.retrieve(MODEL).model_extra["capabilities"] == expected
+
+
 def test_non_stream_with_usage(sdk):
     r = sdk.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0, user="u-1")
     assert r.object == "chat.completion" and r.model == MODEL and len(r.choices) == 1

@@ -10,19 +10,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Callable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.background import BackgroundTask
 
 from chatloom.app.api.deps import AppContext, Ctx, CurrentUser, SessionDep
 from chatloom.app.core.errors import ApiError, error_body
-from chatloom.app.api.openai_out import ChatCompletionOut, CompletionOut, ModelList, ModelOut
+from chatloom.app.api.openai_out import CapabilitiesOut, ChatCompletionOut, CompletionOut, ModelList, ModelOut
 from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
-from chatloom.app.generation.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Run, Thinking, ToolCall
+from chatloom.app.generation.pipeline import AnswerText, Ask, Finished, Piece, Prompt, Thinking, ToolCall
+from chatloom.app.api.run_start import start_run
 from chatloom.app.api.sse import SSE_HEADERS, EventStreamResponse, frame
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 
@@ -131,32 +132,9 @@ class _TextChunks:
         return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
 
-async def _start(ctx: AppContext, ask: Ask, prompt: Prompt, moderate: str,
-                 session: AsyncSession) -> tuple[Run, AsyncIterator[Piece], Piece | None]:
-    """Through the pipeline up to the first piece, so a refusal (too long, over quota, busy, model not
-    ready) is a proper HTTP error rather than an error inside a 200 stream."""
-    run = await ctx.pipeline.open(ask, moderate)
-    pieces = None
-    try:
-        await run.measure(prompt)  # tokenizing a large prompt off the event loop
-        await run.reserve(prompt)
-        # Authentication is done with the database: hand its connection back before a possibly long
-        # wait in the queue, or a burst of waiting requests would drain the connection pool.
-        await session.close()
-        await run.admit(prompt)
-        pieces = run.stream()
-        first = await anext(pieces, None)
-    except BaseException:
-        if pieces is not None:
-            await pieces.aclose()
-        await run.close()
-        raise
-    return run, pieces, first
-
-
 async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, moderate: str, fmt,
                    session: AsyncSession):
-    run, pieces, first = await _start(ctx, ask, prompt, moderate, session)
+    run, pieces, first = await start_run(ctx.pipeline, ask, prompt, moderate, session)
     base = {"id": run.request_id, "object": fmt.object, "created": int(time.time()), "model": run.limits.model,
             "system_fingerprint": None}
 
@@ -250,13 +228,24 @@ def _decode(ctx: AppContext, ids: list[int]) -> str:
         return ""
 
 
+def _model(request: Request, model_id: str) -> ModelOut:
+    """A served model and what it supports. Every model the backend serves takes chat and plain-text
+    prompts (a model without a chat template of its own gets the fallback template) and tool calls (rendered
+    into the prompt, forced by a grammar); embeddings are there when the API serves them; no model here
+    reads images (image content is refused on every route)."""
+    paths = {getattr(route, "path", None) for route in request.app.routes}
+    return ModelOut(id=model_id, capabilities=CapabilitiesOut(
+        chat=True, completions=True, embeddings="/v1/embeddings" in paths, tools=True, vision=False))
+
+
 @router.get("/models", response_model=ModelList, responses=SIGNED_IN)
-async def list_models(ctx: Ctx, user: CurrentUser) -> ModelList:
-    return ModelList(data=[ModelOut(id=m) for m in ctx.backend.model_ids])
+async def list_models(request: Request, ctx: Ctx, user: CurrentUser) -> ModelList:
+    """The served models, each with a `capabilities` extension field."""
+    return ModelList(data=[_model(request, m) for m in ctx.backend.model_ids])
 
 
 @router.get("/models/{model_id:path}", response_model=ModelOut, responses=errors(401, 404))
-async def get_model(model_id: str, ctx: Ctx, user: CurrentUser) -> ModelOut:
+async def get_model(model_id: str, request: Request, ctx: Ctx, user: CurrentUser) -> ModelOut:
     if model_id not in ctx.backend.model_ids:
         raise ApiError(404, f"the model {model_id!r} does not exist", "model_not_found", "model")
-    return ModelOut(id=model_id)
+    return _model(request, model_id)

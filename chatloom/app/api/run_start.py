@@ -1,0 +1,33 @@
+"""Starting a generation for a stateless API route (OpenAI's, Anthropic's): through the shared pipeline up
+to the first piece, so that a refusal (too long, over quota, busy, model not ready) is a proper HTTP error
+rather than an error inside a 200 stream."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from chatloom.app.generation.pipeline import Ask, Piece, Pipeline, Prompt, Run
+
+
+async def start_run(pipeline: Pipeline, ask: Ask, prompt: Prompt, moderate: str,
+                    session: AsyncSession) -> tuple[Run, AsyncIterator[Piece], Piece | None]:
+    """The run, its pieces and the first of them (None: the stream ended at once). On any failure the
+    run is closed (its slot and reservation given back) before the exception leaves."""
+    run = await pipeline.open(ask, moderate)
+    pieces = None
+    try:
+        await run.measure(prompt)  # tokenizing a large prompt off the event loop
+        await run.reserve(prompt)
+        # Authentication is done with the database: hand its connection back before a possibly long
+        # wait in the queue, or a burst of waiting requests would drain the connection pool.
+        await session.close()
+        await run.admit(prompt)
+        pieces = run.stream()
+        first = await anext(pieces, None)
+    except BaseException:
+        if pieces is not None:
+            await pieces.aclose()
+        await run.close()
+        raise
+    return run, pieces, first
