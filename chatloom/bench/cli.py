@@ -203,6 +203,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step-time", default=None, help="a step-time JSON; default: calibrate first, in the same run")
     p.set_defaults(func=_sim_validate)
 
+    p = sub.add_parser("busy", help="one stream's TPOT quiet and beside busy-loop processes, alternated")
+    _common(p)
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--prompt-tokens", type=positive_int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--neighbours", type=positive_int, default=1, help="busy-loop processes in the busy rounds")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.set_defaults(func=_busy)
+
     p = sub.add_parser("checkpoints", help="write random-weight checkpoints of real model shapes (Hugging Face "
                                            "folder and GGUF F16), offline")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
@@ -402,6 +411,17 @@ def _sim_validate(args) -> int:
         raise ValueError("--rates must be positive")
     return _emit(run_sim_validate(load_from_args(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
                                   args.step_time), args.table)
+
+def _busy(args) -> int:
+    import torch
+
+    from chatloom.bench.busy import run_busy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_busy(load_from_args(args), args.rounds, args.prompt_tokens, args.max_tokens, args.neighbours,
+                          args.seed), args.table)
+
 
 def _checkpoints(args) -> int:
     from pathlib import Path
