@@ -203,6 +203,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step-time", default=None, help="a step-time JSON; default: calibrate first, in the same run")
     p.set_defaults(func=_sim_validate)
 
+    p = sub.add_parser("busy", help="one stream's TPOT quiet and beside busy-loop processes, alternated")
+    _common(p)
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--prompt-tokens", type=positive_int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--neighbours", type=positive_int, default=1, help="busy-loop processes in the busy rounds")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    p.set_defaults(func=_busy)
+
+    p = sub.add_parser("checkpoints", help="write random-weight checkpoints of real model shapes (Hugging Face "
+                                           "folder and GGUF F16), offline")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
+                   help="smollm2-1.7b, qwen2.5-1.5b, llama3.2-3b (default: all three)")
+    p.add_argument("--out", required=True, help="the folder to write NAME-hf/ and NAME-f16.gguf into")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_checkpoints)
+
 
 def _emit(result: dict, table: bool) -> int:
     print(json.dumps(result, indent=2))
@@ -394,6 +411,36 @@ def _sim_validate(args) -> int:
         raise ValueError("--rates must be positive")
     return _emit(run_sim_validate(load_from_args(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
                                   args.step_time), args.table)
+
+def _busy(args) -> int:
+    import torch
+
+    from chatloom.bench.busy import run_busy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_busy(load_from_args(args), args.rounds, args.prompt_tokens, args.max_tokens, args.neighbours,
+                          args.seed), args.table)
+
+
+def _checkpoints(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.checkpoints import SHAPES, make_checkpoint
+
+    names = args.shapes or list(SHAPES)
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise ValueError(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    written = {}
+    for name in names:
+        print(f"writing {name} under {args.out}", file=sys.stderr)
+        made = make_checkpoint(SHAPES[name], Path(args.out), args.seed)
+        written[name] = {"hf_folder": str(made.hf_folder), "gguf_f16": str(made.gguf_file),
+                         "parameters": made.parameters, "gguf_bytes": made.gguf_file.stat().st_size}
+    print(json.dumps({"benchmark": "checkpoints", "seed": args.seed, "checkpoints": written}, indent=2))
+    return 0
+
 
 def _router(args) -> int:
     from chatloom.bench.router_policies import plot, run_router_bench, table

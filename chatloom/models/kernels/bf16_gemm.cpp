@@ -155,7 +155,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
     const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
     round_rows(xp, k_dim, m0, m1, xq.data());
     const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    chatloom_kernels::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
         const uint16_t* panel = wp + p * pairs * 2 * kPanel;

@@ -48,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_kinds", &peak_kinds, "instruction kinds whose peak this CPU can measure");
   m.def("peak_gops", &peak_gops, "measured peak GOP/s of one instruction kind on all threads", NoGil(),
         pybind11::arg("name"), pybind11::arg("iters") = 2000000);
+  m.def("work_pool_probe", &work_pool_probe, "which thread ran each item of a loop on the work pool (tests)",
+        NoGil(), pybind11::arg("items"), pybind11::arg("stall_ns") = 0);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [T, H] (float32)", NoGil());
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (float32)", NoGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up [T, 2I] (float32)", NoGil());

@@ -456,7 +456,7 @@ torch::Tensor single_row_quantized(const torch::Tensor& x, const uint8_t* codes,
   const int64_t code_stride = k_dim * code_bytes, scale_stride = (k_dim / kQuantBlock) * 2 * kPanel;
   const int64_t groups = (panels + kRowPanels - 1) / kRowPanels;
   const int64_t grain = std::max<int64_t>(1, 200000 / (2 * k_dim * kPanel * kRowPanels));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+  chatloom_kernels::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p0 = g * kRowPanels, np = std::min<int64_t>(kRowPanels, panels - p0);
       const uint8_t* c = codes + p0 * code_stride;
@@ -552,7 +552,7 @@ torch::Tensor run_panels(torch::Tensor x, int64_t panels, int64_t out_features, 
     // Enough panels per thread that a chunk is worth waking a thread for.
     const int64_t flops_per_item = 2 * (m1 - m0) * k_dim * kPanel * panels_per_item;
     const int64_t grain = std::max<int64_t>(1, 200000 / flops_per_item);
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    chatloom_kernels::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       std::unique_ptr<float[]> scratch(needs_scratch ? new float[k_dim * kPanel * panels_per_item] : nullptr);
       for (int64_t p = begin; p < end; ++p) work(p, m0, m1, xp, op, scratch.get());
     });

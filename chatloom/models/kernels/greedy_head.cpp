@@ -210,7 +210,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_argmax(torch::Tensor x, tor
   float* best_value = picked.data_ptr<float>();
   std::vector<int64_t> whole;  // rows to recompute in full
   std::vector<char> needs_whole(rows, 0);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  chatloom_kernels::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> cand;
     alignas(64) float lanes[kPanelWidth];
     std::vector<float> panel(wide ? k_dim * kPanelWidth : 0);

@@ -459,7 +459,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   // For tile_vnni_q8x: each row's block sums of its stored q, taken while the row is in cache (on
   // the thread that quantized it, not afterwards on one thread while the others wait).
   std::unique_ptr<int32_t[]> qsum(vnni_tiles && q8 ? new int32_t[m_dim * nb] : nullptr);
-  at::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
+  chatloom_kernels::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
 #if defined(__AVX2__) && defined(__FMA__)
       if (isa != Isa::kScalar)
@@ -512,7 +512,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
       const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
       const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel * kVnniPanels));
-      at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+      chatloom_kernels::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
         for (int64_t pp = begin; pp < end; ++pp) {
           const int64_t p = pp * kVnniPanels, np = std::min<int64_t>(kVnniPanels, panels - p);
           const uint8_t* c = cp + p * panel_bytes;
@@ -557,7 +557,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
     const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
     const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    chatloom_kernels::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p)
         for (int64_t m = m0; m < m1; m += tile_rows) {
           const int64_t r = std::min(tile_rows, m1 - m);

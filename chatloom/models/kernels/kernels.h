@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include "work_pool.h"
+
 // Whether v is a NaN, told by its bits: the kernels build with -ffast-math, under which std::isnan
 // is always false.
 inline bool is_nan_bits(float v) {
@@ -137,3 +139,7 @@ void silu_and_mul_rows(const float* gate_up, float* out, int64_t rows, int64_t i
 // One token's heads [heads, d] (rows d apart) rotated by the tables' rows for its position, into dst.
 void rotary_heads(const float* src, float* dst, int64_t heads, int64_t d, const float* cos_row, const float* sin_row,
                   bool interleaved);
+
+// For the tests: runs a loop of `items` on the work pool (work_pool.h), the first worker to get items
+// sleeping `stall_ns` first; returns which thread ran each item (0: the caller, 1: a worker).
+std::vector<int64_t> work_pool_probe(int64_t items, int64_t stall_ns);

@@ -233,7 +233,7 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
   std::unique_ptr<int8_t[]> q(new int8_t[m_dim * k_dim]);
   std::unique_ptr<float[]> dx(new float[m_dim * ng]), sx(new float[m_dim * ng]);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
+  chatloom_kernels::parallel_for(0, m_dim, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       quantize_row16(xp + m * k_dim, k_dim, q.get() + m * k_dim, dx.get() + m * ng, sx.get() + m * ng);
   });
@@ -243,7 +243,7 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
   for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
     const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
     const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    chatloom_kernels::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t col = p * kPanel, ncols = std::min(kPanel, out_features - col);
         const uint8_t* c = cp + p * k_dim * kPanel;
@@ -299,7 +299,7 @@ torch::Tensor grouped_quantized_linear(torch::Tensor x, torch::Tensor codes, tor
   for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
     const int64_t m1 = std::min(m_dim, m0 + kRowBlock);
     const int64_t grain = std::max<int64_t>(1, 200000 / (2 * (m1 - m0) * k_dim * kPanel));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    chatloom_kernels::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(few_rows ? 0 : k_dim * kPanel);
       for (int64_t p = begin; p < end; ++p) {
 #if defined(__AVX2__) && defined(__FMA__)

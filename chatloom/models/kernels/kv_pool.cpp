@@ -49,7 +49,7 @@ void write_pool_rows(torch::Tensor pool, torch::Tensor slot_mapping, torch::Tens
   const float* src = flat.data_ptr<float>();
   auto write = [&](auto* dst) {
     // Rows of a few KB each: spread them only when there are enough to pay for waking a thread.
-    at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+    chatloom_kernels::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) store_row(src + i * stride, dst + slot[i] * width, width);
     });
   };

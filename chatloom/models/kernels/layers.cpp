@@ -92,7 +92,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const int64_t h = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), grain_for(h), [&](int64_t b, int64_t e) {
+  chatloom_kernels::parallel_for(0, x.size(0), grain_for(h), [&](int64_t b, int64_t e) {
     rms_norm_rows(xp + b * h, wp, op + b * h, e - b, h, (float)eps);
   });
   return out;
@@ -107,7 +107,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   const int64_t h = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), grain_for(h), [&](int64_t b, int64_t e) {
+  chatloom_kernels::parallel_for(0, x.size(0), grain_for(h), [&](int64_t b, int64_t e) {
     add_rms_norm_rows(xp + b * h, rp + b * h, wp, op + b * h, e - b, h, (float)eps);
   });
   return out;
@@ -122,7 +122,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({t_dim, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, t_dim, grain_for(inter), [&](int64_t b, int64_t e) {
+  chatloom_kernels::parallel_for(0, t_dim, grain_for(inter), [&](int64_t b, int64_t e) {
     silu_and_mul_rows(gp + b * 2 * inter, op + b * inter, e - b, inter);
   });
   return out;
@@ -154,7 +154,7 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
   };
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
-  at::parallel_for(0, t_dim, grain_for((hq + hk) * d), [&](int64_t b, int64_t e) {
+  chatloom_kernels::parallel_for(0, t_dim, grain_for((hq + hk) * d), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       rotate(qp, q.stride(0), qo, hq, t);
       rotate(kp, k.stride(0), ko, hk, t);

@@ -387,24 +387,26 @@ static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const i
   const int64_t jobs_per_token = hkv / heads_per_job;
   const int64_t jobs = n_tokens * jobs_per_token;
   const int64_t wide16 = wide16_for(wide, d);
-  // One contiguous run of jobs per thread, cut where the cached positions (a job's cost) reach each
-  // thread's share rather than where the job count does: a batch holds tokens of a few positions
-  // next to tokens of hundreds (a prefill chunk's first and last, or short and long chats), and an
-  // even split by count left one core waiting for the other at the end of every call.
+  // Contiguous runs of jobs, a few per thread, cut where the cached positions (a job's cost) reach each
+  // run's share rather than where the job count does: a batch holds tokens of a few positions next to
+  // tokens of hundreds (a prefill chunk's first and last, or short and long chats), and an even split by
+  // count left one core waiting for the other at the end of every call. Several runs per thread go to
+  // whichever thread is free (work_pool.h), so a thread the OS takes away leaves its runs to the others.
   const int64_t threads = one_thread ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
-  std::vector<int64_t> bounds(threads + 1, jobs);
+  const int64_t parts = threads > 1 ? std::min<int64_t>(jobs, threads * 4) : 1;
+  std::vector<int64_t> bounds(parts + 1, jobs);
   bounds[0] = 0;
-  if (threads > 1) {
+  if (parts > 1) {
     const auto job_cost = [&](int64_t job) { return query_cost(kv_lens[job / jobs_per_token]); };
     int64_t total = 0;
     for (int64_t job = 0; job < jobs; ++job) total += job_cost(job);
     int64_t done = 0, next = 1;
-    for (int64_t job = 0; job < jobs && next < threads; ++job) {
+    for (int64_t job = 0; job < jobs && next < parts; ++job) {
       done += job_cost(job);
-      while (next < threads && done * threads >= total * next) bounds[next++] = job + 1;
+      while (next < parts && done * parts >= total * next) bounds[next++] = job + 1;
     }
   }
-  at::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t end_part) {
+  chatloom_kernels::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t end_part) {
     JobScratch<Acc> scratch;
     for (int64_t job = bounds[first_part]; job < bounds[end_part]; ++job) {
       const int64_t i = job / jobs_per_token;

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <omp.h>
+#include "work_pool.h"
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
@@ -69,22 +70,6 @@ inline void for_each_row_tile(int64_t m0, int64_t m1, Tile&& tile, int64_t max_r
     tile(m, rows);
     m += rows;
   }
-}
-
-// fn(begin, end) over [0, n) in chunks of `chunk` items, each chunk going to whichever intra-op thread
-// is free next. at::parallel_for splits the range evenly in advance, so a thread that the OS takes
-// away for a moment (on two cores, the event loop streaming a token) holds up the whole call; here
-// the other threads take its remaining chunks. Serial inside a parallel region, as at::parallel_for.
-template <typename F>
-inline void parallel_for_dynamic(int64_t n, int64_t chunk, const F& fn) {
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  const int threads = omp_in_parallel() ? 1 : (int)std::min<int64_t>(at::get_num_threads(), chunks);
-  if (threads <= 1) {
-    if (n > 0) fn(0, n);
-    return;
-  }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t c = 0; c < chunks; ++c) fn(c * chunk, std::min(n, (c + 1) * chunk));
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

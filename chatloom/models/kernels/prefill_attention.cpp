@@ -193,7 +193,7 @@ static bool attend_tiles(const float* q, const KV* kp, const KV* vp, const int32
     bounds[part] = t;
   }
   const int64_t group = hq / hkv, row_stride = hkv * d;
-  at::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t end_part) {
+  chatloom_kernels::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t end_part) {
     TileScratch scratch;
     std::vector<int64_t> offs;
     for (int64_t t = bounds[first_part]; t < bounds[end_part]; ++t) {
