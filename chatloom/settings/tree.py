@@ -189,5 +189,8 @@ class RuntimeSettings(Group):
     kernels: bool = Field(True, description="Use the C++ kernels (compiled on first use); off: the PyTorch path.")
     kernel_cache: str | None = Field(None, description="Folder for the compiled kernels "
                                                        "(default: ~/.cache/chatloom/kernels).")
+    work_pool: bool = Field(True, description="Run the kernels' parallel loops on chatloom's work pool (a stalled "
+                                              "thread's share is taken by the others); off: OpenMP's static split, "
+                                              "for comparisons. Read by the C++ kernels when they load.")
     skip_memory_check: bool = Field(False, description="Load a model even when weights and KV cache look larger "
                                                        "than the available memory.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from chatloom.bench.busy import busy_neighbours
-from chatloom.cli import main
+from chatloom.cli.main import main
 
 
 def test_neighbours_spin_during_the_block_and_are_gone_after():

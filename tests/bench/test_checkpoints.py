@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chatloom.bench.checkpoints import SHAPES, CheckpointError, hf_tensor_shapes, make_checkpoint, shrink
-from chatloom.cli import main
+from chatloom.cli.main import main
 from chatloom.models.gguf_loader import open_gguf
 from chatloom.models.loader import load_model
 

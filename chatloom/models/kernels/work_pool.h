@@ -172,10 +172,10 @@ class Pool {
   int spawned_ = 0;
 };
 
-// CHATLOOM_WORK_POOL=0 runs the loops on OpenMP as before (at::parallel_for), for comparisons.
+// CHATLOOM_RUNTIME__WORK_POOL=0 runs the loops on OpenMP as before (at::parallel_for), for comparisons.
 inline bool enabled() {
   static const bool on = [] {
-    const char* v = std::getenv("CHATLOOM_WORK_POOL");
+    const char* v = std::getenv("CHATLOOM_RUNTIME__WORK_POOL");
     return v == nullptr || std::string(v) != "0";
   }();
   return on;

@@ -1,0 +1,264 @@
+"""The handlers of `chatloom bench ...`: each runs one benchmark and prints its JSON (or a table)."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+from chatloom.model_args import load_from_args
+
+
+def _emit(result: dict, table: bool) -> int:
+    print(json.dumps(result, indent=2))
+    if table:
+        for key, value in _flatten(result):
+            print(f"{key:<48} {value}", file=sys.stderr)
+    return 0
+
+
+def _flatten(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        elif isinstance(v, list) and len(v) and isinstance(v[0], dict):
+            for i, item in enumerate(v):
+                yield from _flatten(item, f"{prefix}{k}[{i}].")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def throughput(args) -> int:
+    from chatloom.bench.throughput import run_mode
+    from chatloom.models.packed_linear import uses_int8_matmul
+    from chatloom.bench.workload import standard_workload
+
+    loaded = load_from_args(args)
+    requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed,
+                                 avoid_ids=set(loaded.tokenizer.eos_token_ids))
+    kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              static_batch_size=args.static_batch_size)
+    if not args.compare:
+        return _emit(dict(run_mode(args.mode, loaded, requests, **kw), model=loaded.id, seed=args.seed,
+                          int8_matmul=uses_int8_matmul(loaded.model)), args.table)
+    runs: dict[str, list[dict]] = {"continuous": [], "static": [], "sequential": []}
+    for _ in range(args.repeats):
+        # Interleaved so that noise from a shared machine lands on every mode alike.
+        runs["continuous"].append(run_mode("continuous", loaded, requests, **kw))
+        runs["static"].append(run_mode("static", loaded, requests, **kw))
+        runs["sequential"].append(run_mode("sequential", loaded, requests[: args.sequential_requests], **kw))
+    rate = {m: statistics.median(r["output_tokens_per_s"] for r in rs) for m, rs in runs.items()}
+    result = {
+        "benchmark": "throughput", "model": loaded.id, "seed": args.seed, "num_requests": args.num_requests,
+        "int8_matmul": uses_int8_matmul(loaded.model),
+        "runs": [r for rs in runs.values() for r in rs],
+        "output_tokens_per_s": rate,
+        "continuous_vs_static": round(rate["continuous"] / rate["static"], 2),
+        "continuous_vs_sequential": round(rate["continuous"] / rate["sequential"], 2),
+    }
+    return _emit(result, args.table)
+
+
+def attention(args) -> int:
+    import torch
+
+    from chatloom.bench.attention import run_attention
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_attention(args.sequences, args.positions, args.layers, args.heads, args.kv_heads, args.head_dim,
+                               args.kv_cache_dtype, args.seconds), args.table)
+
+
+def kquant_matmul(args) -> int:
+    import torch
+
+    from chatloom.bench.kquant_matmul import run_kquant_matmul
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_kquant_matmul(args.kinds, args.k, args.n, args.rows, args.seconds), args.table)
+
+
+def perplexity(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.perplexity import TEXT, run_perplexity
+
+    text = Path(args.text) if args.text else TEXT
+    if not text.is_file():
+        raise ValueError(f"text file not found: {text}")
+    return _emit(run_perplexity(args.model, args.modes, args.window, text, args.max_tokens), args.table)
+
+
+def prefix(args) -> int:
+    from chatloom.bench.prefix import run_prefix
+
+    return _emit(dict(run_prefix(load_from_args(args), turns=args.turns, max_tokens=args.max_tokens), model=args.model),
+                 args.table)
+
+
+def memory(args) -> int:
+    from chatloom.bench.memory import run_memory
+    from chatloom.bench.workload import standard_workload
+
+    loaded = load_from_args(args)
+    requests = standard_workload(args.num_requests, loaded.config.vocab_size, args.seed)
+    return _emit(dict(run_memory(loaded, requests), model=loaded.id, seed=args.seed), args.table)
+
+
+def roofline(args) -> int:
+    from chatloom.bench.roofline import run_roofline
+
+    return _emit(dict(run_roofline(load_from_args(args), args.num_requests, args.seed), model=args.model), args.table)
+
+
+def spec(args) -> int:
+    import torch
+
+    from chatloom.bench.spec import run_spec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_spec(load_from_args(args), tuple(args.batch_sizes), args.max_tokens, args.num_prompts,
+                          args.repeats, args.num_speculative_tokens, args.speculative_model,
+                          not args.no_adaptive), args.table)
+
+def structured(args) -> int:
+    from chatloom.bench.structured import run_structured
+
+    return _emit(run_structured(load_from_args(args), args.batch_sizes, args.max_tokens, args.repeats, args.seed),
+                 args.table)
+
+
+def latency(args) -> int:
+    import torch
+
+    from chatloom.bench.latency import format_table, run_latency
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_latency(load_from_args(args), args.prompt_tokens, args.in_flight, args.repeats, args.max_tokens,
+                         args.layers, args.breakdown_steps)
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
+
+
+def serve(args) -> int:
+    import asyncio
+    import os
+
+    from chatloom.bench.serve import parse_goodput, run_serve
+
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise ValueError("--request-rate must be positive")
+    result = asyncio.run(run_serve(args.base_url, args.model, args.num_prompts, args.request_rate,
+                                   args.max_concurrency, args.api_key or os.environ.get("OPENAI_API_KEY"),
+                                   args.max_tokens, parse_goodput(args.goodput), args.seed))
+    return _emit(result, args.table)
+
+
+def paired(args) -> int:
+    import asyncio
+    import os
+
+    from chatloom.bench.paired import Server, format_table, run_paired
+
+    if args.warmup < 0:
+        raise ValueError("--warmup must be 0 or more")
+    for name in ("target_tpot_ratio", "target_ttft_ratio"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if args.label == args.baseline_label:
+        raise ValueError("--label and --baseline-label must differ")
+    candidate = Server(args.label, args.url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"))
+    baseline = Server(args.baseline_label, args.baseline_url, args.baseline_model, args.baseline_api_key)
+    result = asyncio.run(run_paired(candidate, baseline, args.rounds, args.min_tokens, args.max_tokens, args.warmup,
+                                    args.seed, args.target_tpot_ratio, args.target_ttft_ratio))
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
+
+
+def calibrate(args) -> int:
+    from chatloom.bench.calibrate import run_calibrate
+
+    model, summary = run_calibrate(load_from_args(args), args.seed, args.max_num_batched_tokens, rounds=args.rounds)
+    model.save(args.output)
+    summary["output"] = args.output
+    return _emit(summary, args.table)
+
+
+def sim_validate(args) -> int:
+    from chatloom.bench.sim_validate import run_sim_validate
+
+    if args.rates and any(r <= 0 for r in args.rates):
+        raise ValueError("--rates must be positive")
+    return _emit(run_sim_validate(load_from_args(args), args.rates, args.num_prompts, args.max_tokens, args.seed,
+                                  args.step_time), args.table)
+
+def busy(args) -> int:
+    import torch
+
+    from chatloom.bench.busy import run_busy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return _emit(run_busy(load_from_args(args), args.rounds, args.prompt_tokens, args.max_tokens, args.neighbours,
+                          args.seed), args.table)
+
+
+def checkpoints(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.checkpoints import SHAPES, make_checkpoint
+
+    names = args.shapes or list(SHAPES)
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise ValueError(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    written = {}
+    for name in names:
+        print(f"writing {name} under {args.out}", file=sys.stderr)
+        made = make_checkpoint(SHAPES[name], Path(args.out), args.seed)
+        written[name] = {"hf_folder": str(made.hf_folder), "gguf_f16": str(made.gguf_file),
+                         "parameters": made.parameters, "gguf_bytes": made.gguf_file.stat().st_size}
+    print(json.dumps({"benchmark": "checkpoints", "seed": args.seed, "checkpoints": written}, indent=2))
+    return 0
+
+
+def router(args) -> int:
+    from chatloom.bench.router_policies import plot, run_router_bench, table
+    from chatloom.serving.local_fleet import LocalReplicas
+    from chatloom.serving.policies import POLICIES
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    local = None
+    urls = args.replica_url
+    if not urls:
+        local = LocalReplicas(args.model, args.replicas, args.threads)
+        print(f"starting {args.replicas} replicas of {args.model} ({args.threads} thread(s) each)", file=sys.stderr)
+        try:
+            urls = local.start()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+    try:
+        result = run_router_bench(args.model, urls, policies, args.users, args.turns, args.max_tokens, args.seed,
+                                  args.system_words, args.message_words)
+    finally:
+        if local is not None:
+            local.stop()
+    result["model"] = args.model
+    result["threads_per_replica"] = args.threads
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(table(result), file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
