@@ -21,10 +21,13 @@ def check_toml(path: str | Path) -> None:
         raise SettingsError(f"{path}: not valid TOML: {exc}") from None
     groups = Settings.model_fields
     for group, table in data.items():
+        if not isinstance(table, dict):
+            home = [g for g, f in groups.items() if group in f.annotation.model_fields]
+            where = f"; it belongs in [{home[0]}]" if home else ""
+            raise SettingsError(f"{path}: {group} is outside any table: settings go in [group] tables "
+                                f"({', '.join(groups)}){where}")
         if group not in groups:
             raise SettingsError(f"{path}: unknown settings group [{group}] (known: {', '.join(groups)})")
-        if not isinstance(table, dict):
-            raise SettingsError(f"{path}: {group} must be a table ([{group}]), not {type(table).__name__}")
         model = groups[group].annotation
         for key in table:
             if key not in model.model_fields:

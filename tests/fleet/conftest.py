@@ -112,12 +112,16 @@ class Fleet:
                          'max_concurrent = 1000\nmax_tokens = 2000\n')
         self.config = workdir / "chatloom.toml"
         self.config.write_text("\n".join([
-            f'db_url = "{db_url}"', f'redis_url = "{redis.url}"', 'redis_prefix = "fleet"',
-            'jwt_secret = "fleet-test-secret-0123456789abcdef012345"', 'model = "tiny-random"',
-            'num_blocks = 1024', 'max_num_seqs = 16', 'context_window = 2048', 'argon2_time_cost = 1',
-            'argon2_memory_kib = 1024', 'moderation = "off"', 'default_temperature = 0.0', 'job_lease_s = 1.5',
-            'shutdown_grace_s = 0.0', f'tiers_file = "{tiers}"', f'data_dir = "{workdir}"', 'log_level = "warning"',
-            'max_tokens_limit = 2000', ""]))
+            "[server]", f'db_url = "{db_url}"', f'data_dir = "{workdir}"', 'log_level = "warning"',
+            "[shared_state]", f'redis_url = "{redis.url}"', 'prefix = "fleet"', 'job_lease_s = 1.5',
+            'shutdown_grace_s = 0.0',
+            "[accounts]", 'jwt_secret = "fleet-test-secret-0123456789abcdef012345"', 'argon2_time_cost = 1',
+            'argon2_memory_kib = 1024',
+            "[model]", 'name = "tiny-random"',
+            "[engine]", 'num_blocks = 1024', 'max_num_seqs = 16', 'context_window = 2048',
+            "[moderation]", 'mode = "off"',
+            "[sampling]", 'temperature = 0.0', 'max_tokens_limit = 2000',
+            "[traffic]", f'tiers_file = "{tiers}"', ""]))
         self.gateways = [Gateway("gw1", self.config, workdir), Gateway("gw2", self.config, workdir)]
 
 

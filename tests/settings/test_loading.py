@@ -36,7 +36,9 @@ def test_defaults_file_environment_flags_in_that_order(tmp_path, monkeypatch):
     ('[engine]\nmax_num_seqs = "5"\n', "setting engine.max_num_seqs: input should be a valid integer, not '5'"),
     ("[engine]\nmax_num_seqs = 0\n", "setting engine.max_num_seqs: input should be greater than 0"),
     ('[engine]\nspeculative = "draft"\n', "speculative = draft needs speculative_model"),
-    ("engine = 3\n", "engine must be a table"),
+    ("engine = 3\n", "engine is outside any table"),
+    ('db_url = "sqlite://"\n', "db_url is outside any table: settings go in [group] tables (server, "),
+    ('db_url = "sqlite://"\n', "it belongs in [server]"),
 ])
 def test_a_bad_file_is_one_line_naming_the_key(tmp_path, toml, words):
     path = tmp_path / "c.toml"
