@@ -139,11 +139,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             await session.commit()
             return await self._start(conv.id, user_msg.id, answer.id, run, planned=planned)
         except BaseException:
-            self._unclaim(conv.id)
-            if claimed:
-                await self.jobs.release(conv.id)
-            if run is not None:
-                await run.close()
+            await self._give_back(conv.id, claimed, run)
             raise
 
     def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
@@ -190,12 +186,16 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             await session.commit()
             return await self._start(conv.id, question_id, answer.id, run, planned=planned)
         except BaseException:
-            self._unclaim(conv.id)
-            if claimed:
-                await self.jobs.release(conv.id)
-            if run is not None:
-                await run.close()
+            await self._give_back(conv.id, claimed, run)
             raise
+
+    async def _give_back(self, conversation_id: str, claimed: bool, run: Run | None) -> None:
+        """Undo what send or regenerate took before its job started: the claim, the job lease, the run."""
+        self._unclaim(conversation_id)
+        if claimed:
+            await self.jobs.release(conversation_id)
+        if run is not None:
+            await run.close()
 
     async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None,
                               prefix: str = "") -> tuple[ChatPrompt | None, Draft, int]:
