@@ -4,8 +4,8 @@ A leaf room: it imports nothing else of chatloom, so every other room (the engin
 defaults from here. tree.py holds the groups, root.py the root and its sources, loading.py the
 order (defaults, TOML file, CHATLOOM_* environment, command-line flags) and the one-line errors.
 """
-from chatloom.settings.loading import load_settings, nest
-from chatloom.settings.root import Settings, SettingsError, validated
+from chatloom.settings.loading import load_settings
+from chatloom.settings.root import Settings, SettingsError, nest, validated
 from chatloom.settings.tree import DEFAULT_MODEL, DEFAULT_SYSTEM_PROMPT
 
 DEFAULTS = Settings.model_construct()  # the defaults alone, no environment: what lower layers default to

@@ -7,11 +7,12 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from chatloom.settings.root import CONFIG_FILE, Settings, SettingsError, one_line
+from chatloom.settings.root import CONFIG_VALUES, Settings, SettingsError, nest, one_line
 
 
-def check_toml(path: str | Path) -> None:
-    """Refuse an unreadable file, or a group or key that does not exist, with one line naming it."""
+def check_toml(path: str | Path) -> dict[str, Any]:
+    """The file's values; an unreadable file, a group or key that does not exist, or a value of the
+    wrong type is refused with one line naming it."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -36,34 +37,19 @@ def check_toml(path: str | Path) -> None:
             model.model_validate(table, strict=True)
         except ValidationError as exc:
             raise SettingsError(one_line(exc, origin=str(path), group=group)) from None
-
-
-def nest(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """{"engine.max_num_seqs": 8} -> {"engine": {"max_num_seqs": 8}}; None values are left out."""
-    tree: dict[str, dict[str, Any]] = {}
-    groups = Settings.model_fields
-    for key, value in values.items():
-        if value is None:
-            continue
-        group, dot, name = key.partition(".")
-        if not dot or group not in groups or name not in groups[group].annotation.model_fields:
-            raise SettingsError(f"unknown setting {key!r}")
-        tree.setdefault(group, {})[name] = value
-    return tree
+    return data
 
 
 def load_settings(config_file: str | Path | None = None, flags: Mapping[str, Any] | None = None) -> Settings:
     """Defaults, then the TOML file, then CHATLOOM_<GROUP>__<KEY> environment variables, then the
     flags (dotted keys such as "engine.max_num_seqs"; None means the flag was not given)."""
-    if config_file:
-        check_toml(config_file)
-    token = CONFIG_FILE.set(Path(config_file) if config_file else None)
+    token = CONFIG_VALUES.set(check_toml(config_file) if config_file else None)
     try:
         return Settings(**nest(flags or {}))
     except ValidationError as exc:
         raise SettingsError(one_line(exc, origin=_origin(exc, flags or {}))) from None
     finally:
-        CONFIG_FILE.reset(token)
+        CONFIG_VALUES.reset(token)
 
 
 def _origin(exc: ValidationError, flags: Mapping[str, Any]) -> str:

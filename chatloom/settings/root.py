@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from pydantic import Field
 from pydantic import ValidationError
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
-                               TomlConfigSettingsSource)
+                               InitSettingsSource)
 
 from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
@@ -22,8 +22,8 @@ from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSetting
 
 ENV_PREFIX = "CHATLOOM_"
 ENV_NESTED_DELIMITER = "__"
-# The TOML file being loaded (load_settings sets it), read by the file source below.
-CONFIG_FILE: ContextVar[Path | None] = ContextVar("chatloom_config_file", default=None)
+# The settings file's values, read and checked once by load_settings, for the file source below.
+CONFIG_VALUES: ContextVar[dict | None] = ContextVar("chatloom_config_values", default=None)
 
 
 class Settings(BaseSettings):
@@ -52,8 +52,8 @@ class Settings(BaseSettings):
                                    dotenv_settings: PydanticBaseSettingsSource,
                                    file_secret_settings: PydanticBaseSettingsSource):
         # Earlier sources win: flags (passed as init values), then the environment, then the file.
-        path = CONFIG_FILE.get()
-        file_source = (TomlConfigSettingsSource(settings_cls, toml_file=path),) if path else ()
+        values = CONFIG_VALUES.get()
+        file_source = (InitSettingsSource(settings_cls, values),) if values else ()
         return (init_settings, env_settings, *file_source)
 
     @property
@@ -80,18 +80,27 @@ class Settings(BaseSettings):
     def with_values(self, values: Mapping[str, Any]) -> "Settings":
         """A copy with dotted keys changed (`{"engine.max_num_seqs": 8}`); None values are skipped."""
         data = self.model_dump()
-        for key, value in values.items():
-            if value is None:
-                continue
-            group, _, name = key.partition(".")
-            if group not in data or not isinstance(data[group], dict) or name not in data[group]:
-                raise SettingsError(f"unknown setting {key!r}")
-            data[group][name] = value
+        for group, changes in nest(values).items():
+            data[group].update(changes)
         return validated(data)
 
 
 class SettingsError(ValueError):
     """A setting that is unknown or has the wrong type; the message is one line naming it."""
+
+
+def nest(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{"engine.max_num_seqs": 8} -> {"engine": {"max_num_seqs": 8}}; None values are left out."""
+    tree: dict[str, dict[str, Any]] = {}
+    groups = Settings.model_fields
+    for key, value in values.items():
+        if value is None:
+            continue
+        group, dot, name = key.partition(".")
+        if not dot or group not in groups or name not in groups[group].annotation.model_fields:
+            raise SettingsError(f"unknown setting {key!r}")
+        tree.setdefault(group, {})[name] = value
+    return tree
 
 
 def validated(data: Mapping[str, Any]) -> Settings:
