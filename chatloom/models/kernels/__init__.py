@@ -8,6 +8,9 @@ is available (or CHATLOOM_RUNTIME__KERNELS=0), callers fall back to the pure PyT
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import os
+import shutil
 import logging
 import threading
 from pathlib import Path
@@ -32,20 +35,49 @@ def load_kernels():
         if _module is not None or _failed:
             return _module
         here = Path(__file__).parent
-        sources = sorted(here.glob("*.cpp"))
-        # The checkout's path is part of the key: ninja records absolute source paths, so two checkouts
-        # sharing one build folder would keep rebuilding each other's objects.
         sources_bytes = b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))
-        digest = hashlib.sha1(str(here.resolve()).encode() + b"\0" + sources_bytes).hexdigest()[:10]
+        name = f"chatloom_kernels_{hashlib.sha1(sources_bytes).hexdigest()[:10]}"
+        cache = Path(runtime.kernel_cache or Path.home() / ".cache" / "chatloom" / "kernels")
+        # A finished library depends only on the sources, so a checkout whose sources match one
+        # built before loads that library instead of compiling again.
+        finished = cache / "built" / f"{name}.so"
         try:
-            from torch.utils.cpp_extension import load
-
-            build_dir = Path(runtime.kernel_cache or Path.home() / ".cache" / "chatloom" / "kernels") / digest
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _module = load(name=f"chatloom_kernels_{digest}", sources=[str(p) for p in sources],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+            if finished.exists():
+                _module = _import_library(name, finished)
+            else:
+                # The build folder is per checkout: ninja records absolute source paths, so two
+                # checkouts sharing one would keep rebuilding each other's objects.
+                checkout = hashlib.sha1(str(here.resolve()).encode() + b"\0" + sources_bytes).hexdigest()[:10]
+                build_dir = cache / checkout
+                _module = _build(name, sorted(here.glob("*.cpp")), build_dir)
+                _publish(build_dir / f"{name}.so", finished)
         except Exception as exc:  # no compiler, no headers: run without kernels
             log.warning("C++ kernels unavailable, using the PyTorch attention path: %s", exc)
             _failed = True
     return _module
+
+
+def _build(name: str, sources: list[Path], build_dir: Path):
+    from torch.utils.cpp_extension import load
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(p) for p in sources],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+
+
+def _import_library(name: str, path: Path):
+    import torch  # noqa: F401  (the library links against torch's own)
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _publish(library: Path, finished: Path) -> None:
+    """Copy a freshly built library where other checkouts look, atomically."""
+    finished.parent.mkdir(parents=True, exist_ok=True)
+    partial = finished.with_name(f"{finished.name}.{os.getpid()}.partial")
+    shutil.copyfile(library, partial)
+    os.replace(partial, finished)
