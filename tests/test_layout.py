@@ -10,9 +10,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "chatloom"
 APP = PACKAGE / "app"
-# Higher rank imports lower; equal ranks (generation, state) do not import each other.
-RANK = {"core": 0, "traffic": 1, "generation": 2, "state": 2, "chat": 3, "api": 4}
-ROOMS = sorted(RANK)
+# Higher rank imports lower; equal ranks (generation and state; chat, batch and responses) do not
+# import each other.
+RANK = {"core": 0, "traffic": 1, "generation": 2, "state": 2, "files": 3, "tools": 4,
+        "chat": 5, "batch": 5, "responses": 5, "api": 6}
+ROOMS = sorted(room for room in RANK if (APP / room).is_dir())
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -26,6 +27,7 @@ from chatloom.app.core.validation import EdgeGuard
 from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
 from chatloom.store import Database
+from chatloom.store.blobs import LocalBlobStore
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s),
+        blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"),
     )
 
     @asynccontextmanager

@@ -25,7 +25,7 @@ class ServerSettings(Group):
 
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port of the HTTP server.")
-    data_dir: str = Field("./data", description="Folder for the SQLite database, the JWT secret and other files.")
+    data_dir: str = Field("./data", description="Folder for the SQLite database, the JWT secret and uploaded files (blobs/).")
     db_url: str | None = Field(None, description="Database URL; default: SQLite at data_dir/chatloom.db. "
                                                  "postgresql+asyncpg://... for PostgreSQL.")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="Log level.")

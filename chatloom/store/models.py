@@ -163,3 +163,30 @@ class Feedback(Base):
     rating: Mapped[str] = mapped_column(String(8))  # up | down
     text: Mapped[str | None] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+# What an uploaded file is for, as OpenAI's files API names it: batch input, batch results, files a
+# user gives the chat (retrieval, attachments), images.
+FILE_PURPOSES = ("batch", "batch_output", "user_data", "assistants", "vision")
+
+
+class StoredFile(Base):
+    """An uploaded (or produced) file. Its bytes live in the blob store under `blob_key`; deleting a
+    file removes the row and the blob together (store/blobs.py)."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_user_created", "user_id", "created"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file"))
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))
+    content_type: Mapped[str | None] = mapped_column(String(128))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    blob_key: Mapped[str] = mapped_column(String(255), unique=True)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    # uploaded: bytes stored; processed: whatever the purpose needs done to it is done; error: that failed.
+    status: Mapped[str] = mapped_column(String(16), default="uploaded")
+    status_details: Mapped[str | None] = mapped_column(Text)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

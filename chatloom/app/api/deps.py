@@ -23,6 +23,7 @@ from chatloom.settings import Settings
 from chatloom.app.traffic.control import Traffic
 from chatloom.serving import Backend
 from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users
+from chatloom.store.blobs import BlobStore
 
 
 @dataclass
@@ -39,6 +40,7 @@ class AppContext:
     conversations: ConversationService
     hot: HotState  # quotas, stream logs, stops, job leases: in memory, or shared by the gateways in Redis
     callers: CallerCache  # recently authenticated callers (spares the database a lookup per request)
+    blobs: BlobStore  # uploaded files' bytes (rows in the files table say whose and what)
 
 
 def get_context(request: Request) -> AppContext:
