@@ -135,6 +135,9 @@ class TrafficSettings(Group):
                                                                                      "effort dial.")
     slo_ttft_s: float | None = Field(2.0, gt=0, description="Time-to-first-token target behind goodput.")
     slo_tpot_s: float | None = Field(0.2, gt=0, description="Time-per-output-token target behind goodput.")
+    cached_input_discount: float = Field(0.5, ge=0, le=1, description="Share taken off the quota cost of "
+                                         "prompt tokens served from the prefix cache (0: full price; "
+                                         "1: free).")
 
 
 class ModerationSettings(Group):

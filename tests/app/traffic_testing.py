@@ -12,10 +12,13 @@ from chatloom.serving import Backend, BackendStats, Delta, GenerationRequest, Ti
 
 class ScriptedBackend(Backend):
     """Answers every request with the same pieces of text, one per `delay_s`.
-    A token is a whitespace-separated word; each message costs its words + 3."""
+    A token is a whitespace-separated word; each message costs its words + 3. `cached` prompt tokens
+    (at most the whole prompt) are reported as found in the prefix cache."""
 
-    def __init__(self, pieces: list[str] | None = None, delay_s: float = 0.0, room: bool = True) -> None:
+    def __init__(self, pieces: list[str] | None = None, delay_s: float = 0.0, room: bool = True,
+                 cached: int = 0) -> None:
         self.pieces = pieces if pieces is not None else ["Hello", " there", ",", " friend", "."]
+        self.cached = cached
         self.delay_s = delay_s
         self.room = room
         self.requests: list[GenerationRequest] = []
@@ -57,7 +60,7 @@ class ScriptedBackend(Backend):
                 sent += 1
                 yield Delta(piece, False, None, prompt, sent)
             reason = "length" if len(self.pieces) > request.max_tokens else "stop"
-            yield Delta("", True, reason, prompt, sent, 0,
+            yield Delta("", True, reason, prompt, sent, min(self.cached, prompt),
                         Timings(queue_time=0.001, ttft=0.01, tpot=0.002, e2e=0.02))
         finally:
             self.running -= 1

@@ -392,7 +392,7 @@ class Run:
         if self._slot is not None:
             self._slot.release()
         if self._reservation is not None:
-            await self.traffic.quotas.settle(self._reservation, self.used.total_tokens)
+            await self.traffic.quotas.settle(self._reservation, self.traffic.charged_tokens(self.used))
 
     async def close(self) -> None:
         """Release (if not done yet), meter the tokens used, observe latencies."""

@@ -22,7 +22,7 @@ from chatloom.app.traffic.reasoning import EFFORTS, cap_effort
 from chatloom.settings import Settings
 from chatloom.app.traffic.tiers import Tier, TierTable
 from chatloom.app.traffic.metering import Meter
-from chatloom.serving import Backend
+from chatloom.serving import Backend, Usage
 from chatloom.store import Database, User
 
 
@@ -88,6 +88,12 @@ class Traffic:
             await self.quotas.extend(reservation, tier, tokens)
         except QuotaExceeded as exc:
             raise self._refusal(exc) from None
+
+    def charged_tokens(self, usage: Usage) -> int:
+        """What a run's tokens cost the quota: prompt tokens served from the prefix cache count at
+        the discounted rate (traffic.cached_input_discount), everything else in full."""
+        discount = self.settings.traffic.cached_input_discount
+        return usage.total_tokens - math.floor(usage.cached_tokens * discount)
 
     async def headers(self, user: User) -> dict[str, str]:
         return (await self.quotas.state(user.id, self.tier(user))).headers()

@@ -237,3 +237,30 @@ async def test_tier_caps_max_tokens_and_models(tmp_path):
             assert (await c.put("/admin/users/nobody/tier", json={"tier": "pro"}, headers=root)).status_code == 404
             assert (await c.put("/admin/users/bob/tier", json={"tier": 3}, headers=root)).status_code == 422
             assert (await c.put("/admin/users/root/tier", json={"tier": "pro"}, headers=bob)).status_code == 403
+
+
+@pytest.mark.parametrize("discount", [0.0, 0.5, 1.0])
+async def test_cached_prompt_tokens_cost_the_quota_at_the_discount(tmp_path, discount):
+    tiers = write_tiers(tmp_path, free={"tokens_per_minute": 1000, "tokens_per_day": 100000})
+    backend = ScriptedBackend(["a", " b", " c"], cached=8)
+    app = app_with(tmp_path, backend, traffic={"tiers_file": tiers, "cached_input_discount": discount},
+                   moderation={"mode": "off"})
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            alice = await signup(c, "alice")
+            body = {"model": "scripted", "max_tokens": 3,
+                    "messages": [{"role": "user", "content": "one two three four five six seven eight nine ten"}]}
+            r = await c.post("/v1/chat/completions", json=body, headers=alice)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 8
+            r = await c.get("/conversations", headers=alice)
+            charged = 1000 - int(r.headers["x-ratelimit-remaining-tokens"])
+            assert charged == usage["total_tokens"] - int(8 * discount)
+            # Metering keeps the cached tokens apart, at full count (metered as the run closes).
+            for _ in range(500):
+                totals = (await c.get("/usage", headers=alice)).json()["totals"]
+                if totals["requests"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert totals["cached_tokens"] == 8 and totals["total_tokens"] == usage["total_tokens"]
