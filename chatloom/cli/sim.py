@@ -96,6 +96,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", default=None, metavar="DIR", help="write replicas_vs_peak.png there")
     p.add_argument("--plot-fractions", type=positive_float, nargs="+", default=[0.25, 0.5, 1.0],
                    help="with --plot: plan also at these fractions of the peak")
+    p.add_argument("--gpu-hour-price", type=positive_float, default=None, metavar="PRICE",
+                   help="the hardware's price per GPU-hour: adds cost per million output tokens")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
@@ -278,6 +280,11 @@ def cmd_plan(args) -> int:
            "probes": [{"replicas": p.replicas, "ok": p.ok, "slo_attainment": p.summary["slo_attainment"]}
                       for p in plan.probes],
            "cell_size": args.cell_size, "sample_cells": args.sample_cells, "duration_s": cfg.duration_s}
+    if args.gpu_hour_price is not None and plan.replicas:
+        from chatloom.sim.cost import cost_report
+
+        out["cost"] = cost_report(spec, traffic, plan.replicas, args.gpu_hour_price, slo.tpot_s,
+                                  best.summary["prefix_hit_rate"] or 0.0)
     if args.plot:
         from chatloom.sim.plots import replicas_vs_peak
 
@@ -320,6 +327,13 @@ def _print_plan(out: dict) -> None:
           f"TPOT p50/p99 {s['tpot_ms']['p50']:.1f}/{s['tpot_ms']['p99']:.1f} ms, "
           f"{s['output_tokens_per_s_per_replica']:,.0f} tokens/s per replica, prefix hits "
           f"{100 * (s['prefix_hit_rate'] or 0):.0f}%")
+    if "cost" in out:
+        c = out["cost"]
+        print(f"cost at {c['gpu_hour_price']:g} per GPU-hour: {c['fleet_cost_per_hour']:,.2f} per hour; per million "
+              f"output tokens {c['per_million_output_tokens_at_planned_load']:,.4f} at the planned load, "
+              f"{c['per_million_output_tokens_at_slo']:,.4f} at the SLO (batch {c['slo_batch']}, "
+              f"{c['output_tokens_per_replica_second_at_slo']:,.0f} tokens per replica-second); batching saves "
+              f"{100 * c['batching_saving']:.0f}%, prefix caching {100 * c['prefix_caching_saving']:.0f}%")
     print("why the simulated fleet differs from the seeds':")
     for line in out["why_they_differ"]:
         print(f"  - {line}")

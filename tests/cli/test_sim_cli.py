@@ -51,12 +51,18 @@ def test_plan_prints_the_seeds_beside_the_simulated_fleet(tmp_path, capsys):
 
 def test_plan_json_for_the_70b_on_h100_roofline(capsys):
     rc = main(["plan", "--model", "llama-70b", "--gpu", "h100", "--peak-tokens-per-s", "3e4", "--duration", "40",
-                   "--cell-size", "4", "--json", "--tolerance", "0.5"])
+                   "--cell-size", "4", "--json", "--tolerance", "0.5", "--gpu-hour-price", "2.5"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["replicas"] >= 1 and out["gpus"] == 8 * out["replicas"]
     assert out["simulated"]["slo_attainment"] >= 0.99
     assert out["estimate"]["tokens_per_s"] > 1000
+    cost = out["cost"]
+    assert cost["fleet_cost_per_hour"] == pytest.approx(out["gpus"] * 2.5)
+    # The planned fleet has headroom for the SLO, so its tokens cost more than a replica run at the SLO's batch.
+    assert cost["per_million_output_tokens_at_planned_load"] > cost["per_million_output_tokens_at_slo"] > 0
+    assert cost["slo_batch"] > 1 and 0 < cost["batching_saving"] < 1
+    assert 0 <= cost["prefix_caching_saving"] < 1
 
 
 @pytest.mark.parametrize("argv, message", [
