@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from chatloom.app.main import create_app
@@ -31,6 +32,13 @@ PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
 TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                "response.content_part.added"]
 TEXT_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
@@ -152,6 +160,13 @@ async def test_a_function_call_then_its_output_continues_the_thread(env):
     assert done.arguments == events[3].delta == events[5].item.arguments and done.item_id == events[2].item.id
     jsonschema.validate(json.loads(done.arguments), ADD["parameters"])
 
+    # Without previous_response_id, the client sends the thread back itself: the SDK's own output items.
+    manual = await client.responses.create(
+        model=MODEL, tools=[ADD], tool_choice="none", max_output_tokens=4, temperature=0, store=False,
+        input=[{"role": "user", "content": "What is 2+3?"}, *[o.model_dump(exclude_none=True) for o in first.output],
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": str(result["a"] + result["b"])}])
+    assert manual.usage.input_tokens == reply.usage.input_tokens and manual.output_text == reply.output_text
+
     with pytest.raises(openai.BadRequestError) as e:
         await client.responses.create(model=MODEL, previous_response_id=first.id, input=[
             {"type": "function_call_output", "call_id": "call_nope", "output": "5"}])
@@ -169,6 +184,9 @@ async def test_json_schema_output_parses_and_validates(env):
                                            max_output_tokens=60, stream=True)
     events = [e async for e in stream]
     jsonschema.validate(json.loads(events[-1].response.output[0].content[0].text), PERSON)
+    parsed = await client.responses.parse(model=MODEL, input="Tell me about a person.", text_format=Person,
+                                          max_output_tokens=60)
+    assert isinstance(parsed.output_parsed, Person) and len(parsed.output_parsed.name) <= 6
     r = await client.responses.create(model=MODEL, input="Some JSON.", text={"format": {"type": "json_object"}},
                                       max_output_tokens=40)
     assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
@@ -197,6 +215,17 @@ async def test_retrieve_delete_and_input_items_pages(env):
         with pytest.raises(openai.NotFoundError) as e:
             await call
         assert r.id in e.value.message
+
+    # A thread whose first response was deleted goes on from the responses still there.
+    one = await client.responses.create(model=MODEL, input="First.", max_output_tokens=3, temperature=0)
+    two = await client.responses.create(model=MODEL, input="Second.", previous_response_id=one.id,
+                                        max_output_tokens=3, temperature=0)
+    three = await client.responses.create(model=MODEL, input="Third.", previous_response_id=two.id,
+                                          max_output_tokens=1, temperature=0)
+    await client.responses.delete(one.id)
+    again = await client.responses.create(model=MODEL, input="Third.", previous_response_id=two.id,
+                                          max_output_tokens=1, temperature=0)
+    assert 0 < again.usage.input_tokens < three.usage.input_tokens
 
     # store=false: answered, never stored.
     r = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
