@@ -1,7 +1,8 @@
 """The Responses API through the official `openai` package: text and message-list input, streamed and not,
 function tools (a call, then its output continuing the thread via previous_response_id), json_schema output,
 reasoning.effort, retrieve / delete / input_items, another user's ids, a thread continued by a second
-gateway sharing the database, and bad input answered with a 4xx."""
+gateway sharing the database, a backend failure mid-stream, and bad or refused requests answered with a 4xx
+and nothing stored."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,12 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from sqlalchemy import select
 
 from chatloom.app.main import create_app
+from chatloom.app.traffic.tiers import TierTable
+from chatloom.serving import BackendError
+from chatloom.store import StoredResponse
 
 from app_testing import make_settings, parse_sse, signup
 from backing_services import create_database, drop_database, require_postgres
@@ -346,3 +351,49 @@ async def test_bad_input_items_queries_are_4xx(env):
     sse = parse_sse((await http.post("/v1/responses", headers=headers, json={
         "model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": True})).text)
     assert all(e.event == e.data["type"] for e in sse)
+
+
+class FailingBackend(ScriptedBackend):
+    """Sends two pieces, then fails as a lost replica does."""
+
+    async def stream(self, request):
+        sent = 0
+        async for delta in super().stream(request):
+            if sent == 2:
+                raise BackendError("the replica went away")
+            sent += 1
+            yield delta
+
+
+async def test_a_failure_mid_stream_ends_as_response_failed_and_is_stored_so(tmp_path):
+    async with AsyncExitStack() as stack:
+        http = await gateway(stack, tmp_path, "gw", FailingBackend())
+        client = sdk(http, await new_key(http, "alice"))
+        stream = await client.responses.create(model="scripted", input="hi", stream=True)
+        events = [e async for e in stream]
+        assert events[-1].type == "response.failed" and "the replica went away" in events[-1].response.error.message
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        message = events[-1].response.output[0]
+        assert message.status == "incomplete" and message.content[0].text == "Hello there"
+        stored = await client.responses.retrieve(events[-1].response.id)
+        assert stored.status == "failed" and stored.output_text == "Hello there"
+        with pytest.raises(openai.APIStatusError) as e:  # whole: an HTTP error, nothing stored
+            await client.responses.create(model="scripted", input="hi")
+        assert e.value.status_code == 502
+
+
+async def test_a_refused_request_stores_nothing(tmp_path, tiny_backend):
+    async with AsyncExitStack() as stack:
+        http = await gateway(stack, tmp_path, "gw", tiny_backend)
+        client = sdk(http, await new_key(http, "alice"))
+        first = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        app = http._transport.app
+        tiers = write_tiers(tmp_path, free={**ROOMY, "tokens_per_day": 10})
+        app.state.ctx.traffic.tiers = TierTable.load(tiers)
+        for stream in (False, True):
+            with pytest.raises(openai.RateLimitError):
+                await client.responses.create(model=MODEL, input="Go on.", previous_response_id=first.id,
+                                              max_output_tokens=8, stream=stream)
+        async with app.state.ctx.db.session() as session:
+            rows = (await session.scalars(select(StoredResponse))).all()
+        assert [r.id for r in rows] == [first.id]
