@@ -62,8 +62,9 @@ def response_object(draft: Draft, model: str, status: str, output: list[dict], u
 
 
 def stored_object(row: StoredResponse) -> dict:
+    created = row.created if row.created.tzinfo else row.created.replace(tzinfo=timezone.utc)  # SQLite: naive
     draft = Draft(row.user_id, row.input_items, row.params, row.instructions, row.previous_response_id, True,
-                  row.id, int(row.created.timestamp()))
+                  row.id, int(created.timestamp()))
     return response_object(draft, row.model, row.status, row.output_items, row.usage, row.details)
 
 
@@ -105,7 +106,9 @@ class ResponseWriter:
             if raise_errors:
                 raise
             failure = exc
-        if failure is not None:
+        if isinstance(failure, ApiError):
+            status, details = "failed", {"code": failure.code or "server_error", "message": failure.message}
+        elif failure is not None:
             status, details = "failed", {"code": "server_error", "message": f"generation failed: {failure}"}
         else:
             status, details = OUTCOMES.get(self.run.finish_reason or "", ("completed", None))

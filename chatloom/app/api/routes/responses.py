@@ -8,6 +8,7 @@ app/responses/ turns the pipeline's pieces into output items and semantic events
 """
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -62,8 +63,9 @@ async def create_response(body: ResponseCreateIn, ctx: Ctx, user: CurrentUser, s
     async def events():
         ended = False  # the response went out whole: the run is closed after the response (see below)
         try:
-            async for event in writer.events():
-                yield frame(event, event=event["type"])
+            async with aclosing(writer.events()) as stream:
+                async for event in stream:
+                    yield frame(event, event=event["type"])
             ended = True
         finally:
             await pieces.aclose()  # a client that left aborts the request
