@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from contextlib import AsyncExitStack
 
 import httpx
@@ -21,7 +22,7 @@ from chatloom.app.traffic.tiers import TierTable
 from chatloom.serving import BackendError
 from chatloom.store import StoredResponse
 
-from app_testing import make_settings, parse_sse, signup
+from app_testing import LiveServer, make_settings, parse_sse, signup
 from backing_services import create_database, drop_database, require_postgres
 from traffic_testing import ScriptedBackend, write_tiers
 
@@ -397,3 +398,42 @@ async def test_a_refused_request_stores_nothing(tmp_path, tiny_backend):
         async with app.state.ctx.db.session() as session:
             rows = (await session.scalars(select(StoredResponse))).all()
         assert [r.id for r in rows] == [first.id]
+
+
+class CuttableBackend(ScriptedBackend):
+    """Notes the requests whose stream was closed before its end (what a departed client causes)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cut: list[str] = []
+
+    async def stream(self, request):
+        finished = False
+        try:
+            async for delta in super().stream(request):
+                yield delta
+            finished = True
+        finally:
+            if not finished:
+                self.cut.append(request.request_id)
+
+
+def test_a_client_that_leaves_mid_stream_aborts_it_and_nothing_is_stored(tmp_path):
+    backend = CuttableBackend([f" w{i}" for i in range(400)], delay_s=0.01)
+    settings = make_settings(tmp_path, traffic={"tiers_file": write_tiers(tmp_path, free=ROOMY)},
+                             moderation={"mode": "off"}, sampling={"max_tokens": 400})
+    with LiveServer(create_app(settings, backend)) as live, httpx.Client(base_url=live.url, timeout=30) as http:
+        r = http.post("/auth/signup", json={"username": "alice", "password": "correct horse"})
+        headers = {"Authorization": f"Bearer {r.json()['token']}"}
+        body = {"model": "scripted", "input": "hi", "stream": True}
+        with http.stream("POST", "/v1/responses", headers=headers, json=body) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            assert first["type"] == "response.created"
+            next(line for line in lines if "response.output_text.delta" in line)
+        response_id = first["response"]["id"]
+        deadline = time.monotonic() + 20
+        while response_id not in backend.cut:  # the generation stops once the connection is gone
+            assert time.monotonic() < deadline, "the backend request was not aborted"
+            time.sleep(0.01)
+        assert http.get(f"/v1/responses/{response_id}", headers=headers).status_code == 404
