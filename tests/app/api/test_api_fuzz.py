@@ -46,9 +46,10 @@ EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 15}
 # Requests the OpenAI API can serve, and the generated fields kept on them.
 WELL_FORMED = {"/v1/chat/completions": {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}]},
                "/v1/completions": {"model": "tiny-random", "prompt": "Once upon a time"},
-               "/v1/messages": {"model": "tiny-random", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}}
+               "/v1/messages": {"model": "tiny-random", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+               "/v1/responses": {"model": "tiny-random", "input": "hi"}}
 SAMPLING = {"stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-            "stop", "n", "user", "reasoning_effort", "top_k", "stop_sequences"}
+            "stop", "n", "user", "reasoning_effort", "top_k", "stop_sequences", "max_output_tokens", "instructions"}
 MIN_OPERATIONS = 30  # the API has 33 operations; fewer means the schema lost routes
 ROOMY = {"tokens_per_minute": 100_000_000, "tokens_per_day": 1_000_000_000, "requests_per_minute": 1_000_000,
          "max_concurrent": 100}
@@ -96,8 +97,10 @@ def _seed(schema) -> Known:
     detail = _call(schema, "GET", "/conversations/{conversation_id}", known.token,
                    path_parameters={"conversation_id": cid}).json()
     key = _call(schema, "POST", "/auth/api-keys", known.token, body={"name": "fuzz"}).json()["id"]
+    response = _call(schema, "POST", "/v1/responses", known.token,
+                     body={"model": "tiny-random", "input": "hello", "max_output_tokens": 8}).json()["id"]
     known.ids = {"conversation_id": [cid], "message_id": [m["id"] for m in detail["messages"]],
-                 "key_id": [key], "username": ["fuzzer"], "password": ["correct horse"],
+                 "key_id": [key], "response_id": [response], "username": ["fuzzer"], "password": ["correct horse"],
                  "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"]}
     return known
 

@@ -1,0 +1,182 @@
+"""Conversation items of the Responses API: what a request's `input` may hold, each item as stored (with
+its id, in the API's own shape), and a thread of items as the chat turns the prompt is rendered from.
+
+Items: messages (roles user, assistant, system, developer; content as a string or text parts), the
+model's function calls (`function_call`) and their results (`function_call_output`), and the model's
+reasoning (`reasoning`, kept in the thread but not shown to the model again, as chat templates drop
+earlier thinking). A function call's output must answer a call made earlier in the thread.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from chatloom.app.core.errors import ApiError
+from chatloom.app.generation.tool_calls import ToolCall
+from chatloom.store import new_id
+
+LENIENT = ConfigDict(extra="ignore")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ContentPartIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class MessageItemIn(BaseModel):
+    model_config = LENIENT
+    type: Literal["message"] = "message"
+    id: str | None = Field(default=None, max_length=64)
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPartIn]
+
+
+class FunctionCallItemIn(BaseModel):
+    model_config = LENIENT
+    type: Literal["function_call"]
+    id: str | None = Field(default=None, max_length=64)
+    call_id: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class FunctionCallOutputItemIn(BaseModel):
+    model_config = LENIENT
+    type: Literal["function_call_output"]
+    id: str | None = Field(default=None, max_length=64)
+    call_id: str = Field(min_length=1, max_length=64)
+    output: str | list[ContentPartIn]
+
+
+class ReasoningItemIn(BaseModel):
+    model_config = LENIENT
+    type: Literal["reasoning"]
+    id: str | None = Field(default=None, max_length=64)
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+
+
+ITEM_TYPES: dict[str, type[BaseModel]] = {"message": MessageItemIn, "function_call": FunctionCallItemIn,
+                                          "function_call_output": FunctionCallOutputItemIn,
+                                          "reasoning": ReasoningItemIn}
+
+
+def _text_of(parts: str | list[ContentPartIn], where: str) -> str:
+    if isinstance(parts, str):
+        return parts
+    texts = []
+    for j, part in enumerate(parts):
+        if part.type not in TEXT_PARTS or part.text is None:
+            raise ApiError(400, f"{where}.content[{j}] is of type {part.type!r}; only text parts (input_text, "
+                           "output_text) are supported", "unsupported_content", "input")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _validated(raw: Any, i: int) -> BaseModel:
+    where = f"input[{i}]"
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"{where} must be an object (a message or another item)", "invalid_value", "input")
+    kind = raw.get("type", "message")
+    model = ITEM_TYPES.get(kind)
+    if model is None:
+        raise ApiError(400, f"{where} is an item of type {kind!r}, which this server does not take; send "
+                       f"one of {', '.join(ITEM_TYPES)}", "unsupported_value", "input")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
+        raise ApiError(400, f"{where}{field}: {err['msg']}", "invalid_value", "input") from None
+
+
+def input_items(value: str | list) -> list[dict]:
+    """A request's `input` as stored items, each with an id (kept when the client gave one); 400 for an
+    item this server cannot read, naming its place."""
+    if isinstance(value, str):
+        return [message_item("user", value)]
+    if not value:
+        raise ApiError(400, "input must not be empty", "invalid_value", "input")
+    items = []
+    for i, raw in enumerate(value):
+        item = _validated(raw, i)
+        where = f"input[{i}]"
+        if isinstance(item, MessageItemIn):
+            items.append(message_item(item.role, _text_of(item.content, where), item.id))
+        elif isinstance(item, FunctionCallItemIn):
+            items.append(function_call_item(ToolCall(item.call_id, item.name, item.arguments), item.id))
+        elif isinstance(item, FunctionCallOutputItemIn):
+            items.append({"type": "function_call_output", "id": item.id or new_id("fco"), "call_id": item.call_id,
+                          "output": _text_of(item.output, where), "status": "completed"})
+        else:
+            items.append({"type": "reasoning", "id": item.id or new_id("rs"), "summary": item.summary,
+                          **({"content": item.content} if item.content is not None else {})})
+    return items
+
+
+# -- items as the API shows them ---------------------------------------------------------------------
+
+def message_item(role: str, text: str, item_id: str | None = None, status: str = "completed") -> dict:
+    kind = "output_text" if role == "assistant" else "input_text"
+    part: dict = {"type": kind, "text": text}
+    if kind == "output_text":
+        part.update(annotations=[], logprobs=[])
+    return {"type": "message", "id": item_id or new_id("msg"), "role": role, "status": status, "content": [part]}
+
+
+def function_call_item(call: ToolCall, item_id: str | None = None, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}
+
+
+def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def output_text(items: list[dict]) -> str:
+    return "".join(p.get("text", "") for it in items if it["type"] == "message" and it["role"] == "assistant"
+                   for p in it["content"])
+
+
+# -- a thread as chat turns ------------------------------------------------------------------------------
+
+def prompt_turns(instructions: str | None, items: list[dict], max_output_chars: int) -> list[dict]:
+    """The instructions (a system turn; those of earlier responses are not carried over, as OpenAI does),
+    then the thread."""
+    head = [{"role": "system", "content": instructions}] if instructions else []
+    return head + chat_turns(items, max_output_chars)
+
+
+def chat_turns(items: list[dict], max_output_chars: int) -> list[dict]:
+    """The thread as {role, content, tool_calls?} turns for tool_calls.render_messages: developer turns are
+    system turns, a function call joins the assistant turn just before it (or starts one), a function
+    call's output is a `role: tool` turn. 400 for an output that answers no earlier call or is too long."""
+    turns: list[dict] = []
+    calls_made: set[str] = set()
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            turns.append({"role": role, "content": "".join(p.get("text", "") for p in item["content"])})
+        elif kind == "function_call":
+            call = ToolCall(item["call_id"], item["name"], item["arguments"])
+            calls_made.add(call.id)
+            if turns and turns[-1]["role"] == "assistant":
+                turns[-1].setdefault("tool_calls", []).append(call)
+            else:
+                turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if item["call_id"] not in calls_made:
+                raise ApiError(400, f"the function_call_output {item['id']} answers call_id {item['call_id']!r}, "
+                               "which no earlier function_call in the thread made", "invalid_value", "input")
+            if len(item["output"]) > max_output_chars:
+                raise ApiError(400, f"the function_call_output for call_id {item['call_id']!r} has "
+                               f"{len(item['output'])} characters; at most {max_output_chars} are accepted",
+                               "tool_output_too_large", "input")
+            turns.append({"role": "tool", "content": item["output"]})
+    return turns
+
