@@ -22,7 +22,7 @@ from chatloom.app.chat.recovery import Sweeper, drain
 from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, moderations, openai, recovery,
                                      responses, usage, web)
 from chatloom.settings import Settings
-from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
+from chatloom.app.traffic.control import RateLimitHeaders, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
 from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
@@ -56,6 +56,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     db = Database(settings.database_url)
     hot = build_hot_state(settings)  # quotas, stream logs, stops, job leases: in memory, or shared in Redis
     traffic = build_traffic(settings, backend, db)
+    check_degrade_model(settings, backend)
     traffic.quotas = hot.quotas
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)

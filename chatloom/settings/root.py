@@ -18,7 +18,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
 
 from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
-                                    ServerSettings, SharedStateSettings, TrafficSettings)
+                                    ServerSettings, SharedStateSettings, TrafficSettings, DegradeSettings)
 
 ENV_PREFIX = "CHATLOOM_"
 ENV_NESTED_DELIMITER = "__"
@@ -39,6 +39,7 @@ class Settings(BaseSettings):
     accounts: AccountSettings = Field(default_factory=AccountSettings)
     chat: ChatSettings = Field(default_factory=ChatSettings)
     traffic: TrafficSettings = Field(default_factory=TrafficSettings)
+    degrade: DegradeSettings = Field(default_factory=DegradeSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)

@@ -121,6 +121,13 @@ class ChatSettings(Group):
                                                            "share the first round's reservation.")
 
 
+class SloTarget(Group):
+    """A class's latency targets; unset: no target on that figure."""
+
+    ttft_s: float | None = Field(None, gt=0, description="Time to first token target.")
+    tpot_s: float | None = Field(None, gt=0, description="Time per output token target.")
+
+
 class TrafficSettings(Group):
     """Tiers, admission, reasoning effort and the service-level objectives."""
 
@@ -138,6 +145,59 @@ class TrafficSettings(Group):
     cached_input_discount: float = Field(0.5, ge=0, le=1, description="Share taken off the quota cost of "
                                          "prompt tokens served from the prefix cache (0: full price; "
                                          "1: free).")
+    slo_classes: dict[str, SloTarget] = Field(
+        default_factory=lambda: {"reasoning": SloTarget(ttft_s=10.0, tpot_s=0.2)},
+        description="Targets per traffic class, overriding slo_ttft_s/slo_tpot_s: 'reasoning', 'interactive', "
+                    "'interactive:<tier>' (a tier's interactive requests), 'batch'. TOML: "
+                    "[traffic.slo_classes.reasoning] ttft_s = 10.")
+
+    @model_validator(mode="after")
+    def _known_classes(self) -> "TrafficSettings":
+        for name in self.slo_classes:
+            kind, _, tier = name.partition(":")
+            if kind not in ("interactive", "reasoning", "batch") or (tier and kind != "interactive") \
+                    or (":" in name and not tier):
+                raise ValueError(f"unknown SLO class {name!r} (use interactive, interactive:<tier>, reasoning "
+                                 "or batch)")
+        return self
+
+
+class DegradeSettings(Group):
+    """The ladder of cheaper answers taken before the admission queue refuses (traffic/degrade.py)."""
+
+    enabled: bool = Field(True, description="Take the degrade steps under load.")
+    effort_queue_wait_share: float = Field(0.1, gt=0, lt=1, description="Queue wait, as a share of "
+                                           "traffic.queue_max_wait_s, that caps reasoning effort.")
+    effort_kv_usage: float = Field(0.90, gt=0, le=1, description="KV-cache occupancy that caps reasoning effort.")
+    effort_cap: Literal["low", "medium"] = Field("low", description="Reasoning effort allowed at that step.")
+    small_model_queue_wait_share: float = Field(0.2, gt=0, lt=1, description="Queue wait share that moves "
+                                                "the chosen tiers to the small model.")
+    small_model_kv_usage: float = Field(0.95, gt=0, le=1, description="KV-cache occupancy that moves the "
+                                                                      "chosen tiers to the small model.")
+    small_model: str | None = Field(None, description="A served model for that step (unset: the step "
+                                                      "changes nothing).")
+    small_model_tiers: list[str] = Field(["free"], description="Tiers moved to the small model.")
+    max_tokens_queue_wait_share: float = Field(0.4, gt=0, lt=1, description="Queue wait share that shortens "
+                                               "the chosen tiers' answers.")
+    max_tokens_kv_usage: float = Field(0.98, gt=0, le=1, description="KV-cache occupancy that shortens the "
+                                                                     "chosen tiers' answers.")
+    max_tokens_cap: int = Field(256, gt=0, description="Longest answer of those tiers at that step.")
+    max_tokens_tiers: list[str] = Field(["free"], description="Tiers whose answers are shortened.")
+    clear_queue_wait_share: float = Field(0.5, gt=0, lt=1, description="A step is undone once the queue wait "
+                                                                       "is below this share of its threshold...")
+    clear_kv_margin: float = Field(0.05, ge=0, lt=1, description="...and KV occupancy this far below its "
+                                                                "threshold...")
+    hold_s: float = Field(10.0, ge=0, description="...for this long.")
+    check_interval_s: float = Field(0.25, ge=0, description="Least time between two readings of the signals.")
+
+    @model_validator(mode="after")
+    def _ascending(self) -> "DegradeSettings":
+        for what in ("queue_wait_share", "kv_usage"):
+            values = [getattr(self, f"{step}_{what}") for step in ("effort", "small_model", "max_tokens")]
+            if values != sorted(values):
+                raise ValueError(f"the degrade thresholds on {what} must rise step by step (effort <= "
+                                 f"small_model <= max_tokens), not {values}")
+        return self
 
 
 class ModerationSettings(Group):

@@ -96,6 +96,7 @@ class Pipeline:
                            "invalid_value", "max_tokens")
         max_tokens = traffic.cap_max_tokens(tier, max_tokens)
         effort = traffic.effort(ask.reasoning_effort)
+        model, max_tokens, effort = traffic.degrade(tier, model, max_tokens, effort)
         if effort is not None:  # room for the thinking on top of the answer, within the window
             max_tokens = min(max_tokens + reasoning.BUDGET_TOKENS[effort], (window + max_tokens) // 2)
         temperature = sampling.temperature if ask.temperature is None else ask.temperature
@@ -404,7 +405,8 @@ class Run:
         if used.total_tokens:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:
-            self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage)
+            self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage,
+                                                 self.traffic.slo_class(self.limits.tier, self.kind))
 
 
 def _split_calls(parser: ToolCallParser | None, text: str | None) -> list[AnswerText | ToolCall]:

@@ -134,6 +134,12 @@ class AdmissionQueue:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def oldest_wait_s(self) -> float:
+        """How long the request waiting longest has waited so far (0 with none waiting)."""
+        if not self._waiting:
+            return 0.0
+        return time.monotonic() - min(t.enqueued for t in self._waiting)
+
     @property
     def running(self) -> int:
         return sum(self._running.values())

@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from chatloom.app.traffic.admission import INTERACTIVE, AdmissionQueue, QueueTimeout, Slot, Ticket
 from chatloom.app.core.errors import ApiError
+from chatloom.app.traffic.degrade import APPLIED, DegradeLadder, RecentMax, Signals
 from chatloom.app.traffic.metrics import Metrics, Slo
 from chatloom.app.traffic.moderation import LexiconModerator, ModerationUnavailable, Moderator, NoModerator, OutputGuard
 from chatloom.app.traffic.remote_moderation import RemoteModerator
@@ -36,6 +37,34 @@ class Traffic:
     metrics: Metrics
     meter: Meter
     reasoning_max_effort: str = "high"
+    ladder: DegradeLadder | None = None  # degrade before refusing; None: never
+
+    # -- degrade before refusing --------------------------------------------------------
+    def _step(self, step: str) -> bool:
+        """Whether the ladder has taken `step` now; marks it applied to the request being handled."""
+        if self.ladder is None or not self.ladder.active(step):
+            return False
+        APPLIED.set((*APPLIED.get(), step))
+        self.metrics.degraded_requests.labels(step).inc()
+        return True
+
+    def degrade(self, tier: Tier, model: str, max_tokens: int, effort: str | None) -> tuple[str, int, str | None]:
+        """The request's model, answer cap and reasoning effort after the degrade steps in force."""
+        if self.ladder is None:
+            return model, max_tokens, effort
+        self.ladder.update()
+        d = self.settings.degrade
+        if effort is not None and EFFORTS.index(effort) > EFFORTS.index(d.effort_cap) and self._step("effort"):
+            effort = d.effort_cap
+        if d.small_model and model != d.small_model and tier.name in d.small_model_tiers \
+                and tier.allows_model(d.small_model) and self._step("small_model"):
+            model = d.small_model
+        if max_tokens > d.max_tokens_cap and tier.name in d.max_tokens_tiers and self._step("max_tokens"):
+            max_tokens = d.max_tokens_cap
+        return model, max_tokens, effort
+
+    def slo_class(self, tier: Tier, kind: str) -> str:
+        return f"{kind}:{tier.name}" if kind == INTERACTIVE else kind
 
     # -- tiers ------------------------------------------------------------------------
     def tier(self, user: User) -> Tier:
@@ -145,18 +174,37 @@ def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic
     if settings.traffic.reasoning_max_effort not in EFFORTS:
         raise ValueError(f"reasoning_max_effort must be one of {', '.join(EFFORTS)}")
     metrics = Metrics(backend.stats, lambda: backend.default_model if backend.model_ids else "unknown",
-                      Slo(settings.traffic.slo_ttft_s, settings.traffic.slo_tpot_s))
+                      Slo(settings.traffic.slo_ttft_s, settings.traffic.slo_tpot_s),
+                      {name: Slo(t.ttft_s, t.tpot_s) for name, t in settings.traffic.slo_classes.items()})
+    recent_wait = RecentMax()
 
     def on_wait(ticket: Ticket, waited: float, admitted: bool) -> None:
         metrics.queue_wait.labels(ticket.tier.name, ticket.kind).observe(waited)
+        recent_wait.add(waited)
 
     admission = AdmissionQueue(backend.has_room, settings.traffic.admission_max_running or settings.engine.max_num_seqs,
                                settings.traffic.queue_max_wait_s, settings.traffic.reasoning_share, on_wait=on_wait)
     metrics.queue_waiting.set_function(lambda: admission.waiting)
     metrics.queue_running.set_function(lambda: admission.running)
+
+    def signals() -> Signals:
+        kv = backend.stats().kv_cache_usage_perc if backend.ready else None
+        return Signals(max(admission.oldest_wait_s(), recent_wait.value()), kv or 0.0)
+
+    ladder = DegradeLadder(settings.degrade, settings.traffic.queue_max_wait_s, signals) if settings.degrade.enabled else None
+    if ladder is not None:
+        metrics.degrade_level.set_function(lambda: ladder.level)
     return Traffic(settings=settings, tiers=TierTable.load(settings.traffic.tiers_file, default=settings.traffic.default_tier),
                    quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings),
-                   metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.traffic.reasoning_max_effort)
+                   metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.traffic.reasoning_max_effort,
+                   ladder=ladder)
+
+
+def check_degrade_model(settings: Settings, backend: Backend) -> None:
+    """The small model of the degrade ladder must be one the backend serves; raises ValueError."""
+    small = settings.degrade.small_model
+    if settings.degrade.enabled and small and backend.model_ids and small not in backend.model_ids:
+        raise ValueError(f"degrade.small_model {small!r} is not served (served: {', '.join(backend.model_ids)})")
 
 
 class RateLimitHeaders:
@@ -176,6 +224,9 @@ class RateLimitHeaders:
                 user = scope.get("state", {}).get("user")
                 traffic = self.traffic()
                 headers = list(message.get("headers", []))
+                if APPLIED.get():
+                    headers.append((b"x-chatloom-degraded", ",".join(APPLIED.get()).encode()))
+                    message = {**message, "headers": headers}
                 if user is not None and not any(k == b"x-ratelimit-limit-tokens" for k, _ in headers):
                     try:
                         figures = await traffic.headers(user)
@@ -185,5 +236,9 @@ class RateLimitHeaders:
                     message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        reset = APPLIED.set(())  # the degrade steps this request meets, for its header
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            APPLIED.reset(reset)
 

@@ -110,9 +110,11 @@ class _RecentRate:
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], BackendStats], model: Callable[[], str], slo: Slo = Slo()) -> None:
+    def __init__(self, stats: Callable[[], BackendStats], model: Callable[[], str], slo: Slo = Slo(),
+                 class_slos: dict[str, Slo] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.slo = slo
+        self.class_slos = dict(class_slos or {})
         r = self.registry
         self._model = model
         r.register(_EngineCollector(stats, model))
@@ -153,8 +155,33 @@ class Metrics:
                 g = Gauge(f"chatloom:slo_{name}_seconds", f"The {name.upper()} target of the goodput SLO.",
                           registry=r)
                 g.set(target)
+        # Per traffic class ('interactive:<tier>', 'reasoning', 'batch'), each against its own targets.
+        c = ["slo_class"]
+        self.class_requests = Counter("chatloom:class_requests", "Finished requests per traffic class.", c,
+                                      registry=r)
+        self.class_goodput_requests = Counter("chatloom:class_goodput_requests", "Finished requests that met "
+                                              "their class's SLO.", c, registry=r)
+        self.class_goodput_tokens = Counter("chatloom:class_goodput_tokens", "Output tokens of requests that "
+                                            "met their class's SLO.", c, registry=r)
+        targets = Gauge("chatloom:class_slo_seconds", "Each configured class's targets.", c + ["figure"],
+                        registry=r)
+        for name, target in self.class_slos.items():
+            for figure, value in (("ttft", target.ttft_s), ("tpot", target.tpot_s)):
+                if value is not None:
+                    targets.labels(name, figure).set(value)
+        self.degrade_level = Gauge("chatloom:degrade_level", "Degrade steps in force (0: none; 1 effort capped, "
+                                   "2 small model, 3 answers shortened).", registry=r)
+        self.degraded_requests = Counter("chatloom:degraded_requests", "Requests answered with a degrade step.",
+                                         ["step"], registry=r)
 
-    def observe_request(self, timings: Timings | None, finish_reason: str | None, usage: Usage) -> None:
+    def slo_for(self, slo_class: str) -> Slo:
+        """A class's targets: its own, else its kind's ('interactive' for 'interactive:free'), else the
+        service-wide ones."""
+        kind = slo_class.partition(":")[0]
+        return self.class_slos.get(slo_class) or self.class_slos.get(kind) or self.slo
+
+    def observe_request(self, timings: Timings | None, finish_reason: str | None, usage: Usage,
+                        slo_class: str | None = None) -> None:
         model = self._model()
         self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
         self.generation_tokens.labels(model).inc(usage.completion_tokens)
@@ -167,6 +194,11 @@ class Metrics:
         if finish_reason in ("stop", "length") and self.slo.met(timings):
             self.goodput_requests.labels(model).inc()
             self._goodput_rate.add()
+        if slo_class is not None and finish_reason in ("stop", "length"):
+            self.class_requests.labels(slo_class).inc()
+            if self.slo_for(slo_class).met(timings):
+                self.class_goodput_requests.labels(slo_class).inc()
+                self.class_goodput_tokens.labels(slo_class).inc(usage.completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,137 @@
+"""Degrade before refusing: the ladder's steps rise with load, apply to the requests they name, show in
+the response and on /metrics, and come down one at a time once load has stayed low."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from chatloom.app.main import create_app
+from chatloom.app.traffic.reasoning import BUDGET_TOKENS
+from chatloom.app.traffic.degrade import DegradeLadder, RecentMax, Signals
+from chatloom.serving import BackendStats
+from chatloom.settings.tree import DegradeSettings
+
+from app_testing import make_settings, signup
+from traffic_testing import ScriptedBackend
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ladder(signal: list[Signals], clock: Clock, **fields) -> DegradeLadder:
+    settings = DegradeSettings(check_interval_s=0.0, hold_s=10.0, **fields)
+    return DegradeLadder(settings, 30.0, lambda: signal[0], clock)
+
+
+def test_steps_rise_with_either_signal_and_fall_one_at_a_time_after_the_hold():
+    clock, signal = Clock(), [Signals(0.0, 0.1)]
+    d = ladder(signal, clock)
+    assert d.update() == 0
+    signal[0] = Signals(3.5, 0.1)  # 0.1 x 30 s passed: effort
+    assert d.update() == 1 and d.active("effort") and not d.active("small_model")
+    signal[0] = Signals(0.0, 0.99)  # KV past every threshold: all three at once
+    assert d.update() == 3 and d.active("max_tokens")
+    signal[0] = Signals(0.0, 0.96)  # below the top KV threshold but not its clearing level (0.93)
+    clock.now += 60
+    assert d.update() == 3
+    signal[0] = Signals(0.0, 0.5)  # calm: each step waits out the hold before it is undone
+    assert d.update() == 3
+    clock.now += 9.9
+    assert d.update() == 3
+    clock.now += 0.2
+    assert d.update() == 2
+    clock.now += 5
+    assert d.update() == 2
+    clock.now += 5.1
+    assert d.update() == 1
+    signal[0] = Signals(2.0, 0.5)  # wait above half the effort threshold (1.5 s): the last step holds
+    clock.now += 30
+    assert d.update() == 1
+    signal[0] = Signals(1.0, 0.5)
+    d.update()
+    clock.now += 10
+    assert d.update() == 0
+
+
+def test_a_burst_inside_the_hold_restarts_it():
+    clock, signal = Clock(), [Signals(0.0, 0.99)]
+    d = ladder(signal, clock)
+    assert d.update() == 3
+    signal[0] = Signals(0.0, 0.1)
+    d.update()
+    clock.now += 8
+    signal[0] = Signals(0.0, 0.99)
+    d.update()
+    signal[0] = Signals(0.0, 0.1)
+    clock.now += 5
+    assert d.update() == 3  # the calm before the burst does not count
+
+
+@pytest.mark.parametrize("fields", [{"effort_queue_wait_share": 0.5, "small_model_queue_wait_share": 0.3},
+                                    {"small_model_kv_usage": 0.99, "max_tokens_kv_usage": 0.97}])
+def test_thresholds_that_do_not_rise_step_by_step_are_refused(fields):
+    with pytest.raises(ValueError, match="must rise step by step"):
+        DegradeSettings(**fields)
+
+
+def test_recent_max_forgets_old_values():
+    clock = Clock()
+    m = RecentMax(5.0, clock)
+    m.add(3.0)
+    clock.now = 2
+    m.add(1.0)
+    assert m.value() == 3.0
+    clock.now = 5.5
+    assert m.value() == 1.0
+    clock.now = 8
+    assert m.value() == 0.0
+
+
+class LoadedBackend(ScriptedBackend):
+    """Serves a big and a small model, with a KV occupancy the test sets."""
+
+    model_ids = ["big", "small"]
+
+    def __init__(self) -> None:
+        super().__init__(["fine"])
+        self.kv = 0.1
+
+    def stats(self) -> BackendStats:
+        return BackendStats(ready=True, kv_cache_usage_perc=self.kv, num_requests_running=0, num_requests_waiting=0)
+
+
+async def test_under_load_the_free_tier_moves_to_the_small_model_and_effort_drops_then_all_returns(tmp_path):
+    backend = LoadedBackend()
+    app = create_app(make_settings(tmp_path, moderation={"mode": "off"},
+                                   degrade={"small_model": "small", "hold_s": 0.0, "check_interval_s": 0.0,
+                                            "max_tokens_cap": 16}), backend)
+    body = {"model": "big", "messages": [{"role": "user", "content": "think about it"}], "max_tokens": 64,
+            "reasoning_effort": "high"}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            await signup(c, "root")
+            alice = await signup(c, "alice")  # the free tier
+            r = await c.post("/v1/chat/completions", json=body, headers=alice)
+            assert r.status_code == 200 and "x-chatloom-degraded" not in r.headers
+            assert backend.requests[-1].model in (None, "big")
+            backend.kv = 0.99  # the burst
+            r = await c.post("/v1/chat/completions", json=body, headers=alice)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-chatloom-degraded"] == "effort,small_model,max_tokens"
+            assert backend.requests[-1].model == "small"
+            assert backend.requests[-1].max_tokens == 16 + BUDGET_TOKENS["low"]  # the cap, plus low effort's thinking
+            metrics = (await c.get("/metrics")).text
+            assert "chatloom:degrade_level 3.0" in metrics
+            assert 'chatloom:degraded_requests_total{step="small_model"} 1.0' in metrics
+            backend.kv = 0.1  # the burst is over: one step comes off per reading
+            seen = []
+            for _ in range(5):  # the first calm reading starts the (zero) hold
+                r = await c.post("/v1/chat/completions", json=body, headers=alice)
+                seen.append(r.headers.get("x-chatloom-degraded"))
+            assert seen == ["effort,small_model,max_tokens", "effort,small_model", "effort", None, None]
+            assert backend.requests[-1].model in (None, "big")
