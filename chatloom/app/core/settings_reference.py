@@ -13,6 +13,8 @@ import json
 import sys
 import types
 import typing
+
+from pydantic import BaseModel
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,10 @@ def format_default(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_none=True)
+    if isinstance(value, dict):
+        value = {k: v.model_dump(exclude_none=True) if isinstance(v, BaseModel) else v for k, v in value.items()}
     return repr(value) if isinstance(value, (int, float)) else json.dumps(value, sort_keys=True, default=str)
 
 
@@ -82,7 +88,7 @@ def render(flags: dict[str, str] | None = None) -> str:
             key = f"{group}.{name}"
             env = f"`{ENV_PREFIX}{group.upper()}{ENV_NESTED_DELIMITER}{name.upper()}`"
             flag = f"`{flags[key]}`" if key in flags else ""
-            out.append(f"| `{name}` | `{format_type(sub.annotation)}` | `{format_default(sub.default)}` | {env} | "
+            out.append(f"| `{name}` | `{format_type(sub.annotation)}` | `{format_default(sub.get_default(call_default_factory=True))}` | {env} | "
                        f"{flag} | {_cell(sub.description or '')} |")
         out.append("")
     return "\n".join(out)

@@ -21,7 +21,7 @@ def test_every_setting_has_a_row_with_its_default_and_environment_variable() -> 
         assert f"## [{group}]" in page
         for name, sub in field.annotation.model_fields.items():
             row = f"| `{name}` | `{settings_reference.format_type(sub.annotation)}` | " \
-                  f"`{settings_reference.format_default(sub.default)}` | `CHATLOOM_{group.upper()}__{name.upper()}` |"
+                  f"`{settings_reference.format_default(sub.get_default(call_default_factory=True))}` | `CHATLOOM_{group.upper()}__{name.upper()}` |"
             assert row in page, row
 
 
