@@ -202,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     from chatloom.cli import serve as serve_cli
     from chatloom.cli import bench as bench_cli
     from chatloom.cli import sim as sim_cli
+    from chatloom.cli import autoscale_sim
     from chatloom.cli import replica as replica_cli
 
     parser = _Parser(prog=PROG, description="chatloom: a self-hostable chat service and LLM serving engine")
@@ -248,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     replica_cli.register(sub)
     bench_cli.register(sub)
     sim_cli.register(sub)
+    autoscale_sim.register(sub)
     return parser
 
 
