@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -22,10 +23,14 @@ from chatloom.app.chat.recovery import Sweeper, drain
 from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, moderations, openai, recovery,
                                      responses, usage, web)
 from chatloom.settings import Settings
-from chatloom.app.traffic.control import RateLimitHeaders, build_traffic, check_degrade_model
+from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
 from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
+from chatloom.serving.autoscale import AutoscaleConfig, PredictiveAutoscaler
+from chatloom.serving.local_fleet import LocalReplicas
+from chatloom.serving.local_scaler import LocalFleetScaler
+from chatloom.serving.router import Router
 from chatloom.store import Database
 from chatloom.store.blobs import LocalBlobStore
 
@@ -47,9 +52,11 @@ def local_backend(settings: Settings, spec: str) -> Backend:
                         int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul)
 
 
-def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, backend: Backend | None = None,
+               local_replicas: LocalReplicas | None = None) -> FastAPI:
     """Build the app. Without a backend, the settings' model runs in-process (and is closed with the app);
-    a backend passed in belongs to the caller."""
+    a backend passed in belongs to the caller. With `local_replicas` (the processes the backend's router
+    routes over) and autoscale.enabled, the autoscaler starts and drains them."""
     settings = settings or Settings()
     owns_backend = backend is None
     backend = backend or default_backend(settings)
@@ -60,6 +67,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     traffic.quotas = hot.quotas
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
+    scaler = build_scaler(settings, traffic, backend, local_replicas)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.accounts.argon2_time_cost, settings.accounts.argon2_memory_kib),
@@ -80,9 +88,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         await sweeper.start()
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend, _app), name="backend-start")
+        scaling = asyncio.create_task(scaler.run(), name="autoscaler") if scaler is not None else None
         try:
             yield
         finally:
+            if scaling is not None:
+                scaling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scaling
             await sweeper.stop()
             if hot.shared:
                 # SIGTERM: running answers get shutdown_grace_s to finish, then go to other gateways.
@@ -113,6 +126,23 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                    web):
         app.include_router(module.router)
     return app
+
+
+def build_scaler(settings: Settings, traffic: Traffic, backend: Backend,
+                 local: LocalReplicas | None) -> LocalFleetScaler | None:
+    """The autoscaler, when it is on: acting on the local replicas the router routes over, or only
+    reporting on /metrics the replicas it wants."""
+    a = settings.autoscale
+    if not a.enabled:
+        return None
+    config = AutoscaleConfig(a.min_replicas, a.max_replicas, a.capacity_rps, 120.0 if a.startup_s is None else a.startup_s,
+                             a.interval_s, a.headroom, a.scale_down_hold_s)
+    router = backend if local is not None and isinstance(backend, Router) else None
+    scaler = LocalFleetScaler(PredictiveAutoscaler(config), lambda: traffic.arrivals, router,
+                              local if router is not None else None)
+    scaler.autoscaler.desired = len(local.urls) if local is not None else a.min_replicas
+    scaler.register(traffic.metrics.registry)
+    return scaler
 
 
 async def _start_backend(backend: Backend, app: FastAPI) -> None:

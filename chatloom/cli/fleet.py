@@ -10,26 +10,39 @@ import argparse
 import asyncio
 import contextlib
 import sys
+import time
 from typing import Iterator
 
-from chatloom.argtypes import positive_int
+from chatloom.argtypes import positive_float, positive_int
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", default=None, metavar="URL",
                    help="serve the model from this OpenAI-compatible replica (chatloom replica, vLLM, SGLang); "
                         "repeat for several. See also [[fleet.models]] in the settings file")
-    p.add_argument("--local-replicas", type=positive_int, default=None, metavar="N",
-                   help="start N `chatloom replica` processes of --model here and route over them")
+    p.add_argument("--local-replicas", type=_count_or_auto, default=None, metavar="N|auto",
+                   help="start N `chatloom replica` processes of --model here and route over them; 'auto': "
+                        "start --min-replicas and let the predictive autoscaler start and drain more")
+    p.add_argument("--min-replicas", type=positive_int, default=None, metavar="N",
+                   help="with --local-replicas auto: fewest replicas (autoscale.min_replicas)")
+    p.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
+                   help="with --local-replicas auto: most replicas (autoscale.max_replicas)")
+    p.add_argument("--replica-capacity-rps", type=positive_float, default=None, metavar="R",
+                   help="requests per second one replica serves within its SLO (autoscale.capacity_rps)")
     p.add_argument("--replica-threads", type=positive_int, default=1, metavar="T",
                    help="CPU threads per local replica (default 1)")
     p.add_argument("--router-policy", choices=("round_robin", "least_load", "prefix_aware"), default=None,
                    help="how the router places requests (default prefix_aware)")
 
 
+def _count_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
+
+
 @contextlib.contextmanager
-def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[object]:
-    """The settings to serve with: local replicas started, replica URLs probed."""
+def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object, object]]:
+    """(The settings to serve with, the local replicas or None): local replicas started, replica URLs
+    probed."""
     import logging
 
     from chatloom.app.core.fleet_settings import parse_fleet
@@ -52,18 +65,27 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[object]:
                  "--kv-cache-dtype", settings.engine.kv_cache_dtype]
         if settings.engine.num_blocks:
             extra += ["--num-blocks", str(settings.engine.num_blocks)]
-        local = LocalReplicas(settings.model.name, args.local_replicas, args.replica_threads, extra)
-        print(f"chatloom: starting {args.local_replicas} local replicas of {settings.model.name}", file=sys.stderr)
+        auto = args.local_replicas == "auto"
+        if auto:
+            changes["autoscale.enabled"] = True
+            settings = settings.with_values({"autoscale.enabled": True})  # one line if capacity_rps is missing
+        count = settings.autoscale.min_replicas if auto else args.local_replicas
+        local = LocalReplicas(settings.model.name, count, args.replica_threads, extra)
+        print(f"chatloom: starting {count} local replicas of {settings.model.name}"
+              f"{' (autoscaled)' if auto else ''}", file=sys.stderr)
+        started = time.monotonic()
         try:
             changes["fleet.replicas"] = local.start()
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
+        if auto and settings.autoscale.startup_s is None:  # the replicas started side by side: one start-up
+            changes["autoscale.startup_s"] = round(time.monotonic() - started, 1)
     settings = settings.with_values(changes)
     try:
         fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
                             settings.model.name)
         asyncio.run(_probe(fleet))
-        yield settings
+        yield settings, local
     finally:
         if local is not None:
             local.stop()

@@ -26,7 +26,8 @@ SETTING_FLAGS = {"db": "server.db_url", "redis": "shared_state.redis_url", "host
                  "num_blocks": "engine.num_blocks", "max_num_seqs": "engine.max_num_seqs",
                  "max_num_batched_tokens": "engine.max_num_batched_tokens", "kv_cache_dtype": "engine.kv_cache_dtype",
                  "speculative": "engine.speculative", "num_speculative_tokens": "engine.num_speculative_tokens",
-                 "speculative_model": "engine.speculative_model"}
+                 "speculative_model": "engine.speculative_model", "min_replicas": "autoscale.min_replicas",
+                 "max_replicas": "autoscale.max_replicas", "replica_capacity_rps": "autoscale.capacity_rps"}
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -52,8 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not Path(path).is_file():
             raise ValueError(f"no such file: {path}")
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with fleet_for_serve(settings, args) as settings:  # replicas started/probed here; a bad one is one line
-        app = create_app(settings)
+    with fleet_for_serve(settings, args) as (settings, local):  # replicas started/probed; a bad one is one line
+        app = create_app(settings, local_replicas=local)
         app.state.ctx.backend.check()  # a missing model file or unsupported architecture: one line, exit 2
         scheme = "https (HTTP/2)" if all(tls) else "http"
         shared = f", shared state in Redis at {settings.shared_state.redis_url}" if settings.shared_state.redis_url else ""

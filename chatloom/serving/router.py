@@ -57,7 +57,8 @@ class Replica:
     name: str
     client: RemoteBackend
     healthy: bool = False
-    draining: bool = False
+    draining: bool = False  # the replica says so on /health
+    held: bool = False  # the router sends it nothing new (drain()): kept apart, as /health rewrites draining
     failures: int = 0
     successes: int = 0
     load: BackendStats = field(default_factory=lambda: BackendStats(ready=False))
@@ -73,7 +74,7 @@ class Replica:
     def state(self, cached_blocks: int) -> ReplicaState:
         # The router's in-flight count is fresher than a scrape up to one interval old.
         running = max(self.inflight, self.load.num_requests_running or 0)
-        return ReplicaState(self.name, self.healthy, self.draining, self.load.kv_cache_usage_perc or 0.0,
+        return ReplicaState(self.name, self.healthy, self.draining or self.held, self.load.kv_cache_usage_perc or 0.0,
                             running, self.load.num_requests_waiting or 0, cached_blocks)
 
 
@@ -96,6 +97,8 @@ class Router(Backend):
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError(f"model {model!r} lists the same replica URL twice")
         self._tasks: list[asyncio.Task] = []
+        self._feeds: dict[str, asyncio.Task] = {}  # replica name -> its prefix-cache feed follower
+        self._api_key = api_key
         self._started = False
         self._error: str | None = None
         self._context_window = 0
@@ -116,15 +119,17 @@ class Router(Backend):
         self._tasks.append(asyncio.create_task(self._health_loop(), name=f"router-health-{self.model}"))
         if self.config.follow_feeds:
             for r in self.replicas:
-                self._tasks.append(asyncio.create_task(self._feed_loop(r), name=f"router-feed-{r.name}"))
+                self._feeds[r.name] = asyncio.create_task(self._feed_loop(r), name=f"router-feed-{r.name}")
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._feeds.values()]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        self._feeds.clear()
         await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
 
     async def _admit(self, r: Replica, first: bool = False) -> bool:
@@ -246,12 +251,46 @@ class Router(Backend):
 
     def drain(self, url: str, draining: bool = True) -> None:
         """Send no new requests to `url` (its answers in flight finish); False undoes it."""
+        r = self._replica(url)
+        r.held = draining
+        log.warning("replica %s %s by the router", r.name, "draining" if draining else "undrained")
+
+    def _replica(self, url: str) -> Replica:
         for r in self.replicas:
             if r.name == url.rstrip("/"):
-                r.draining = draining
-                log.warning("replica %s %s by the router", r.name, "draining" if draining else "undrained")
-                return
+                return r
         raise ValueError(f"no replica {url!r} for model {self.model!r}")
+
+    def inflight(self, url: str) -> int:
+        """Requests the router has running on `url` now."""
+        return self._replica(url).inflight
+
+    async def add_replica(self, url: str) -> bool:
+        """Route over one more replica (a fleet growing): probed like the first ones, then it takes new
+        requests at once if healthy, or once the health checks find it so. Whether it is healthy now."""
+        if any(r.name == url.rstrip("/") for r in self.replicas):
+            raise ValueError(f"model {self.model!r} already routes over {url!r}")
+        client = RemoteBackend(url, self.model, self._api_key, self._tokenizer, self.config.timeouts)
+        r = Replica(client.base_url, client, index=PrefixIndex(self.config.approx_capacity_blocks))
+        healthy = await self._admit(r, first=True)
+        self.replicas.append(r)
+        if self._started and self.config.follow_feeds:
+            self._feeds[r.name] = asyncio.create_task(self._feed_loop(r), name=f"router-feed-{r.name}")
+        return healthy
+
+    async def remove_replica(self, url: str) -> None:
+        """Stop routing over `url` for good; drain() it first and wait for inflight() to reach 0, so
+        no answer is cut."""
+        r = self._replica(url)
+        if len(self.replicas) == 1:
+            raise ValueError(f"{url!r} is the last replica of {self.model!r}")
+        self.replicas.remove(r)
+        task = self._feeds.pop(r.name, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await r.client.close()
 
     def abort(self, request_id: str) -> None:
         current = self._current.get(request_id)

@@ -18,7 +18,8 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
 
 from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
-                                    ServerSettings, SharedStateSettings, TrafficSettings, DegradeSettings)
+                                    ServerSettings, SharedStateSettings, TrafficSettings, DegradeSettings,
+                                    AutoscaleSettings)
 
 ENV_PREFIX = "CHATLOOM_"
 ENV_NESTED_DELIMITER = "__"
@@ -40,6 +41,7 @@ class Settings(BaseSettings):
     chat: ChatSettings = Field(default_factory=ChatSettings)
     traffic: TrafficSettings = Field(default_factory=TrafficSettings)
     degrade: DegradeSettings = Field(default_factory=DegradeSettings)
+    autoscale: AutoscaleSettings = Field(default_factory=AutoscaleSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)

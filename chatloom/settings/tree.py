@@ -162,6 +162,33 @@ class TrafficSettings(Group):
         return self
 
 
+class AutoscaleSettings(Group):
+    """The predictive autoscaler (serving/autoscale.py): with --local-replicas auto it starts and drains
+    local replicas; otherwise it reports the replicas it wants on /metrics for an external autoscaler."""
+
+    enabled: bool = Field(False, description="Run the autoscaler (--local-replicas auto turns it on).")
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas.")
+    capacity_rps: float | None = Field(None, gt=0, description="Requests per second one replica serves within "
+                                                               "its SLO (required when enabled).")
+    startup_s: float | None = Field(None, ge=0, description="Seconds from starting a replica to ready (unset: "
+                                                            "measured on the first local replicas, else 120).")
+    interval_s: float = Field(60.0, gt=0, description="How often arrivals are counted and the fleet sized.")
+    headroom: float = Field(1.2, ge=1, description="Provision this much above the forecast.")
+    scale_down_hold_s: float = Field(600.0, ge=0, description="How long the need must stay lower before "
+                                                              "replicas are drained.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AutoscaleSettings":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscale.min_replicas ({self.min_replicas}) is above autoscale.max_replicas "
+                             f"({self.max_replicas})")
+        if self.enabled and self.capacity_rps is None:
+            raise ValueError("autoscale.capacity_rps is needed when the autoscaler is on: the requests per "
+                             "second one replica serves within its SLO")
+        return self
+
+
 class DegradeSettings(Group):
     """The ladder of cheaper answers taken before the admission queue refuses (traffic/degrade.py)."""
 

@@ -38,6 +38,7 @@ class Traffic:
     meter: Meter
     reasoning_max_effort: str = "high"
     ladder: DegradeLadder | None = None  # degrade before refusing; None: never
+    arrivals: int = 0  # requests that came to the admission queue (each tool round too): the autoscaler's input
 
     # -- degrade before refusing --------------------------------------------------------
     def _step(self, step: str) -> bool:
@@ -135,6 +136,7 @@ class Traffic:
     def enqueue(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE,
                 on_position: Callable[[int], Awaitable[None]] | None = None) -> Ticket:
         """Join the admission queue now (503 at once if it could not take the request in time)."""
+        self.arrivals += 1
         try:
             return self.admission.enqueue(tier, prompt_tokens, kind, on_position)
         except QueueTimeout as exc:
