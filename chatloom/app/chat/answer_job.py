@@ -2,7 +2,7 @@
 between rounds, log every piece, then save the answer and close its log.
 
 With chat tools on (settings.chat.tools), an answer may call them: when a round of generation ends
-in tool calls, the loop pauses, runs each call (chat/tools), logs `tool_call` and `tool_result`
+in tool calls, the loop pauses, runs each call (app/tools), logs `tool_call` and `tool_result`
 events, appends the calls and results to the prompt and resumes the same run, whose new prompt
 starts with the previous one token for token, so the prefix cache makes resumption cheap. At most
 settings.chat.max_tool_calls_per_answer calls run per answer; after that the model must answer in text.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from chatloom.app.chat.conversation_prompt import ConversationDeleted, Draft, PromptAssembler, SummaryAborted
 from chatloom.app.chat.summary_admission import admitted_summary
-from chatloom.app.chat.tools.registry import ToolContext, ToolRegistry
+from chatloom.app.tools.registry import ToolContext, ToolRegistry
 from chatloom.app.core.errors import ApiError, error_event
 from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, GenerationStopped, Run,
                                               Thinking, ToolCall)

@@ -34,8 +34,8 @@ from chatloom.app.chat.conversation_prompt import Draft, PromptAssembler, branch
 from chatloom.app.chat.prompt import Turn
 from chatloom.app.chat.stopping import Stopping
 from chatloom.app.chat.takeover import TakeOver
-from chatloom.app.chat.tools.builtins import builtin_registry
-from chatloom.app.chat.tools.registry import ToolRegistry
+from chatloom.app.tools.builtins import builtin_registry
+from chatloom.app.tools.registry import ToolRegistry
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.core.validation import off_loop
 from chatloom.app.generation.pipeline import Ask, ChatPrompt, Pipeline, Run

@@ -1,8 +1,8 @@
 """The built-in chat tools by name, as settings.chat.tools lists them."""
 from __future__ import annotations
 
-from chatloom.app.chat.tools import calculator, clock, search
-from chatloom.app.chat.tools.registry import ToolRegistry
+from chatloom.app.tools import calculator, clock, search
+from chatloom.app.tools.registry import ToolRegistry
 
 BUILTINS = {"calculator": calculator.TOOL, "time": clock.TOOL, "search": search.TOOL}
 

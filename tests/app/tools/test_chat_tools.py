@@ -8,9 +8,9 @@ import re
 import pytest
 
 from chatloom.app.generation.tool_calls import ToolCall
-from chatloom.app.chat.tools.calculator import evaluate
-from chatloom.app.chat.tools.builtins import builtin_registry
-from chatloom.app.chat.tools.registry import ToolFailure
+from chatloom.app.tools.calculator import evaluate
+from chatloom.app.tools.builtins import builtin_registry
+from chatloom.app.tools.registry import ToolFailure
 from chatloom.serving import Backend, Delta, GenerationRequest
 
 from app_testing import app_client, done_of, make_settings, new_conversation, send, tokens_of
@@ -129,7 +129,7 @@ async def test_search_finds_only_the_users_own_conversations(tmp_path):
         await send(client, alice, await new_conversation(client, alice), "my zebra is named Otto")
         await send(client, bob, await new_conversation(client, bob), "bob has a zebra too")
         reg = builtin_registry(["search"])
-        from chatloom.app.chat.tools.registry import ToolContext
+        from chatloom.app.tools.registry import ToolContext
         from chatloom.store import Users
         async with app.state.ctx.db.session() as session:
             user = await Users(session).by_username("alice")
