@@ -20,7 +20,7 @@ from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
 from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, moderations, openai, recovery,
-                                     usage, web)
+                                     tool_files, usage, web)
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
 from chatloom.app.core.validation import EdgeGuard
@@ -59,13 +59,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     traffic.quotas = hot.quotas
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
+    blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.accounts.argon2_time_cost, settings.accounts.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
-        conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
+        conversations=ConversationService(db, pipeline, settings, hot.logs, blobs), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s),
-        blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"),
+        blobs=blobs,
     )
 
     @asynccontextmanager
@@ -108,7 +109,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes)  # outermost: before any parsing
-    for module in (health, auth, conversations, recovery, usage, admin, openai, anthropic, moderations, web):
+    for module in (health, auth, conversations, tool_files, recovery, usage, admin, openai, anthropic, moderations,
+                   web):
         app.include_router(module.router)
     return app
 

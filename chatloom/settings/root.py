@@ -18,7 +18,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
 
 from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
-                                    ServerSettings, SharedStateSettings, TrafficSettings)
+                                    ServerSettings, SharedStateSettings, ToolsSettings, TrafficSettings)
 
 ENV_PREFIX = "CHATLOOM_"
 ENV_NESTED_DELIMITER = "__"
@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     accounts: AccountSettings = Field(default_factory=AccountSettings)
     chat: ChatSettings = Field(default_factory=ChatSettings)
+    tools: ToolsSettings = Field(default_factory=ToolsSettings)
     traffic: TrafficSettings = Field(default_factory=TrafficSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)

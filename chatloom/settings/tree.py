@@ -112,13 +112,46 @@ class ChatSettings(Group):
                                                                   "stay resumable.")
     title_chars: int = Field(60, gt=0, description="Length of a conversation's automatic title.")
     tools: str = Field("calculator,time,search", description="Built-in tools the chat's model may call "
-                                                             "(comma-separated; empty for none).")
+                                                             "(comma-separated; empty for none): calculator, "
+                                                             "time, search, python, web_search, fetch_page.")
     max_tool_calls_per_answer: int = Field(4, ge=0, description="Tool calls one answer may make before it must "
                                                                 "answer in text.")
     tool_rounds_reserved: int = Field(1, ge=0, description="Rounds after the first (a tool's result read back) "
                                                            "an answer with tools reserves quota for before it "
                                                            "starts, each twice the first round; 0: all rounds "
                                                            "share the first round's reservation.")
+
+
+class ToolsSettings(Group):
+    """The chat's acting tools: the code interpreter's sandbox, web search and the page fetcher."""
+
+    code_python: str | None = Field(None, description="Python interpreter the code interpreter runs inside the "
+                                                      "sandbox (default: the server's own); what it has "
+                                                      "installed (numpy, pandas, matplotlib) is what the code "
+                                                      "can import.")
+    code_cpu_s: int = Field(10, gt=0, description="CPU seconds one run of the code interpreter may use.")
+    code_wall_s: float = Field(30.0, gt=0, description="Wall-clock seconds one run may take before it is killed.")
+    code_memory_mb: int = Field(1024, ge=64, description="Address space of each process of a run, in MiB.")
+    code_processes: int = Field(32, gt=0, description="Processes and threads a run may have at once.")
+    code_output_chars: int = Field(4000, ge=100, description="Characters of stdout and stderr each kept from a "
+                                                             "run; a run that prints far more is stopped.")
+    code_file_mb: int = Field(20, gt=0, description="Largest file a run may write, in MiB.")
+    code_scratch_mb: int = Field(100, gt=0, description="Most a conversation's scratch folder may hold, in MiB.")
+    code_max_files: int = Field(10, ge=0, description="Files (and plots) one run may hand back for download.")
+    code_concurrency: int = Field(4, gt=0, description="Runs of the code interpreter at once per gateway.")
+    code_uid: int = Field(61000, gt=0, description="When the server runs as root: runs use the user ids from this "
+                                                   "one up (one per concurrent run), never root's.")
+    search_url: str | None = Field(None, description="SearXNG base URL for the web_search tool (its JSON API, "
+                                                     "format=json, must be enabled).")
+    search_results: int = Field(5, gt=0, le=20, description="Results web_search gives the model.")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="Time a page fetch (or a search) may take in all.")
+    fetch_max_bytes: int = Field(2_000_000, gt=0, description="Largest response body the fetcher reads.")
+    fetch_max_redirects: int = Field(3, ge=0, description="Redirects a fetch follows, each checked again.")
+    fetch_text_chars: int = Field(3500, ge=200, description="Characters of a fetched page's text the model reads.")
+    fetch_allow: list[str] = Field(default_factory=list, description="Hosts or networks (CIDR) the fetcher may "
+                                                                     "reach although they are private, loopback "
+                                                                     "or link-local, e.g. a SearXNG on "
+                                                                     "127.0.0.1.")
 
 
 class TrafficSettings(Group):

@@ -27,6 +27,7 @@ from chatloom.app.state.redis_events import LogTakenOver
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, Usage
 from chatloom.settings import Settings
 from chatloom.store import AnswerChunks, Conversations, Database, Messages
+from chatloom.store.blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class AnswerJob:
     prompts: PromptAssembler
     jobs: Jobs
     tools: ToolRegistry
+    blobs: BlobStore | None
     _running: dict[str, Generation | None]
 
     async def _run(self, gen: Generation) -> None:
@@ -174,7 +176,7 @@ class AnswerJob:
     async def _run_tools(self, gen: Generation, run: Run, messages: list[dict], text: str, calls: list[ToolCall],
                          out: Outcome) -> list[dict]:
         """Run a round's calls; the prompt for the next round (the round's turn, then one turn per result)."""
-        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id)
+        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id, self.blobs)
         budget = self.settings.chat.max_tool_calls_per_answer
         turns = [{"role": "assistant", "content": "\n".join([text] * bool(text) + [c.text() for c in calls])}]
         for call in calls:

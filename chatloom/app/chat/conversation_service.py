@@ -46,6 +46,7 @@ from chatloom.app.state.job_keeper import reservation_spec
 from chatloom.app.state.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.settings import Settings
 from chatloom.store import Conversation, Conversations, Database, Messages, User
+from chatloom.store.blobs import BlobStore
 
 UNSET = object()
 
@@ -67,7 +68,8 @@ class GenerationOptions:
 class ConversationService(AnswerJob, Stopping, TakeOver):
     """Starts, runs, stops and takes over the answers of conversations."""
 
-    def __init__(self, db: Database, pipeline: Pipeline, settings: Settings, logs: EventLogStore) -> None:
+    def __init__(self, db: Database, pipeline: Pipeline, settings: Settings, logs: EventLogStore,
+                 blobs: BlobStore | None = None) -> None:
         self.db = db
         self.pipeline = pipeline
         self.backend = pipeline.backend
@@ -79,7 +81,8 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
         self.draining = False  # shutting down: no new answers here
         names = [n.strip() for n in settings.chat.tools.split(",") if n.strip()]
-        self.tools: ToolRegistry = builtin_registry(names)
+        self.tools: ToolRegistry = builtin_registry(names, settings)
+        self.blobs = blobs  # where tools keep the files they produce
 
     # -- starting generations ----------------------------------------------------------
     def running(self, conversation_id: str) -> Generation | None:

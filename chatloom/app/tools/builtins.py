@@ -1,15 +1,46 @@
-"""The built-in chat tools by name, as settings.chat.tools lists them."""
+"""The built-in chat tools by name, as settings.chat.tools lists them.
+
+The calculator, the clock and the search over past conversations need nothing; the code interpreter
+(`python`) needs the settings' sandbox limits and a bubblewrap that works here: where it does not, the
+tool is left out with a warning in the log, so the model is never offered a tool that cannot run.
+"""
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 from chatloom.app.tools import calculator, clock, search
-from chatloom.app.tools.registry import ToolRegistry
+from chatloom.app.tools.code_interpreter import CodeInterpreter
+from chatloom.app.tools.registry import Tool, ToolRegistry
+from chatloom.settings import Settings
+
+log = logging.getLogger(__name__)
 
 BUILTINS = {"calculator": calculator.TOOL, "time": clock.TOOL, "search": search.TOOL}
 
 
-def builtin_registry(names: list[str]) -> ToolRegistry:
+def _python(settings: Settings) -> Tool | None:
+    interpreter = CodeInterpreter(settings.tools, settings.server.data_dir)
+    problem = interpreter.sandbox.problem()
+    if problem:
+        log.warning("the python tool is off: %s", problem)
+        return None
+    return interpreter.tool()
+
+
+CONFIGURED: dict[str, Callable[[Settings], Tool | None]] = {"python": _python}
+
+
+def builtin_registry(names: list[str], settings: Settings | None = None) -> ToolRegistry:
     """A registry of the built-ins named; an unknown name is a configuration error (ValueError)."""
-    unknown = [n for n in names if n not in BUILTINS]
+    known = [*BUILTINS, *CONFIGURED]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown chat tool(s) {', '.join(unknown)}; known: {', '.join(BUILTINS)}")
-    return ToolRegistry([BUILTINS[n] for n in names])
+        raise ValueError(f"unknown chat tool(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    tools = []
+    for name in names:
+        if name in BUILTINS:
+            tools.append(BUILTINS[name])
+        elif (tool := CONFIGURED[name](settings or Settings())) is not None:
+            tools.append(tool)
+    return ToolRegistry(tools)

@@ -3,6 +3,8 @@
 A tool never raises into the orchestrator: bad arguments, a failure inside the tool or an output
 that is too large come back as a `ToolResult` with `error` set, which the model and the user see
 as the step's result. One user's tool call touches only that user's data (`ToolContext.user`).
+A tool may return `ToolOutput` instead of text, with `details` the browser shows beside the step
+(the code interpreter's code, output and files); they are stored with the step, never read by the model.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse
 from chatloom.store import Database, User
+from chatloom.store.blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +25,21 @@ TIMEOUT_S = 5.0
 
 
 class ToolFailure(Exception):
-    """A tool's own refusal (bad arguments, nothing found); the message goes to the model as the result."""
+    """A tool's own refusal (bad arguments, nothing found); the message goes to the model as the result,
+    after any `output` the tool still has to show (a failed program's own output)."""
+
+    def __init__(self, message: str, output: str = "", details: dict | None = None) -> None:
+        super().__init__(message)
+        self.output = output
+        self.details = details
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """A result with details for the browser beside the text the model reads."""
+
+    text: str
+    details: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,7 @@ class ToolContext:
     user: User
     db: Database
     conversation_id: str
+    blobs: BlobStore | None = None  # where a tool keeps the files it produces (the files table's store)
 
 
 @dataclass(frozen=True)
@@ -37,19 +55,27 @@ class ToolResult:
     call: ToolCall
     output: str = ""
     error: str | None = None
+    details: dict | None = None
 
     def event(self) -> dict:
-        return {"id": self.call.id, "name": self.call.name, "output": self.output, "error": self.error}
+        event = {"id": self.call.id, "name": self.call.name, "output": self.output, "error": self.error}
+        if self.details is not None:
+            event["details"] = self.details
+        return event
 
     def model_text(self) -> str:
         """What the model reads back in the tool turn."""
-        return f"error: {self.error}" if self.error else self.output
+        if not self.error:
+            return self.output
+        return f"{self.output}\nerror: {self.error}" if self.output else f"error: {self.error}"
 
 
 @dataclass(frozen=True)
 class Tool:
     spec: ToolSpec
-    run: Callable[[dict, ToolContext], Awaitable[str]]
+    run: Callable[[dict, ToolContext], Awaitable[str | ToolOutput]]
+    timeout_s: float = TIMEOUT_S
+    max_output_chars: int = MAX_OUTPUT_CHARS
 
 
 class ToolRegistry:
@@ -69,20 +95,22 @@ class ToolRegistry:
         try:
             args = json.loads(call.arguments)
             _check_args(args, tool.spec.parameters)
-            output = await asyncio.wait_for(tool.run(args, ctx), TIMEOUT_S)
+            output = await asyncio.wait_for(tool.run(args, ctx), tool.timeout_s)
         except ToolFailure as exc:
-            return ToolResult(call, error=str(exc))
+            return ToolResult(call, exc.output[:tool.max_output_chars], str(exc), exc.details)
         except (ValueError, TypeError) as exc:
             return ToolResult(call, error=f"bad arguments: {exc}")
         except asyncio.TimeoutError:
-            return ToolResult(call, error=f"the tool took longer than {TIMEOUT_S:g} s")
+            return ToolResult(call, error=f"the tool took longer than {tool.timeout_s:g} s")
         except Exception:  # a bug in a tool must not end the answer
             log.exception("tool %s failed", call.name)
             return ToolResult(call, error="the tool failed")
-        if len(output) > MAX_OUTPUT_CHARS:
-            return ToolResult(call, error=f"the tool's output is too large ({len(output)} characters, "
-                                          f"at most {MAX_OUTPUT_CHARS})")
-        return ToolResult(call, output)
+        if isinstance(output, str):
+            output = ToolOutput(output)
+        if len(output.text) > tool.max_output_chars:
+            return ToolResult(call, error=f"the tool's output is too large ({len(output.text)} characters, "
+                                          f"at most {tool.max_output_chars})")
+        return ToolResult(call, output.text, details=output.details)
 
 
 def _check_args(args: Any, schema: dict) -> None:
@@ -97,6 +125,9 @@ def _check_args(args: Any, schema: dict) -> None:
     if unknown:
         raise ValueError(f"unknown argument {', '.join(unknown)}")
     for key, value in args.items():
-        if props[key].get("type") == "string" and not isinstance(value, str):
+        kind = props[key].get("type")
+        if kind == "string" and not isinstance(value, str):
             raise ValueError(f"{key} must be a string")
+        if kind == "integer" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{key} must be an integer")
 
