@@ -148,10 +148,9 @@ class ToolsSettings(Group):
     fetch_max_bytes: int = Field(2_000_000, gt=0, description="Largest response body the fetcher reads.")
     fetch_max_redirects: int = Field(3, ge=0, description="Redirects a fetch follows, each checked again.")
     fetch_text_chars: int = Field(3500, ge=200, description="Characters of a fetched page's text the model reads.")
-    fetch_allow: list[str] = Field(default_factory=list, description="Hosts or networks (CIDR) the fetcher may "
-                                                                     "reach although they are private, loopback "
-                                                                     "or link-local, e.g. a SearXNG on "
-                                                                     "127.0.0.1.")
+    fetch_allow: list[str] = Field([], description="Hosts or networks (CIDR) fetch_page may reach although they are "
+                                                   "private, loopback or link-local, e.g. [\"intranet.example\", "
+                                                   "\"10.1.0.0/16\"] (the search_url's host is always reached).")
 
 
 class TrafficSettings(Group):

@@ -1,8 +1,9 @@
 """The built-in chat tools by name, as settings.chat.tools lists them.
 
 The calculator, the clock and the search over past conversations need nothing; the code interpreter
-(`python`) needs the settings' sandbox limits and a bubblewrap that works here: where it does not, the
-tool is left out with a warning in the log, so the model is never offered a tool that cannot run.
+(`python`) needs the settings' sandbox limits and a bubblewrap that works here, and `web_search` a
+SearXNG URL: where they are missing, the tool is left out with a warning in the log, so the model is
+never offered a tool that cannot run. `fetch_page` needs only the fetch settings.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable
 from chatloom.app.tools import calculator, clock, search
 from chatloom.app.tools.code_interpreter import CodeInterpreter
 from chatloom.app.tools.registry import Tool, ToolRegistry
+from chatloom.app.tools.web import WebTools
 from chatloom.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,15 @@ def _python(settings: Settings) -> Tool | None:
     return interpreter.tool()
 
 
-CONFIGURED: dict[str, Callable[[Settings], Tool | None]] = {"python": _python}
+def _web_search(settings: Settings) -> Tool | None:
+    if not settings.tools.search_url:
+        log.warning("the web_search tool is off: settings.tools.search_url is not set")
+        return None
+    return WebTools(settings.tools).search_tool()
+
+
+CONFIGURED: dict[str, Callable[[Settings], Tool | None]] = {
+    "python": _python, "web_search": _web_search, "fetch_page": lambda s: WebTools(s.tools).fetch_tool()}
 
 
 def builtin_registry(names: list[str], settings: Settings | None = None) -> ToolRegistry:
