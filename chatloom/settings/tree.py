@@ -122,6 +122,27 @@ class ChatSettings(Group):
                                                            "share the first round's reservation.")
 
 
+class McpServerSettings(Group):
+    """One MCP server whose tools the chat's model may call: a command run over stdio, or a URL."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="Short name; the model sees its tools as "
+                                                                    "NAME__TOOL.")
+    command: list[str] | None = Field(None, description="Program and arguments of a stdio server, started for "
+                                                        "each call and each listing of its tools.")
+    url: str | None = Field(None, description="Streamable HTTP endpoint of the server, e.g. http://host:8000/mcp.")
+    headers: dict[str, str] = Field({}, description="HTTP headers sent with every request (tokens, API keys).")
+    env: dict[str, str] = Field({}, description="Environment of a stdio server, over a minimal default "
+                                                "(never the gateway's own environment).")
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "McpServerSettings":
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server {self.name!r} needs either command or url")
+        if self.command is not None and not self.command:
+            raise ValueError(f"MCP server {self.name!r} has an empty command")
+        return self
+
+
 class ToolsSettings(Group):
     """The chat's acting tools: the code interpreter's sandbox, web search and the page fetcher."""
 
@@ -151,6 +172,12 @@ class ToolsSettings(Group):
     fetch_allow: list[str] = Field([], description="Hosts or networks (CIDR) fetch_page may reach although they are "
                                                    "private, loopback or link-local, e.g. [\"intranet.example\", "
                                                    "\"10.1.0.0/16\"] (the search_url's host is always reached).")
+    mcp_servers: list[McpServerSettings] = Field([], description="MCP servers whose tools the chat's model may "
+                                                                 "call (TOML: [[tools.mcp_servers]] tables).")
+    mcp_timeout_s: float = Field(30.0, gt=0, description="Time an MCP tool call (or a listing of a server's "
+                                                         "tools) may take before it is a tool error.")
+    mcp_list_ttl_s: float = Field(60.0, ge=0, description="How long a server's tool list is reused before it is "
+                                                          "asked again (a server that failed: a sixth of it).")
 
 
 class TrafficSettings(Group):

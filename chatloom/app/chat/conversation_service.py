@@ -125,7 +125,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             claimed = await self._claim_fleet(conv.id)
             tree = Tree(await Messages(session).all_in(conv.id))
             parent = self._parent(tree, conv, parent_id)
-            run = await self.pipeline.open(self._with_tools(options).ask(""), moderate=text)  # before model work
+            run = await self.pipeline.open((await self._with_tools(options)).ask(""), moderate=text)  # before model work
             text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # large input
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
@@ -145,11 +145,14 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             await self._give_back(conv.id, claimed, run)
             raise
 
-    def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
+    async def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
         if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
             return options
+        tools = await self.tools.refresh()  # the MCP servers' tools as they are now
+        if not tools.tools:
+            return options
         return GenerationOptions(options.user, options.model, options.max_tokens, options.temperature,
-                                 options.reasoning_effort, self.tools.tool_use())
+                                 options.reasoning_effort, tools)
 
     @staticmethod
     def _parent(tree: Tree, conv: Conversation, parent_id: object) -> str | None:
@@ -173,7 +176,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         claimed = False
         try:
             claimed = await self._claim_fleet(conv.id)
-            run = await self.pipeline.open(self._with_tools(options).ask(""))
+            run = await self.pipeline.open((await self._with_tools(options)).ask(""))
             target = await Messages(session).get(conv.id, message_id)
             if target is None:
                 raise not_found("message")

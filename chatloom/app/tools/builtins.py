@@ -3,7 +3,8 @@
 The calculator, the clock and the search over past conversations need nothing; the code interpreter
 (`python`) needs the settings' sandbox limits and a bubblewrap that works here, and `web_search` a
 SearXNG URL: where they are missing, the tool is left out with a warning in the log, so the model is
-never offered a tool that cannot run. `fetch_page` needs only the fetch settings.
+never offered a tool that cannot run. `fetch_page` needs only the fetch settings. The tools of the
+MCP servers in settings.tools.mcp_servers come on top, listed when each answer starts.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable
 
 from chatloom.app.tools import calculator, clock, search
 from chatloom.app.tools.code_interpreter import CodeInterpreter
+from chatloom.app.tools.mcp_servers import McpTools
 from chatloom.app.tools.registry import Tool, ToolRegistry
 from chatloom.app.tools.web import WebTools
 from chatloom.settings import Settings
@@ -53,4 +55,4 @@ def builtin_registry(names: list[str], settings: Settings | None = None) -> Tool
             tools.append(BUILTINS[name])
         elif (tool := CONFIGURED[name](settings or Settings())) is not None:
             tools.append(tool)
-    return ToolRegistry(tools)
+    return ToolRegistry(tools, [McpTools(settings.tools)] if settings is not None else [])

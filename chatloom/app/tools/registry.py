@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse
 from chatloom.store import Database, User
@@ -76,25 +76,46 @@ class Tool:
     run: Callable[[dict, ToolContext], Awaitable[str | ToolOutput]]
     timeout_s: float = TIMEOUT_S
     max_output_chars: int = MAX_OUTPUT_CHARS
+    check_args: bool = True  # False: the tool checks its own arguments (an MCP server, against its schema)
+
+
+class ToolSource(Protocol):
+    """Tools that come and go (an MCP server's): listed again when an answer starts."""
+
+    async def tools(self) -> list[Tool]: ...
 
 
 class ToolRegistry:
-    def __init__(self, tools: list[Tool]) -> None:
+    def __init__(self, tools: list[Tool], sources: list[ToolSource] | None = None) -> None:
         self.tools = {t.spec.name: t for t in tools}
+        self.sources = [s for s in sources or [] if s]
+        self._listed: dict[str, Tool] = {}  # the sources' tools at their last listing
 
     def __bool__(self) -> bool:
-        return bool(self.tools)
+        return bool(self.tools) or bool(self.sources)
 
     def tool_use(self) -> ToolUse:
-        return ToolUse(tuple(t.spec for t in self.tools.values()), "auto", parallel=True)
+        specs = [t.spec for t in self.tools.values()]
+        specs += [t.spec for name, t in self._listed.items() if name not in self.tools]
+        return ToolUse(tuple(specs), "auto", parallel=True)
+
+    async def refresh(self) -> ToolUse:
+        """List the sources' tools again (each source reuses a recent listing) and offer them all."""
+        if self.sources:
+            listed = await asyncio.gather(*(s.tools() for s in self.sources))
+            self._listed = {t.spec.name: t for tools in listed for t in tools}
+        return self.tool_use()
 
     async def run(self, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        tool = self.tools.get(call.name)
+        tool = self.tools.get(call.name) or self._listed.get(call.name)
         if tool is None:
             return ToolResult(call, error=f"unknown tool {call.name!r}")
         try:
             args = json.loads(call.arguments)
-            _check_args(args, tool.spec.parameters)
+            if tool.check_args:
+                _check_args(args, tool.spec.parameters)
+            elif not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
             output = await asyncio.wait_for(tool.run(args, ctx), tool.timeout_s)
         except ToolFailure as exc:
             return ToolResult(call, exc.output[:tool.max_output_chars], str(exc), exc.details)
