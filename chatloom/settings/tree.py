@@ -174,6 +174,10 @@ class ToolsSettings(Group):
                                                    "\"10.1.0.0/16\"] (the search_url's host is always reached).")
     mcp_servers: list[McpServerSettings] = Field([], description="MCP servers whose tools the chat's model may "
                                                                  "call (TOML: [[tools.mcp_servers]] tables).")
+    mcp_user_servers: bool = Field(False, description="Let each user add MCP servers of their own (streamable "
+                                                      "HTTP URLs, held to the fetch rules: no private addresses "
+                                                      "unless fetch_allow names them).")
+    mcp_user_max_servers: int = Field(5, ge=0, description="MCP servers one user may add.")
     mcp_timeout_s: float = Field(30.0, gt=0, description="Time an MCP tool call (or a listing of a server's "
                                                          "tools) may take before it is a tool error.")
     mcp_list_ttl_s: float = Field(60.0, ge=0, description="How long a server's tool list is reused before it is "

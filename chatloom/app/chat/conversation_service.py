@@ -81,7 +81,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
         self.draining = False  # shutting down: no new answers here
         names = [n.strip() for n in settings.chat.tools.split(",") if n.strip()]
-        self.tools: ToolRegistry = builtin_registry(names, settings)
+        self.tools: ToolRegistry = builtin_registry(names, settings, db)
         self.blobs = blobs  # where tools keep the files they produce
 
     # -- starting generations ----------------------------------------------------------
@@ -148,7 +148,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
     async def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
         if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
             return options
-        tools = await self.tools.refresh()  # the MCP servers' tools as they are now
+        tools = await self.tools.refresh(options.user)  # the MCP servers' tools as they are now
         if not tools.tools:
             return options
         return GenerationOptions(options.user, options.model, options.max_tokens, options.temperature,

@@ -7,6 +7,12 @@ and stopped after), so a server that crashed, hangs or was restarted costs one f
 stuck connection shared by later answers. Listings are reused for `mcp_list_ttl_s`. Whatever goes
 wrong in a call (the server down, slow, killed mid-call, answering garbage or an error) becomes a
 tool error the model reads; a server that cannot list its tools is left out of the answer's tools.
+
+Servers come from the deployment's settings (tools.mcp_servers: stdio commands or URLs) and, where
+tools.mcp_user_servers allows it, from users themselves (store/mcp.py): those are streamable HTTP
+URLs only, and every request to them is held to the safe fetcher's address rules, checked at
+connection time and pinned to the checked address (`PinnedTransport`), so a user cannot point the
+gateway at its own network.
 """
 from __future__ import annotations
 
@@ -20,9 +26,14 @@ import httpx2
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
+from sqlalchemy import select
+
+from chatloom.app.core.safe_fetch import FetchPolicy, FetchRefused, checked_address
 from chatloom.app.generation.tool_calls import ToolSpec
 from chatloom.app.tools.registry import Tool, ToolContext, ToolFailure
 from chatloom.settings.tree import McpServerSettings, ToolsSettings
+from chatloom.store import Database, User
+from chatloom.store.mcp import UserMcpServer
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +45,10 @@ _NAME = re.compile(r"[^A-Za-z0-9_-]")
 class McpServer:
     """One configured server: its tools (listed, then reused a while) and calls to them."""
 
-    def __init__(self, config: McpServerSettings, timeout_s: float, list_ttl_s: float) -> None:
+    def __init__(self, config: McpServerSettings, timeout_s: float, list_ttl_s: float,
+                 policy: FetchPolicy | None = None) -> None:
         self.config = config
+        self.policy = policy  # set: every request is held to the fetch rules (a user's server)
         self.name = config.name
         self.timeout_s = timeout_s
         self.list_timeout_s = min(timeout_s, LIST_TIMEOUT_S)  # an answer waits for the listing before it starts
@@ -50,7 +63,9 @@ class McpServer:
             command, *args = self.config.command
             return Client(StdioServerParameters(command=command, args=args, env=self.config.env or None),
                           read_timeout_seconds=self.timeout_s)
-        http = httpx2.AsyncClient(headers=self.config.headers, timeout=self.timeout_s)
+        transport = PinnedTransport(self.policy) if self.policy is not None else None
+        http = httpx2.AsyncClient(headers=self.config.headers, timeout=self.timeout_s, transport=transport,
+                                  trust_env=self.policy is None)
         return Client(streamable_http_client(self.config.url, http_client=http), read_timeout_seconds=self.timeout_s)
 
     async def tools(self) -> list[Tool]:
@@ -121,8 +136,30 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+class PinnedTransport(httpx2.AsyncBaseTransport):
+    """Sends each request to an address the fetch rules allow, checked when the request is made, with
+    the host name kept in the Host header and the TLS server name (no DNS rebinding)."""
+
+    def __init__(self, policy: FetchPolicy) -> None:
+        self.policy = policy
+        self.inner = httpx2.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            parsed, address = await checked_address(str(request.url), self.policy)
+        except FetchRefused as exc:
+            raise httpx2.ConnectError(str(exc), request=request) from None
+        request.url = request.url.copy_with(host=str(address))
+        if parsed.scheme == "https":
+            request.extensions = {**request.extensions, "sni_hostname": parsed.host}
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class McpTools:
-    """Every configured server's tools, as a source of the tool registry."""
+    """Every configured server's tools, as a source of the tool registry (the same for every user)."""
 
     def __init__(self, settings: ToolsSettings) -> None:
         self.servers = [McpServer(c, settings.mcp_timeout_s, settings.mcp_list_ttl_s) for c in settings.mcp_servers]
@@ -130,6 +167,36 @@ class McpTools:
     def __bool__(self) -> bool:
         return bool(self.servers)
 
-    async def tools(self) -> list[Tool]:
+    async def tools(self, user: User | None = None) -> list[Tool]:
         listed = await asyncio.gather(*(s.tools() for s in self.servers))
+        return [tool for tools in listed for tool in tools]
+
+
+class UserMcpTools:
+    """The tools of the servers the asking user added, held to the fetch rules (tools.fetch_allow applies)."""
+
+    def __init__(self, settings: ToolsSettings, db: Database) -> None:
+        self.settings = settings
+        self.db = db
+        self.policy = FetchPolicy(allow=tuple(settings.fetch_allow), timeout_s=settings.mcp_timeout_s)
+        self._servers: dict[tuple, McpServer] = {}  # by (row id, url, headers): a changed row is a new server
+
+    def __bool__(self) -> bool:
+        return self.settings.mcp_user_servers
+
+    async def tools(self, user: User | None) -> list[Tool]:
+        if user is None or not self.settings.mcp_user_servers:
+            return []
+        async with self.db.session() as session:
+            rows = (await session.execute(select(UserMcpServer).where(UserMcpServer.user_id == user.id)
+                                          .order_by(UserMcpServer.name))).scalars().all()
+        servers = []
+        for row in rows:
+            key = (row.id, row.url, tuple(sorted(row.headers.items())))
+            if key not in self._servers:
+                config = McpServerSettings(name=row.name, url=row.url, headers=row.headers)
+                self._servers[key] = McpServer(config, self.settings.mcp_timeout_s, self.settings.mcp_list_ttl_s,
+                                               self.policy)
+            servers.append(self._servers[key])
+        listed = await asyncio.gather(*(s.tools() for s in servers))
         return [tool for tools in listed for tool in tools]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 MAX_OUTPUT_CHARS = 4000  # a result longer than this is refused, not fed to the model
 TIMEOUT_S = 5.0
+MAX_USERS_LISTED = 10_000  # users whose listed tools are kept (an answer needs them while it runs)
 
 
 class ToolFailure(Exception):
@@ -80,34 +82,42 @@ class Tool:
 
 
 class ToolSource(Protocol):
-    """Tools that come and go (an MCP server's): listed again when an answer starts."""
+    """Tools that come and go (MCP servers'): listed again, for the user asking, when an answer starts."""
 
-    async def tools(self) -> list[Tool]: ...
+    async def tools(self, user: User) -> list[Tool]: ...
 
 
 class ToolRegistry:
     def __init__(self, tools: list[Tool], sources: list[ToolSource] | None = None) -> None:
         self.tools = {t.spec.name: t for t in tools}
         self.sources = [s for s in sources or [] if s]
-        self._listed: dict[str, Tool] = {}  # the sources' tools at their last listing
+        # Each user's tools from the sources at their last listing (users may have servers of their own).
+        self._listed: OrderedDict[str | None, dict[str, Tool]] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self.tools) or bool(self.sources)
 
-    def tool_use(self) -> ToolUse:
+    def tool_use(self, user: User | None = None) -> ToolUse:
+        listed = self._listed.get(_key(user), {})
         specs = [t.spec for t in self.tools.values()]
-        specs += [t.spec for name, t in self._listed.items() if name not in self.tools]
+        specs += [t.spec for name, t in listed.items() if name not in self.tools]
         return ToolUse(tuple(specs), "auto", parallel=True)
 
-    async def refresh(self) -> ToolUse:
-        """List the sources' tools again (each source reuses a recent listing) and offer them all."""
+    async def refresh(self, user: User | None = None) -> ToolUse:
+        """List the sources' tools again for this user (each source reuses a recent listing); all offered."""
         if self.sources:
-            listed = await asyncio.gather(*(s.tools() for s in self.sources))
-            self._listed = {t.spec.name: t for tools in listed for t in tools}
-        return self.tool_use()
+            listed = await asyncio.gather(*(s.tools(user) for s in self.sources))
+            found: dict[str, Tool] = {}
+            for tool in (t for tools in listed for t in tools):
+                found.setdefault(tool.spec.name, tool)  # the first source wins a name: the deployment's
+            self._listed[_key(user)] = found
+            self._listed.move_to_end(_key(user))
+            while len(self._listed) > MAX_USERS_LISTED:
+                self._listed.popitem(last=False)
+        return self.tool_use(user)
 
     async def run(self, call: ToolCall, ctx: ToolContext) -> ToolResult:
-        tool = self.tools.get(call.name) or self._listed.get(call.name)
+        tool = self.tools.get(call.name) or self._listed.get(_key(ctx.user if ctx else None), {}).get(call.name)
         if tool is None:
             return ToolResult(call, error=f"unknown tool {call.name!r}")
         try:
@@ -132,6 +142,10 @@ class ToolRegistry:
             return ToolResult(call, error=f"the tool's output is too large ({len(output.text)} characters, "
                                           f"at most {tool.max_output_chars})")
         return ToolResult(call, output.text, details=output.details)
+
+
+def _key(user: User | None) -> str | None:
+    return user.id if user is not None else None
 
 
 def _check_args(args: Any, schema: dict) -> None:

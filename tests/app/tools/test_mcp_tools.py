@@ -21,7 +21,7 @@ from chatloom.app.tools.mcp_servers import McpServer
 from chatloom.app.tools.registry import ToolFailure
 from chatloom.settings.tree import McpServerSettings
 
-from app_testing import app_client, done_of, free_port, make_settings, new_conversation, send, tokens_of
+from app_testing import app_client, done_of, free_port, make_settings, new_conversation, send, signup, tokens_of
 from fake_web import fake_web
 from tool_backend import ToolCallingBackend, call_text
 
@@ -138,3 +138,51 @@ async def test_a_server_down_or_answering_garbage_is_a_tool_error(tmp_path):
     async with app_client(settings, backend) as (client, app, alice):
         _, events = await send(client, alice, await new_conversation(client, alice), "hello")
         assert tokens_of(events) == "No tools needed." and "<tools>" not in backend.requests[0].messages[0]["content"]
+
+
+async def test_users_add_their_own_http_servers_held_to_the_fetch_rules(tmp_path, http_server):
+    _, url = http_server
+    backend = ToolCallingBackend()
+    settings = make_settings(tmp_path, chat={"tools": ""}, sampling={"max_tokens": 2000},
+                             tools={"mcp_user_servers": True, "fetch_allow": ["127.0.0.1"]})
+    async with app_client(settings, backend) as (client, app, alice):
+        bob = await signup(client, "bob")
+        r = await client.post("/mcp-servers", headers=alice,
+                              json={"name": "mine", "url": url, "headers": {"X-Team": "red"}})
+        assert r.status_code == 201, r.text
+        assert r.json()["header_names"] == ["X-Team"] and "red" not in r.text  # tokens never come back
+        r = await client.post("/mcp-servers", headers=alice, json={"name": "mine", "url": url})
+        assert r.status_code == 409
+        cid = await new_conversation(client, alice)
+        _, events = await send(client, alice, cid, call_text("mine__vault_code", label="beta"))
+        assert tokens_of(events) == f"Result: {_code('beta')}"
+        _, events = await send(client, alice, cid, call_text("mine__header", name="x-team"))
+        assert tokens_of(events) == "Result: x-team: red"
+        # Bob is not offered Alice's server, and cannot call it by name.
+        _, events = await send(client, bob, await new_conversation(client, bob), call_text("mine__vault_code",
+                                                                                           label="beta"))
+        assert "mine__" not in backend.requests[-1].messages[0]["content"]
+        assert _code("beta") not in tokens_of(events)
+        assert (await client.get("/mcp-servers", headers=bob)).json() == []
+        server_id = (await client.get("/mcp-servers", headers=alice)).json()[0]["id"]
+        assert (await client.delete(f"/mcp-servers/{server_id}", headers=bob)).status_code == 404
+        assert (await client.delete(f"/mcp-servers/{server_id}", headers=alice)).status_code == 204
+        assert (await client.get("/mcp-servers", headers=alice)).json() == []
+
+    # Without the allow-list, a user's server on loopback is refused when added, and when reached.
+    settings = make_settings(tmp_path / "strict", chat={"tools": ""}, tools={"mcp_user_servers": True})
+    async with app_client(settings, backend) as (client, app, alice):
+        r = await client.post("/mcp-servers", headers=alice, json={"name": "mine", "url": url})
+        assert r.status_code == 400 and "private, loopback or link-local" in r.json()["error"]["message"]
+        for bad in ("http://169.254.169.254/mcp", f"http://[::1]:{free_port()}/mcp", "file:///etc/passwd"):
+            assert (await client.post("/mcp-servers", headers=alice, json={"name": "x", "url": bad})).status_code == 400
+    from chatloom.app.core.safe_fetch import FetchPolicy
+    sneaky = McpServer(McpServerSettings(name="mine", url=url), 5.0, 60.0, FetchPolicy())
+    assert await sneaky.tools() == []
+    with pytest.raises(ToolFailure, match="private, loopback or link-local"):
+        await sneaky.call("vault_code", {"label": "beta"})
+
+    settings = make_settings(tmp_path / "off", chat={"tools": ""})
+    async with app_client(settings, backend) as (client, app, alice):
+        r = await client.post("/mcp-servers", headers=alice, json={"name": "mine", "url": url})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "mcp_servers_disabled"

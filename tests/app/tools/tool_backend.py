@@ -44,5 +44,5 @@ class ToolCallingBackend(Backend):
         pass
 
 
-def call_text(name: str, **arguments: object) -> str:
-    return f"call {name} {json.dumps(arguments)}"
+def call_text(tool: str, **arguments: object) -> str:
+    return f"call {tool} {json.dumps(arguments)}"
