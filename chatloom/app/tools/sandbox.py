@@ -125,9 +125,7 @@ class Sandbox:
         self._slots = asyncio.Semaphore(concurrency)
 
     def scratch(self, conversation_id: str) -> Path:
-        if not conversation_id.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"bad conversation id {conversation_id!r}")
-        return self.data_dir / "sandbox" / conversation_id
+        return scratch_path(self.data_dir, conversation_id)
 
     def problem(self) -> str | None:
         """Why runs cannot work here (no bwrap, no namespaces, no interpreter); None when they can."""
@@ -231,6 +229,18 @@ class Sandbox:
         stdout, t1 = _text(out, self.limits.output_chars)
         stderr, t2 = _text(err, self.limits.output_chars)
         return RunOutcome(stdout, stderr, None if stopped else proc.returncode, stopped, t1 or t2)
+
+
+def scratch_path(data_dir: str | Path, conversation_id: str) -> Path:
+    """A conversation's scratch folder: data_dir/sandbox/<conversation id>."""
+    if not conversation_id.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"bad conversation id {conversation_id!r}")
+    return Path(data_dir).resolve() / "sandbox" / conversation_id
+
+
+def remove_scratch(data_dir: str | Path, conversation_id: str) -> None:
+    """Delete a conversation's scratch folder (the conversation is gone)."""
+    shutil.rmtree(scratch_path(data_dir, conversation_id), ignore_errors=True)
 
 
 def _system_binds() -> list[str]:

@@ -144,6 +144,11 @@ async def test_a_plot_and_a_file_are_stored_and_downloadable_by_their_owner_only
         assert r.status_code == 404 and r.json()["error"]["code"] == "file_not_found"
         r = await client.get(f"/conversations/{cid}/tool-files/{table['id']}", headers=bob)
         assert r.status_code == 404
+        # Deleting the conversation removes its scratch folder.
+        scratch = tmp_path / "sandbox" / cid
+        assert (scratch / "table.csv").read_text() == "a,b\n1,2\n"
+        assert (await client.delete(f"/conversations/{cid}", headers=alice)).status_code == 204
+        assert not scratch.exists()
 
 
 async def test_a_fork_bomb_leaves_another_users_answer_alone(tmp_path):
