@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 
@@ -24,6 +25,8 @@ LIMITS = {"code_cpu_s": 1, "code_wall_s": 10.0, "code_memory_mb": 256, "code_pro
 
 
 def _interpreter(data_dir) -> CodeInterpreter:
+    if shutil.which("bwrap") is None:  # CI installs it (.ci/run): missing is a failure, not a skip
+        pytest.fail("bubblewrap is not installed (apt-get install bubblewrap)")
     interpreter = CodeInterpreter(ToolsSettings(**LIMITS), data_dir)
     problem = interpreter.sandbox.problem()
     if problem:
@@ -101,6 +104,17 @@ async def test_every_way_out_fails_inside_and_is_a_tool_error(attempt, data_dir,
     # The sandbox works again at once.
     again = await _run(registry, "print('still here')")
     assert again.error is None and again.output.strip() == "stdout:\nstill here"
+
+
+async def test_the_process_limit_is_the_runs_own(data_dir):
+    registry = ToolRegistry([_interpreter(data_dir).tool()])
+    # Bounded, so that the test itself stays harmless if the limit were ever lost.
+    code = ("import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+            "            time.sleep(20)\n            os._exit(0)\n        n += 1\nfinally:\n    print('forked', n)")
+    r = await _run(registry, code)
+    assert "Resource temporarily unavailable" in r.error
+    forked = int(r.output.split("forked ")[1].split()[0])
+    assert 0 < forked < LIMITS["code_processes"]
 
 
 async def test_no_process_of_the_sandbox_outlives_its_run(data_dir):
