@@ -25,7 +25,6 @@ import time
 import httpx2
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
-
 from sqlalchemy import select
 
 from chatloom.app.core.safe_fetch import FetchPolicy, FetchRefused, checked_address
