@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 from chatloom.app.chat.conversation_prompt import ConversationDeleted, Draft, PromptAssembler, SummaryAborted
 from chatloom.app.chat.summary_admission import admitted_summary
 from chatloom.app.tools.registry import ToolContext, ToolRegistry
 from chatloom.app.core.errors import ApiError, error_event
-from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, GenerationStopped, Run,
-                                              Thinking, ToolCall)
+from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, GenerationStopped,
+                                              Pipeline, Run, Thinking, ToolCall)
 from chatloom.app.generation.tool_calls import render_messages
 from chatloom.app.state.answer_journal import JournaledLog
 from chatloom.app.state.events import EventLogStore
@@ -88,6 +89,7 @@ class AnswerJob:
     logs: EventLogStore
     prompts: PromptAssembler
     jobs: Jobs
+    pipeline: Pipeline
     tools: ToolRegistry
     blobs: BlobStore | None
     _running: dict[str, Generation | None]
@@ -121,6 +123,8 @@ class AnswerJob:
                         text.append(piece.text)
                     elif isinstance(piece, ToolCall):
                         calls.append(piece)
+                    elif isinstance(piece, Finished) and round_no > 0:  # what resuming after the tools cost
+                        self.pipeline.traffic.metrics.observe_resume(piece.usage, piece.timings)
                 if out.finish_reason != "tool_calls" or gen.stop_requested:
                     break
                 messages = await self._run_tools(gen, run, messages, "".join(text), calls, out)
@@ -185,7 +189,10 @@ class AnswerJob:
                                 "error": f"the limit of {budget} tool calls per answer is reached"}
                 model_text = f"error: {result_event['error']}"
             else:
+                started = time.monotonic()
                 result = await self.tools.run(call, ctx)
+                self.pipeline.traffic.metrics.observe_tool(call.name if call.name in self.tools.tools else "mcp",
+                                                           time.monotonic() - started, result.error is not None)
                 result_event, model_text = result.event(), result.model_text()
             out.steps.append({"arguments": call.arguments, **result_event})
             await gen.log.append({"tool_result": result_event})

@@ -106,6 +106,13 @@ async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_pa
         answer = detail["messages"][-1]
         assert answer["tool_steps"] == [{"arguments": call["arguments"], **result}]
         assert answer["text"] == "Let me compute.\nThe result is 391."
+        # The call and the resumed round are on /metrics.
+        metrics = (await client.get("/metrics")).text
+        assert 'chatloom:tool_calls_total{outcome="ok",tool="calculator"} 1.0' in metrics
+        assert 'chatloom:tool_call_seconds_count{tool="calculator"} 1.0' in metrics
+        resumed = backend.count_prompt_tokens(second.messages)
+        assert f"chatloom:tool_resume_prompt_tokens_total {float(resumed)}" in metrics
+        assert "chatloom:tool_resume_cached_tokens_total 0.0" in metrics
 
 
 async def test_calls_per_answer_are_capped(tmp_path):

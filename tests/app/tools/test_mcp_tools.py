@@ -108,6 +108,7 @@ async def _kill_mid_call(tmp_path, server: dict, kill) -> None:
         assert result["error"].startswith("the MCP server vault failed")
         assert done_of(events)["status"] == "complete"
         assert tokens_of(events).startswith("Result: error: the MCP server vault failed")
+        assert 'chatloom:tool_calls_total{outcome="error",tool="mcp"} 1.0' in (await client.get("/metrics")).text
 
 
 async def test_killing_a_stdio_server_mid_call_is_a_tool_error(tmp_path):
