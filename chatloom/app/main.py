@@ -20,8 +20,9 @@ from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, 
 from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
-from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, moderations, openai, recovery,
-                                     responses, usage, web)
+from chatloom.app.api.routes import admin, anthropic, auth, conversations, health, moderations, openai, recovery
+from chatloom.app.api.routes import responses, usage, web
+from chatloom.app.api.routes import mcp_servers, tool_files
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
@@ -68,13 +69,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
     scaler = build_scaler(settings, traffic, backend, local_replicas)
+    blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.accounts.argon2_time_cost, settings.accounts.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
-        conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
+        conversations=ConversationService(db, pipeline, settings, hot.logs, blobs), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s),
-        blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"),
+        blobs=blobs,
     )
 
     @asynccontextmanager
@@ -122,8 +124,10 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes)  # outermost: before any parsing
-    for module in (health, auth, conversations, recovery, usage, admin, openai, anthropic, moderations, responses,
-                   web):
+    routes = (health, auth, conversations, tool_files, mcp_servers, recovery, usage, admin,
+              openai, responses, anthropic, moderations,
+              web)  # last: its catch-all serves the browser app
+    for module in routes:
         app.include_router(module.router)
     return app
 

@@ -18,8 +18,8 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
 
 from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
-                                    ServerSettings, SharedStateSettings, TrafficSettings, DegradeSettings,
-                                    AutoscaleSettings)
+                                    ServerSettings, SharedStateSettings, ToolsSettings, TrafficSettings,
+                                    DegradeSettings, AutoscaleSettings)
 
 ENV_PREFIX = "CHATLOOM_"
 ENV_NESTED_DELIMITER = "__"
@@ -39,6 +39,7 @@ class Settings(BaseSettings):
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     accounts: AccountSettings = Field(default_factory=AccountSettings)
     chat: ChatSettings = Field(default_factory=ChatSettings)
+    tools: ToolsSettings = Field(default_factory=ToolsSettings)
     traffic: TrafficSettings = Field(default_factory=TrafficSettings)
     degrade: DegradeSettings = Field(default_factory=DegradeSettings)
     autoscale: AutoscaleSettings = Field(default_factory=AutoscaleSettings)

@@ -112,13 +112,76 @@ class ChatSettings(Group):
                                                                   "stay resumable.")
     title_chars: int = Field(60, gt=0, description="Length of a conversation's automatic title.")
     tools: str = Field("calculator,time,search", description="Built-in tools the chat's model may call "
-                                                             "(comma-separated; empty for none).")
+                                                             "(comma-separated; empty for none): calculator, "
+                                                             "time, search, python, web_search, fetch_page.")
     max_tool_calls_per_answer: int = Field(4, ge=0, description="Tool calls one answer may make before it must "
                                                                 "answer in text.")
     tool_rounds_reserved: int = Field(1, ge=0, description="Rounds after the first (a tool's result read back) "
                                                            "an answer with tools reserves quota for before it "
                                                            "starts, each twice the first round; 0: all rounds "
                                                            "share the first round's reservation.")
+
+
+class McpServerSettings(Group):
+    """One MCP server whose tools the chat's model may call: a command run over stdio, or a URL."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="Short name; the model sees its tools as "
+                                                                    "NAME__TOOL.")
+    command: list[str] | None = Field(None, description="Program and arguments of a stdio server, started for "
+                                                        "each call and each listing of its tools.")
+    url: str | None = Field(None, description="Streamable HTTP endpoint of the server, e.g. http://host:8000/mcp.")
+    headers: dict[str, str] = Field({}, description="HTTP headers sent with every request (tokens, API keys).")
+    env: dict[str, str] = Field({}, description="Environment of a stdio server, over a minimal default "
+                                                "(never the gateway's own environment).")
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "McpServerSettings":
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server {self.name!r} needs either command or url")
+        if self.command is not None and not self.command:
+            raise ValueError(f"MCP server {self.name!r} has an empty command")
+        return self
+
+
+class ToolsSettings(Group):
+    """The chat's acting tools: the code interpreter's sandbox, web search and the page fetcher."""
+
+    code_python: str | None = Field(None, description="Python interpreter the code interpreter runs inside the "
+                                                      "sandbox (default: the server's own); what it has "
+                                                      "installed (numpy, pandas, matplotlib) is what the code "
+                                                      "can import.")
+    code_cpu_s: int = Field(10, gt=0, description="CPU seconds one run of the code interpreter may use.")
+    code_wall_s: float = Field(30.0, gt=0, description="Wall-clock seconds one run may take before it is killed.")
+    code_memory_mb: int = Field(1024, ge=64, description="Address space of each process of a run, in MiB.")
+    code_processes: int = Field(32, gt=0, description="Processes and threads a run may have at once.")
+    code_output_chars: int = Field(4000, ge=100, description="Characters of stdout and stderr each kept from a "
+                                                             "run; a run that prints far more is stopped.")
+    code_file_mb: int = Field(20, gt=0, description="Largest file a run may write, in MiB.")
+    code_scratch_mb: int = Field(100, gt=0, description="Most a conversation's scratch folder may hold, in MiB.")
+    code_max_files: int = Field(10, ge=0, description="Files (and plots) one run may hand back for download.")
+    code_concurrency: int = Field(4, gt=0, description="Runs of the code interpreter at once per gateway.")
+    code_uid: int = Field(61000, gt=0, description="When the server runs as root: runs use the user ids from this "
+                                                   "one up (one per concurrent run), never root's.")
+    search_url: str | None = Field(None, description="SearXNG base URL for the web_search tool (its JSON API, "
+                                                     "format=json, must be enabled).")
+    search_results: int = Field(5, gt=0, le=20, description="Results web_search gives the model.")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="Time a page fetch (or a search) may take in all.")
+    fetch_max_bytes: int = Field(2_000_000, gt=0, description="Largest response body the fetcher reads.")
+    fetch_max_redirects: int = Field(3, ge=0, description="Redirects a fetch follows, each checked again.")
+    fetch_text_chars: int = Field(3500, ge=200, description="Characters of a fetched page's text the model reads.")
+    fetch_allow: list[str] = Field([], description="Hosts or networks (CIDR) fetch_page may reach although they are "
+                                                   "private, loopback or link-local, e.g. [\"intranet.example\", "
+                                                   "\"10.1.0.0/16\"] (the search_url's host is always reached).")
+    mcp_servers: list[McpServerSettings] = Field([], description="MCP servers whose tools the chat's model may "
+                                                                 "call (TOML: [[tools.mcp_servers]] tables).")
+    mcp_user_servers: bool = Field(False, description="Let each user add MCP servers of their own (streamable "
+                                                      "HTTP URLs, held to the fetch rules: no private addresses "
+                                                      "unless fetch_allow names them).")
+    mcp_user_max_servers: int = Field(5, ge=0, description="MCP servers one user may add.")
+    mcp_timeout_s: float = Field(30.0, gt=0, description="Time an MCP tool call (or a listing of a server's "
+                                                         "tools) may take before it is a tool error.")
+    mcp_list_ttl_s: float = Field(60.0, ge=0, description="How long a server's tool list is reused before it is "
+                                                          "asked again (a server that failed: a sixth of it).")
 
 
 class SloTarget(Group):

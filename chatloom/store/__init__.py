@@ -2,6 +2,7 @@
 from chatloom.store.database import DEFAULT_URL, Database
 from chatloom.store.models import AnswerChunk, ApiKey, Base, Conversation, DailyUsage, Feedback, Message, User, new_id
 from chatloom.store.responses import StoredResponse
+from chatloom.store.mcp import UserMcpServer  # noqa: F401 - its table joins the metadata
 from chatloom.store.repositories import AnswerChunks, ApiKeys, Conversations, FeedbackRows, Messages, UsageRows, Users
 
 __all__ = ["DEFAULT_URL", "Database", "AnswerChunk", "AnswerChunks", "ApiKey", "Base", "Conversation", "Message", "User",

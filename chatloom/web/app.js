@@ -199,7 +199,7 @@ function drawMessages() {
     box.replaceChildren($('empty') || emptyState());
     return;
   }
-  renderBranch(box, state.branch, messageActions, { runningId: state.run?.messageId ?? null });
+  renderBranch(box, state.branch, messageActions, { runningId: state.run?.messageId ?? null, convId: state.convId });
   if (state.run) drawRun();
 }
 

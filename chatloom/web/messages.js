@@ -3,6 +3,7 @@
 import { el } from './dom.js';
 import { icon } from './icons.js';
 import { renderMarkdown } from './markdown.js';
+import { codeStep } from './code_step.js';
 
 const STATUS_TEXT = { stopped: 'Stopped', incomplete: 'Cut off at the length limit', error: 'Failed',
   filtered: 'Withheld by the content filter', interrupted: 'Interrupted' };
@@ -59,9 +60,10 @@ function userMessage(m, actions, busy) {
 }
 
 // The tools an answer used, each a collapsed step: "calculator · 391", opening to the arguments and result.
-function toolSteps(steps) {
+function toolSteps(steps, convId) {
   if (!steps || !steps.length) return null;
   return el('div', { class: 'tool-steps' }, steps.map((s) => {
+    if (s.name === 'python') return codeStep(s, convId);
     const result = s.error ? `error: ${s.error}` : s.output;
     const summary = result == null ? `Using ${s.name}…` : `Used ${s.name}: ${result.split('\n')[0].slice(0, 80)}`;
     return el('details', { class: `tool-step${s.error ? ' failed' : ''}`, dataset: { tool: s.name } },
@@ -72,7 +74,7 @@ function toolSteps(steps) {
   }));
 }
 
-function assistantMessage(m, actions, busy) {
+function assistantMessage(m, actions, busy, convId) {
   const node = el('div', { class: 'message assistant', dataset: { id: m.id, role: 'assistant', status: m.status } });
   const bubble = el('div', { class: 'bubble markdown' });
   bubble.innerHTML = renderMarkdown(m.text); // escaped first: see markdown.js
@@ -96,18 +98,18 @@ function assistantMessage(m, actions, busy) {
   const thought = m.reasoning || actions.thoughtOf?.(m.id);
   const thinking = thought ? el('details', { class: 'thinking' }, el('summary', {}, 'Thought about it'),
     el('div', { class: 'thought', text: thought })) : null;
-  const steps = toolSteps(m.tool_steps);
+  const steps = toolSteps(m.tool_steps, convId);
   node.append(...(thinking ? [thinking] : []), ...(steps ? [steps] : []), bubble, ...(line ? [line] : []), toolbar);
   return node;
 }
 
 // Draw a whole branch. `runningId` is the answer being streamed (drawn by updateStreaming instead).
-export function renderBranch(container, messages, actions, { runningId = null } = {}) {
+export function renderBranch(container, messages, actions, { runningId = null, convId = null } = {}) {
   const busy = runningId != null;
   const nodes = messages.map((m) => {
     if (m.role === 'user') return userMessage(m, actions, busy);
     if (m.id === runningId) return streamingMessage(m.id);
-    return assistantMessage(m, actions, busy);
+    return assistantMessage(m, actions, busy, convId);
   });
   container.replaceChildren(...nodes);
 }
@@ -132,7 +134,7 @@ export function updateStreaming(node, run) {
   if (run.steps.length && slot.dataset.drawn !== JSON.stringify(run.steps)) {
     // Redrawn only when a step changes, so a step the user opened stays open while text streams.
     const open = new Set([...slot.querySelectorAll('details[open]')].map((d) => d.dataset.index));
-    const steps = toolSteps(run.steps);
+    const steps = toolSteps(run.steps, run.convId);
     steps.querySelectorAll('details').forEach((d, i) => { d.dataset.index = i; if (open.has(String(i))) d.open = true; });
     slot.replaceChildren(steps);
     slot.dataset.drawn = JSON.stringify(run.steps);

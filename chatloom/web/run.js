@@ -59,7 +59,10 @@ export class Run {
     if (data.tool_call) { this.steps.push({ ...data.tool_call, output: null, error: null }); this.queue = null; }
     if (data.tool_result) {
       const step = this.steps.find((s) => s.id === data.tool_result.id);
-      if (step) Object.assign(step, { output: data.tool_result.output, error: data.tool_result.error });
+      if (step) {
+        Object.assign(step, { output: data.tool_result.output, error: data.tool_result.error,
+          details: data.tool_result.details });
+      }
     }
     if (data.queue_position != null) this.queue = data.queue_position;
     if (data.done) this.done = data;

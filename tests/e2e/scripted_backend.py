@@ -65,11 +65,16 @@ class ScriptedBackend(Backend):
 
     @staticmethod
     def tool_answer(messages: list[dict]) -> str | None:
-        """With chat tools offered: 'calculate X' calls the calculator, and the next round reports its result."""
+        """With chat tools offered: 'calculate X' calls the calculator, 'run python: CODE' the code
+        interpreter, and the next round reports the result."""
         if not messages or "<tools>" not in messages[0]["content"]:
             return None
         if messages[-1]["role"] == "tool":
             return f"The answer is {messages[-1]['content']}."
+        code = re.match(r"run python: (.+)", messages[-1]["content"], re.S)
+        if messages[-1]["role"] == "user" and code is not None:
+            call = json.dumps({"name": "python", "arguments": {"code": code.group(1).replace("; ", "\n")}})
+            return f"I will run it.\n<tool_call>\n{call}\n</tool_call>"
         expr = re.search(r"calculate (.+)", messages[-1]["content"])
         if messages[-1]["role"] != "user" or expr is None:
             return None

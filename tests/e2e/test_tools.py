@@ -50,3 +50,46 @@ def test_an_answer_using_the_calculator_shows_the_step_and_the_result(tools_page
     last_answer(page).wait_for()
     assert last_answer(page).locator("details.tool-step summary").inner_text() == "Used calculator: 7006652"
     assert page.console_errors == [] and page.dialogs == []
+
+
+@pytest.fixture(scope="module")
+def code_server(tmp_path_factory):
+    from chatloom.app.tools.code_interpreter import CodeInterpreter
+    from chatloom.settings.tree import ToolsSettings
+    data = tmp_path_factory.mktemp("e2e-code")
+    problem = CodeInterpreter(ToolsSettings(), data).sandbox.problem()
+    if problem:
+        pytest.skip(f"the sandbox cannot run here: {problem}")
+    settings = make_settings(data, sampling={"max_tokens": 1000}, chat={"tools": "python"})
+    with LiveServer(create_app(settings, ScriptedBackend())) as live:
+        yield live
+
+
+def test_a_code_step_shows_highlighted_code_its_output_a_plot_and_a_download(browser, code_server):
+    context, page = _new_page(browser, code_server, DESKTOP)
+    try:
+        sign_up(page)
+        send(page, "run python: import matplotlib.pyplot as plt; plt.plot([1, 3, 2]); "
+                   "open('table.csv', 'w').write('a,b'); print(6 * 7)")
+        wait_js(page, "Number(document.body.dataset.answers || 0) > 0", timeout_s=90)
+        step = last_answer(page).locator("details.code-step")
+        assert step.count() == 1
+        assert step.locator("summary").first.inner_text() == "Ran Python"
+        assert step.evaluate("d => d.open")  # a plot opens the step
+        assert step.locator(".tool-code .hl-kw").first.inner_text() == "import"
+        assert "print(6 * 7)" in step.locator(".tool-code").inner_text()
+        step.locator(".tool-output summary").click()
+        assert step.locator(".tool-stdout").inner_text().strip() == "42"
+        wait_js(page, "[...document.querySelectorAll('img.tool-plot')].some(i => i.complete && i.naturalWidth > 0)",
+                timeout_s=30)
+        link = step.locator("a.tool-file")
+        assert link.inner_text() == "table.csv (3 bytes)"
+        with page.expect_download() as download:
+            link.click()
+        assert download.value.suggested_filename == "table.csv"
+        with open(download.value.path(), "rb") as f:
+            assert f.read() == b"a,b"
+        screenshot(page, "desktop-code-step")
+        assert page.console_errors == [] and page.dialogs == []
+    finally:
+        context.close()

@@ -2,7 +2,7 @@
 between rounds, log every piece, then save the answer and close its log.
 
 With chat tools on (settings.chat.tools), an answer may call them: when a round of generation ends
-in tool calls, the loop pauses, runs each call (chat/tools), logs `tool_call` and `tool_result`
+in tool calls, the loop pauses, runs each call (app/tools), logs `tool_call` and `tool_result`
 events, appends the calls and results to the prompt and resumes the same run, whose new prompt
 starts with the previous one token for token, so the prefix cache makes resumption cheap. At most
 settings.chat.max_tool_calls_per_answer calls run per answer; after that the model must answer in text.
@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 from chatloom.app.chat.conversation_prompt import ConversationDeleted, Draft, PromptAssembler, SummaryAborted
 from chatloom.app.chat.summary_admission import admitted_summary
-from chatloom.app.chat.tools.registry import ToolContext, ToolRegistry
+from chatloom.app.tools.registry import ToolContext, ToolRegistry
 from chatloom.app.core.errors import ApiError, error_event
-from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, GenerationStopped, Run,
-                                              Thinking, ToolCall)
+from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, GenerationStopped,
+                                              Pipeline, Run, Thinking, ToolCall)
 from chatloom.app.generation.tool_calls import render_messages
 from chatloom.app.state.answer_journal import JournaledLog
 from chatloom.app.state.events import EventLogStore
@@ -27,6 +28,7 @@ from chatloom.app.state.redis_events import LogTakenOver
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, Usage
 from chatloom.settings import Settings
 from chatloom.store import AnswerChunks, Conversations, Database, Messages
+from chatloom.store.blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,9 @@ class AnswerJob:
     logs: EventLogStore
     prompts: PromptAssembler
     jobs: Jobs
+    pipeline: Pipeline
     tools: ToolRegistry
+    blobs: BlobStore | None
     _running: dict[str, Generation | None]
 
     async def _run(self, gen: Generation) -> None:
@@ -119,6 +123,8 @@ class AnswerJob:
                         text.append(piece.text)
                     elif isinstance(piece, ToolCall):
                         calls.append(piece)
+                    elif isinstance(piece, Finished) and round_no > 0:  # what resuming after the tools cost
+                        self.pipeline.traffic.metrics.observe_resume(piece.usage, piece.timings)
                 if out.finish_reason != "tool_calls" or gen.stop_requested:
                     break
                 messages = await self._run_tools(gen, run, messages, "".join(text), calls, out)
@@ -174,7 +180,7 @@ class AnswerJob:
     async def _run_tools(self, gen: Generation, run: Run, messages: list[dict], text: str, calls: list[ToolCall],
                          out: Outcome) -> list[dict]:
         """Run a round's calls; the prompt for the next round (the round's turn, then one turn per result)."""
-        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id)
+        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id, self.blobs)
         budget = self.settings.chat.max_tool_calls_per_answer
         turns = [{"role": "assistant", "content": "\n".join([text] * bool(text) + [c.text() for c in calls])}]
         for call in calls:
@@ -183,7 +189,10 @@ class AnswerJob:
                                 "error": f"the limit of {budget} tool calls per answer is reached"}
                 model_text = f"error: {result_event['error']}"
             else:
+                started = time.monotonic()
                 result = await self.tools.run(call, ctx)
+                self.pipeline.traffic.metrics.observe_tool(call.name if call.name in self.tools.tools else "mcp",
+                                                           time.monotonic() - started, result.error is not None)
                 result_event, model_text = result.event(), result.model_text()
             out.steps.append({"arguments": call.arguments, **result_event})
             await gen.log.append({"tool_result": result_event})

@@ -34,8 +34,8 @@ from chatloom.app.chat.conversation_prompt import Draft, PromptAssembler, branch
 from chatloom.app.chat.prompt import Turn
 from chatloom.app.chat.stopping import Stopping
 from chatloom.app.chat.takeover import TakeOver
-from chatloom.app.chat.tools.builtins import builtin_registry
-from chatloom.app.chat.tools.registry import ToolRegistry
+from chatloom.app.tools.builtins import builtin_registry
+from chatloom.app.tools.registry import ToolRegistry
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.core.validation import off_loop
 from chatloom.app.generation.pipeline import Ask, ChatPrompt, Pipeline, Run
@@ -46,6 +46,7 @@ from chatloom.app.state.job_keeper import reservation_spec
 from chatloom.app.state.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.settings import Settings
 from chatloom.store import Conversation, Conversations, Database, Messages, User
+from chatloom.store.blobs import BlobStore
 
 UNSET = object()
 
@@ -67,7 +68,8 @@ class GenerationOptions:
 class ConversationService(AnswerJob, Stopping, TakeOver):
     """Starts, runs, stops and takes over the answers of conversations."""
 
-    def __init__(self, db: Database, pipeline: Pipeline, settings: Settings, logs: EventLogStore) -> None:
+    def __init__(self, db: Database, pipeline: Pipeline, settings: Settings, logs: EventLogStore,
+                 blobs: BlobStore | None = None) -> None:
         self.db = db
         self.pipeline = pipeline
         self.backend = pipeline.backend
@@ -79,7 +81,8 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
         self.draining = False  # shutting down: no new answers here
         names = [n.strip() for n in settings.chat.tools.split(",") if n.strip()]
-        self.tools: ToolRegistry = builtin_registry(names)
+        self.tools: ToolRegistry = builtin_registry(names, settings, db)
+        self.blobs = blobs  # where tools keep the files they produce
 
     # -- starting generations ----------------------------------------------------------
     def running(self, conversation_id: str) -> Generation | None:
@@ -122,7 +125,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             claimed = await self._claim_fleet(conv.id)
             tree = Tree(await Messages(session).all_in(conv.id))
             parent = self._parent(tree, conv, parent_id)
-            run = await self.pipeline.open(self._with_tools(options).ask(""), moderate=text)  # before model work
+            run = await self.pipeline.open((await self._with_tools(options)).ask(""), moderate=text)  # before model work
             text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # large input
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
@@ -142,11 +145,14 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             await self._give_back(conv.id, claimed, run)
             raise
 
-    def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
+    async def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
         if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
             return options
+        tools = await self.tools.refresh(options.user)  # the MCP servers' tools as they are now
+        if not tools.tools:
+            return options
         return GenerationOptions(options.user, options.model, options.max_tokens, options.temperature,
-                                 options.reasoning_effort, self.tools.tool_use())
+                                 options.reasoning_effort, tools)
 
     @staticmethod
     def _parent(tree: Tree, conv: Conversation, parent_id: object) -> str | None:
@@ -170,7 +176,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         claimed = False
         try:
             claimed = await self._claim_fleet(conv.id)
-            run = await self.pipeline.open(self._with_tools(options).ask(""))
+            run = await self.pipeline.open((await self._with_tools(options)).ask(""))
             target = await Messages(session).get(conv.id, message_id)
             if target is None:
                 raise not_found("message")

@@ -146,6 +146,19 @@ class Metrics:
                                          ["stage", "category"], registry=r)
         self.goodput_requests = Counter("chatloom:goodput_requests", "Finished requests that met every SLO "
                                         "(TTFT and TPOT targets).", m, registry=r)
+        # Server-side tool calls, and what resuming an answer after them cost: a call frees the answer's
+        # sequence, so the resumed round's prompt is read again, from the prefix cache where its blocks
+        # survived the wait (cached) and computed again where they did not.
+        self.tool_calls = Counter("chatloom:tool_calls", "Server-side tool calls, by tool (mcp: any MCP "
+                                  "server's) and outcome (ok, error).", ["tool", "outcome"], registry=r)
+        self.tool_seconds = Histogram("chatloom:tool_call_seconds", "Time a server-side tool call took.", ["tool"],
+                                      buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+        self.resume_prompt_tokens = Counter("chatloom:tool_resume_prompt_tokens", "Prompt tokens of answer rounds "
+                                            "resumed after tool calls.", registry=r)
+        self.resume_cached_tokens = Counter("chatloom:tool_resume_cached_tokens", "Of those, the tokens found in "
+                                            "the prefix cache (the rest were computed again).", registry=r)
+        self.resume_ttft = Histogram("chatloom:tool_resume_ttft_seconds", "Time to first token of an answer round "
+                                     "resumed after tool calls.", buckets=TTFT_BUCKETS, registry=r)
         self._goodput_rate = _RecentRate()
         goodput = Gauge("chatloom:goodput_requests_per_s", "Requests meeting every SLO per second, "
                         "over the last minute.", registry=r)
@@ -199,6 +212,17 @@ class Metrics:
             if self.slo_for(slo_class).met(timings):
                 self.class_goodput_requests.labels(slo_class).inc()
                 self.class_goodput_tokens.labels(slo_class).inc(usage.completion_tokens)
+
+    def observe_tool(self, tool: str, seconds: float, failed: bool) -> None:
+        self.tool_calls.labels(tool, "error" if failed else "ok").inc()
+        self.tool_seconds.labels(tool).observe(seconds)
+
+    def observe_resume(self, usage: Usage, timings: Timings | None) -> None:
+        """One round of an answer that resumed after tool calls."""
+        self.resume_prompt_tokens.inc(usage.prompt_tokens)
+        self.resume_cached_tokens.inc(usage.cached_tokens)
+        if timings is not None and timings.ttft is not None:
+            self.resume_ttft.observe(timings.ttft)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -47,7 +47,9 @@ EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 15}
 WELL_FORMED = {"/v1/chat/completions": {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}]},
                "/v1/completions": {"model": "tiny-random", "prompt": "Once upon a time"},
                "/v1/messages": {"model": "tiny-random", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
-               "/v1/responses": {"model": "tiny-random", "input": "hi"}}
+               "/v1/responses": {"model": "tiny-random", "input": "hi"},
+               # A public address literal: added without any network lookup.
+               "/mcp-servers": {"name": "fuzzed", "url": "https://93.184.215.14/mcp"}}
 SAMPLING = {"stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
             "stop", "n", "user", "reasoning_effort", "top_k", "stop_sequences", "max_output_tokens", "instructions"}
 MIN_OPERATIONS = 30  # the API has 33 operations; fewer means the schema lost routes
@@ -99,8 +101,11 @@ def _seed(schema) -> Known:
     key = _call(schema, "POST", "/auth/api-keys", known.token, body={"name": "fuzz"}).json()["id"]
     response = _call(schema, "POST", "/v1/responses", known.token,
                      body={"model": "tiny-random", "input": "hello", "max_output_tokens": 8}).json()["id"]
+    mcp = _call(schema, "POST", "/mcp-servers", known.token,
+                body={"name": "seeded", "url": "https://93.184.215.14/mcp"}).json()["id"]
     known.ids = {"conversation_id": [cid], "message_id": [m["id"] for m in detail["messages"]],
-                 "key_id": [key], "response_id": [response], "username": ["fuzzer"], "password": ["correct horse"],
+                 "key_id": [key], "response_id": [response], "server_id": [mcp], "username": ["fuzzer"],
+                 "password": ["correct horse"],
                  "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"]}
     return known
 
@@ -170,7 +175,8 @@ def _fuzz_operation(operation, mode: GenerationMode, known: Known, tally: Tally)
 def app(tmp_path):
     tiers = write_tiers(tmp_path, free=ROOMY, plus=ROOMY, pro=ROOMY)
     # max_tokens_limit keeps fuzzed answers short on the tiny model; the window leaves them room.
-    application = create_app(make_settings(tmp_path, model={"name": "tiny-random"}, traffic={"tiers_file": tiers}, sampling={"max_tokens_limit": 64}))
+    application = create_app(make_settings(tmp_path, model={"name": "tiny-random"}, traffic={"tiers_file": tiers}, sampling={"max_tokens_limit": 64},
+                                           tools={"mcp_user_servers": True}))
     yield application
     shutdown_lifespans()  # the app's lifespan ran in schemathesis' event loop thread
 

@@ -2,6 +2,8 @@
 resume a stream from any event id (all answers stream as SSE from the generation's event log)."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy import select
 
@@ -10,6 +12,7 @@ from chatloom.app.chat.conversation_service import UNSET, Generation, Generation
 from chatloom.app.api.deps import Ctx, CurrentUser, OwnedConversation, SessionDep
 from chatloom.app.core.errors import ApiError
 from chatloom.app.state.events import EventLog
+from chatloom.app.tools.sandbox import remove_scratch
 from chatloom.app.state.stop_relay import stop_anywhere
 from chatloom.app.api.schemas import (ConversationDetail, ConversationIn, ConversationOut, GenerationIn, MessageIn,
                                   MessageOut, RenameIn, StopOut)
@@ -84,6 +87,7 @@ async def delete_conversation(ctx: Ctx, conv: OwnedConversation, session: Sessio
     await _stop(ctx, conv.id)
     await Conversations(session).delete(conv.id)
     await session.commit()
+    await asyncio.to_thread(remove_scratch, ctx.settings.server.data_dir, conv.id)  # the code interpreter's files
     return Response(status_code=204)
 
 

@@ -5,7 +5,7 @@ from datetime import datetime, timezone
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from chatloom.app.generation.tool_calls import ToolSpec
-from chatloom.app.chat.tools.registry import Tool, ToolContext, ToolFailure
+from chatloom.app.tools.registry import Tool, ToolContext, ToolFailure
 
 
 async def _run(args: dict, ctx: ToolContext) -> str:

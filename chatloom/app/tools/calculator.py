@@ -9,7 +9,7 @@ import math
 import operator
 
 from chatloom.app.generation.tool_calls import ToolSpec
-from chatloom.app.chat.tools.registry import Tool, ToolContext, ToolFailure
+from chatloom.app.tools.registry import Tool, ToolContext, ToolFailure
 
 MAX_CHARS = 200
 MAX_EXPONENT = 1000

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from chatloom.app.generation.tool_calls import ToolSpec
-from chatloom.app.chat.tools.registry import Tool, ToolContext, ToolFailure
+from chatloom.app.tools.registry import Tool, ToolContext, ToolFailure
 from chatloom.store.models import Conversation, Message
 
 MAX_HITS = 5

@@ -8,9 +8,9 @@ import re
 import pytest
 
 from chatloom.app.generation.tool_calls import ToolCall
-from chatloom.app.chat.tools.calculator import evaluate
-from chatloom.app.chat.tools.builtins import builtin_registry
-from chatloom.app.chat.tools.registry import ToolFailure
+from chatloom.app.tools.calculator import evaluate
+from chatloom.app.tools.builtins import builtin_registry
+from chatloom.app.tools.registry import ToolFailure
 from chatloom.serving import Backend, Delta, GenerationRequest
 
 from app_testing import app_client, done_of, make_settings, new_conversation, send, tokens_of
@@ -106,6 +106,13 @@ async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_pa
         answer = detail["messages"][-1]
         assert answer["tool_steps"] == [{"arguments": call["arguments"], **result}]
         assert answer["text"] == "Let me compute.\nThe result is 391."
+        # The call and the resumed round are on /metrics.
+        metrics = (await client.get("/metrics")).text
+        assert 'chatloom:tool_calls_total{outcome="ok",tool="calculator"} 1.0' in metrics
+        assert 'chatloom:tool_call_seconds_count{tool="calculator"} 1.0' in metrics
+        resumed = backend.count_prompt_tokens(second.messages)
+        assert f"chatloom:tool_resume_prompt_tokens_total {float(resumed)}" in metrics
+        assert "chatloom:tool_resume_cached_tokens_total 0.0" in metrics
 
 
 async def test_calls_per_answer_are_capped(tmp_path):
@@ -129,7 +136,7 @@ async def test_search_finds_only_the_users_own_conversations(tmp_path):
         await send(client, alice, await new_conversation(client, alice), "my zebra is named Otto")
         await send(client, bob, await new_conversation(client, bob), "bob has a zebra too")
         reg = builtin_registry(["search"])
-        from chatloom.app.chat.tools.registry import ToolContext
+        from chatloom.app.tools.registry import ToolContext
         from chatloom.store import Users
         async with app.state.ctx.db.session() as session:
             user = await Users(session).by_username("alice")
