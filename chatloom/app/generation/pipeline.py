@@ -34,16 +34,19 @@ After that, admit() and resume() fit each round into what is left of the budget 
 max_tokens) instead of asking for more; a later round that no longer fits raises `BudgetSpent` and
 the answer ends as 'length'. Summaries have an allowance of their own (summary_admission.py).
 close() settles the reservation down to the tokens really used. docs/quotas.md states the rule.
+A batch ask (`Ask.batch`) runs in the admission queue's batch class and its tokens, reserved and settled,
+count at `[batch] quota_discount` (`Run.charged`); metering records the tokens really used.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Awaitable, Callable
 
 from chatloom.app.traffic import reasoning
-from chatloom.app.traffic.admission import INTERACTIVE, REASONING, Slot
+from chatloom.app.traffic.admission import BATCH, INTERACTIVE, REASONING, Slot
 from chatloom.app.core.errors import ApiError
 from chatloom.app.traffic.quotas import QuotaExceeded
 from chatloom.settings import Settings
@@ -217,11 +220,12 @@ class Run:
         reservation = None
         if summaries:
             try:  # straight to the store: a miss here is no refusal (no 429 counted)
-                reservation = await self.traffic.quotas.reserve(self.ask.user.id, tier, budget + summaries)
+                reservation = await self.traffic.quotas.reserve(self.ask.user.id, tier,
+                                                                self.charged(budget + summaries))
             except QuotaExceeded:
                 summaries = 0
         if reservation is None:
-            reservation = await self.traffic.reserve(self.ask.user, tier, budget)
+            reservation = await self.traffic.reserve(self.ask.user, tier, self.charged(budget))
         if not self.continuing:  # a taken-over run was admitted on its first gateway
             try:
                 self.refuse_if_full(tokens)
@@ -238,7 +242,8 @@ class Run:
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
         if self._reservation is None:
-            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier,
+                                                           self.charged(tokens + self.max_tokens))
             self.budget = tokens + self.max_tokens
         elif not self.continuing:  # a continued answer's tokens were reserved when it began
             self._within_budget(tokens)
@@ -275,8 +280,17 @@ class Run:
 
     @property
     def kind(self) -> str:
-        """The admission class: reasoning answers have their own share of the slots."""
+        """The admission class: batch work below every interactive tier; reasoning answers have their own
+        share of the slots."""
+        if self.ask.batch:
+            return BATCH
         return REASONING if self.limits.effort is not None else INTERACTIVE
+
+    def charged(self, tokens: int) -> int:
+        """What `tokens` of this run count against the quota: batch tokens at the configured discount."""
+        if not self.ask.batch:
+            return tokens
+        return math.ceil(tokens * self.pipeline.settings.batch.quota_discount)
 
     def refuse_if_full(self, prompt_tokens: int) -> None:
         """503 at once if the admission queue could not take this run within its timeout."""
@@ -303,7 +317,7 @@ class Run:
         sent, limits = self._prepared[1], self.limits
         req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
                                 top_p=limits.top_p, top_k=self.ask.top_k or 0, seed=self.ask.seed, stop=list(self.ask.stop),
-                                request_id=self.request_id, priority=-limits.tier.priority,  # low numbers run first
+                                request_id=self.request_id, priority=self._priority(),
                                 constraint=self.ask.constraint)
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
@@ -313,6 +327,12 @@ class Run:
         else:
             req.prompt_token_ids = sent.token_ids
         return req
+
+    def _priority(self) -> int:
+        """The engine's order (low numbers run first, and are preempted last): batch work after every tier."""
+        if self.ask.batch:
+            return self.pipeline.settings.batch.engine_priority
+        return -self.limits.tier.priority
 
     async def stream(self) -> AsyncIterator[Piece]:
         """The answer as pieces; the last is Finished. Closing the iterator aborts the request."""
@@ -392,7 +412,7 @@ class Run:
         if self._slot is not None:
             self._slot.release()
         if self._reservation is not None:
-            await self.traffic.quotas.settle(self._reservation, self.used.total_tokens)
+            await self.traffic.quotas.settle(self._reservation, self.charged(self.used.total_tokens))
 
     async def close(self) -> None:
         """Release (if not done yet), meter the tokens used, observe latencies."""
