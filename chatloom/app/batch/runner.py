@@ -28,6 +28,7 @@ from chatloom.app.batch import results
 from chatloom.app.batch.lines import Endpoint, InputError, parse
 from chatloom.app.core.errors import ApiError
 from chatloom.app.state.background import stop_loop
+from chatloom.app.traffic import batch_class
 from chatloom.settings import Settings
 from chatloom.store import Database, User
 from chatloom.store.batches import Batch, BatchLine, Batches
@@ -267,6 +268,8 @@ class BatchRunner:
             try:
                 return results.answered(row.custom_id, rid, 200, await endpoint.run(user, row.body, rid)), True
             except ApiError as exc:
+                if exc.code == batch_class.GAVE_WAY:
+                    continue  # the admission queue lets it in again once interactive traffic leaves room
                 if exc.status in WAIT_AGAIN:
                     await asyncio.sleep(_retry_after(exc))
                     continue

@@ -40,12 +40,11 @@ count at `[batch] quota_discount` (`Run.charged`); metering records the tokens r
 from __future__ import annotations
 
 import asyncio
-import math
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Awaitable, Callable
 
-from chatloom.app.traffic import reasoning
+from chatloom.app.traffic import batch_class, reasoning
 from chatloom.app.traffic.admission import BATCH, INTERACTIVE, REASONING, Slot
 from chatloom.app.core.errors import ApiError
 from chatloom.app.traffic.quotas import QuotaExceeded
@@ -132,6 +131,7 @@ class Run:
         self._released = False
         self._closed = False
         self.continuing = False  # taken over from a gateway that died (see adopt)
+        self.gave_way = False  # a batch run stopped for interactive work (see give_way)
 
     @property
     def traffic(self) -> Traffic:
@@ -265,8 +265,15 @@ class Run:
             raise
         finally:
             self._queued = None
+        if self.ask.batch:
+            self._slot.on_yield = self.give_way
         if self.stopped:
-            raise GenerationStopped
+            raise batch_class.gave_way() if self.gave_way else GenerationStopped
+
+    def give_way(self) -> None:
+        """A batch run's slot is needed for interactive work: stop, end with batch_class.gave_way, charge nothing."""
+        self.gave_way = True
+        self.stop()
 
     def _within_budget(self, prompt_tokens: int) -> None:
         """Lower this round's max_tokens to what the budget has left after its prompt; BudgetSpent when
@@ -280,17 +287,14 @@ class Run:
 
     @property
     def kind(self) -> str:
-        """The admission class: batch work below every interactive tier; reasoning answers have their own
-        share of the slots."""
+        """The admission class: reasoning answers have their own share of the slots; batch is below all."""
         if self.ask.batch:
             return BATCH
         return REASONING if self.limits.effort is not None else INTERACTIVE
 
     def charged(self, tokens: int) -> int:
-        """What `tokens` of this run count against the quota: batch tokens at the configured discount."""
-        if not self.ask.batch:
-            return tokens
-        return math.ceil(tokens * self.pipeline.settings.batch.quota_discount)
+        """What `tokens` of this run count against the quota (batch runs: at the discount)."""
+        return batch_class.charged(tokens, self.pipeline.settings.batch) if self.ask.batch else tokens
 
     def refuse_if_full(self, prompt_tokens: int) -> None:
         """503 at once if the admission queue could not take this run within its timeout."""
@@ -317,7 +321,9 @@ class Run:
         sent, limits = self._prepared[1], self.limits
         req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
                                 top_p=limits.top_p, top_k=self.ask.top_k or 0, seed=self.ask.seed, stop=list(self.ask.stop),
-                                request_id=self.request_id, priority=self._priority(),
+                                request_id=self.request_id,  # low priority numbers run first; batch is last
+                                priority=self.pipeline.settings.batch.engine_priority if self.ask.batch
+                                else -limits.tier.priority,
                                 constraint=self.ask.constraint)
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
@@ -328,12 +334,6 @@ class Run:
             req.prompt_token_ids = sent.token_ids
         return req
 
-    def _priority(self) -> int:
-        """The engine's order (low numbers run first, and are preempted last): batch work after every tier."""
-        if self.ask.batch:
-            return self.pipeline.settings.batch.engine_priority
-        return -self.limits.tier.priority
-
     async def stream(self) -> AsyncIterator[Piece]:
         """The answer as pieces; the last is Finished. Closing the iterator aborts the request."""
         backend = self.pipeline.backend
@@ -342,6 +342,8 @@ class Run:
         tools = self.ask.tools
         calls = ToolCallParser(tools.names()) if tools is not None and tools.active else None
         aborted = False
+        if self.gave_way:
+            raise batch_class.gave_way()
         self._streaming = True
         async with aclosing(backend.stream(self._request())) as deltas:
             async for delta in deltas:
@@ -375,6 +377,8 @@ class Run:
                         if not delta.finished:
                             backend.abort(self.request_id)
                             aborted = True
+                if delta.finished and self.gave_way and delta.finish_reason == "abort":
+                    raise batch_class.gave_way()
                 if delta.finished:
                     self.finish_reason = "content_filter" if guard.verdict else (delta.finish_reason or "stop")
                     if calls is not None and calls.calls and self.finish_reason == "stop":
@@ -412,7 +416,8 @@ class Run:
         if self._slot is not None:
             self._slot.release()
         if self._reservation is not None:
-            await self.traffic.quotas.settle(self._reservation, self.charged(self.used.total_tokens))
+            used = 0 if self.gave_way else self.charged(self.used.total_tokens)
+            await self.traffic.quotas.settle(self._reservation, used)
 
     async def close(self) -> None:
         """Release (if not done yet), meter the tokens used, observe latencies."""
@@ -421,7 +426,7 @@ class Run:
         self._closed = True
         await self.release()
         used = self.used
-        if used.total_tokens:
+        if used.total_tokens and not self.gave_way:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:
             self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage)

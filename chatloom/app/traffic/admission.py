@@ -25,7 +25,10 @@ Batch requests (the Batch API) form a class below every interactive tier: one is
 interactive or reasoning request waits, and batch requests together hold at most `batch_share` of the
 running slots, so an interactive arrival finds a free slot at once. They never time out and are never
 refused for a full queue (work that can wait, waits); their tier's reserved share does not apply to them
-and their admissions do not count in the shares of recent admissions.
+and their admissions do not count in the shares of recent admissions. When an interactive request still
+cannot start (no slot, or no KV room, while batch requests hold some), the newest running batch request
+is asked to give way (`Slot.on_yield`): its run stops and its batch runs it again later; one at a time,
+each once the one before has let its slot go and the engine has had `YIELD_INTERVAL_S` to free its blocks.
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ class QueueFull(QueueTimeout):
 
 MIN_MEASURED_RUNS = 3  # runs measured before the queue refuses early
 _ARRIVING = 2 ** 62  # the seq of a request not yet in the queue: after every waiting one
+YIELD_INTERVAL_S = 0.25  # between two batch requests asked to give way (an abort frees blocks within a step)
 
 
 @dataclass(eq=False)
@@ -93,6 +97,8 @@ class Slot:
         self.released = False
         self.ran = False
         self.started_at = time.monotonic()
+        self.on_yield: Callable[[], None] | None = None  # batch runs: stop now, to be run again later
+        self.yielding = False
 
     def started(self) -> None:
         """The engine has taken the request in: its prompt no longer counts as pending."""
@@ -129,6 +135,8 @@ class AdmissionQueue:
         self._waiting: list[Ticket] = []
         self._running: dict[str, int] = {INTERACTIVE: 0, REASONING: 0, BATCH: 0}
         self._pending_tokens = 0
+        self._batch_slots: list[Slot] = []  # running batch requests, oldest first
+        self._last_yield = -math.inf
         self._recent: deque[str] = deque(maxlen=share_window)  # tier names of the latest admissions
         self._seq = itertools.count()
         self._poller: asyncio.Task | None = None
@@ -280,6 +288,8 @@ class AdmissionQueue:
     def _release(self, slot: Slot) -> None:
         kind = slot.ticket.kind
         self._running[kind] = max(0, self._running[kind] - 1)
+        if kind == BATCH and slot in self._batch_slots:
+            self._batch_slots.remove(slot)
         if self.fleet is not None and kind != BATCH:
             self.fleet.released(kind == REASONING)
         run_s = time.monotonic() - slot.started_at
@@ -334,6 +344,8 @@ class AdmissionQueue:
             if not self.has_room(ticket.prompt_tokens + self._pending_tokens):
                 break
             self._grant(ticket)
+        if self._batch_slots and self.interactive_waiting():
+            self._make_way()
         if self._waiting and self._announcer is None:
             # Positions may have moved; one announcement at a time (keeping a reference so it is not collected).
             self._announcer = asyncio.get_running_loop().create_task(self._announce())
@@ -348,10 +360,24 @@ class AdmissionQueue:
         if self.fleet is not None and ticket.kind != BATCH:
             self.fleet.granted(ticket.tier.name, ticket.kind == REASONING)
         slot = Slot(self, ticket, time.monotonic() - ticket.enqueued)
+        if ticket.kind == BATCH:
+            self._batch_slots.append(slot)
         if ticket.future.done():  # cancelled meanwhile
             slot.release()
         else:
             ticket.future.set_result(slot)
+
+    def _make_way(self) -> None:
+        """An interactive request waits while batch requests run: ask the newest batch request to give way,
+        unless one is already giving way (its slot comes back within an engine step)."""
+        if any(s.yielding for s in self._batch_slots) or time.monotonic() - self._last_yield < YIELD_INTERVAL_S:
+            return
+        for slot in reversed(self._batch_slots):
+            if slot.on_yield is not None:
+                slot.yielding = True
+                self._last_yield = time.monotonic()
+                slot.on_yield()
+                return
 
     async def _announce(self) -> None:
         """Tell each waiter its (1-based) place when it changes."""
