@@ -13,6 +13,8 @@ from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn
 from chatloom.app.api.routes.openai import chat_answer, completion_answer
 from chatloom.app.batch.lines import Endpoint
 from chatloom.app.core.errors import ApiError
+from chatloom.serving import BackendError, BackendNotReady, BadGenerationRequest, UnknownModel
+from chatloom.serving.backend import ModelLoadFailed
 from chatloom.store import User
 
 
@@ -33,8 +35,17 @@ def _check(model: type[BaseModel], convert: Callable[[BaseModel], object]) -> Ca
 def _runner(ctx: AppContext, model: type[BaseModel], answer) -> Callable[[User, dict, str], Awaitable[dict]]:
     async def run(user: User, body: dict, request_id: str) -> dict:
         request = model.model_validate({**body, "stream": False})
-        async with ctx.db.session() as session:
-            response = await answer(ctx, request, user, session, batch=True)
+        try:
+            async with ctx.db.session() as session:
+                response = await answer(ctx, request, user, session, batch=True)
+        except (UnknownModel, BadGenerationRequest) as exc:  # as error_handlers.py answers them over HTTP
+            raise ApiError(404 if isinstance(exc, UnknownModel) else 400, str(exc), exc.code, exc.param) from None
+        except ModelLoadFailed as exc:  # no wait helps: the line fails
+            raise ApiError(502, f"the model backend failed: {exc}", "backend_error") from None
+        except BackendNotReady as exc:  # loading: the runner waits and runs the line again
+            raise ApiError(503, str(exc), "model_not_ready", headers={"Retry-After": "1"}) from None
+        except BackendError as exc:
+            raise ApiError(502, f"the model backend failed: {exc}", "backend_error") from None
         return json.loads(response.body)
     return run
 
