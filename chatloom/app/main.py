@@ -70,7 +70,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"),
     )
 
-    runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive)
+    runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,
+                         user_slots=lambda user: traffic.tier(user).max_concurrent)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -5,7 +5,8 @@ that are free, whose lease lapsed, or whose holder is a dead process (`alive`, a
 judged), claims them (store/batches.py: one conditional UPDATE) and runs each through its statuses:
 
     validating   the input file read into one row per line (lines.py); bad lines failed at once
-    in_progress  pending lines run, `concurrency` at a time, each through its Endpoint in the batch
+    in_progress  pending lines run, `concurrency` at a time (and one fewer than the user's tier may run at
+                 once, leaving them one for interactive use), each through its Endpoint in the batch
                  class; a line's result is written when it ends. 429s (the user's quota, counted at the
                  discount) and 503s wait and run again; other refusals go to the error file
     finalizing   the output and error files written (results.py)
@@ -51,13 +52,15 @@ class LeaseLost(Exception):
 
 class BatchRunner:
     def __init__(self, db: Database, blobs: BlobStore, settings: Settings, endpoints: Mapping[str, Endpoint],
-                 instance: str, alive: Callable[[set[str]], Awaitable[set[str]]]) -> None:
+                 instance: str, alive: Callable[[set[str]], Awaitable[set[str]]],
+                 user_slots: Callable[[User], int] = lambda user: 1_000_000) -> None:
         self.db = db
         self.blobs = blobs
         self.settings = settings.batch
         self.endpoints = endpoints
         self.instance = instance  # this process's id (unique per start)
         self.alive = alive
+        self.user_slots = user_slots  # the most generations a user may run at once (their tier's)
         self._loop_task: asyncio.Task | None = None
         self._running: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
@@ -205,14 +208,17 @@ class BatchRunner:
         endpoint = self.endpoints[batch.endpoint]
         async with self.db.session() as session:
             user = await session.get(User, batch.user_id)
-        if user is None:
-            return  # the account was deleted with its batches
+        if user is None:  # the account is gone (its batches go with it, where foreign keys are enforced)
+            await self._set(batch.id, status="failed", failed_at=now(),
+                            errors=[{"code": "user_not_found", "message": "the batch's account no longer exists"}])
+            return
         queue: asyncio.Queue[BatchLine | None] = asyncio.Queue()
         async with self.db.session() as session:
             for row in await Batches(session).pending_lines(batch.id, limit=None):
                 queue.put_nowait(row)
-        workers = [asyncio.create_task(self._worker(batch, endpoint, user, queue))
-                   for _ in range(min(self.settings.concurrency, max(1, queue.qsize())))]
+        # One of the user's concurrent generations stays free for their interactive requests.
+        width = min(self.settings.concurrency, max(1, self.user_slots(user) - 1), max(1, queue.qsize()))
+        workers = [asyncio.create_task(self._worker(batch, endpoint, user, queue)) for _ in range(width)]
         watch = asyncio.create_task(self._watch(batch))
         try:
             done, _ = await asyncio.wait({watch, *workers}, return_when=asyncio.FIRST_COMPLETED)

@@ -217,6 +217,8 @@ class Run:
         first = tokens + self.max_tokens
         tier = self.limits.tier
         budget = max(first, min(first * (1 + 2 * max(0, extra_rounds)), tier.tokens_per_minute))
+        if self.ask.batch:
+            batch_class.check_size(self.charged(budget), tier, self.ask.param)
         reservation = None
         if summaries:
             try:  # straight to the store: a miss here is no refusal (no 429 counted)

@@ -17,7 +17,7 @@ from chatloom.store.batches import Batches
 
 from app_testing import make_settings, merge_groups, signup
 from backing_services import create_database, drop_database, require_postgres, require_redis
-from traffic_testing import ScriptedBackend
+from traffic_testing import ScriptedBackend, write_tiers
 
 WORDS = [f" w{i}" for i in range(20)]
 
@@ -124,3 +124,24 @@ async def test_a_batch_goes_on_on_another_gateway(tmp_path, pg_url, how, monkeyp
         assert batch["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
         # Each line ran once, but for the one running when the first gateway stopped.
         assert 12 <= len(backend.requests) <= 13
+
+
+async def test_a_line_the_quota_could_never_take_fails_instead_of_waiting(tmp_path):
+    tiers = write_tiers(tmp_path, free={"tokens_per_minute": 200})
+    settings = make_settings(tmp_path, traffic={"tiers_file": tiers}, batch={"quota_discount": 0.5})
+    app = create_app(settings, ScriptedBackend(WORDS[:3]))
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        alice = await signup(client, "alice")
+        data = "\n".join([line(0).replace('"max_tokens": 100', '"max_tokens": 400'),  # (5 + 400) / 2 > 200
+                          line(1).replace('"max_tokens": 100', '"max_tokens": 300')]).encode()  # (5 + 300) / 2 fits
+        r = await client.post("/v1/files", headers=alice, files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+        r = await client.post("/v1/batches", headers=alice, json={"input_file_id": r.json()["id"],
+                                                                  "endpoint": "/v1/chat/completions",
+                                                                  "completion_window": "24h"})
+        batch = await wait_batch(client, alice, r.json()["id"], lambda b: b["status"] == "completed")
+        assert batch["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+        r = await client.get(f"/v1/files/{batch['error_file_id']}/content", headers=alice)
+        refused = json.loads(r.text)
+        assert refused["custom_id"] == "r0" and refused["response"]["status_code"] == 400
+        assert refused["response"]["body"]["error"]["code"] == "request_too_large"
