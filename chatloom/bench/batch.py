@@ -162,10 +162,12 @@ def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8
         backend = LocalBackend(loaded, engine_config=engine_config)
         asyncio.run(backend.start())
         try:
-            app = create_app(Settings(**groups), backend)
-            with LoopbackServer(app) as server:
-                return asyncio.run(_run(server.url, backend.default_model, requests, users, turns, max_tokens,
-                                        batch_max_tokens, think_s, seed))
+            chosen = Settings(**groups)
+            with LoopbackServer(create_app(chosen, backend)) as server:
+                result = asyncio.run(_run(server.url, backend.default_model, requests, users, turns, max_tokens,
+                                          batch_max_tokens, think_s, seed))
+            return {**result, "batch_settings": chosen.batch.model_dump(),
+                    "max_num_seqs": chosen.traffic.admission_max_running or chosen.engine.max_num_seqs}
         finally:
             asyncio.run(backend.close())
 

@@ -142,6 +142,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--think-s", type=float, default=0.5, help="pause between a user's turns (default 0.5 s)")
     p.add_argument("--max-num-seqs", type=positive_int, default=32, help="engine sequences per step (default 32)")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV-cache blocks (default: the engine's)")
+    p.add_argument("--busy-slots", type=positive_int, default=None,
+                   help="the batch.busy_slots setting (default: the settings')")
     p.set_defaults(func=runs.batch)
 
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")

@@ -187,6 +187,10 @@ class BatchSettings(Group):
                                                                "against the user's quota (1: full price).")
     slot_share: float = Field(0.5, gt=0, le=1, description="Most of the admission slots batch requests may hold "
                                                            "(the rest stay free for interactive arrivals).")
+    busy_slots: int | None = Field(None, ge=1, description="Most slots batch requests may hold while interactive "
+                                                          "requests run or wait (none: slot_share alone). On an "
+                                                          "engine whose step time grows with the batch (a CPU), a "
+                                                          "low number keeps interactive latency.")
     concurrency: int = Field(8, ge=1, description="Requests of one batch a gateway runs at once.")
     lease_s: float = Field(15.0, gt=0, description="A batch whose gateway stopped renewing its lease this long "
                                                    "ago is continued by another gateway.")

@@ -23,7 +23,8 @@ generations and admissions to both shares.
 
 Batch requests (the Batch API) form a class below every interactive tier: one is admitted only while no
 interactive or reasoning request waits, and batch requests together hold at most `batch_share` of the
-running slots, so an interactive arrival finds a free slot at once. They never time out and are never
+running slots (at most `batch_busy_slots` while interactive requests run or wait), so an interactive
+arrival finds a free slot at once. They never time out and are never
 refused for a full queue (work that can wait, waits); their tier's reserved share does not apply to them
 and their admissions do not count in the shares of recent admissions. When an interactive request still
 cannot start (no slot, or no KV room, while batch requests hold some), the newest running batch request
@@ -124,12 +125,14 @@ class Slot:
 class AdmissionQueue:
     def __init__(self, has_room: Callable[[int], bool], max_running: int, max_wait_s: float = 30.0,
                  reasoning_share: float = 0.5, share_window: int = 20, poll_s: float = 0.02,
-                 on_wait: Callable[[Ticket, float, bool], None] | None = None, batch_share: float = 0.5) -> None:
+                 on_wait: Callable[[Ticket, float, bool], None] | None = None, batch_share: float = 0.5,
+                 batch_busy_slots: int | None = None) -> None:
         self.has_room = has_room
         self.max_running = max(1, max_running)
         self.max_wait_s = max_wait_s
         self.reasoning_share = reasoning_share
         self.batch_share = batch_share
+        self.batch_busy_slots = batch_busy_slots
         self.poll_s = poll_s
         self.on_wait = on_wait  # metrics: (ticket, seconds waited, admitted?)
         self._waiting: list[Ticket] = []
@@ -162,8 +165,11 @@ class AdmissionQueue:
         return max(1, math.floor(total * self.reasoning_share))
 
     def batch_slots(self) -> int:
-        """Running slots batch requests may hold (always leaving one for interactive arrivals)."""
-        return max(1, min(self.max_running - 1, math.floor(self.max_running * self.batch_share)))
+        """Running slots batch requests may hold (always leaving one for interactive arrivals; at most
+        `batch_busy_slots` while interactive requests run or wait)."""
+        slots = max(1, min(self.max_running - 1, math.floor(self.max_running * self.batch_share)))
+        busy = self._running[INTERACTIVE] + self._running[REASONING] > 0 or self.interactive_waiting()
+        return min(slots, self.batch_busy_slots) if busy and self.batch_busy_slots else slots
 
     def interactive_waiting(self) -> bool:
         return any(t.kind != BATCH for t in self._waiting)

@@ -62,3 +62,18 @@ async def test_a_running_batch_request_gives_way_to_a_waiting_interactive_one():
     assert asked == ["newer"]
     slot.release()
     older.release()
+
+
+async def test_busy_slots_cap_batch_while_interactive_requests_run():
+    q = AdmissionQueue(lambda tokens: True, max_running=8, max_wait_s=5, batch_share=0.5, batch_busy_slots=1)
+    assert q.batch_slots() == 4  # nothing interactive: the share
+    chat = await q.admit(FREE, 1)
+    assert q.batch_slots() == 1
+    first = await q.admit(PRO, 1, BATCH)
+    second = asyncio.create_task(q.admit(PRO, 1, BATCH))
+    await asyncio.sleep(0.05)
+    assert not second.done()
+    chat.release()  # the interactive request ended: the batch may use its share again
+    more = await asyncio.wait_for(second, 1)
+    for slot in (first, more):
+        slot.release()
