@@ -233,8 +233,9 @@ class BatchRunner:
             for task in (watch, *workers):
                 task.cancel()
             await asyncio.gather(watch, *workers, return_exceptions=True)
-        if (await self._load(batch.id)).status == "in_progress":
-            if batch.expires_at is not None and now() >= _aware(batch.expires_at):
+        current = await self._load(batch.id)
+        if current is not None and current.status == "in_progress":
+            if current.expires_at is not None and now() >= _aware(current.expires_at):
                 await self._expire(batch)
             else:
                 await self._set(batch.id, status="finalizing", finalizing_at=now())

@@ -8,12 +8,14 @@ import json
 import time
 import uuid
 from contextlib import AsyncExitStack
+from datetime import datetime, timedelta, timezone
 
 import httpx
 import pytest
 
 from chatloom.app.main import create_app
-from chatloom.store.batches import Batches
+from chatloom.store.batches import Batch, Batches
+from sqlalchemy import update
 
 from app_testing import make_settings, merge_groups, signup
 from backing_services import create_database, drop_database, require_postgres, require_redis
@@ -52,7 +54,7 @@ async def wait_batch(client, headers, batch_id, done, timeout: float = 30) -> di
         batch = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
         if done(batch):
             return batch
-        assert time.monotonic() < deadline, batch
+        assert time.monotonic() < deadline, (batch["status"], batch["request_counts"])
         await asyncio.sleep(0.02)
 
 
@@ -145,3 +147,25 @@ async def test_a_line_the_quota_could_never_take_fails_instead_of_waiting(tmp_pa
         refused = json.loads(r.text)
         assert refused["custom_id"] == "r0" and refused["response"]["status_code"] == 400
         assert refused["response"]["body"]["error"]["code"] == "request_too_large"
+
+
+async def test_lines_left_when_the_window_ends_go_to_the_error_file(tmp_path):
+    settings = make_settings(tmp_path, batch={"concurrency": 1, "poll_s": 0.05}, sampling={"max_tokens": 100})
+    app = create_app(settings, ScriptedBackend(WORDS, delay_s=0.01))
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        alice = await signup(client, "alice")
+        batch_id = await start_batch(client, alice, 20)
+        await wait_batch(client, alice, batch_id, lambda b: b["request_counts"]["completed"] >= 1)
+        async with app.state.ctx.db.session() as session:  # the 24 hours are up
+            await session.execute(update(Batch).where(Batch.id == batch_id)
+                                  .values(expires_at=datetime.now(timezone.utc) - timedelta(seconds=1)))
+            await session.commit()
+        batch = await wait_batch(client, alice, batch_id, lambda b: b["status"] == "expired")
+        counts = batch["request_counts"]
+        assert counts["total"] == 20 and counts["completed"] + counts["failed"] == 20 and counts["failed"] >= 1
+        assert batch["expired_at"] and batch["output_file_id"]
+        r = await client.get(f"/v1/files/{batch['error_file_id']}/content", headers=alice)
+        left = [json.loads(x) for x in r.text.splitlines()]
+        assert {e["error"]["code"] for e in left} == {"batch_expired"} and len(left) == counts["failed"]
+        assert [e["error"]["line"] for e in left] == sorted(e["error"]["line"] for e in left)
