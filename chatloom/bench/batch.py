@@ -10,6 +10,10 @@ limits raised so quotas do not pace the work). Three phases, in this order, on t
 3. together: the same batch again while the same users chat for as long as it runs: their TTFT, and the
    batch's output tokens per second.
 
+With `rounds` > 1 the requests are split into that many batches and the three phases repeat once per
+batch, so that the baseline phases are measured in the same minutes as the phase they are compared with
+(on a shared machine the load moves from one minute to the next); the figures are over all rounds.
+
 The capacity interactive traffic leaves idle is (2) minus what (1) used. Targets (from the issue): TTFT p90
 in (3) at most 1.15 x (1), and the batch's throughput in (3) at least 70 % of the idle capacity.
 """
@@ -109,8 +113,25 @@ def _tiers_file(folder: Path) -> str:
     return str(path)
 
 
-async def _run(url: str, model: str, requests: int, users: int, turns: int, max_tokens: int, batch_max_tokens: int,
-               think_s: float, seed: int) -> dict:
+def _add(total: Interactive, part: Interactive) -> None:
+    total.ttfts += part.ttfts
+    total.output_tokens += part.output_tokens
+    total.requests += part.requests
+    total.failed += part.failed
+    total.seconds += part.seconds
+
+
+def _merge(parts: list[dict]) -> dict:
+    """The batches of every round as one: counts and tokens added, throughput over their time together."""
+    merged = {"status": "completed" if all(p["status"] == "completed" for p in parts) else "incomplete"}
+    for key in ("completed", "failed", "output_tokens", "seconds"):
+        merged[key] = round(sum(p[key] for p in parts), 3)
+    merged["output_tokens_per_s"] = round(merged["output_tokens"] / merged["seconds"], 3)
+    return merged
+
+
+async def _run(url: str, model: str, requests: int, rounds: int, users: int, turns: int, max_tokens: int,
+               batch_max_tokens: int, think_s: float, seed: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         accounts = []
         for i in range(users + 1):
@@ -122,17 +143,23 @@ async def _run(url: str, model: str, requests: int, users: int, turns: int, max_
         await _users(client, chatters[:1], model, max_tokens, 0.0, lambda turn: turn < 1)
         await _batch(client, owner, model, 2, batch_max_tokens, seed + 1)
 
-        alone = await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns)
-        batch_alone = await _batch(client, owner, model, requests, batch_max_tokens, seed + 2)
-        running = asyncio.create_task(_batch(client, owner, model, requests, batch_max_tokens, seed + 3))
-        together = await _users(client, chatters, model, max_tokens, think_s,
-                                lambda turn: turn < turns or not running.done())
-        batch_together = await running
+        alone, together = Interactive(), Interactive()
+        batch_alone, batch_together = [], []
+        for r in range(rounds):  # the phases alternate, so each sees the machine's load of the same minutes
+            share = requests // rounds + (1 if r < requests % rounds else 0)
+            _add(alone, await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns))
+            batch_alone.append(await _batch(client, owner, model, share, batch_max_tokens, seed + 2 + 2 * r))
+            running = asyncio.create_task(_batch(client, owner, model, share, batch_max_tokens, seed + 3 + 2 * r))
+            _add(together, await _users(client, chatters, model, max_tokens, think_s,
+                                        lambda turn: turn < turns or not running.done()))
+            batch_together.append(await running)
+    batch_alone, batch_together = _merge(batch_alone), _merge(batch_together)
     idle = batch_alone["output_tokens_per_s"] - (alone.output_tokens / alone.seconds)
     p90_alone, p90_together = alone.summary()["ttft_ms"]["p90"], together.summary()["ttft_ms"]["p90"]
     ratio = round(p90_together / p90_alone, 3) if p90_alone and p90_together else None
     share = round(batch_together["output_tokens_per_s"] / idle, 3) if idle > 0 else None
-    return {"model": model, "requests": requests, "users": users, "turns": turns, "max_tokens": max_tokens,
+    return {"model": model, "requests": requests, "rounds": rounds, "users": users, "turns": turns,
+            "max_tokens": max_tokens,
             "batch_max_tokens": batch_max_tokens, "think_s": think_s,
             "interactive_alone": alone.summary(), "batch_alone": batch_alone,
             "together": {"interactive": together.summary(), "batch": batch_together},
@@ -144,7 +171,7 @@ async def _run(url: str, model: str, requests: int, users: int, turns: int, max_
 
 def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8, max_tokens: int = 32,
                     batch_max_tokens: int = 32, think_s: float = 0.5, seed: int = 0, engine_config=None,
-                    settings: dict | None = None) -> dict:
+                    settings: dict | None = None, rounds: int = 1) -> dict:
     """The three phases on `loaded` (a LoadedModel); `settings`: groups of the settings tree to change."""
     from chatloom.app.main import create_app
     from chatloom.bench.latency import LoopbackServer
@@ -164,8 +191,8 @@ def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8
         try:
             chosen = Settings(**groups)
             with LoopbackServer(create_app(chosen, backend)) as server:
-                result = asyncio.run(_run(server.url, backend.default_model, requests, users, turns, max_tokens,
-                                          batch_max_tokens, think_s, seed))
+                result = asyncio.run(_run(server.url, backend.default_model, requests, rounds, users, turns,
+                                          max_tokens, batch_max_tokens, think_s, seed))
             return {**result, "batch_settings": chosen.batch.model_dump(),
                     "max_num_seqs": chosen.traffic.admission_max_running or chosen.engine.max_num_seqs}
         finally:

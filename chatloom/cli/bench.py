@@ -136,6 +136,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(p)
     p.add_argument("--requests", type=positive_int, default=1000, help="requests in the batch (default 1000)")
     p.add_argument("--users", type=positive_int, default=4, help="interactive users chatting (default 4)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="split the requests into this many batches, "
+                   "the phases alternating once per batch (default 1: one batch)")
     p.add_argument("--turns", type=positive_int, default=8, help="turns per user in the interactive-alone phase")
     p.add_argument("--max-tokens", type=positive_int, default=32, help="interactive answers' max_tokens")
     p.add_argument("--batch-max-tokens", type=positive_int, default=32, help="batch answers' max_tokens")

@@ -153,7 +153,8 @@ def batch(args) -> int:
                           **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
     result = run_batch_bench(load_from_args(args), args.requests, args.users, args.turns, args.max_tokens,
                              args.batch_max_tokens, args.think_s, args.seed, config,
-                             settings={"batch": {"busy_slots": args.busy_slots}} if args.busy_slots else None)
+                             settings={"batch": {"busy_slots": args.busy_slots}} if args.busy_slots else None,
+                             rounds=args.rounds)
     print(json.dumps(result, indent=2))
     if args.table:
         print(format_table(result), file=sys.stderr)
