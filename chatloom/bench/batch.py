@@ -209,7 +209,8 @@ def format_table(result: dict) -> str:
              result["together"]["batch"]["output_tokens_per_s"]),
             ("batch seconds", "", result["batch_alone"]["seconds"], result["together"]["batch"]["seconds"])]
     lines = [f"{a:<28}{b!s:>20}{c!s:>16}{d!s:>16}" for a, b, c, d in rows]
-    lines.append(f"idle capacity {result['idle_capacity_tokens_per_s']} tok/s; TTFT p90 ratio {result['ttft_p90_ratio']} "
+    lines.append(f"idle capacity {result['idle_capacity_tokens_per_s']} tok/s; "
+                 f"TTFT p90 ratio {result['ttft_p90_ratio']} "
                  f"(target <= {TTFT_RATIO_MAX}); batch share of idle {result['batch_share_of_idle']} "
                  f"(target >= {IDLE_SHARE_MIN}); targets met: {result['targets']['met']}")
     return "\n".join(lines)

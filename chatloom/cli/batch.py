@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run every request of a batch JSONL file on the local engine, with a progress bar")
     p.add_argument("input", metavar="INPUT.jsonl", help="OpenAI batch input: one {custom_id, method, url, body} a line")
     p.add_argument("-o", "--output", required=True, metavar="OUTPUT.jsonl", help="where the output file goes")
-    p.add_argument("--errors", metavar="FILE", help="where the error file goes (default: OUTPUT's stem + .errors.jsonl)")
+    p.add_argument("--errors", metavar="FILE",
+                   help="where the error file goes (default: OUTPUT's stem + .errors.jsonl)")
     p.add_argument("--endpoint", help="the endpoint every line targets (default: the url of the first line)")
     p.add_argument("--config", metavar="FILE", help="TOML file of settings (see the configuration reference)")
     p.add_argument("--model", help="model to load (default: the settings' model.name)")
@@ -73,7 +74,8 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
              "engine.kv_cache_dtype": getattr(args, "kv_cache_dtype", None)}
     settings = load_settings(args.config, flags=flags)
     with tempfile.TemporaryDirectory(prefix="chatloom-batch-") as work:
-        settings = settings.with_values({"server.data_dir": work, "server.db_url": f"sqlite+aiosqlite:///{work}/batch.db"})
+        settings = settings.with_values({"server.data_dir": work,
+                                         "server.db_url": f"sqlite+aiosqlite:///{work}/batch.db"})
         settings.shared_state.redis_url = None  # alone: nothing to share with other gateways
         summary = asyncio.run(run_file(settings, source, endpoint, output, errors, not args.no_progress))
     print(summary, file=sys.stderr)
@@ -101,7 +103,8 @@ async def run_file(settings, source: Path, endpoint: str, output: Path, errors: 
         async with ctx.db.session() as session:
             try:
                 with open(source, "rb") as f:
-                    stored = await StoredFiles(session, ctx.blobs).save(user.id, source.name, "batch", f, max_bytes=limit)
+                    stored = await StoredFiles(session, ctx.blobs).save(user.id, source.name, "batch", f,
+                                                                        max_bytes=limit)
             except BlobTooLarge:
                 raise ValueError(f"{source} is larger than the batch file limit of {limit} bytes "
                                  "(setting files.max_bytes)") from None

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from chatloom.store.batches import Batch
 from chatloom.store.models import StoredFile
 
-COMPLETION_WINDOWS = ("24h",)
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 
 
 def _ts(when: datetime | None) -> int | None:
@@ -55,23 +56,9 @@ class BatchIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_file_id: str = Field(min_length=1, max_length=40)
     endpoint: str = Field(min_length=1, max_length=64)
-    completion_window: str = Field(description="only '24h'")
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
-
-    @field_validator("completion_window")
-    @classmethod
-    def _window(cls, v: str) -> str:
-        if v not in COMPLETION_WINDOWS:
-            raise ValueError(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}")
-        return v
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        for key, value in (v or {}).items():
-            if len(key) > 64 or len(value) > 512:
-                raise ValueError("metadata keys are at most 64 characters, values at most 512")
-        return v
+    completion_window: Literal["24h"]
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16,
+                                                             description="up to 16 pairs of strings")
 
 
 class RequestCounts(BaseModel):

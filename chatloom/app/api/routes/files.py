@@ -84,7 +84,8 @@ async def file_content(file_id: str, ctx: Ctx, user: CurrentUser, session: Sessi
         ctx.blobs.open(row.blob_key).close()  # a missing blob is a 404 now, not a broken stream later
     except BlobNotFound:
         raise not_found("file content") from None
-    return StreamingResponse(ctx.blobs.iter_chunks(row.blob_key), media_type=row.content_type or "application/octet-stream",
+    return StreamingResponse(ctx.blobs.iter_chunks(row.blob_key),
+                             media_type=row.content_type or "application/octet-stream",
                              headers={"Content-Length": str(row.bytes),
                                       "Content-Disposition": f'attachment; filename="{_safe(row.filename)}"'})
 
