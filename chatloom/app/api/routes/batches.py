@@ -33,7 +33,7 @@ def _batch_not_found(batch_id: str) -> ApiError:
     return ApiError(404, f"no batch with id {batch_id!r}", "batch_not_found", "batch_id")
 
 
-@router.post("/batches", response_model=BatchOut, responses=errors(400, 401, 404, 422))
+@router.post("/batches", response_model=BatchOut, responses=errors(400, 401, 404))
 async def create_batch(body: BatchIn, request: Request, ctx: Ctx, user: CurrentUser, session: SessionDep) -> BatchOut:
     """Run every request of a `batch` file against `endpoint`, in capacity interactive traffic leaves idle."""
     runner = _runner(request)
