@@ -20,9 +20,12 @@ from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, 
 from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
+from chatloom.app.api.batch_endpoints import batch_endpoints
 from chatloom.app.api.routes import admin, anthropic, auth, conversations, health, moderations, openai, recovery
 from chatloom.app.api.routes import responses, usage, web
 from chatloom.app.api.routes import mcp_servers, tool_files
+from chatloom.app.api.routes import batches, files
+from chatloom.app.batch.runner import BatchRunner
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
@@ -79,10 +82,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         blobs=blobs,
     )
 
+    runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,
+                         user_slots=lambda user: traffic.tier(user).max_concurrent)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await db.migrate()
         await start_hot_state(hot, ctx.conversations, db, traffic.admission.max_running)
+        await runner.start()  # batches: this gateway's, and those whose gateway stopped
         # Answers left running by a dead process: alone, the sweeper marks them interrupted now, before the
         # first request; with shared state (Redis) their job leases lapse and another gateway takes them
         # over and continues them, and the sweeper marks those no lease covers once their writer is dead.
@@ -98,6 +105,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
                 scaling.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await scaling
+            await runner.close()  # running batch lines stop; their batches go on elsewhere or at the next start
             await sweeper.stop()
             if hot.shared:
                 # SIGTERM: running answers get shutdown_grace_s to finish, then go to other gateways.
@@ -120,12 +128,16 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     app = FastAPI(title="chatloom", version="0.1.0", lifespan=lifespan, responses=openapi_responses.EDGE)
     openapi_responses.install(app)
     app.state.ctx = ctx
+    app.state.batch_runner = runner
     install_error_handlers(app)
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
-    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes)  # outermost: before any parsing
+    # Uploads stream to disk in their route, which checks each purpose's limit; the edge only refuses a body
+    # declared larger than the largest (plus room for the multipart framing).
+    uploads = {"/v1/files": max(settings.files.max_bytes.values()) + 65_536}
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes, uploads=uploads)  # outermost
     routes = (health, auth, conversations, tool_files, mcp_servers, recovery, usage, admin,
-              openai, responses, anthropic, moderations,
+              openai, responses, anthropic, moderations, files, batches,
               web)  # last: its catch-all serves the browser app
     for module in routes:
         app.include_router(module.router)

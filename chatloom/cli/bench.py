@@ -131,6 +131,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive_int, default=2, help="rounds of free and masked, interleaved")
     p.set_defaults(func=runs.structured)
 
+    p = sub.add_parser("batch", help="a Batch API batch beside interactive users: their TTFT p90 with and without "
+                                      "it, the batch's share of the idle capacity")
+    _common(p)
+    p.add_argument("--requests", type=positive_int, default=1000, help="requests in the batch (default 1000)")
+    p.add_argument("--users", type=positive_int, default=4, help="interactive users chatting (default 4)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="split the requests into this many batches, "
+                   "the phases alternating once per batch (default 1: one batch)")
+    p.add_argument("--turns", type=positive_int, default=8, help="turns per user in the interactive-alone phase")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="interactive answers' max_tokens")
+    p.add_argument("--batch-max-tokens", type=positive_int, default=32, help="batch answers' max_tokens")
+    p.add_argument("--think-s", type=float, default=0.5, help="pause between a user's turns (default 0.5 s)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=32, help="engine sequences per step (default 32)")
+    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV-cache blocks (default: the engine's)")
+    p.add_argument("--busy-slots", type=positive_int, default=None,
+                   help="the batch.busy_slots setting (default: the settings')")
+    p.set_defaults(func=runs.batch)
+
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model id to request")

@@ -145,6 +145,22 @@ def latency(args) -> int:
     return 0
 
 
+def batch(args) -> int:
+    from chatloom.bench.batch import format_table, run_batch_bench
+    from chatloom.engine import EngineConfig
+
+    config = EngineConfig(max_num_seqs=args.max_num_seqs,
+                          **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
+    result = run_batch_bench(load_from_args(args), args.requests, args.users, args.turns, args.max_tokens,
+                             args.batch_max_tokens, args.think_s, args.seed, config,
+                             settings={"batch": {"busy_slots": args.busy_slots}} if args.busy_slots else None,
+                             rounds=args.rounds)
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
+
+
 def serve(args) -> int:
     import asyncio
     import os

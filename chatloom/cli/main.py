@@ -201,6 +201,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from chatloom.cli import serve as serve_cli
     from chatloom.cli import bench as bench_cli
+    from chatloom.cli import batch as batch_cli
     from chatloom.cli import sim as sim_cli
     from chatloom.cli import autoscale_sim
     from chatloom.cli import replica as replica_cli
@@ -248,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.register(sub)
     replica_cli.register(sub)
     bench_cli.register(sub)
+    batch_cli.register(sub)
     sim_cli.register(sub)
     autoscale_sim.register(sub)
     return parser

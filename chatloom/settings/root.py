@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                InitSettingsSource)
 
-from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
+from chatloom.settings.tree import (AccountSettings, BatchSettings, ChatSettings, EngineSettings, FileSettings,
+                                    FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
                                     ServerSettings, SharedStateSettings, ToolsSettings, TrafficSettings,
                                     DegradeSettings, AutoscaleSettings)
@@ -45,6 +46,8 @@ class Settings(BaseSettings):
     autoscale: AutoscaleSettings = Field(default_factory=AutoscaleSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    files: FileSettings = Field(default_factory=FileSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)

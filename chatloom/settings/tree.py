@@ -313,6 +313,46 @@ class FleetSettings(Group):
                                                                       "waiting, min_prefix_fraction.")
 
 
+class FileSettings(Group):
+    """Uploaded files (/v1/files): how large each purpose may be."""
+
+    max_bytes: dict[str, int] = Field(
+        {"batch": 100_000_000, "default": 25_000_000},
+        description="Largest upload per purpose, in bytes ('default' for the purposes not named); larger is a "
+                    "413 and nothing is stored.")
+
+    @model_validator(mode="after")
+    def _positive(self) -> "FileSettings":
+        if "default" not in self.max_bytes:
+            raise ValueError("max_bytes needs a 'default' entry")
+        if any(v <= 0 for v in self.max_bytes.values()):
+            raise ValueError("max_bytes values must be positive")
+        return self
+
+    def limit(self, purpose: str) -> int:
+        return self.max_bytes.get(purpose, self.max_bytes["default"])
+
+
+class BatchSettings(Group):
+    """The Batch API: work that can wait, run in capacity interactive traffic leaves idle."""
+
+    quota_discount: float = Field(0.5, ge=0, le=1, description="Fraction of a batch request's tokens that counts "
+                                                               "against the user's quota (1: full price).")
+    slot_share: float = Field(0.5, gt=0, le=1, description="Most of the admission slots batch requests may hold "
+                                                           "(the rest stay free for interactive arrivals).")
+    busy_slots: int | None = Field(None, ge=1, description="Most slots batch requests may hold while interactive "
+                                                          "requests run or wait (none: slot_share alone). On an "
+                                                          "engine whose step time grows with the batch (a CPU), a "
+                                                          "low number keeps interactive latency.")
+    concurrency: int = Field(8, ge=1, description="Requests of one batch a gateway runs at once.")
+    lease_s: float = Field(15.0, gt=0, description="A batch whose gateway stopped renewing its lease this long "
+                                                   "ago is continued by another gateway.")
+    poll_s: float = Field(1.0, gt=0, description="How often a gateway looks for batches to run or take over.")
+    engine_priority: int = Field(1000, description="Engine priority of batch requests (lower runs first; "
+                                                   "interactive requests use minus their tier's priority), so the "
+                                                   "engine preempts batch sequences first when KV blocks run out.")
+
+
 class RecoverySettings(Group):
     """Crash recovery and shutdown."""
 

@@ -190,3 +190,8 @@ class StoredFile(Base):
     status_details: Mapped[str | None] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# Tables defined in modules of their own, imported here so that Base.metadata (and the migrations check)
+# sees them.
+from chatloom.store import batches as _batches  # noqa: E402,F401

@@ -115,11 +115,16 @@ async def off_loop(fn: Callable[..., T], *args: Any, size: int) -> T:
 
 class EdgeGuard:
     """ASGI middleware: the body size limit and the text check, before any route runs.
-    (Pure ASGI, so streamed answers pass through unbuffered.)"""
+    (Pure ASGI, so streamed answers pass through unbuffered.)
 
-    def __init__(self, app, max_body_bytes: int = 1_000_000) -> None:
+    `uploads` maps the paths that take file uploads (multipart) to their own, larger limit: their bodies
+    are not read here (the route streams them to disk and checks its own limits), only a declared
+    Content-Length over that limit is refused."""
+
+    def __init__(self, app, max_body_bytes: int = 1_000_000, uploads: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.uploads = uploads or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -134,10 +139,16 @@ class EdgeGuard:
                 declared = int(length)
             except ValueError:
                 return await _reply(scope, send, 400, "Content-Length is not a number", "header", "invalid_header")
-            if declared > self.max_body_bytes:
+            upload_limit = self.uploads.get(scope.get("path", "")) if scope.get("method") == "POST" else None
+            if upload_limit is not None and declared > upload_limit:
+                return await _reply(scope, send, 413, f"the request body is {declared} bytes; at most "
+                                    f"{upload_limit} are accepted here", None, "request_too_large")
+            if upload_limit is None and declared > self.max_body_bytes:
                 return await _reply(scope, send, 413, *self._too_large(declared))
         elif b"transfer-encoding" not in headers:
             return await self.app(scope, receive, send)  # no body at all
+        if scope.get("method") == "POST" and scope.get("path", "") in self.uploads:
+            return await self.app(scope, receive, send)  # an upload: the route streams it to disk
 
         # Read the body (bounded), check it, then hand it to the route as if it came from the client.
         chunks, size = [], 0

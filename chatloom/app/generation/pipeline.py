@@ -34,6 +34,8 @@ After that, admit() and resume() fit each round into what is left of the budget 
 max_tokens) instead of asking for more; a later round that no longer fits raises `BudgetSpent` and
 the answer ends as 'length'. Summaries have an allowance of their own (summary_admission.py).
 close() settles the reservation down to the tokens really used. docs/quotas.md states the rule.
+A batch ask (`Ask.batch`) runs in the admission queue's batch class and its tokens, reserved and settled,
+count at `[batch] quota_discount` (`Run.charged`); metering records the tokens really used.
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Awaitable, Callable
 
-from chatloom.app.traffic import reasoning
-from chatloom.app.traffic.admission import INTERACTIVE, REASONING, Slot
+from chatloom.app.traffic import batch_class, reasoning
+from chatloom.app.traffic.admission import BATCH, INTERACTIVE, REASONING, Slot
 from chatloom.app.core.errors import ApiError
 from chatloom.app.traffic.quotas import QuotaExceeded
 from chatloom.settings import Settings
@@ -130,6 +132,7 @@ class Run:
         self._released = False
         self._closed = False
         self.continuing = False  # taken over from a gateway that died (see adopt)
+        self.gave_way = False  # a batch run stopped for interactive work (see give_way)
 
     @property
     def traffic(self) -> Traffic:
@@ -215,14 +218,17 @@ class Run:
         first = tokens + self.max_tokens
         tier = self.limits.tier
         budget = max(first, min(first * (1 + 2 * max(0, extra_rounds)), tier.tokens_per_minute))
+        if self.ask.batch:
+            batch_class.check_size(self.charged(budget), tier, self.ask.param)
         reservation = None
         if summaries:
             try:  # straight to the store: a miss here is no refusal (no 429 counted)
-                reservation = await self.traffic.quotas.reserve(self.ask.user.id, tier, budget + summaries)
+                reservation = await self.traffic.quotas.reserve(self.ask.user.id, tier,
+                                                                self.charged(budget + summaries))
             except QuotaExceeded:
                 summaries = 0
         if reservation is None:
-            reservation = await self.traffic.reserve(self.ask.user, tier, budget)
+            reservation = await self.traffic.reserve(self.ask.user, tier, self.charged(budget))
         if not self.continuing:  # a taken-over run was admitted on its first gateway
             try:
                 self.refuse_if_full(tokens)
@@ -239,7 +245,8 @@ class Run:
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
         if self._reservation is None:
-            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, tokens + self.max_tokens)
+            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier,
+                                                           self.charged(tokens + self.max_tokens))
             self.budget = tokens + self.max_tokens
         elif not self.continuing:  # a continued answer's tokens were reserved when it began
             self._within_budget(tokens)
@@ -261,8 +268,15 @@ class Run:
             raise
         finally:
             self._queued = None
+        if self.ask.batch:
+            self._slot.on_yield = self.give_way
         if self.stopped:
-            raise GenerationStopped
+            raise batch_class.gave_way() if self.gave_way else GenerationStopped
+
+    def give_way(self) -> None:
+        """A batch run's slot is needed for interactive work: stop, end with batch_class.gave_way, charge nothing."""
+        self.gave_way = True
+        self.stop()
 
     def _within_budget(self, prompt_tokens: int) -> None:
         """Lower this round's max_tokens to what the budget has left after its prompt; BudgetSpent when
@@ -276,8 +290,14 @@ class Run:
 
     @property
     def kind(self) -> str:
-        """The admission class: reasoning answers have their own share of the slots."""
+        """The admission class: reasoning answers have their own share of the slots; batch is below all."""
+        if self.ask.batch:
+            return BATCH
         return REASONING if self.limits.effort is not None else INTERACTIVE
+
+    def charged(self, tokens: int) -> int:
+        """What `tokens` of this run count against the quota (batch runs: at the discount)."""
+        return batch_class.charged(tokens, self.pipeline.settings.batch) if self.ask.batch else tokens
 
     def refuse_if_full(self, prompt_tokens: int) -> None:
         """503 at once if the admission queue could not take this run within its timeout."""
@@ -304,7 +324,9 @@ class Run:
         sent, limits = self._prepared[1], self.limits
         req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
                                 top_p=limits.top_p, top_k=self.ask.top_k or 0, seed=self.ask.seed, stop=list(self.ask.stop),
-                                request_id=self.request_id, priority=-limits.tier.priority,  # low numbers run first
+                                request_id=self.request_id,  # low priority numbers run first; batch is last
+                                priority=self.pipeline.settings.batch.engine_priority if self.ask.batch
+                                else -limits.tier.priority,
                                 constraint=self.ask.constraint)
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
@@ -323,6 +345,8 @@ class Run:
         tools = self.ask.tools
         calls = ToolCallParser(tools.names()) if tools is not None and tools.active else None
         aborted = False
+        if self.gave_way:
+            raise batch_class.gave_way()
         self._streaming = True
         async with aclosing(backend.stream(self._request())) as deltas:
             async for delta in deltas:
@@ -356,6 +380,8 @@ class Run:
                         if not delta.finished:
                             backend.abort(self.request_id)
                             aborted = True
+                if delta.finished and self.gave_way and delta.finish_reason == "abort":
+                    raise batch_class.gave_way()
                 if delta.finished:
                     self.finish_reason = "content_filter" if guard.verdict else (delta.finish_reason or "stop")
                     if calls is not None and calls.calls and self.finish_reason == "stop":
@@ -393,7 +419,8 @@ class Run:
         if self._slot is not None:
             self._slot.release()
         if self._reservation is not None:
-            await self.traffic.quotas.settle(self._reservation, self.traffic.charged_tokens(self.used))
+            used = 0 if self.gave_way else self.charged(self.traffic.charged_tokens(self.used))
+            await self.traffic.quotas.settle(self._reservation, used)
 
     async def close(self) -> None:
         """Release (if not done yet), meter the tokens used, observe latencies."""
@@ -402,7 +429,7 @@ class Run:
         self._closed = True
         await self.release()
         used = self.used
-        if used.total_tokens:
+        if used.total_tokens and not self.gave_way:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:
             self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage,

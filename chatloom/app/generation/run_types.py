@@ -30,6 +30,9 @@ class Ask:
     param: str = "messages"  # the request field that errors about the prompt name
     constraint: Constraint | None = None  # the answer must match this grammar
     tools: ToolUse | None = None  # tools the model may call: its calls come out as ToolCall pieces
+    # Work that can wait (the Batch API): admitted below every interactive tier, last in the engine's
+    # order, and charged to the quota at the batch discount.
+    batch: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,16 @@ bounded below only by how soon running generations end, and without a measured p
 zero, so any earlier refusal would be a guess that refuses work a fast engine could do.
 With several gateways, `fleet` (a hotstate.fleet_shares.FleetShares) adds the other gateways'
 generations and admissions to both shares.
+
+Batch requests (the Batch API) form a class below every interactive tier: one is admitted only while no
+interactive or reasoning request waits, and batch requests together hold at most `batch_share` of the
+running slots (at most `batch_busy_slots` while interactive requests run or wait), so an interactive
+arrival finds a free slot at once. They never time out and are never
+refused for a full queue (work that can wait, waits); their tier's reserved share does not apply to them
+and their admissions do not count in the shares of recent admissions. When an interactive request still
+cannot start (no slot, or no KV room, while batch requests hold some), the newest running batch request
+is asked to give way (`Slot.on_yield`): its run stops and its batch runs it again later; one at a time,
+each once the one before has let its slot go and the engine has had `YIELD_INTERVAL_S` to free its blocks.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ from chatloom.app.traffic.tiers import Tier
 
 INTERACTIVE = "interactive"
 REASONING = "reasoning"
+BATCH = "batch"
 
 
 class QueueTimeout(Exception):
@@ -61,6 +72,7 @@ class QueueFull(QueueTimeout):
 
 MIN_MEASURED_RUNS = 3  # runs measured before the queue refuses early
 _ARRIVING = 2 ** 62  # the seq of a request not yet in the queue: after every waiting one
+YIELD_INTERVAL_S = 0.25  # between two batch requests asked to give way (an abort frees blocks within a step)
 
 
 @dataclass(eq=False)
@@ -86,6 +98,8 @@ class Slot:
         self.released = False
         self.ran = False
         self.started_at = time.monotonic()
+        self.on_yield: Callable[[], None] | None = None  # batch runs: stop now, to be run again later
+        self.yielding = False
 
     def started(self) -> None:
         """The engine has taken the request in: its prompt no longer counts as pending."""
@@ -111,16 +125,21 @@ class Slot:
 class AdmissionQueue:
     def __init__(self, has_room: Callable[[int], bool], max_running: int, max_wait_s: float = 30.0,
                  reasoning_share: float = 0.5, share_window: int = 20, poll_s: float = 0.02,
-                 on_wait: Callable[[Ticket, float, bool], None] | None = None) -> None:
+                 on_wait: Callable[[Ticket, float, bool], None] | None = None, batch_share: float = 0.5,
+                 batch_busy_slots: int | None = None) -> None:
         self.has_room = has_room
         self.max_running = max(1, max_running)
         self.max_wait_s = max_wait_s
         self.reasoning_share = reasoning_share
+        self.batch_share = batch_share
+        self.batch_busy_slots = batch_busy_slots
         self.poll_s = poll_s
         self.on_wait = on_wait  # metrics: (ticket, seconds waited, admitted?)
         self._waiting: list[Ticket] = []
-        self._running: dict[str, int] = {INTERACTIVE: 0, REASONING: 0}
+        self._running: dict[str, int] = {INTERACTIVE: 0, REASONING: 0, BATCH: 0}
         self._pending_tokens = 0
+        self._batch_slots: list[Slot] = []  # running batch requests, oldest first
+        self._last_yield = -math.inf
         self._recent: deque[str] = deque(maxlen=share_window)  # tier names of the latest admissions
         self._seq = itertools.count()
         self._poller: asyncio.Task | None = None
@@ -150,6 +169,16 @@ class AdmissionQueue:
     def reasoning_slots(self) -> int:
         total = self.max_running + (self.fleet.others_max_running if self.fleet is not None else 0)
         return max(1, math.floor(total * self.reasoning_share))
+
+    def batch_slots(self) -> int:
+        """Running slots batch requests may hold (always leaving one for interactive arrivals; at most
+        `batch_busy_slots` while interactive requests run or wait)."""
+        slots = max(1, min(self.max_running - 1, math.floor(self.max_running * self.batch_share)))
+        busy = self._running[INTERACTIVE] + self._running[REASONING] > 0 or self.interactive_waiting()
+        return min(slots, self.batch_busy_slots) if busy and self.batch_busy_slots else slots
+
+    def interactive_waiting(self) -> bool:
+        return any(t.kind != BATCH for t in self._waiting)
 
     def reasoning_running(self) -> int:
         """Reasoning generations running here, plus on the other gateways of the fleet."""
@@ -181,8 +210,11 @@ class AdmissionQueue:
         try:
             if not ticket.future.done():
                 await self._announce()
-            remaining = self.max_wait_s - (time.monotonic() - ticket.enqueued)
-            await asyncio.wait_for(asyncio.shield(ticket.future), max(0.0, remaining))
+            if ticket.kind == BATCH:  # work that can wait: no deadline (its caller may cancel)
+                await asyncio.shield(ticket.future)
+            else:
+                remaining = self.max_wait_s - (time.monotonic() - ticket.enqueued)
+                await asyncio.wait_for(asyncio.shield(ticket.future), max(0.0, remaining))
         except asyncio.TimeoutError:
             if ticket.future.done() and not ticket.future.cancelled():  # granted at the last moment
                 return ticket.future.result()
@@ -209,6 +241,8 @@ class AdmissionQueue:
     def refuse_if_full(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE) -> None:
         """Raise QueueFull if a request arriving now could not start at once and, at the measured pace,
         would not get in within max_wait_s. Synchronous and side-effect free unless it refuses."""
+        if kind == BATCH:
+            return  # batch requests wait as long as it takes
         arrival = Ticket(tier, prompt_tokens, kind, seq=_ARRIVING)
         if self._could_start(arrival):
             return
@@ -245,7 +279,7 @@ class AdmissionQueue:
         order = self._order(None if waiting else ticket)
         ahead = order.index(ticket) if ticket in order else len(self._waiting) - (1 if waiting else 0)
         wait = (ahead + 1) / rate
-        share = ticket.tier.reserved_share
+        share = ticket.tier.reserved_share if ticket.kind != BATCH else 0.0
         if share > 0:  # its tier is guaranteed this share of admissions, however many outrank it
             same = sum(1 for t in self._waiting if t.tier.name == ticket.tier.name and t.seq < ticket.seq)
             wait = min(wait, (same + 1) / (rate * share))
@@ -266,7 +300,9 @@ class AdmissionQueue:
     def _release(self, slot: Slot) -> None:
         kind = slot.ticket.kind
         self._running[kind] = max(0, self._running[kind] - 1)
-        if self.fleet is not None:
+        if kind == BATCH and slot in self._batch_slots:
+            self._batch_slots.remove(slot)
+        if self.fleet is not None and kind != BATCH:
             self.fleet.released(kind == REASONING)
         run_s = time.monotonic() - slot.started_at
         self._avg_run_s = 0.8 * self._avg_run_s + 0.2 * run_s
@@ -280,6 +316,8 @@ class AdmissionQueue:
 
     # -- choosing ---------------------------------------------------------------------
     def _eligible(self, t: Ticket) -> bool:
+        if t.kind == BATCH:
+            return not self.interactive_waiting() and self._running[BATCH] < self.batch_slots()
         return t.kind != REASONING or self.reasoning_running() < self.reasoning_slots()
 
     def _order(self, arriving: Ticket | None = None) -> list[Ticket]:
@@ -287,8 +325,9 @@ class AdmissionQueue:
         room appeared for all."""
         candidates = self._waiting if arriving is None else [*self._waiting, arriving]
         eligible = [t for t in candidates if self._eligible(t)]
-        by_priority = sorted(eligible, key=lambda t: (-t.tier.priority, t.seq))
-        starved = self._starved_tier(eligible)
+        # Batch after every interactive tier, whatever its own tier.
+        by_priority = sorted(eligible, key=lambda t: (t.kind == BATCH, -t.tier.priority, t.seq))
+        starved = self._starved_tier([t for t in eligible if t.kind != BATCH])
         if starved is None:
             return by_priority
         first = min((t for t in eligible if t.tier.name == starved), key=lambda t: t.seq)
@@ -317,6 +356,8 @@ class AdmissionQueue:
             if not self.has_room(ticket.prompt_tokens + self._pending_tokens):
                 break
             self._grant(ticket)
+        if self._batch_slots and self.interactive_waiting():
+            self._make_way()
         if self._waiting and self._announcer is None:
             # Positions may have moved; one announcement at a time (keeping a reference so it is not collected).
             self._announcer = asyncio.get_running_loop().create_task(self._announce())
@@ -326,14 +367,29 @@ class AdmissionQueue:
         self._waiting.remove(ticket)
         self._running[ticket.kind] += 1
         self._pending_tokens += ticket.prompt_tokens
-        self._recent.append(ticket.tier.name)
-        if self.fleet is not None:
+        if ticket.kind != BATCH:
+            self._recent.append(ticket.tier.name)
+        if self.fleet is not None and ticket.kind != BATCH:
             self.fleet.granted(ticket.tier.name, ticket.kind == REASONING)
         slot = Slot(self, ticket, time.monotonic() - ticket.enqueued)
+        if ticket.kind == BATCH:
+            self._batch_slots.append(slot)
         if ticket.future.done():  # cancelled meanwhile
             slot.release()
         else:
             ticket.future.set_result(slot)
+
+    def _make_way(self) -> None:
+        """An interactive request waits while batch requests run: ask the newest batch request to give way,
+        unless one is already giving way (its slot comes back within an engine step)."""
+        if any(s.yielding for s in self._batch_slots) or time.monotonic() - self._last_yield < YIELD_INTERVAL_S:
+            return
+        for slot in reversed(self._batch_slots):
+            if slot.on_yield is not None:
+                slot.yielding = True
+                self._last_yield = time.monotonic()
+                slot.on_yield()
+                return
 
     async def _announce(self) -> None:
         """Tell each waiter its (1-based) place when it changes."""

@@ -185,7 +185,8 @@ def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic
         recent_wait.add(waited)
 
     admission = AdmissionQueue(backend.has_room, settings.traffic.admission_max_running or settings.engine.max_num_seqs,
-                               settings.traffic.queue_max_wait_s, settings.traffic.reasoning_share, on_wait=on_wait)
+                               settings.traffic.queue_max_wait_s, settings.traffic.reasoning_share, on_wait=on_wait,
+                               batch_share=settings.batch.slot_share, batch_busy_slots=settings.batch.busy_slots)
     metrics.queue_waiting.set_function(lambda: admission.waiting)
     metrics.queue_running.set_function(lambda: admission.running)
 

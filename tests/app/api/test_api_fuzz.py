@@ -110,7 +110,29 @@ def _seed(schema) -> Known:
                  "key_id": [key], "response_id": [response], "server_id": [mcp], "username": ["fuzzer"],
                  "password": ["correct horse"],
                  "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"]}
+    known.ids.update(_seed_batches(schema, known.token))
     return known
+
+
+def _seed_batches(schema, token: str) -> dict[str, list[str]]:
+    """Files (some to fetch or delete, one kept as a batch's input) and a batch long enough to cancel."""
+    line = ('{"custom_id": "c%d", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-random", '
+            '"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}')
+    data = "\n".join(line % i for i in range(200)).encode()
+    files = []
+    for _ in range(3):
+        r = _call(schema, "POST", "/v1/files", token, body={"file": data, "purpose": "batch"},
+                  media_type="multipart/form-data")
+        assert r.status_code == 200, r.text
+        files.append(r.json()["id"])
+    r = _call(schema, "POST", "/v1/batches", token, body={"input_file_id": files[2], "completion_window": "24h",
+                                                           "endpoint": "/v1/chat/completions"})
+    assert r.status_code == 200, r.text
+    batch = r.json()["id"]  # cancelled now, so cancelling it again is a 200 (an ended batch would be a 409)
+    r = _call(schema, "POST", "/v1/batches/{batch_id}/cancel", token, path_parameters={"batch_id": batch})
+    assert r.status_code == 200, r.text
+    return {"file_id": files[:2], "input_file_id": files[2:], "batch_id": [batch], "purpose": ["batch"],
+            "endpoint": ["/v1/chat/completions"], "completion_window": ["24h"]}
 
 
 def _use_known_values(case, data, known: Known, mode: GenerationMode) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import Callable
 
 from fastapi import APIRouter, Request
@@ -26,6 +27,7 @@ from chatloom.app.generation.pipeline import AnswerText, Ask, Finished, Piece, P
 from chatloom.app.api.run_start import start_run
 from chatloom.app.api.sse import SSE_HEADERS, EventStreamResponse, frame
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
+from chatloom.store import User
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -203,9 +205,14 @@ async def _respond(ctx: AppContext, body: SamplingIn, ask: Ask, prompt: Prompt, 
 
 @router.post("/chat/completions", responses=openai_stream("chat.completion.chunk", ChatCompletionOut) | OPENAI_ANSWER)
 async def chat_completions(body: ChatCompletionIn, ctx: Ctx, user: CurrentUser, session: SessionDep):
+    return await chat_answer(ctx, body, user, session)
+
+
+async def chat_answer(ctx: AppContext, body: ChatCompletionIn, user: User, session: AsyncSession, batch: bool = False):
+    """The chat completion route's answer; `batch`: run in the batch class (the Batch API's lines)."""
     tools = body.tool_use()
     prompt = body.prompt(tools)
-    ask = body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools)
+    ask = replace(body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools), batch=batch)
     return await _respond(ctx, body, ask, prompt, body.user_text(prompt), _ChatFormat(ask.reasoning_effort is not None),
                           session)
 
@@ -213,8 +220,14 @@ async def chat_completions(body: ChatCompletionIn, ctx: Ctx, user: CurrentUser, 
 @router.post("/completions", responses=openai_stream("text_completion", CompletionOut) | OPENAI_ANSWER)
 async def completions(body: CompletionIn, ctx: Ctx, user: CurrentUser, session: SessionDep):
     """A plain-text continuation of `prompt` (text, or token ids), without the chat template."""
+    return await completion_answer(ctx, body, user, session)
+
+
+async def completion_answer(ctx: AppContext, body: CompletionIn, user: User, session: AsyncSession,
+                            batch: bool = False):
+    """The completion route's answer; `batch`: run in the batch class (the Batch API's lines)."""
     prompt = body.to_prompt()
-    ask = body.to_ask(user, f"cmpl-{uuid.uuid4().hex}")
+    ask = replace(body.to_ask(user, f"cmpl-{uuid.uuid4().hex}"), batch=batch)
     text = prompt_text(prompt, lambda ids: _decode(ctx, ids))
     return await _respond(ctx, body, ask, prompt, text, _CompletionFormat(), session)
 

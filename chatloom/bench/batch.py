@@ -1,0 +1,222 @@
+"""`chatloom bench batch`: a large batch beside interactive users, on one server, in one run.
+
+The app runs over the local engine behind uvicorn on loopback (a throwaway SQLite database; the free tier's
+limits raised so quotas do not pace the work). Three phases, in this order, on the same warm engine:
+
+1. interactive alone: `users` users chat (streamed /v1/chat/completions, `turns` turns each, `think_s`
+   between turns): their TTFT, and the output tokens per second they used;
+2. batch alone: a batch of `requests` chat requests run to its end: its output tokens per second, the
+   capacity of the idle server for batch work;
+3. together: the same batch again while the same users chat for as long as it runs: their TTFT, and the
+   batch's output tokens per second.
+
+With `rounds` > 1 the requests are split into that many batches and the three phases repeat once per
+batch, so that the baseline phases are measured in the same minutes as the phase they are compared with
+(on a shared machine the load moves from one minute to the next); the figures are over all rounds.
+
+The capacity interactive traffic leaves idle is (2) minus what (1) used. Targets (from the issue): TTFT p90
+in (3) at most 1.15 x (1), and the batch's throughput in (3) at least 70 % of the idle capacity.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from chatloom.bench.serve import make_prompts, one_request, percentiles
+
+TTFT_RATIO_MAX = 1.15
+IDLE_SHARE_MIN = 0.70
+BIG = 10 ** 12
+
+
+@dataclass
+class Interactive:
+    ttfts: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    requests: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)  # failed requests by status
+
+    def summary(self) -> dict:
+        return {"requests": self.requests, "failed": self.failed, "errors": self.errors,
+                "ttft_ms": percentiles(self.ttfts),
+                "output_tokens": self.output_tokens, "seconds": round(self.seconds, 3),
+                "output_tokens_per_s": round(self.output_tokens / self.seconds, 3) if self.seconds else None}
+
+
+async def _chat(client: httpx.AsyncClient, headers: dict, model: str, prompts: list[str], max_tokens: int,
+                think_s: float, keep_going, out: Interactive) -> None:
+    """One user: a turn after another while `keep_going(turn)` says so."""
+    turn = 0
+    while keep_going(turn):
+        result = await one_request(client, "/v1/chat/completions", headers, model, prompts[turn % len(prompts)],
+                                   max_tokens)
+        out.requests += 1
+        if result.ok:
+            out.ttfts.append(result.ttft)
+            out.output_tokens += result.output_tokens
+        else:
+            out.failed += 1
+            key = f"{result.status} {result.error[:80]}".strip()
+            out.errors[key] = out.errors.get(key, 0) + 1
+        turn += 1
+        await asyncio.sleep(think_s)
+
+
+async def _users(client, accounts: list[dict], model: str, max_tokens: int, think_s: float, keep_going) -> Interactive:
+    out = Interactive()
+    start = time.perf_counter()
+    await asyncio.gather(*(_chat(client, headers, model, make_prompts(64, seed=i), max_tokens, think_s, keep_going, out)
+                           for i, headers in enumerate(accounts)))
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+async def _batch(client: httpx.AsyncClient, headers: dict, model: str, requests: int, max_tokens: int,
+                 seed: int) -> dict:
+    lines = [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                  "max_tokens": max_tokens, "temperature": 0}})
+             for i, prompt in enumerate(make_prompts(requests, seed=seed))]
+    r = await client.post("/v1/files", headers=headers, files={"file": ("bench.jsonl", "\n".join(lines).encode())},
+                          data={"purpose": "batch"})
+    r.raise_for_status()
+    start = time.perf_counter()
+    r = await client.post("/v1/batches", headers=headers, json={"input_file_id": r.json()["id"],
+                                                                "endpoint": "/v1/chat/completions",
+                                                                "completion_window": "24h"})
+    r.raise_for_status()
+    batch_id = r.json()["id"]
+    while True:
+        batch = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+        if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+            break
+        await asyncio.sleep(0.05)
+    seconds = time.perf_counter() - start
+    tokens = 0
+    if batch.get("output_file_id"):
+        content = await client.get(f"/v1/files/{batch['output_file_id']}/content", headers=headers)
+        tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in content.text.splitlines())
+    counts = batch["request_counts"]
+    return {"status": batch["status"], "completed": counts["completed"], "failed": counts["failed"],
+            "output_tokens": tokens, "seconds": round(seconds, 3), "output_tokens_per_s": round(tokens / seconds, 3)}
+
+
+def _tiers_file(folder: Path) -> str:
+    """The free tier with limits no run reaches: the bench measures capacity, not quotas."""
+    path = folder / "tiers.toml"
+    path.write_text(f"[free]\ntokens_per_minute = {BIG}\ntokens_per_day = {BIG}\nrequests_per_minute = {BIG}\n"
+                    f"max_concurrent = 100000\nmax_tokens = 4096\n")
+    return str(path)
+
+
+def _add(total: Interactive, part: Interactive) -> None:
+    total.ttfts += part.ttfts
+    total.output_tokens += part.output_tokens
+    total.requests += part.requests
+    total.failed += part.failed
+    for key, n in part.errors.items():
+        total.errors[key] = total.errors.get(key, 0) + n
+    total.seconds += part.seconds
+
+
+def _merge(parts: list[dict]) -> dict:
+    """The batches of every round as one: counts and tokens added, throughput over their time together."""
+    merged = {"status": "completed" if all(p["status"] == "completed" for p in parts) else "incomplete"}
+    for key in ("completed", "failed", "output_tokens", "seconds"):
+        merged[key] = round(sum(p[key] for p in parts), 3)
+    merged["output_tokens_per_s"] = round(merged["output_tokens"] / merged["seconds"], 3)
+    return merged
+
+
+async def _run(url: str, model: str, requests: int, rounds: int, users: int, turns: int, max_tokens: int,
+               batch_max_tokens: int, think_s: float, seed: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        accounts = []
+        for i in range(users + 1):
+            r = await client.post("/auth/signup", json={"username": f"bench{i}", "password": "correct horse"})
+            r.raise_for_status()
+            accounts.append({"Authorization": f"Bearer {r.json()['token']}"})
+        owner, chatters = accounts[0], accounts[1:]
+        # Warm-up: one request of each kind, so neither measured phase pays for first-use costs.
+        await _users(client, chatters[:1], model, max_tokens, 0.0, lambda turn: turn < 1)
+        await _batch(client, owner, model, 2, batch_max_tokens, seed + 1)
+
+        alone, together = Interactive(), Interactive()
+        batch_alone, batch_together = [], []
+        for r in range(rounds):  # the phases alternate, so each sees the machine's load of the same minutes
+            share = requests // rounds + (1 if r < requests % rounds else 0)
+            _add(alone, await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns))
+            batch_alone.append(await _batch(client, owner, model, share, batch_max_tokens, seed + 2 + 2 * r))
+            running = asyncio.create_task(_batch(client, owner, model, share, batch_max_tokens, seed + 3 + 2 * r))
+            _add(together, await _users(client, chatters, model, max_tokens, think_s,
+                                        lambda turn: turn < turns or not running.done()))
+            batch_together.append(await running)
+    batch_alone, batch_together = _merge(batch_alone), _merge(batch_together)
+    idle = batch_alone["output_tokens_per_s"] - (alone.output_tokens / alone.seconds)
+    p90_alone, p90_together = alone.summary()["ttft_ms"]["p90"], together.summary()["ttft_ms"]["p90"]
+    ratio = round(p90_together / p90_alone, 3) if p90_alone and p90_together else None
+    share = round(batch_together["output_tokens_per_s"] / idle, 3) if idle > 0 else None
+    return {"model": model, "requests": requests, "rounds": rounds, "users": users, "turns": turns,
+            "max_tokens": max_tokens,
+            "batch_max_tokens": batch_max_tokens, "think_s": think_s,
+            "interactive_alone": alone.summary(), "batch_alone": batch_alone,
+            "together": {"interactive": together.summary(), "batch": batch_together},
+            "idle_capacity_tokens_per_s": round(idle, 3), "ttft_p90_ratio": ratio, "batch_share_of_idle": share,
+            "targets": {"ttft_p90_ratio_max": TTFT_RATIO_MAX, "batch_share_of_idle_min": IDLE_SHARE_MIN,
+                        "met": ratio is not None and share is not None and ratio <= TTFT_RATIO_MAX
+                        and share >= IDLE_SHARE_MIN}}
+
+
+def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8, max_tokens: int = 32,
+                    batch_max_tokens: int = 32, think_s: float = 0.5, seed: int = 0, engine_config=None,
+                    settings: dict | None = None, rounds: int = 1) -> dict:
+    """The three phases on `loaded` (a LoadedModel); `settings`: groups of the settings tree to change."""
+    from chatloom.app.main import create_app
+    from chatloom.bench.latency import LoopbackServer
+    from chatloom.serving import LocalBackend
+    from chatloom.settings import Settings
+
+    with tempfile.TemporaryDirectory(prefix="chatloom-bench-batch-") as work:
+        groups = {"server": {"data_dir": work}, "traffic": {"tiers_file": _tiers_file(Path(work))},
+                  "accounts": {"argon2_time_cost": 1, "argon2_memory_kib": 1024},
+                  "batch": {"poll_s": 0.1}, "sampling": {"max_tokens": max_tokens}}
+        if engine_config is not None:  # the admission queue's slots follow the engine's
+            groups["engine"] = {"max_num_seqs": engine_config.max_num_seqs}
+        for group, values in (settings or {}).items():
+            groups.setdefault(group, {}).update(values)
+        backend = LocalBackend(loaded, engine_config=engine_config)
+        asyncio.run(backend.start())
+        try:
+            chosen = Settings(**groups)
+            with LoopbackServer(create_app(chosen, backend)) as server:
+                result = asyncio.run(_run(server.url, backend.default_model, requests, rounds, users, turns,
+                                          max_tokens, batch_max_tokens, think_s, seed))
+            return {**result, "batch_settings": chosen.batch.model_dump(),
+                    "max_num_seqs": chosen.traffic.admission_max_running or chosen.engine.max_num_seqs}
+        finally:
+            asyncio.run(backend.close())
+
+
+def format_table(result: dict) -> str:
+    alone, together = result["interactive_alone"], result["together"]["interactive"]
+    rows = [("", "interactive alone", "batch alone", "together"),
+            ("interactive TTFT p90 (ms)", alone["ttft_ms"]["p90"], "", together["ttft_ms"]["p90"]),
+            ("interactive requests", alone["requests"], "", together["requests"]),
+            ("interactive output tok/s", alone["output_tokens_per_s"], "", together["output_tokens_per_s"]),
+            ("batch output tok/s", "", result["batch_alone"]["output_tokens_per_s"],
+             result["together"]["batch"]["output_tokens_per_s"]),
+            ("batch seconds", "", result["batch_alone"]["seconds"], result["together"]["batch"]["seconds"])]
+    lines = [f"{a:<28}{b!s:>20}{c!s:>16}{d!s:>16}" for a, b, c, d in rows]
+    lines.append(f"idle capacity {result['idle_capacity_tokens_per_s']} tok/s; "
+                 f"TTFT p90 ratio {result['ttft_p90_ratio']} "
+                 f"(target <= {TTFT_RATIO_MAX}); batch share of idle {result['batch_share_of_idle']} "
+                 f"(target >= {IDLE_SHARE_MIN}); targets met: {result['targets']['met']}")
+    return "\n".join(lines)
