@@ -7,13 +7,14 @@ from typing import AsyncIterator
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatloom.app.generation.pipeline import Ask, Piece, Pipeline, Prompt, Run
+from chatloom.app.generation.pipeline import Ask, Choice, Piece, Pipeline, Prompt, Run
 
 
-async def start_run(pipeline: Pipeline, ask: Ask, prompt: Prompt, moderate: str,
-                    session: AsyncSession) -> tuple[Run, AsyncIterator[Piece], Piece | None]:
-    """The run, its pieces and the first of them (None: the stream ended at once). On any failure the
-    run is closed (its slot and reservation given back) before the exception leaves."""
+async def start_run(pipeline: Pipeline, ask: Ask, prompt: Prompt, moderate: str, session: AsyncSession,
+                    by_choice: bool = False) -> tuple[Run, AsyncIterator, Piece | Choice | None]:
+    """The run, its pieces (`by_choice`: as Choice objects, for an ask of several) and the first of them
+    (None: the stream ended at once). On any failure the run is closed (its slot and reservation given
+    back) before the exception leaves."""
     run = await pipeline.open(ask, moderate)
     pieces = None
     try:
@@ -23,7 +24,7 @@ async def start_run(pipeline: Pipeline, ask: Ask, prompt: Prompt, moderate: str,
         # wait in the queue, or a burst of waiting requests would drain the connection pool.
         await session.close()
         await run.admit(prompt)
-        pieces = run.stream()
+        pieces = run.stream_choices() if by_choice else run.stream()
         first = await anext(pieces, None)
     except BaseException:
         if pieces is not None:
