@@ -99,6 +99,10 @@ def test_completion_echo_with_logprobs(sdk):
     # echo alone: the prompt's text, no logprobs
     plain = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    chunks = list(sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                         n=2, stream=True))
+    for index in (0, 1):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == choice.text
 
 
 def test_echo_of_token_ids(sdk):
