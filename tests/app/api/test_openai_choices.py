@@ -112,3 +112,17 @@ def test_the_quota_reserves_for_every_choice(tmp_path, tiny_backend):
         with pytest.raises(openai.BadRequestError) as e:
             sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=5)
         assert "at most 4" in e.value.message
+
+
+def test_a_refused_prompt_in_a_list_leaves_nothing_started(live, http, tiny_backend):
+    token = http.post("/auth/signup", json={"username": "lister", "password": "correct horse"}).json()["token"]
+    headers = {"Authorization": f"Bearer {token}"}
+    key = http.post("/auth/api-keys", headers=headers, json={"name": "sdk"}).json()["key"]
+    sdk = openai.OpenAI(base_url=f"{live.url}/v1", api_key=key, max_retries=0, timeout=30)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model=MODEL, prompt=["A fine first prompt", "word " * 3000], max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    usage = http.get("/usage", headers=headers).json()
+    assert usage["remaining_tokens_this_minute"] == usage["limits"]["tokens_per_minute"]  # nothing reserved
+    assert usage["totals"]["total_tokens"] == 0
+    assert tiny_backend.stats().num_requests_running == 0

@@ -27,7 +27,7 @@ from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn, Samp
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
 from chatloom.app.generation.pipeline import (AnswerText, Ask, Choice, Finished, Piece, Prompt, PromptLogprobs, Run,
                                               Thinking, ToolCall)
-from chatloom.app.api.run_start import start_run
+from chatloom.app.api.run_start import begin_run, reserve_run, start_run
 from chatloom.app.api.sse import SSE_HEADERS, EventStreamResponse, frame
 from chatloom.serving import BackendError, BadGenerationRequest, Usage
 from chatloom.serving.backend import TextLogprob
@@ -199,17 +199,34 @@ Started = tuple[Run, AsyncIterator[Choice], Choice | None]
 
 
 async def _start_all(ctx: AppContext, parts: list[tuple[Ask, Prompt, str]], session: AsyncSession) -> list[Started]:
-    """Start a run per prompt, all at once; if any is refused, the others are closed and the refusal raised."""
-    results = await asyncio.gather(*(start_run(ctx.pipeline, ask, prompt, text, session, by_choice=True)
-                                     for ask, prompt, text in parts), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        for r in results:
-            if not isinstance(r, BaseException):
-                await r[1].aclose()
-                await r[0].close()
-        raise failed[0]
-    return results  # type: ignore[return-value]
+    """Start a run per prompt. Every prompt is checked and reserved first, so that a refusal of any (too
+    long, over quota) leaves nothing started; then all are admitted and started at once. On any failure
+    (or a cancelled request) the runs are closed and the failure raised."""
+    if len(parts) == 1:
+        ask, prompt, text = parts[0]
+        return [await start_run(ctx.pipeline, ask, prompt, text, session, by_choice=True)]
+    runs: list[Run] = []
+    try:
+        for ask, prompt, text in parts:
+            runs.append(await reserve_run(ctx.pipeline, ask, prompt, text))
+    except BaseException:
+        for run in runs:
+            await run.close()
+        raise
+    tasks = [asyncio.ensure_future(begin_run(run, prompt, session, by_choice=True))
+             for run, (_, prompt, _) in zip(runs, parts)]
+    try:
+        await asyncio.wait(tasks)
+        failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+        if failed is not None:
+            raise failed
+        return [t.result() for t in tasks]
+    except BaseException:
+        for t in tasks:
+            t.cancel()  # a run still starting closes itself (begin_run)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
+        raise
 
 
 async def _pieces(started: list[Started], n: int) -> AsyncIterator[tuple[int, Piece]]:
