@@ -162,17 +162,21 @@ class AsyncEngine:
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield outputs as tokens arrive, the last with finished=True.
+        """Yield outputs as tokens arrive, until each of the request's n choices has had its output
+        with finished=True (outputs of several choices interleave; `index` tells them apart).
         Cancelling the consumer (or closing the generator) aborts the request."""
-        request_id, q = self.add_request(prompt, params or SamplingParams(), request_id, priority)
+        params = params or SamplingParams()
+        request_id, q = self.add_request(prompt, params, request_id, priority)
         finished = False
+        left = params.n
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                left -= item.finished
+                finished = left == 0
                 yield item
                 if finished:
                     return

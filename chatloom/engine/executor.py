@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from chatloom.engine.choices import expand_rows
 from chatloom.engine.grammar_mask import apply_grammar_mask
 from chatloom.engine.isolation import execute_isolated
+from chatloom.engine.logprobs import asking_rows, log_softmax_rows, prompt_entries, sampled_entries
 from chatloom.engine.model_runner import ModelRunner
+from chatloom.engine.outputs import TokenLogprob
 from chatloom.engine.sampler import Sampler, SamplingError
 from chatloom.engine.scheduler import ScheduledBatch
 from chatloom.engine.sequence import Sequence
@@ -30,6 +33,10 @@ class ModelOutput:
     failures: dict[int, SamplingError] = field(default_factory=dict)
     # Sequences whose forward pass failed on their own (they are not in `sampled`).
     forward_failed: dict[Sequence, Exception] = field(default_factory=dict)
+    # Index in `sampled` -> its new tokens' log probabilities, for the sequences that ask (logprobs.py).
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # Prompt tokens' log probabilities newly found this step, for the sequences that ask.
+    prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class StepExecutor:
@@ -46,6 +53,10 @@ class StepExecutor:
         t0 = time.perf_counter()
         fwd = execute_isolated(self.runner, batch)
         logits, argmax, sampled, picks = fwd.logits, fwd.argmax, fwd.sampled, fwd.picks
+        if any(s.forks for s in sampled):  # choices forked from a prompt computed this step (choices.py)
+            logits, argmax, sampled, picks = expand_rows(logits, argmax, sampled, picks)
+        asking = asking_rows(sampled)
+        raw = log_softmax_rows(logits, asking)  # before any mask: the model's own distribution
         if apply_grammar_mask(self.guide, logits, sampled):
             argmax = picks = None  # masked rows: the runner's argmax may be a forbidden token
         if spec is not None and not batch.prefills and not fwd.failed:
@@ -57,4 +68,6 @@ class StepExecutor:
             new_tokens = [[t] for t in drawn]
         else:
             new_tokens, failures = [], {}
-        return ModelOutput(sampled, new_tokens, failures, fwd.failed)
+        return ModelOutput(sampled, new_tokens, failures, fwd.failed,
+                           sampled_entries(raw, asking, sampled, new_tokens, failures),
+                           {seq: prompt_entries(seq, start, rows) for seq, start, rows in fwd.prompt_logits})

@@ -34,7 +34,7 @@ def execute_isolated(runner: ModelRunner, batch: ScheduledBatch) -> ForwardResul
             seq = (batch.decodes or [s for s, _ in batch.prefills])[0]
             return ForwardResult(torch.empty(0), None, [], {seq: exc})
         log.warning("a batch of %d sequences failed (%r); running each alone", len(parts), exc)
-    logits, argmaxes, sampled, failed = [], [], [], {}
+    logits, argmaxes, sampled, failed, prompt = [], [], [], {}, []
     for part in parts:
         seq = (part.decodes or [s for s, _ in part.prefills])[0]
         try:
@@ -43,11 +43,12 @@ def execute_isolated(runner: ModelRunner, batch: ScheduledBatch) -> ForwardResul
             log.warning("request %s fails its forward pass on its own: %r", seq.request_id, exc)
             failed[seq] = exc
             continue
+        prompt += part_result.prompt_logits
         if part_result.sampled:
             l, a = part_result.logits, part_result.argmax
             logits.append(l)
             argmaxes.append(a if a is not None else l.argmax(dim=-1))
             sampled.extend(part_result.sampled)
     if not logits:
-        return ForwardResult(torch.empty(0), None, [], failed)
-    return ForwardResult(torch.cat(logits), torch.cat(argmaxes), sampled, failed)
+        return ForwardResult(torch.empty(0), None, [], failed, prompt_logits=prompt)
+    return ForwardResult(torch.cat(logits), torch.cat(argmaxes), sampled, failed, prompt_logits=prompt)

@@ -84,8 +84,12 @@ class KVCacheManager:
         return self.pool.find_partial(parent, want)
 
     # -- block tables ------------------------------------------------------------------
+    def _hits(self, seq: Sequence) -> list[int]:
+        # A request for its prompt's log probabilities computes every prompt token: cached ones give no logits.
+        return [] if seq.params.prompt_logprobs is not None else self._cached_prefix(seq.token_ids)
+
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq.token_ids)
+        hits = self._hits(seq)
         # Hit blocks sitting on the free list are not free for this purpose: we take them.
         blocks = self.pool.blocks
         hits_on_free = sum(1 for b in hits if blocks[b].ref_count == 0)
@@ -96,9 +100,10 @@ class KVCacheManager:
         """Give `seq` blocks for all its current tokens, reusing cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"
         pool = self.pool
-        hits = self._cached_prefix(seq.token_ids)
+        hits = self._hits(seq)
         parent = pool.blocks[hits[-1]].key if hits else pool.root_key
-        donor, partial = self._partial_hit(seq.token_ids, len(hits), parent)
+        donor, partial = (None, 0) if seq.params.prompt_logprobs is not None else \
+            self._partial_hit(seq.token_ids, len(hits), parent)
         # Every token but the last could have come from the cache (its logits are needed).
         self.query_tokens += len(seq) - 1
         self.hit_tokens += len(hits) * self.block_size + partial
@@ -138,6 +143,25 @@ class KVCacheManager:
             tail = table[keep:]
             del table[keep:]
             self.pool.release(reversed(tail), reuse_first=True)
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give `child` the K/V of `parent`'s computed tokens without computing them again: the full blocks
+        shared (one more reference each), the partial last block copied into a fresh one, as each choice
+        writes its own next token there. False (nothing taken) when no block is free for the copy."""
+        bs, table = self.block_size, parent.block_table
+        full, partial = divmod(parent.num_computed_tokens, bs)
+        if partial and (not self._free or self.copy_prefix is None):
+            return False
+        for block_id in table[:full]:
+            self.pool.touch(block_id)
+        child.block_table = table[:full]
+        if partial:
+            block = self.pool.get_new_block()
+            self.copy_prefix(table[full], block.block_id, partial)
+            child.block_table.append(block.block_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        return True
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish every computed, full block of `seq` in the prefix cache."""

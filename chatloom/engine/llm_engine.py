@@ -22,13 +22,14 @@ import time
 from typing import Mapping
 
 from chatloom.engine.block_pool import BlockPool
+from chatloom.engine.choices import plan_forks
 from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cache_dtype
 from chatloom.engine.executor import ModelOutput, StepExecutor
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.kv_events import KVEventLog
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.output_processor import OutputProcessor, RequestState, merge_outputs
-from chatloom.engine.outputs import RequestOutput
+from chatloom.engine.outputs import RequestOutput, TokenLogprob
 from chatloom.engine.sampler import Sampler
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.engine.scheduler import ScheduledBatch, Scheduler
@@ -70,6 +71,7 @@ class LLMEngine:
         self.guide = GrammarGuide(self.tokenizer, self.eos_ids)  # matchers of constrained requests
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._groups: dict[str, list[Sequence]] = {}  # the live choices of requests with n > 1, by request id
         self.spec = build_speculative_decoder(self.config, self.max_model_len, loaded, num_blocks)
         if self.spec is not None and self.spec.adaptive:
             calibrate_decoder(self.spec, self.runner, self.config)
@@ -108,24 +110,30 @@ class LLMEngine:
         if any(t < 0 or t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be within the vocabulary")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.output_processor.requests:
+        if request_id in self.output_processor.requests or request_id in self._groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        if params.constraint is not None:
-            # The budget the grammar must finish in; without EOS ending the answer there is none to steer by.
-            budget = None if params.ignore_eos else min(params.max_tokens, self.max_model_len - len(token_ids))
-            self.guide.add(request_id, params.constraint, budget)
         seq = Sequence(request_id, token_ids, params, priority)
+        if params.constraint is not None:
+            self._add_matcher(seq)
         self.output_processor.add(seq)
         self.scheduler.add(seq)
+        if params.n > 1:
+            self._groups[request_id] = [seq]
         return request_id
 
+    def _add_matcher(self, seq: Sequence) -> None:
+        # The budget the grammar must finish in; without EOS ending the answer there is none to steer by.
+        p = seq.params
+        budget = None if p.ignore_eos else min(p.max_tokens, self.max_model_len - seq.prompt_len)
+        self.guide.add(seq.request_id, p.constraint, budget)
+
     def abort(self, request_id: str) -> bool:
-        """Stop a request now; its blocks are free when this returns."""
-        state = self.output_processor.requests.get(request_id)
-        if state is None:
-            return False
-        self._finish(state, "abort")
-        return True
+        """Stop a request (all its choices) now; its blocks are free when this returns."""
+        ids = [s.request_id for s in self._groups.get(request_id, ())] or [request_id]
+        states = [st for i in ids if (st := self.output_processor.requests.get(i)) is not None]
+        for state in states:
+            self._finish(state, "abort")
+        return bool(states)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.output_processor.has_finished_outputs()
@@ -141,6 +149,8 @@ class LLMEngine:
             return outputs
         scheduled = batch.decodes + [s for s, _ in batch.prefills]
         self.output_processor.mark_scheduled(scheduled, time.time())
+        for seq in plan_forks(batch):
+            self._plan_forks(seq)
         result = self.executor.execute(batch)
         self._update(batch, scheduled, result, outputs)
         return outputs
@@ -155,6 +165,11 @@ class LLMEngine:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
+        for seq, found in result.prompt_logprobs.items():
+            seq.prompt_logprobs.extend(found)
+        for seq in scheduled:
+            if seq.forks:
+                self._attach_forks(seq)
         now = time.time()
         num_new = 0
         failures = result.failures
@@ -168,7 +183,7 @@ class LLMEngine:
             seq.num_computed_tokens += len(tokens) - 1
             had_proposals = bool(seq.spec_token_ids)
             seq.spec_token_ids = []
-            appended, out = self._append_tokens(seq, tokens, now)
+            appended, out = self._append_tokens(seq, tokens, now, result.logprobs.get(row))
             num_new += appended
             if out is not None:
                 outputs.append(out)
@@ -182,8 +197,30 @@ class LLMEngine:
                 self.kv_cache_manager.register_full_blocks(seq)
         self.stats.record_step(batch.num_tokens, num_new, now)
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> tuple[int, RequestOutput | None]:
-        """Append `tokens` to `seq` until one ends it: how many went in, and one output for them all."""
+    def _plan_forks(self, seq: Sequence) -> None:
+        """Make the other choices of `seq`, whose prompt this step completes (choices.py)."""
+        seq.forks = [seq.fork(i) for i in range(1, seq.params.n)]
+        for fork in seq.forks:
+            if seq.params.constraint is not None:
+                self._add_matcher(fork)
+            self._groups[seq.group_id].append(fork)
+
+    def _attach_forks(self, seq: Sequence) -> None:
+        """After the forward: each fork takes the prompt's blocks and runs, or (no room) waits to compute them."""
+        for fork in seq.forks:
+            self.output_processor.add(fork)
+            if (len(self.scheduler.running) < self.scheduler.config.max_num_seqs
+                    and self.kv_cache_manager.fork(seq, fork)):
+                fork.status = SequenceStatus.RUNNING
+                self.scheduler.running.append(fork)
+            else:
+                self.scheduler.add(fork)
+        seq.forks = []
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float,
+                       logprobs: list[TokenLogprob] | None = None) -> tuple[int, RequestOutput | None]:
+        """Append `tokens` to `seq` until one ends it: how many went in, and one output for them all
+        (with the tokens' logprobs where given, the end token that finishes it left out)."""
         state = self.output_processor.requests[seq.request_id]
         process, guide = self.output_processor.process_token, self.guide
         merged: RequestOutput | None = None
@@ -198,6 +235,10 @@ class LLMEngine:
                     self._finish(state, reason, emit=False)
             except Exception as exc:  # detokenizing or stop matching: this request's problem alone
                 return appended, self._fail(seq, f"decoding the output failed: {exc!r}")
+            if logprobs is not None:
+                out.logprobs = [] if reason == "stop" and not state.stopped_by_string else [logprobs[appended - 1]]
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                out.prompt_logprobs = list(seq.prompt_logprobs)
             merged = out if merged is None else merge_outputs(merged, out)
             if seq.is_finished:
                 break
@@ -221,7 +262,14 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.forget(seq)
         self.guide.remove(seq.request_id)
+        group = self._groups.get(seq.group_id, [])
+        for fork in seq.forks:  # made for a step whose forward failed: they never ran
+            self.guide.remove(fork.request_id)
+            group.remove(fork)
+        seq.forks = []
         seq.status = SequenceStatus.FINISHED
+        if group and all(s.is_finished for s in group):
+            del self._groups[seq.group_id]
         if reason == "abort":
             self.stats.aborted += 1
         return self.output_processor.finish(state, reason, emit)
@@ -229,23 +277,25 @@ class LLMEngine:
     # -- offline use --------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        """Run every prompt to completion with continuous batching; the final outputs in prompt order, a
+        request of n choices giving n of them (by index)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        results: dict[str, RequestOutput] = {}
+        ids = [(self.add_request(p, sp), sp.n) for p, sp in zip(prompts, plist)]
+        keys = [(request_id, i) for request_id, n in ids for i in range(n)]
+        results: dict[tuple[str, int], RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="generating", unit="req", leave=False)
-        while len(results) < len(ids):
+            bar = tqdm(total=len(keys), desc="generating", unit="req", leave=False)
+        while len(results) < len(keys):
             for out in self.step():
                 if out.finished:
-                    results[out.request_id] = out
+                    results[(out.request_id, out.index)] = out
                     if bar:
                         bar.update(1)
         if bar:
             bar.close()
-        return [results[i] for i in ids]
+        return [results[k] for k in keys]
 
     def snapshot(self) -> EngineSnapshot:
         kv, st = self.kv_cache_manager, self.stats

@@ -34,6 +34,8 @@ class ForwardResult:
     sampled: list[Sequence]  # the sequences that produce a token this step, in logits order
     failed: dict[Sequence, Exception] = field(default_factory=dict)  # sequences whose forward failed alone
     picks: GreedyPicks | None = None  # each row's argmax as ints, where a native step found them (logits may be [T, 0])
+    # Prefill chunks of requests asking their prompt's logprobs: (sequence, first position, logits of every query).
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -140,7 +142,7 @@ class ModelRunner:
         and past its min_tokens (the sampler bans stop tokens in the logits before that)."""
         return self.argmax_only_steps and all(
             s.params.greedy and s.params.constraint is None and s.num_output_tokens >= s.params.min_tokens
-            for s in batch.decodes)
+            and s.params.logprobs is None for s in batch.decodes)
 
     def _decode_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """A plain decode batch's token ids, positions, K/V slots and block tables, as ints."""
@@ -168,6 +170,8 @@ class ModelRunner:
                                                                         self.before_forward, self._argmax_only(batch))
             return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
         ids, positions, attn, rows = self._prepare(batch)
+        if segments := _prompt_segments(batch):
+            return self._with_prompt_logits(batch, ids, positions, attn, rows, segments, sampled)
         if len(rows) == len(ids):  # every query gives logits: a decode step may take them from the stack
             if self._argmax_only(batch):  # a step checking greedy proposals reads each row's argmax alone
                 found = self.model.decode_argmax(ids, positions, attn, self.kv_caches, self.before_forward)
@@ -186,3 +190,32 @@ class ModelRunner:
                 return ForwardResult(hidden.new_empty(0), None, sampled)
             logits, argmax = self.model.logits_and_argmax(hidden)
             return ForwardResult(logits, argmax, sampled)
+
+    def _with_prompt_logits(self, batch: ScheduledBatch, ids: torch.Tensor, positions: torch.Tensor,
+                            attn: AttentionBatch, rows: list[int], segments: list[tuple[Sequence, int, int, int]],
+                            sampled: list[Sequence]) -> ForwardResult:
+        """The plain forward, keeping the logits of every query of the chunks in `segments` as well."""
+        keep = sorted(set(rows).union(*(range(q, q + n) for _, _, q, n in segments)))
+        with torch.inference_mode():
+            if self.before_forward is not None:
+                self.before_forward()
+            hidden = self.model(ids, positions, attn, self.kv_caches, keep_rows=keep if len(keep) < len(ids) else None)
+            logits, argmax = self.model.logits_and_argmax(hidden)
+        where = {row: i for i, row in enumerate(keep)}
+        picked = torch.tensor([where[r] for r in rows], dtype=torch.long)
+        prompt = [(seq, start, logits[where[q]:where[q] + n]) for seq, start, q, n in segments]
+        return ForwardResult(logits[picked], argmax[picked] if argmax is not None else None, sampled,
+                             prompt_logits=prompt)
+
+
+def _prompt_segments(batch: ScheduledBatch) -> list[tuple[Sequence, int, int, int]]:
+    """(sequence, first position, first query, length) of each prefill chunk in the batch whose every
+    query's logits are asked (the prompt's logprobs), in _prepare's query order."""
+    query = len(batch.decodes) + batch.num_spec_tokens
+    out = []
+    for seq, n in batch.prefills:
+        start = seq.num_computed_tokens
+        if seq.prompt_logprobs is not None and start < seq.prompt_len:
+            out.append((seq, start, query, n))
+        query += n
+    return out

@@ -36,6 +36,9 @@ def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """One output for several tokens of a request in one step (speculative decoding)."""
     then.delta_text = first.delta_text + then.delta_text
     then.delta_token_ids = first.delta_token_ids + then.delta_token_ids
+    if first.logprobs is not None or then.logprobs is not None:
+        then.logprobs = (first.logprobs or []) + (then.logprobs or [])
+    then.prompt_logprobs = then.prompt_logprobs or first.prompt_logprobs
     return then
 
 
@@ -100,12 +103,14 @@ class OutputProcessor:
         # Hold back text that might be the start of a stop string.
         safe = len(state.detok.text) - (state.max_stop_len - 1 if state.max_stop_len else 0)
         if safe <= state.emitted:
-            return RequestOutput(seq.request_id, "", [token], state.detok.text[:state.emitted],
-                                 num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens)
+            return RequestOutput(seq.group_id, "", [token], state.detok.text[:state.emitted],
+                                 num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens,
+                                 index=seq.index)
         delta = state.detok.text[state.emitted:safe]
         state.emitted = safe
-        return RequestOutput(seq.request_id, delta, [token], state.detok.text[:safe],
-                             num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens)
+        return RequestOutput(seq.group_id, delta, [token], state.detok.text[:safe],
+                             num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens,
+                             index=seq.index)
 
     # -- the end -------------------------------------------------------------------------
     def finish(self, state: RequestState, reason: str, emit: bool) -> RequestOutput:
@@ -120,10 +125,10 @@ class OutputProcessor:
         text = state.detok.text
         delta = text[state.emitted:]
         state.emitted = len(text)
-        out = RequestOutput(seq.request_id, delta, [], text, finished=True, finish_reason=reason,
+        out = RequestOutput(seq.group_id, delta, [], text, finished=True, finish_reason=reason,
                             num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output_tokens,
                             num_cached_tokens=seq.metrics.num_cached_tokens, metrics=seq.metrics,
-                            token_ids=seq.output_token_ids, stop_str=state.stop_str)
+                            token_ids=seq.output_token_ids, stop_str=state.stop_str, index=seq.index)
         if emit:
             self._finished.append(out)
         return out

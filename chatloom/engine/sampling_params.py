@@ -13,6 +13,8 @@ TEMPERATURE_FLOOR = 1e-5
 TOP_P_FLOOR = 1e-6
 # Seeds are signed 64-bit integers (what torch and every SQL column can hold).
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+# The most alternatives a request may ask to see per token (OpenAI's limit for top_logprobs).
+MAX_LOGPROBS = 20
 
 
 class InvalidRequest(ValueError):
@@ -33,6 +35,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     # Output limited to a grammar (JSON, schema, regex, choices); such a request never speculates.
     constraint: Constraint | None = None
+    # Several answers to one prompt: the prompt is computed once and its blocks shared (choices.py).
+    n: int = 1
+    # Log probabilities of each output token and of its `logprobs` likeliest alternatives (0: the
+    # token's own only); `prompt_logprobs` the same for the prompt's tokens. None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +62,12 @@ class SamplingParams:
             raise InvalidRequest("min_tokens must be between 0 and max_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must not be empty")
+        if self.n < 1:
+            raise InvalidRequest("n must be at least 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS}")
         if self.constraint is not None:
             try:
                 self.constraint.check()

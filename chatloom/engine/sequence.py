@@ -1,6 +1,7 @@
 """One request as the engine tracks it: its tokens, its blocks, its progress."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -78,6 +79,25 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # A request of n choices is n sequences: this one (index 0) and the forks made when its
+        # prompt is computed (choices.py). Outputs carry the request's id and the choice's index.
+        self.group_id = request_id
+        self.index = 0
+        self.forks: list[Sequence] = []  # made for this step's last prefill chunk, not yet holding blocks
+        # Where asked: the prompt tokens' log probabilities found so far (None for the first token).
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+
+    def fork(self, index: int) -> "Sequence":
+        """Choice `index` of this request: the same tokens and timing, its own id and random stream
+        (seed + index where a seed is given), no blocks yet."""
+        child = Sequence(f"{self.group_id}#{index}", self.token_ids, self.params, self.priority)
+        child.arrival_order = self.arrival_order
+        child.group_id, child.index = self.group_id, index
+        child.metrics = dataclasses.replace(self.metrics)
+        child.prompt_logprobs = self.prompt_logprobs
+        if self.params.seed is not None:
+            child.generator = torch.Generator().manual_seed(self.params.seed + index)
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -73,6 +73,26 @@ class GenerationRequest:
     # Output limited to a grammar (JSON mode, a schema, a regex, choices, forced tool calls).
     constraint: Constraint | None = None
 
+    # n answers to the prompt (deltas tell them apart by index), computed from one prefill where the
+    # backend can; each choice's random stream is seed + index where a seed is given.
+    n: int = 1
+    # Log probabilities of each answer token and of its `logprobs` likeliest alternatives (0: its own
+    # only); `prompt_logprobs` the same for the prompt's tokens (a completion's echo). None: not asked.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TextLogprob:
+    """One token's log probability as the APIs show it: its text, its bytes (None where the server does
+    not say) and, where asked, the likeliest tokens at its place, best first. The logprob is None for a
+    prompt's first token (nothing precedes it)."""
+
+    token: str
+    logprob: float | None
+    bytes: list[int] | None = None
+    top: tuple["TextLogprob", ...] = ()
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -120,6 +140,11 @@ class Delta:
     # On the last delta, with finish_reason 'stop': the stop sequence that ended the answer, where the
     # backend tells (None: an end-of-text token, or a backend that does not say).
     stop_sequence: str | None = None
+    index: int = 0  # the choice this delta belongs to (requests with n > 1); each choice has its last delta
+    # Where the request asks: the log probabilities of this delta's tokens, and on a choice's first delta
+    # those of the prompt's tokens.
+    logprobs: list[TextLogprob] | None = None
+    prompt_logprobs: list[TextLogprob] | None = None
 
     @property
     def usage(self) -> Usage:
@@ -245,7 +270,7 @@ class Backend(abc.ABC):
         """Stop a running request now; its stream ends with finish_reason 'abort'."""
 
     async def complete(self, request: GenerationRequest) -> Delta:
-        """Run a request to its end; the returned delta carries the whole text."""
+        """Run a request (of one choice) to its end; the returned delta carries the whole text."""
         parts: list[str] = []
         last = Delta("")
         async for delta in self.stream(request):

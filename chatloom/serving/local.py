@@ -8,12 +8,14 @@ from typing import AsyncIterator
 
 from chatloom.engine import EngineConfig, InvalidRequest, RequestOutput, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from chatloom.engine.outputs import TokenLogprob
 from chatloom.engine.thread_pool import then_release
 from chatloom.models import LoadedModel, ModelError, describe_config, load_model
 from chatloom.models.chat_template import encode_chat
+from chatloom.models.token_bytes import TokenBytes
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, GenerationRequest, ModelLoadFailed, Timings)
+                                      Delta, GenerationRequest, ModelLoadFailed, TextLogprob, Timings)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class LocalBackend(Backend):
         self._error: str | None = None
         self._start_lock = asyncio.Lock()
         self._encoded: dict[tuple, list[int]] = {}  # recent chat prompts' token ids, oldest first
+        self._token_bytes: TokenBytes | None = None  # made at the first request for logprobs
 
     def _kv_cache_bytes(self, cfg) -> int:
         """The KV pool the engine will allocate for a model config (checked with the weights)."""
@@ -162,7 +165,8 @@ class LocalBackend(Backend):
         try:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                                    stop=list(request.stop), constraint=request.constraint)
+                                    stop=list(request.stop), constraint=request.constraint, n=request.n,
+                                    logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         return ids, params
@@ -170,23 +174,44 @@ class LocalBackend(Backend):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         ids, params = self._prepare(request)
         if request.resume_token_ids:
+            if params.n > 1:
+                raise BadGenerationRequest("an answer of several choices cannot be resumed", param="n")
             async for delta in self._resume(request, ids, params):
                 yield delta
             return
-        sent = 0  # output token ids handed out so far (the finishing token arrives only on the last output)
+        sent = [0] * params.n  # output token ids handed out so far per choice (the finishing token arrives only on the last output)
         try:
             async for out in self.engine.stream(ids, params, request_id=request.request_id,
                                                 priority=request.priority):
                 metrics = _timings(out)
-                new_ids = out.token_ids[sent:] if out.finished else out.delta_token_ids
-                sent += len(new_ids)
+                new_ids = out.token_ids[sent[out.index]:] if out.finished else out.delta_token_ids
+                sent[out.index] += len(new_ids)
                 yield Delta(out.delta_text, out.finished, out.finish_reason, out.num_prompt_tokens,
                             out.num_output_tokens, out.num_cached_tokens, metrics, list(new_ids),
-                            stop_sequence=out.stop_str)
+                            stop_sequence=out.stop_str, index=out.index, logprobs=self._texts(out.logprobs),
+                            prompt_logprobs=self._texts(out.prompt_logprobs, ids))
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         except EngineDeadError as exc:
             raise BackendError(str(exc)) from exc
+
+    def _texts(self, entries: list[TokenLogprob | None] | None, prompt: list[int] | None = None) -> list | None:
+        """The engine's logprobs (token ids) as the API shows them: each token's text and bytes. A prompt's
+        first token, which has no logprob, is `prompt[0]`."""
+        if entries is None:
+            return None
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        as_bytes = self._token_bytes
+
+        def text(token_id: int, logprob: float | None, top=()) -> TextLogprob:
+            raw = as_bytes(token_id)
+            # -inf (a token the model rules out) has no JSON spelling: vLLM's floor stands in for it.
+            value = None if logprob is None else max(logprob, -9999.0)
+            return TextLogprob(raw.decode("utf-8", errors="replace"), value, list(raw), top)
+
+        return [text(prompt[i], None) if e is None else
+                text(e.token_id, e.logprob, tuple(text(t, lp) for t, lp in e.top)) for i, e in enumerate(entries)]
 
     async def _resume(self, request: GenerationRequest, ids: list[int], params: SamplingParams):
         """The rest of an answer begun elsewhere: prompt + its tokens as the prompt, the text decoded

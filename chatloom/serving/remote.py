@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, GenerationRequest)
+                                      Delta, GenerationRequest, TextLogprob)
 from chatloom.serving.openai_protocol import error_message, sampling_to_body
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class TokenChunk:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict | None = None
+    logprobs: list[TextLogprob] | None = None  # where asked and the server gives them
 
 
 @dataclass
@@ -250,10 +251,13 @@ class RemoteBackend(Backend):
             raise ReplicaError(f"{where}: the stream was closed ({type(exc).__name__})") from None
 
     async def stream_tokens(self, prompt_ids: list[int], params: SamplingParams,
-                            request_id: str | None = None) -> AsyncIterator[TokenChunk]:
-        """Generate from a token-id prompt; every chunk carries its token ids."""
+                            request_id: str | None = None, logprobs: int | None = None) -> AsyncIterator[TokenChunk]:
+        """Generate from a token-id prompt; every chunk carries its token ids (and, with `logprobs`, the
+        log probabilities the server gives for them)."""
         body = {"model": self.model, "prompt": prompt_ids, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}, **sampling_to_body(params)}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         finish: TokenChunk | None = None
         async for chunk in self._stream("/v1/completions", body, request_id):
             choices = chunk.get("choices") or []
@@ -263,7 +267,8 @@ class RemoteBackend(Backend):
                 if ids is None:
                     raise ReplicaError(f"{self.base_url} returns no token ids (chatloom replicas and vLLM "
                                        f">= 0.10.2 do, with return_token_ids)")
-                piece = TokenChunk(c.get("text") or "", list(ids), c.get("finish_reason"))
+                piece = TokenChunk(c.get("text") or "", list(ids), c.get("finish_reason"),
+                                   logprobs=completion_logprobs(c.get("logprobs")) if logprobs is not None else None)
                 if piece.finish_reason is not None:
                     finish = piece  # usage may follow in its own chunk
                     continue
@@ -323,26 +328,16 @@ class RemoteBackend(Backend):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         self.resolve_model(request.model)
         params = sampling_params(request)
+        if request.prompt_logprobs is not None:
+            raise BadGenerationRequest("the prompt's logprobs (echo with logprobs) are not supported by a remote "
+                                       "backend", "unsupported_value", "echo")
         if request.messages is not None and self._tokenizer is None:
-            body = {"model": self.model, "messages": request.messages, "stream": True,
-                    "stream_options": {"include_usage": True}, **sampling_to_body(params)}
-            final = None
-            async for chunk in self._stream("/v1/chat/completions", body, request.request_id):
-                for c in chunk.get("choices") or []:
-                    text = (c.get("delta") or {}).get("content") or ""
-                    if c.get("finish_reason"):
-                        final = Delta(text, True, c["finish_reason"])
-                    elif text:
-                        yield Delta(text)
-                if chunk.get("usage") and final is not None:
-                    u = chunk["usage"]
-                    final.prompt_tokens = u.get("prompt_tokens", 0)
-                    final.completion_tokens = u.get("completion_tokens", 0)
-                    final.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            if final is None:
-                raise ReplicaError(f"{self.base_url}: the answer ended without a finish reason")
-            yield final
+            async for delta in self._stream_chat(request, params):
+                yield delta
             return
+        if request.n > 1:
+            raise BadGenerationRequest("n above 1 is not supported by a remote backend that sends token ids",
+                                       "unsupported_value", "n")
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
@@ -352,14 +347,63 @@ class RemoteBackend(Backend):
                    else await self.tokenize(prompt=request.prompt))
         else:
             raise BadGenerationRequest("a request needs messages or a prompt", param="messages")
-        async for piece in self.stream_tokens(ids, params, request.request_id):
+        async for piece in self.stream_tokens(ids, params, request.request_id, request.logprobs):
             if piece.finish_reason is None:
-                yield Delta(piece.text)
+                yield Delta(piece.text, logprobs=piece.logprobs)
             else:
                 u = piece.usage or {}
                 yield Delta(piece.text, True, piece.finish_reason, u.get("prompt_tokens", len(ids)),
                             u.get("completion_tokens", 0),
-                            (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                            (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, logprobs=piece.logprobs)
+
+    async def _stream_chat(self, request: GenerationRequest, params: SamplingParams) -> AsyncIterator[Delta]:
+        """A chat request as chat completions (no local tokenizer): its n choices and logprobs passed through."""
+        body = {"model": self.model, "messages": request.messages, "stream": True,
+                "stream_options": {"include_usage": True}, **sampling_to_body(params)}
+        if request.n > 1:
+            body["n"] = request.n
+        if request.logprobs is not None:
+            body.update(logprobs=True, top_logprobs=request.logprobs)
+        finals: dict[int, Delta] = {}
+        usage: dict = {}
+        async for chunk in self._stream("/v1/chat/completions", body, request.request_id):
+            for c in chunk.get("choices") or []:
+                index = c.get("index") or 0
+                text = (c.get("delta") or {}).get("content") or ""
+                found = chat_logprobs(c.get("logprobs")) if request.logprobs is not None else None
+                if c.get("finish_reason"):
+                    finals[index] = Delta(text, True, c["finish_reason"], index=index, logprobs=found)
+                elif text or found:
+                    yield Delta(text, index=index, logprobs=found)
+            usage = chunk.get("usage") or usage
+        if len(finals) < request.n:
+            raise ReplicaError(f"{self.base_url}: the answer ended without a finish reason")
+        for index in sorted(finals):  # the counts cover every choice: they go on the first
+            final = finals[index]
+            if index == 0:
+                final.prompt_tokens = usage.get("prompt_tokens", 0)
+                final.completion_tokens = usage.get("completion_tokens", 0)
+                final.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            yield final
+
+
+def chat_logprobs(found: dict | None) -> list[TextLogprob]:
+    """A chat chunk's `logprobs.content` (OpenAI's shape) as TextLogprob entries."""
+    entries = (found or {}).get("content") or []
+    return [TextLogprob(e.get("token", ""), e.get("logprob"), e.get("bytes"),
+                        tuple(TextLogprob(t.get("token", ""), t.get("logprob"), t.get("bytes"))
+                              for t in e.get("top_logprobs") or []))
+            for e in entries if isinstance(e, dict)]
+
+
+def completion_logprobs(found: dict | None) -> list[TextLogprob]:
+    """A completion chunk's logprobs (the legacy shape: tokens, token_logprobs, top_logprobs) as entries."""
+    found = found or {}
+    tokens, values = found.get("tokens") or [], found.get("token_logprobs") or []
+    tops = found.get("top_logprobs") or [None] * len(tokens)
+    return [TextLogprob(t, v, None, tuple(TextLogprob(k, lp) for k, lp in sorted((top or {}).items(),
+                                                                                  key=lambda kv: -kv[1])))
+            for t, v, top in zip(tokens, values, tops)]
 
 
 def sampling_params(request: GenerationRequest) -> SamplingParams:

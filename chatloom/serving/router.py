@@ -342,6 +342,11 @@ class Router(Backend):
             raise BackendNotReady(self._error or f"the router for {self.model!r} is starting")
         self.resolve_model(request.model)
         params = sampling_params(request)
+        if request.n > 1 or request.logprobs is not None or request.prompt_logprobs is not None:
+            # Continuing an answer on another replica re-sends its tokens, which neither several choices
+            # nor their logprobs survive.
+            raise BadGenerationRequest("n above 1 and logprobs are not supported through the router",
+                                       "unsupported_value", "n" if request.n > 1 else "logprobs")
         ids = await self.prompt_ids(request)
         if len(ids) >= self.context_window:
             raise BadGenerationRequest(f"the prompt has {len(ids)} tokens; this model's context window is "

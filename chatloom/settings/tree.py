@@ -84,6 +84,8 @@ class SamplingSettings(Group):
     top_k: int = Field(0, ge=0, description="Sample among the K likeliest tokens (0: off).")
     max_tokens: int = Field(512, gt=0, description="Answer length when a request does not say.")
     max_tokens_limit: int = Field(4096, gt=0, description="The most max_tokens a request may ask for.")
+    max_n: int = Field(8, ge=1, description="The most choices (n) one OpenAI-API request may ask for; "
+                                            "above it the request is refused with a 400.")
 
 
 class AccountSettings(Group):

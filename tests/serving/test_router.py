@@ -158,5 +158,10 @@ async def test_bad_replica_urls_fail_at_start_with_reasons_and_never_hang(fleet,
         # A grammar cannot travel to replicas: refused with a clear 400 rather than answered unconstrained.
         with pytest.raises(BadGenerationRequest, match="structured output"):
             await collect(mixed, GenerationRequest(prompt="hi", constraint=Constraint.regex("[0-9]+")))
+        # Nor do several choices or logprobs survive an answer moving to another replica.
+        for extra, param in (({"n": 2}, "n"), ({"logprobs": 1}, "logprobs")):
+            with pytest.raises(BadGenerationRequest, match="not supported through the router") as refused:
+                await collect(mixed, GenerationRequest(prompt="hi", **extra))
+            assert refused.value.param == param
     finally:
         await mixed.close()

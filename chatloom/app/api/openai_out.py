@@ -48,11 +48,38 @@ class AssistantMessageOut(BaseModel):
 FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 
 
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobsOut(BaseModel):
+    """With `logprobs: true`: one entry per answer token, with `top_logprobs` alternatives each."""
+
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
+class CompletionLogprobsOut(BaseModel):
+    """With `logprobs: k`: per token its text, logprob, the k likeliest tokens and the chosen one, and where it
+    starts in the choice's text; None for an echoed prompt's first token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoiceOut(BaseModel):
     index: int
     message: AssistantMessageOut
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobsOut | None = None
 
 
 class ChatCompletionOut(BaseModel):
@@ -72,7 +99,7 @@ class CompletionChoiceOut(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: CompletionLogprobsOut | None = None
 
 
 class CompletionOut(BaseModel):

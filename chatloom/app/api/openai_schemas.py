@@ -2,7 +2,7 @@
 
 Unknown OpenAI parameters (presence_penalty, logit_bias...) are accepted and ignored, as other
 compatible servers do, so existing clients keep working; parameters that would change the answer
-in a way this server cannot honour (n > 1, echo, several prompts) are refused with a 400.
+in a way this server cannot honour (suffix, best_of > 1) are refused with a 400.
 """
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from chatloom.app.core.validation import Seed
 from chatloom.serving import Constraint, ConstraintError
 from chatloom.store import User
 
+# OpenAI's limits for top_logprobs (chat) and logprobs (completions).
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 # A role:tool message longer than this is refused (a tool that dumps a whole file into the prompt).
 MAX_TOOL_OUTPUT_CHARS = 32_000
 
@@ -103,12 +106,11 @@ class SamplingIn(BaseModel):
 
     def ask(self, user: User, request_id: str, param: str, max_tokens: int | None,
             reasoning_effort: str | None = None) -> Ask:
-        if self.n not in (None, 1):
-            raise ApiError(400, "only n=1 is supported", "unsupported_value", "n")
-        # Left out, temperature and top_p are the service's sampling defaults (settings: [sampling]).
+        # Left out, temperature and top_p are the service's sampling defaults (settings: [sampling]); n
+        # above the service's maximum is refused by the pipeline, which knows it.
         return Ask(user=user, model=self.model, max_tokens=max_tokens, temperature=self.temperature,
                    top_p=self.top_p, seed=self.seed, stop=tuple(self.stop or ()),
-                   reasoning_effort=reasoning_effort, request_id=request_id, param=param)
+                   reasoning_effort=reasoning_effort, request_id=request_id, param=param, n=self.n or 1)
 
 
 class FunctionIn(BaseModel):
@@ -159,6 +161,8 @@ class ChatCompletionIn(SamplingIn):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormatIn | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def tool_use(self) -> ToolUse | None:
         """The request's tools and tool_choice, checked: 400 for an unknown name or a bad schema."""
@@ -235,7 +239,10 @@ class ChatCompletionIn(SamplingIn):
         if constraint is not None and ask.reasoning_effort is not None:
             raise ApiError(400, "reasoning_effort cannot be combined with constrained output (response_format "
                            "or a forced tool_choice)", "invalid_value", "reasoning_effort")
-        return replace(ask, constraint=constraint, tools=tools)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", "invalid_value", "top_logprobs")
+        return replace(ask, constraint=constraint, tools=tools,
+                       logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 def checked(constraint: Constraint | None, what: str, param: str) -> Constraint | None:
@@ -250,34 +257,41 @@ def checked(constraint: Constraint | None, what: str, param: str) -> Constraint 
 
 
 class CompletionIn(SamplingIn):
-    """/v1/completions: one prompt, as text or as token ids (benchmark tools send both)."""
+    """/v1/completions: a prompt, as text or as token ids (benchmark tools send both), or a list of them;
+    each prompt gets n choices, choice j of prompt i at index i * n + j."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
-    def to_prompt(self) -> TextPrompt | TokenPrompt:
+    def to_prompts(self) -> list[TextPrompt | TokenPrompt]:
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str):
-            if not p:
-                raise ApiError(400, "prompt must not be empty", "invalid_value", "prompt")
-            return TextPrompt(p)
-        if not p or not all(isinstance(t, int) for t in p):
-            raise ApiError(400, "only one prompt per request is supported: a string or one list of token ids",
-                           "unsupported_value", "prompt")
-        return TokenPrompt(list(p))
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            p = [p]  # one prompt
+        if not p:
+            raise ApiError(400, "prompt must not be empty", "invalid_value", "prompt")
+        prompts: list[TextPrompt | TokenPrompt] = []
+        for i, one in enumerate(p):
+            if not one:
+                raise ApiError(400, f"prompt[{i}] is empty", "invalid_value", "prompt")
+            if isinstance(one, str):
+                prompts.append(TextPrompt(one))
+            elif isinstance(one, list) and all(isinstance(t, int) for t in one):
+                prompts.append(TokenPrompt(list(one)))
+            else:
+                raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either",
+                               "invalid_value", "prompt")
+        return prompts
 
     def to_ask(self, user: User, request_id: str) -> Ask:
-        if self.echo:
-            raise ApiError(400, "echo is not supported", "unsupported_value", "echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "unsupported_value", "suffix")
         if self.best_of not in (None, 1):
             raise ApiError(400, "only best_of=1 is supported", "unsupported_value", "best_of")
-        return self.ask(user, request_id, "prompt", self.max_tokens)
+        ask = self.ask(user, request_id, "prompt", self.max_tokens)
+        return replace(ask, logprobs=self.logprobs, prompt_logprobs=self.logprobs if self.echo else None)
 
 
 def prompt_text(prompt: Prompt, decode) -> str:

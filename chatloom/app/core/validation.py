@@ -90,16 +90,18 @@ def scan_json_body(body: bytes) -> tuple[str, str] | None:
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, context_window: int, pool_tokens: int | None,
-               param: str = "messages") -> None:
+               param: str = "messages", choices: int = 1) -> None:
     """Refuse (400) a request no amount of waiting would let run: a prompt that leaves no room in the
     context window for an answer, or one whose prompt plus answer (at most the window; the engine
-    stops answers there) needs more KV cache than the engine's whole pool.
+    stops answers there) needs more KV cache than the engine's whole pool; with several `choices`,
+    the prompt once and each choice's answer.
     The same limits the engine enforces, checked before quotas and the queue see the request."""
     if prompt_tokens >= context_window:
         raise ApiError(400, f"the prompt has {prompt_tokens} tokens; the context window is {context_window} "
                        "tokens and the answer needs room too; shorten the messages", "context_length_exceeded",
                        param)
     need = min(prompt_tokens + max_tokens, context_window)
+    need += (choices - 1) * (need - prompt_tokens)
     if pool_tokens is not None and need > pool_tokens:
         raise ApiError(400, f"this request needs up to {need} tokens of KV cache; the server's whole pool "
                        f"holds {pool_tokens}; shorten the messages or lower max_tokens", "context_length_exceeded",

@@ -14,7 +14,9 @@ through the same stages, in this order:
     await run.close()                              # release the slot, settle, meter, observe (idempotent)
 
 `stream()` yields typed pieces, a union of small frozen dataclasses: `Thinking` and `AnswerText` as text
-arrives, then exactly one `Finished` (finish reason, `Usage`, `Timings`). Fronts match on the piece type
+arrives, then exactly one `Finished` (finish reason, `Usage`, `Timings`). An ask of n > 1 choices is read
+with `stream_choices()` instead: each piece comes as a `Choice` with its index, and each choice ends with
+its own `Finished` (choice_stream.py holds one choice's state). Fronts match on the piece type
 and ignore types they do not know, so new kinds can be added without breaking them: `ToolCall` is one
 (a whole call the model made, picked out of its text when the ask has tools; see tool_calls.py).
 An ask may carry a `constraint` (JSON mode, a schema...) that the engine enforces token by token. Prompts are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`); continuing an answer from
@@ -49,8 +51,10 @@ from chatloom.app.traffic.admission import BATCH, INTERACTIVE, REASONING, Slot
 from chatloom.app.core.errors import ApiError
 from chatloom.app.traffic.quotas import QuotaExceeded
 from chatloom.settings import Settings
-from chatloom.app.generation.run_types import (AnswerText, Ask, BudgetSpent, ChatPrompt, Finished, GenerationStopped,
-                                               Limits, Piece, Prompt, TextPrompt, Thinking, TokenPrompt)
+from chatloom.app.generation.choice_stream import ChoiceStream
+from chatloom.app.generation.run_types import (AnswerText, Ask, BudgetSpent, ChatPrompt, Choice, Finished,
+                                               GenerationStopped, Limits, Piece, Prompt, PromptLogprobs, TextPrompt,
+                                               Thinking, TokenPrompt)
 from chatloom.app.generation.tool_calls import ToolCall, ToolCallParser
 from chatloom.app.traffic.control import Traffic
 from chatloom.app.core.validation import check_fits, off_loop
@@ -58,9 +62,8 @@ from chatloom.serving import Backend, GenerationRequest, Timings, Usage
 
 # The trip's values live in run_types.py; fronts import them from here with the pipeline.
 __all__ = ["Pipeline", "Run", "Ask", "Limits", "ChatPrompt", "TextPrompt", "TokenPrompt", "Prompt", "Thinking",
-           "AnswerText", "Finished", "Piece", "ToolCall", "GenerationStopped", "BudgetSpent"]
-
-REPLACEMENT_CHAR = "\ufffd"
+           "AnswerText", "PromptLogprobs", "Finished", "Piece", "Choice", "ToolCall", "GenerationStopped",
+           "BudgetSpent"]
 
 
 # -- the pipeline -----------------------------------------------------------------------------
@@ -96,6 +99,8 @@ class Pipeline:
         if max_tokens >= window:
             raise ApiError(400, f"max_tokens must be below the context window ({window} tokens)",
                            "invalid_value", "max_tokens")
+        if ask.n > sampling.max_n:
+            raise ApiError(400, f"n may be at most {sampling.max_n}", "invalid_value", "n")
         max_tokens = traffic.cap_max_tokens(tier, max_tokens)
         effort = traffic.effort(ask.reasoning_effort)
         model, max_tokens, effort = traffic.degrade(tier, model, max_tokens, effort)
@@ -115,7 +120,8 @@ class Run:
         self.limits = limits
         self.request_id = ask.request_id or f"gen-{uuid.uuid4().hex}"
         self.max_tokens = limits.max_tokens  # lowered when the prompt leaves less room
-        self.usage = Usage()  # of the stream, so far (settled even if the run fails half-way)
+        self.usage = Usage()  # of the stream, so far (settled even if the run fails half-way), every choice's
+        self._choice_usage: dict[int, Usage] = {}
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop sequence that ended the answer (see Finished)
         self.timings: Timings | None = None
@@ -197,7 +203,8 @@ class Run:
                            "and the answer needs room too", "context_length_exceeded", self.ask.param)
         self.max_tokens = min(self.max_tokens, window - prompt_tokens)
         # nor more KV cache than the engine's whole pool (it would wait in the queue forever).
-        check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param)
+        check_fits(prompt_tokens, self.max_tokens, window, self.pipeline.backend.kv_pool_tokens, self.ask.param,
+                   self.ask.n)
 
     async def reserve(self, prompt: Prompt | int, extra_rounds: int = 0, summaries: int = 0) -> None:
         """Refuse a prompt that can never fit (400), reserve the run's budget from the quota (429 past it),
@@ -215,7 +222,7 @@ class Run:
         then asks the quota itself and is skipped if refused: summary_admission.py)."""
         tokens = prompt if isinstance(prompt, int) else self._prepare(prompt)[1]
         self._fit(tokens)
-        first = tokens + self.max_tokens
+        first = tokens + self.max_tokens * self.ask.n  # the choices share the prompt, not the answer
         tier = self.limits.tier
         budget = max(first, min(first * (1 + 2 * max(0, extra_rounds)), tier.tokens_per_minute))
         if self.ask.batch:
@@ -245,9 +252,8 @@ class Run:
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
         if self._reservation is None:
-            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier,
-                                                           self.charged(tokens + self.max_tokens))
-            self.budget = tokens + self.max_tokens
+            self.budget = tokens + self.max_tokens * self.ask.n
+            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, self.charged(self.budget))
         elif not self.continuing:  # a continued answer's tokens were reserved when it began
             self._within_budget(tokens)
         if self.stopped:
@@ -283,7 +289,7 @@ class Run:
         nothing is left. Never asks the quota for more: the answer may already be streaming."""
         if self.budget is None:
             return
-        room = self.budget - self._rounds.total_tokens - prompt_tokens
+        room = (self.budget - self._rounds.total_tokens - prompt_tokens) // self.ask.n
         if room < 1:
             raise BudgetSpent
         self.max_tokens = min(self.max_tokens, room)
@@ -321,13 +327,14 @@ class Run:
     # -- the model ------------------------------------------------------------------------------
     def _request(self) -> GenerationRequest:
         assert self._prepared is not None, "admit() first"
-        sent, limits = self._prepared[1], self.limits
+        sent, limits, ask = self._prepared[1], self.limits, self.ask
         req = GenerationRequest(model=limits.model, max_tokens=self.max_tokens, temperature=limits.temperature,
-                                top_p=limits.top_p, top_k=self.ask.top_k or 0, seed=self.ask.seed, stop=list(self.ask.stop),
+                                top_p=limits.top_p, top_k=ask.top_k or 0, seed=ask.seed, stop=list(ask.stop),
                                 request_id=self.request_id,  # low priority numbers run first; batch is last
-                                priority=self.pipeline.settings.batch.engine_priority if self.ask.batch
+                                priority=self.pipeline.settings.batch.engine_priority if ask.batch
                                 else -limits.tier.priority,
-                                constraint=self.ask.constraint)
+                                constraint=ask.constraint, n=ask.n, logprobs=ask.logprobs,
+                                prompt_logprobs=ask.prompt_logprobs)
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
             req.continue_final = sent.continue_final
@@ -339,11 +346,15 @@ class Run:
 
     async def stream(self) -> AsyncIterator[Piece]:
         """The answer as pieces; the last is Finished. Closing the iterator aborts the request."""
-        backend = self.pipeline.backend
-        guard = self.traffic.output_guard()
-        splitter = reasoning.ThinkingSplitter() if self.limits.effort is not None else None
-        tools = self.ask.tools
-        calls = ToolCallParser(tools.names()) if tools is not None and tools.active else None
+        async with aclosing(self.stream_choices()) as choices:
+            async for choice in choices:
+                yield choice.piece
+
+    async def stream_choices(self) -> AsyncIterator[Choice]:
+        """The answer's pieces by choice (an ask of n > 1), each choice ending with its own Finished.
+        Closing the iterator aborts the request."""
+        backend, ask = self.pipeline.backend, self.ask
+        choices: dict[int, ChoiceStream] = {}
         aborted = False
         if self.gave_way:
             raise batch_class.gave_way()
@@ -354,42 +365,41 @@ class Run:
                 if self.stopped and not aborted:  # a stop that raced the request's start
                     backend.abort(self.request_id)
                     aborted = True
-                self.usage = delta.usage
-                cut = delta.finished and delta.finish_reason in ("length", "abort")
-                text = _drop_cut_character(delta.text) if cut else delta.text
-                if guard.verdict is None:
-                    parts = splitter.push(text) if splitter else [("answer", text)] if text else []
-                    if delta.finished and splitter:
-                        parts += splitter.finish()
-                    for kind, part in parts:
-                        if kind == "thinking":
-                            yield Thinking(part)
-                        else:
-                            for shown in await guard.push(part):
-                                for out in _split_calls(calls, shown):
-                                    yield out
-                    if delta.finished and guard.verdict is None:
-                        for shown in await guard.finish():
-                            for out in _split_calls(calls, shown):
-                                yield out
-                        for out in _split_calls(calls, None):
-                            yield out
-                    if guard.verdict is not None and not aborted:
-                        # Caught before the user saw it: stop the model now; the run ends as content_filter.
-                        self.traffic.output_blocked(guard)
-                        if not delta.finished:
-                            backend.abort(self.request_id)
-                            aborted = True
+                self._count(delta)
+                choice = choices.get(delta.index)
+                if choice is None:
+                    choice = choices[delta.index] = self._choice_stream()
+                for piece in await choice.feed(delta):
+                    yield Choice(delta.index, piece)
+                if choice.guard.verdict is not None and not choice.blocked_reported:
+                    # Caught before the user saw it: the choice ends as content_filter. A lone answer stops
+                    # the model now; with several, the others go on (the engine stops requests, not choices).
+                    choice.blocked_reported = True
+                    self.traffic.output_blocked(choice.guard)
+                    if not delta.finished and ask.n == 1 and not aborted:
+                        backend.abort(self.request_id)
+                        aborted = True
                 if delta.finished and self.gave_way and delta.finish_reason == "abort":
                     raise batch_class.gave_way()
                 if delta.finished:
-                    self.finish_reason = "content_filter" if guard.verdict else (delta.finish_reason or "stop")
-                    if calls is not None and calls.calls and self.finish_reason == "stop":
-                        self.finish_reason = "tool_calls"
-                    if self.finish_reason == "stop":
-                        self.stop_sequence = delta.stop_sequence
+                    self.finish_reason = choice.finish_reason(delta)
+                    self.stop_sequence = delta.stop_sequence if self.finish_reason == "stop" else None
                     self.timings = delta.metrics
-                    yield Finished(self.finish_reason, delta.usage, delta.metrics, self.stop_sequence)
+                    yield Choice(delta.index, Finished(self.finish_reason, self._choice_usage[delta.index],
+                                                       delta.metrics, self.stop_sequence))
+
+    def _choice_stream(self) -> ChoiceStream:
+        tools = self.ask.tools
+        return ChoiceStream(self.traffic.output_guard(),
+                            reasoning.ThinkingSplitter() if self.limits.effort is not None else None,
+                            ToolCallParser(tools.names()) if tools is not None and tools.active else None)
+
+    def _count(self, delta) -> None:
+        """The run's usage after `delta`: the prompt once, every choice's answer tokens."""
+        self._choice_usage[delta.index] = delta.usage
+        first = self._choice_usage.get(0, delta.usage)
+        self.usage = Usage(first.prompt_tokens, sum(u.completion_tokens for u in self._choice_usage.values()),
+                           first.cached_tokens)
 
     def stop(self) -> None:
         """End the run early: leave the queue, or abort the backend request."""
@@ -434,17 +444,3 @@ class Run:
         if self.usage.total_tokens:
             self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage,
                                                  self.traffic.slo_class(self.limits.tier, self.kind))
-
-
-def _split_calls(parser: ToolCallParser | None, text: str | None) -> list[AnswerText | ToolCall]:
-    """Answer text as pieces: plain text, or the tool calls found in it (text None: the answer ended)."""
-    if parser is None:
-        return [AnswerText(text)] if text else []
-    parts = parser.finish() if text is None else parser.push(text)
-    return [p if isinstance(p, ToolCall) else AnswerText(p) for p in parts if p]
-
-
-def _drop_cut_character(text: str) -> str:
-    """An answer cut (by max_tokens or a stop) in the middle of a multi-byte character ends in U+FFFD,
-    the decoder's stand-in for the partial bytes: drop it rather than show a broken character."""
-    return text.rstrip(REPLACEMENT_CHAR)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from chatloom.app.generation.tool_calls import ToolCall, ToolUse
 from chatloom.app.traffic.tiers import Tier
 from chatloom.serving import Constraint, Timings, Usage
+from chatloom.serving.backend import TextLogprob
 from chatloom.store import User
 
 
@@ -33,6 +34,11 @@ class Ask:
     # Work that can wait (the Batch API): admitted below every interactive tier, last in the engine's
     # order, and charged to the quota at the batch discount.
     batch: bool = False
+    n: int = 1  # answers to the prompt, one prefill for all (Run.stream_choices yields them by index)
+    # Log probabilities of the answer's tokens with this many alternatives each (AnswerText.logprobs), and
+    # of the prompt's tokens (a PromptLogprobs piece); None: not asked.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,9 +84,18 @@ class Thinking:
 
 @dataclass(frozen=True)
 class AnswerText:
-    """Answer text that passed the output guard."""
+    """Answer text that passed the output guard; where the ask wants them, the log probabilities of the
+    tokens whose text is now out (choice_stream.py)."""
 
     text: str
+    logprobs: tuple[TextLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt tokens' log probabilities (None for the first token), before a choice's first answer piece."""
+
+    entries: tuple[TextLogprob | None, ...]
 
 
 @dataclass(frozen=True)
@@ -94,7 +109,15 @@ class Finished:
     stop_sequence: str | None = None
 
 
-Piece = Thinking | AnswerText | ToolCall | Finished
+Piece = Thinking | AnswerText | ToolCall | PromptLogprobs | Finished
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A piece of choice `index` of an ask with n > 1; each choice ends with its own Finished."""
+
+    index: int
+    piece: Piece
 
 
 class GenerationStopped(Exception):

@@ -76,8 +76,10 @@ class SpeculativeDecoder:
         """Set spec_token_ids on every running sequence whose next step is a decode."""
         self._draft_probs.clear()
         self._sources.clear()
-        # Constrained requests never speculate: their grammar masks only the next token's row.
-        ready = [s for s in running if len(s) - s.num_computed_tokens == 1 and s.params.constraint is None]
+        # Constrained requests never speculate: their grammar masks only the next token's row; nor do
+        # requests for logprobs, which are read from one row per sequence.
+        ready = [s for s in running if len(s) - s.num_computed_tokens == 1 and s.params.constraint is None
+                 and s.params.logprobs is None]
         for seq in running:
             seq.spec_token_ids = []
         if not ready:

@@ -11,20 +11,22 @@ TEXTS = ["Hello", "", ' "quoted" \\ back', "two\nlines\r\n", "caf\u00e9 \u4f60\u
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
-@pytest.mark.parametrize("fmt", [_ChatFormat(reasoning=True), _CompletionFormat()], ids=["chat", "completion"])
+@pytest.mark.parametrize("fmt", [_ChatFormat(reasoning=True, logprobs=False), _CompletionFormat(False, None, 1)],
+                         ids=["chat", "completion"])
 def test_text_chunks_match_whole_encoding(fmt, include_usage):
     base = {"id": "chatcmpl-abc", "object": fmt.object, "created": 1700000000, "model": "m\u00e9",
             "system_fingerprint": None}
 
-    def chunk(choice: dict) -> bytes:
+    def chunk(choice: dict, index: int = 0) -> bytes:
         data = {**base, "object": fmt.chunk_object,
-                "choices": [{"index": 0, "logprobs": None, "finish_reason": None, **choice}]}
+                "choices": [{"index": index, "logprobs": None, "finish_reason": None, **choice}]}
         if include_usage:
             data["usage"] = None
         return frame(data)
 
     text_chunk = _TextChunks(chunk, fmt)
     fields = ["content", "reasoning_content"] if isinstance(fmt, _ChatFormat) else ["text"]
-    for field in fields:
-        for text in TEXTS:
-            assert text_chunk(field, text) == chunk(fmt.text_choice(field, text))
+    for index in (0, 2):  # each choice of several has its own template
+        for field in fields:
+            for text in TEXTS:
+                assert text_chunk(field, text, index) == chunk(fmt.text_choice(field, text), index)

@@ -83,8 +83,8 @@ def test_errors_come_in_openai_shape(sdk, live):
         sdk.chat.completions.create(model="gpt-4o", messages=HELLO)
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model=MODEL, messages=HELLO, n=2)
-    assert e.value.body["param"] == "n"
+        sdk.chat.completions.create(model=MODEL, messages=HELLO, n=9)  # above [sampling] max_n
+    assert e.value.body["param"] == "n" and "at most 8" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 3000}], max_tokens=4)
     assert e.value.code == "context_length_exceeded"

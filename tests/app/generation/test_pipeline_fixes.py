@@ -188,15 +188,16 @@ async def test_completions_with_text_and_token_ids(client, alice, tiny_backend):
     assert usage["totals"]["requests"] == 3  # metered like every other answer
 
 
-@pytest.mark.parametrize("prompt,code", [(["a", "b"], "unsupported_value"), ([[1], [2]], "unsupported_value"),
-                                          ("", "invalid_value"), ([10**9], "invalid_request"), ([], "unsupported_value")])
+@pytest.mark.parametrize("prompt,code", [(["a", ""], "invalid_value"), ([[1], []], "invalid_value"),
+                                          ("", "invalid_value"), ([10**9], "invalid_request"), ([], "invalid_value")])
 async def test_bad_completion_prompts(client, alice, prompt, code):
     r = await client.post("/v1/completions", headers=alice, json={"model": "tiny-random", "prompt": prompt})
     assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
 
 
 async def test_completion_options_that_cannot_be_honoured(client, alice):
-    for extra, param in (({"echo": True}, "echo"), ({"n": 2}, "n"), ({"best_of": 3}, "best_of")):
+    for extra, param in (({"suffix": "x"}, "suffix"), ({"n": 9}, "n"), ({"best_of": 3}, "best_of"),
+                         ({"logprobs": 6}, "logprobs")):
         r = await client.post("/v1/completions", headers=alice,
                               json={"model": "tiny-random", "prompt": "hi", **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param
