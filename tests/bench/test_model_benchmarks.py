@@ -48,12 +48,16 @@ def test_tiny_model_modes(capsys):
 
 def test_kquant_matmul_bench(capsys):
     assert main(["bench", "kquant-matmul", "--kinds", "Q4_K", "Q6_K", "--k", "256", "--n", "32",
-                 "--rows", "1", "3", "--seconds", "0.01"]) == 0
+                 "--rows", "1", "3", "--seconds", "0.01", "--layers", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["kinds"]) == {"Q4_K", "Q6_K"}
     assert out["kinds"]["Q4_K"]["bytes_per_weight"] == 0.75
     assert out["kinds"]["Q6_K"]["bytes_per_weight"] == 1.5
     assert out["kinds"]["Q6_K"]["by_rows"]["3"]["float32_ms"] > 0
+    if "superblock_bytes_per_weight" in out["kinds"]["Q4_K"]:  # the super-block kernel (AVX-512)
+        assert out["kinds"]["Q4_K"]["superblock_bytes_per_weight"] == 0.5781  # 4.625 bits
+        assert out["kinds"]["Q6_K"]["superblock_bytes_per_weight"] == 0.8203  # 6.5625 bits
+        assert out["kinds"]["Q6_K"]["by_rows"]["1"]["superblock_gb_per_s"] > 0
 
 
 def test_kv_cache_modes_run_through_a_pool_of_their_dtype():
