@@ -201,8 +201,9 @@ def test_q4_k_m_gguf_keeps_its_blocks_and_matches_transformers(tmp_path, caplog)
     layer = loaded.model.layers[0]
     modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                loaded.model.lm_head)
-    if kquant_matmul_supported(kernels):  # Q4_K + Q6_K parts: their super-blocks
-        assert all(isinstance(module, KQuantLinear) for module in modules)
+    if kquant_matmul_supported(kernels):  # Q4_K and Q6_K: their super-blocks; Q5_K (O): 8-bit codes
+        assert all(isinstance(module, KQuantLinear) for module in modules if module is not layer.self_attn.o_proj)
+        assert isinstance(layer.self_attn.o_proj, QuantizedLinear)
         assert set(layer.self_attn.qkv_proj.kinds.tolist()) == {0, 1}
     else:
         assert all(isinstance(module, QuantizedLinear) for module in modules)
