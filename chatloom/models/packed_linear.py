@@ -6,7 +6,9 @@ the batch. `pack_linears` swaps a model's `nn.Linear` layers for these after loa
 `PackedLinear` holds float32 panels; `QuantizedLinear` keeps a GGUF file's Q4_0, Q4_1
 or Q8_0 weights at 4 or 8 bits and expands them inside the kernel, bit-identical to the
 float32 dequantization but with a fraction of the memory traffic per decode step; with
-int8 activations (opt-in) it multiplies those codes in integers instead.
+int8 activations (opt-in) it multiplies those codes in integers instead. `KQuantLinear`
+keeps Q4_K and Q6_K layers in their super-blocks (kquant_panels.py), the exact mode's
+layout for them where the CPU has AVX-512.
 """
 from __future__ import annotations
 
