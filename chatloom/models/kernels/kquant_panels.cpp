@@ -176,7 +176,7 @@ struct Accumulate {
   int64_t k_dim;
   __m512 (&acc)[NP][R];
   CHATLOOM_WIDE inline void operator()(int64_t k, const __m512 (&wt)[NP]) const {
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
 #pragma GCC unroll 4
@@ -212,7 +212,7 @@ CHATLOOM_WIDE void tile(const float* x, const Panels& w, int64_t p0, float* out)
 template <int R, int KIND>
 CHATLOOM_WIDE void tile_run(const float* x, const Panels& w, int64_t p0, int64_t np, float* out) {
   // Q6_K's expansion holds two more vectors a panel (the high codes and their table).
-  constexpr int kMax = KIND == kQ4K ? (R <= 4 ? 4 : 3) : (R <= 2 ? 4 : R <= 4 ? 3 : 2);
+  constexpr int kMax = KIND == kQ4K ? (R <= 4 ? 4 : R <= 6 ? 3 : 2) : (R <= 2 ? 4 : R <= 4 ? 3 : 2);
   for (int64_t i = 0; i < np;) {
     const int64_t n = std::min<int64_t>(kMax, np - i);
     switch (n) {
@@ -226,11 +226,25 @@ CHATLOOM_WIDE void tile_run(const float* x, const Panels& w, int64_t p0, int64_t
 }
 
 // Rows [0, m) of x against the task's panels [p0, p1): each run of panels of one kind, tile by tile.
+// 7 or 8 rows (8 sequences in flight) are one tile of 8 rows x 2 panels, so that each weight row is
+// expanded once, not once per tile of 4 (16 accumulators, and 9-13 registers for the expansion).
 CHATLOOM_WIDE void few_rows_task(const float* x, int64_t m, const Panels& w, int64_t p0, int64_t p1, float* out) {
   for (int64_t a = p0; a < p1;) {
     int64_t b = a + 1;
     while (b < p1 && w.kinds[b] == w.kinds[a]) ++b;
     const bool q4 = w.kinds[a] == kQ4K;
+    if (m == 8) {
+      if (q4) tile_run<8, kQ4K>(x, w, a, b - a, out);
+      else tile_run<8, kQ6K>(x, w, a, b - a, out);
+      a = b;
+      continue;
+    }
+    if (m == 7) {
+      if (q4) tile_run<7, kQ4K>(x, w, a, b - a, out);
+      else tile_run<7, kQ6K>(x, w, a, b - a, out);
+      a = b;
+      continue;
+    }
     chatloom_kernels::for_each_row_tile(0, m, [&](int64_t r0, int64_t rows) {
       const float* xr = x + r0 * w.k_dim;
       float* orow = out + r0 * w.out_features;
