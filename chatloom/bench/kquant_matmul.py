@@ -1,10 +1,14 @@
 """Speed of the quantized matmul kernels, type by type, against the float32 kernel.
 
 For each GGUF type the kernels keep quantized, a random weight [n, k] in that type (valid
-blocks: random codes and scales) is multiplied by x [rows, k] three ways in one process:
-the float32 packed kernel on the dequantized weight (the baseline: what dequantizing at load
-gives), the exact quantized kernel (the same bits) and the int8-activation kernel, called in
-turn; times are medians, ratios are against the float32 baseline measured alongside.
+blocks: random codes and scales) is multiplied by x [rows, k] in one process: the float32
+packed kernel on the dequantized weight (the baseline: what dequantizing at load gives), the
+exact quantized kernel in the group-scale layout (the same bits), for Q4_K and Q6_K the exact
+kernel on the file's super-blocks (kquant_panels.py; the same bits again) and the
+int8-activation kernel, called in turn; times are medians, ratios are against the float32
+baseline measured alongside. With `layers` > 1 each kernel cycles through that many weights of
+the shape (as a decode step does through its layers), so that they come from memory rather than
+the caches; `gb_per_s` is then each layout's bytes over its time.
 """
 from __future__ import annotations
 
@@ -62,37 +66,62 @@ def interleaved_medians(fns: dict, seconds: float) -> dict[str, float]:
     return {name: round(statistics.median(v) * 1e3, 3) for name, v in samples.items()}
 
 
-def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds: float = 0.5) -> dict:
+def _nbytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.buffers() if t is not None)
+
+
+def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds: float = 0.5,
+                      layers: int = 1) -> dict:
     from chatloom.models.kernels import load_kernels
-    from chatloom.models.packed_linear import (QuantizedLinear, QuantizedWeight, int8_matmul_supported,
-                                               pack_quantized, pack_weight)
+    from chatloom.models.kquant_panels import PANEL_KINDS
+    from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, int8_matmul_supported,
+                                               kquant_matmul_supported, pack_quantized, pack_weight)
 
     kernels = load_kernels()
     if kernels is None:
         raise ValueError("the C++ kernels are unavailable (no compiler, or CHATLOOM_RUNTIME__KERNELS=0)")
     if k % 256:
         raise ValueError(f"k must be a multiple of 256 (K-quant super-blocks), got {k}")
+    if layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
     int8 = int8_matmul_supported(kernels)
     out: dict[str, dict] = {}
     for kind in kinds:
-        part = QuantizedWeight(kind, random_blocks(kind, n, k), n, k)
-        codes, scales = pack_quantized([part])
-        exact = QuantizedLinear(codes, scales, n, None, kernels)
-        fast = QuantizedLinear(codes, scales, n, None, kernels, int8_activations=True) if int8 else None
-        dense = pack_weight(exact.weight)
+        parts = [QuantizedWeight(kind, random_blocks(kind, n, k, seed), n, k) for seed in range(layers)]
+        packed = [pack_quantized([part]) for part in parts]
+        modes = {"float32": [], "exact": []}
+        for part, (codes, scales) in zip(parts, packed):
+            exact = QuantizedLinear(codes, scales, n, None, kernels)
+            modes["exact"].append(exact)
+            dense = pack_weight(exact.weight)
+            modes["float32"].append(lambda x, dense=dense: kernels.packed_linear(x, dense, n))
+            if kind in PANEL_KINDS and kquant_matmul_supported(kernels):
+                modes.setdefault("superblock", []).append(KQuantLinear.from_parts([part], n, None, kernels))
+            if int8:
+                modes.setdefault("int8", []).append(QuantizedLinear(codes, scales, n, None, kernels,
+                                                                    int8_activations=True))
+        weight_bytes = {"float32": 4 * n * k, "exact": _nbytes(modes["exact"][0])}
+        if "superblock" in modes:
+            weight_bytes["superblock"] = _nbytes(modes["superblock"][0])
         per_rows = {}
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            fns = {"float32_ms": lambda: kernels.packed_linear(x, dense, n), "exact_ms": lambda: exact(x)}
-            if fast is not None:
-                fns["int8_ms"] = lambda: fast(x)
-            row = interleaved_medians(fns, seconds)
+
+            def cycle(fns: list) -> callable:
+                turn = iter(range(10**12))
+                return lambda: fns[next(turn) % len(fns)](x)
+
+            row = interleaved_medians({f"{mode}_ms": cycle(fns) for mode, fns in modes.items()}, seconds)
             base = row["float32_ms"]
-            row["exact_speedup"] = round(base / row["exact_ms"], 2)
-            if fast is not None:
-                row["int8_speedup"] = round(base / row["int8_ms"], 2)
+            for mode in modes:
+                if mode != "float32":
+                    row[f"{mode}_speedup"] = round(base / row[f"{mode}_ms"], 2)
+            for mode, nbytes in weight_bytes.items():
+                row[f"{mode}_gb_per_s"] = round(nbytes / (row[f"{mode}_ms"] * 1e-3) / 1e9, 1)
             per_rows[str(m)] = row
-        weight_bytes = codes.numel() * codes.element_size() + scales.numel() * 4
-        out[kind] = {"bytes_per_weight": round(weight_bytes / (n * k), 3), "by_rows": per_rows}
-    return {"benchmark": "kquant-matmul", "k": k, "n": n, "threads": torch.get_num_threads(),
+        out[kind] = {"bytes_per_weight": round(weight_bytes["exact"] / (n * k), 3),
+                     **({"superblock_bytes_per_weight": round(weight_bytes["superblock"] / (n * k), 4)}
+                        if "superblock" in weight_bytes else {}),
+                     "by_rows": per_rows}
+    return {"benchmark": "kquant-matmul", "k": k, "n": n, "layers": layers, "threads": torch.get_num_threads(),
             "int8_supported": int8, "kinds": out}

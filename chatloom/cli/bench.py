@@ -105,6 +105,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=positive_int, default=2048, help="input features (a multiple of 256)")
     p.add_argument("--n", type=positive_int, default=2048, help="output features")
     p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--layers", type=positive_int, default=1,
+                   help="weights of the shape each kernel cycles through (enough for them to come from memory)")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--table", action="store_true", help="also print a human-readable table")

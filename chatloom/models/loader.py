@@ -16,7 +16,7 @@ from chatloom.models.hf_config import read_config_file
 from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.kernels import load_kernels
 from chatloom.models.memory_check import check_fits, dense_weight_bytes, gguf_weight_bytes
-from chatloom.models.packed_linear import QUANTIZED_KINDS, kernels_can_pack
+from chatloom.models.packed_linear import QUANTIZED_KINDS, kernels_can_pack, kquant_matmul_supported
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY, smollm2_path, tiny_random_config
 from chatloom.models.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from chatloom.models.weights import build_model, random_model
@@ -144,7 +144,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.read_config(reader, path.stem)
         keeps = torch_dtype == torch.float32 and kernels_can_pack(load_kernels())
-        check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps))
+        super_blocks = keeps and not int8_matmul and not bf16_matmul and kquant_matmul_supported(load_kernels())
+        check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps, super_blocks))
         tok = from_gguf(reader)
         weights = gguf_loader.read_weights(reader, cfg.architecture)
         quantized = gguf_loader.read_quantized(reader, cfg.architecture)

@@ -3,8 +3,9 @@
 Checked before any weight is read, so a model too big for the machine is refused with one
 line naming the sizes instead of being killed by the kernel's out-of-memory handler half-way
 through loading. The weight estimate follows what the loader keeps: GGUF blocks that a
-kernel reads stay at their panel layout's size (see packed_linear.quantized_layout), every
-other tensor becomes float32 (or the chosen dtype).
+kernel reads stay at their panel layout's size (see packed_linear.quantized_layout, and
+kquant_panels.py for Q4_K and Q6_K in the exact mode on AVX-512), every other tensor becomes
+float32 (or the chosen dtype).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from chatloom.models.config import ModelConfig, ModelError
 
 # Bytes per weight once packed for the kernels: codes plus a float32 (d, m) per 32 or per 16.
 _KEPT_BYTES_PER_WEIGHT = {"Q4_1": 0.75, "Q4_K": 0.75, "Q4_0": 1.25, "Q8_0": 1.25, "Q5_K": 1.25, "Q6_K": 1.5}
+# Q4_K and Q6_K kept in their super-blocks (kquant_panels.py): 4.625 and 6.5625 bits, each part its own.
+_SUPER_BLOCK_BYTES_PER_WEIGHT = {"Q4_K": 4.625 / 8, "Q6_K": 6.5625 / 8}
 _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 
@@ -52,8 +55,9 @@ def _fused_key(name: str) -> tuple[str, str] | None:
     return None
 
 
-def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool) -> int:
-    """Resident bytes of a GGUF file's tensors (gguf_loader.GGUFTensor list) once loaded."""
+def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool, super_blocks: bool = False) -> int:
+    """Resident bytes of a GGUF file's tensors (gguf_loader.GGUFTensor list) once loaded;
+    `super_blocks`: Q4_K and Q6_K layers are kept in their super-blocks (the exact mode on AVX-512)."""
     fused: dict[tuple[str, str], set[str]] = {}
     for t in tensors:
         key = _fused_key(t.name)
@@ -64,11 +68,14 @@ def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool) -> int:
         kind = t.tensor_type.name
         n = _numel(t)
         kinds = fused.get(_fused_key(t.name), {kind})
+        super_block = super_blocks and kinds <= _SUPER_BLOCK_BYTES_PER_WEIGHT.keys() and len(t.shape) in (2, 3)
         if t.name == "token_embd.weight":
             total += n * float_bytes  # the embedding table is looked up in floats
             if kind in _KEPT_BYTES_PER_WEIGHT and keeps_quantized and not any(
-                    u.name == "output.weight" for u in tensors):
-                total += int(n * _KEPT_BYTES_PER_WEIGHT[kind])  # and packed again as the tied head
+                    u.name == "output.weight" for u in tensors):  # and packed again as the tied head
+                total += int(n * (_SUPER_BLOCK_BYTES_PER_WEIGHT if super_block else _KEPT_BYTES_PER_WEIGHT)[kind])
+        elif keeps_quantized and super_block:
+            total += int(n * _SUPER_BLOCK_BYTES_PER_WEIGHT[kind])
         elif (keeps_quantized and kinds <= _KEPT_BYTES_PER_WEIGHT.keys()
               and len(t.shape) in (2, 3)):  # 3: stacked experts
             total += int(n * (_KEPT_BYTES_PER_WEIGHT["Q6_K"] if len(kinds) > 1 else _KEPT_BYTES_PER_WEIGHT[kind]))

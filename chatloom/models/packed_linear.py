@@ -6,7 +6,9 @@ the batch. `pack_linears` swaps a model's `nn.Linear` layers for these after loa
 `PackedLinear` holds float32 panels; `QuantizedLinear` keeps a GGUF file's Q4_0, Q4_1
 or Q8_0 weights at 4 or 8 bits and expands them inside the kernel, bit-identical to the
 float32 dequantization but with a fraction of the memory traffic per decode step; with
-int8 activations (opt-in) it multiplies those codes in integers instead.
+int8 activations (opt-in) it multiplies those codes in integers instead. `KQuantLinear`
+keeps Q4_K and Q6_K layers in their super-blocks (kquant_panels.py), the exact mode's
+layout for them where the CPU has AVX-512.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from chatloom.models.kernels import load_kernels
+from chatloom.models.kquant_panels import kquant_panels_fit, pack_kquant_panels, unpack_kquant_panels
 # The GGUF layouts live in quant_layout.py; these names are part of this module's interface too.
 from chatloom.models.quant_layout import (GROUP, PANEL, QUANT_BLOCK, QUANTIZED_KINDS,
                                           QuantizedWeight, from_float_kernel_layout, from_int8_layout,
@@ -81,7 +84,7 @@ class PackedLinear(KernelLinear):
 
 
 # Which kernel a NativeLinear calls (NativeLinear::Kind in kernels/decode_stack.h).
-NATIVE_PACKED, NATIVE_QUANTIZED, NATIVE_INT8, NATIVE_GROUPED, NATIVE_GROUPED_INT8, NATIVE_BF16 = range(6)
+NATIVE_PACKED, NATIVE_QUANTIZED, NATIVE_INT8, NATIVE_GROUPED, NATIVE_GROUPED_INT8, NATIVE_BF16, NATIVE_KQUANT = range(7)
 
 
 def _native(kernels, kind: int, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
@@ -251,6 +254,49 @@ class QuantizedLinear(KernelLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{group}{int8}"
 
 
+def kquant_matmul_supported(kernels) -> bool:
+    """Whether the kernels have the super-block K-quant matmul and this CPU runs it (AVX-512)."""
+    return kernels is not None and hasattr(kernels, "kquant_linear") and kernels.kquant_linear_supported()
+
+
+class KQuantLinear(KernelLinear):
+    """y = x @ W^T + b with W kept as GGUF Q4_K / Q6_K super-blocks (kquant_panels.py): the exact
+    mode's arithmetic (the bits of gguf's dequantizer followed by the float32 kernel) at about the
+    file's bytes per weight."""
+
+    def __init__(self, blob: torch.Tensor, offsets: torch.Tensor, kinds: torch.Tensor, in_features: int,
+                 out_features: int, bias: torch.Tensor | None, kernels) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("blob", blob)
+        self.register_buffer("offsets", offsets)
+        self.register_buffer("kinds", kinds)
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
+        self._kernels = kernels
+
+    @classmethod
+    def from_parts(cls, parts: list[QuantizedWeight], out_features: int, bias: torch.Tensor | None,
+                   kernels) -> "KQuantLinear":
+        return cls(*pack_kquant_panels(parts), parts[0].cols, out_features, bias, kernels)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [N, K] (a copy; for inspection, not for the hot path)."""
+        return unpack_kquant_panels(self.blob, self.offsets, self.kinds, self.in_features, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.kquant_linear(x, self.blob, self.offsets, self.kinds, self.out_features, self.bias)
+
+    def native(self):
+        return _native(self._kernels, NATIVE_KQUANT, self.blob, self.offsets, self.bias, self.kinds,
+                       self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"K-quant super-blocks ({self.blob.numel() * 8 / (self.in_features * self.out_features):.2f} bits a weight)")
+
+
 def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]] | None = None,
                  int8_activations: bool = False, bf16_weights: bool = False) -> bool:
     """Replace every float32 nn.Linear in `model` by a PackedLinear, or by a QuantizedLinear
@@ -271,6 +317,7 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     quantized = quantized or {}
     int8_activations = int8_activations and int8_matmul_supported(kernels)
     bf16_weights = bf16_weights and not int8_activations and bf16_matmul_supported(kernels)
+    kquant = kquant_matmul_supported(kernels)
     linears = [(parent, f"{prefix}.{name}" if prefix else name, name, child)
                for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
@@ -280,6 +327,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
         parts = quantized.get(path)
         if bf16_weights and child.in_features % 2 == 0:
             layer = BF16Linear.from_weight(child.weight, child.bias, kernels)
+        elif (parts and not int8_activations and kquant_panels_fit(parts) and kquant
+              and quantizable(parts, child.in_features, child.out_features)):
+            layer = KQuantLinear.from_parts(parts, child.out_features, child.bias, kernels)
         elif parts and quantizable(parts, child.in_features, child.out_features):
             codes, scales = pack_quantized(parts)
             if int8_activations and parts[0].kind == "Q4_0" and quantized_layout(parts) == "int8":

@@ -48,12 +48,17 @@ def test_tiny_model_modes(capsys):
 
 def test_kquant_matmul_bench(capsys):
     assert main(["bench", "kquant-matmul", "--kinds", "Q4_K", "Q6_K", "--k", "256", "--n", "32",
-                 "--rows", "1", "3", "--seconds", "0.01"]) == 0
+                 "--rows", "1", "3", "--seconds", "0.01", "--layers", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["kinds"]) == {"Q4_K", "Q6_K"}
     assert out["kinds"]["Q4_K"]["bytes_per_weight"] == 0.75
     assert out["kinds"]["Q6_K"]["bytes_per_weight"] == 1.5
     assert out["kinds"]["Q6_K"]["by_rows"]["3"]["float32_ms"] > 0
+    if "superblock_bytes_per_weight" in out["kinds"]["Q4_K"]:  # the super-block kernel (AVX-512)
+        # 4.625 and 6.5625 bits, and the panels' offsets and kinds (26 bytes for these 8,192 weights)
+        assert out["kinds"]["Q4_K"]["superblock_bytes_per_weight"] == round((4.625 / 8 * 8192 + 26) / 8192, 4)
+        assert out["kinds"]["Q6_K"]["superblock_bytes_per_weight"] == round((6.5625 / 8 * 8192 + 26) / 8192, 4)
+        assert out["kinds"]["Q6_K"]["by_rows"]["1"]["superblock_gb_per_s"] > 0
 
 
 def test_kv_cache_modes_run_through_a_pool_of_their_dtype():

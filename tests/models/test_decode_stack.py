@@ -19,7 +19,8 @@ from chatloom.engine.scheduler import ScheduledBatch
 from chatloom.engine.sequence import Sequence
 from chatloom.models.config import ModelConfig
 from chatloom.models.kernels import load_kernels
-from chatloom.models.packed_linear import QuantizedWeight, bf16_matmul_supported, int8_matmul_supported, pack_linears
+from chatloom.models.packed_linear import (KQuantLinear, QuantizedWeight, bf16_matmul_supported, int8_matmul_supported,
+                                           kquant_matmul_supported, pack_linears)
 from chatloom.models.registry import tiny_random_config
 
 import tiny_checkpoints as tc
@@ -411,6 +412,29 @@ def test_the_fused_argmax_ranks_like_torch_argmax():
     scales[2, 0, 0, 5] = 1000.0  # a large number does not beat a NaN
     logits, argmax = _both_heads(model)
     assert argmax.tolist() == [211] * 5 and torch.isnan(logits[:, 272]).all()
+
+
+@pytest.mark.skipif(not kquant_matmul_supported(kernels), reason="the super-block K-quant kernel needs AVX-512")
+def test_a_q4_k_m_model_steps_on_the_team_with_its_q6_k_head():
+    """Fused Q4_K + Q6_K layers and a Q6_K head, kept in their super-blocks: decode steps of up to 12
+    queries run on the team with the head as its last phase, wider ones call by call, all with the
+    module path's bits."""
+    model = _model()
+    quantized = _quantized(model, ["Q4_K", "Q6_K"])
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    quantized["lm_head"] = [QuantizedWeight("Q6_K", tc.random_kquant_blocks("Q6_K", vocab, hidden, 99), vocab, hidden)]
+    assert pack_linears(model, quantized)
+    layer = model.layers[0]
+    assert all(isinstance(layer.get_submodule(name), KQuantLinear) for name in LINEARS)
+    assert isinstance(model.lm_head, KQuantLinear)
+    stack = model.decode_stack()
+    assert stack.team_path and stack.has_head
+    stack.set_profiling(True)
+    _both_heads(model)
+    _both_heads(model, _plain_batch)
+    assert stack.profile()["head"] > 0 and stack.profile()["steps"] == 2
+    _both_heads(model, _wide_batch)
+    assert stack.profile()["steps"] == 2  # 14 queries: forward, then the head's kernel
 
 
 def test_int8_and_grouped_models_keep_the_call_by_call_stack():

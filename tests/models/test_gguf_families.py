@@ -19,7 +19,7 @@ from chatloom.models import describe_config, load_model
 from chatloom.models.gguf_loader import open_gguf, read_config
 from chatloom.models.kernels import load_kernels
 from chatloom.models.memory_check import gguf_weight_bytes
-from chatloom.models.packed_linear import QuantizedLinear
+from chatloom.models.packed_linear import KQuantLinear, QuantizedLinear, kquant_matmul_supported
 
 import tiny_checkpoints as tc
 import tiny_gguf as tg
@@ -83,7 +83,9 @@ def test_kquant_gguf_matches_transformers(checkpoint, caplog):
             linears += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj]
     else:
         linears += [mlp.gate_up_proj, mlp.down_proj]
-    assert all(isinstance(m, QuantizedLinear) for m in linears)
+    # Q4_K and Q6_K layers keep their super-blocks where the CPU runs that kernel, the rest 32-weight groups.
+    assert all(isinstance(m, (QuantizedLinear, KQuantLinear)) for m in linears)
+    assert any(isinstance(m, KQuantLinear) for m in linears) == kquant_matmul_supported(kernels)
 
 
 def test_memory_estimate_is_what_the_model_holds(checkpoint):
@@ -91,7 +93,7 @@ def test_memory_estimate_is_what_the_model_holds(checkpoint):
     layers of mixed types in the grouped one) is the bytes the loaded model really holds."""
     arch, path, _ = checkpoint
     tensors = open_gguf(path).tensors
-    kept, dense = gguf_weight_bytes(tensors, 4, True), gguf_weight_bytes(tensors, 4, False)
+    kept, dense = gguf_weight_bytes(tensors, 4, True, kquant_matmul_supported(kernels)), gguf_weight_bytes(tensors, 4, False)
     assert kept < dense * 0.5
     assert describe_config(str(path)).architecture == arch
     if kernels is None:

@@ -14,8 +14,9 @@ import torch
 
 from chatloom.models import load_model
 from chatloom.models.kernels import load_kernels
-from chatloom.models.packed_linear import (QuantizedLinear, QuantizedWeight, pack_quantized, pack_weight,
-                                           quantized_layout)
+from chatloom.models.kquant_panels import SUPER_BYTES, kquant_panels_fit, pack_kquant_panels
+from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, kquant_matmul_supported,
+                                           pack_linears, pack_quantized, pack_weight, quantized_layout)
 
 import tiny_checkpoints as tc
 
@@ -72,6 +73,85 @@ def test_a_row_does_not_depend_on_the_batch():
         assert torch.equal(kernels.grouped_quantized_linear(x[i:i + 1], codes, scales, 33)[0], full[i])
 
 
+SUPER_BLOCK_CASES = {
+    "Q4_K": (["Q4_K"], [40]),
+    "Q6_K": (["Q6_K"], [40]),
+    "fused Q4_K+Q4_K+Q6_K (a Q4_K_M QKV)": (["Q4_K", "Q4_K", "Q6_K"], [32, 16, 17]),
+    # A task of 4 panels that starts in one kind and ends in the other.
+    "fused Q6_K+Q4_K across a task": (["Q6_K", "Q4_K"], [48, 80]),
+}
+needs_super_blocks = pytest.mark.skipif(not kquant_matmul_supported(kernels),
+                                        reason="the super-block K-quant kernel needs AVX-512")
+
+
+@needs_super_blocks
+@pytest.mark.parametrize("case", list(SUPER_BLOCK_CASES))
+def test_super_block_panels_are_bit_identical_to_gguf_dequantize_then_float32(case):
+    """Q4_K and Q6_K kept in their super-blocks (kquant_panels.py): the file's bytes per weight, and
+    the bits of gguf's dequantizer followed by the float32 kernel at every row count."""
+    kinds, sizes = SUPER_BLOCK_CASES[case]
+    parts = _parts(kinds, sizes, seed=len(case))
+    dense = torch.cat([tc.dequantize(p.kind, p.raw) for p in parts])
+    n = dense.shape[0]
+    layer = KQuantLinear.from_parts(parts, n, None, kernels)
+    assert torch.equal(layer.weight, dense)
+    panels_of = [-(-p.rows // 16) for p in parts]
+    assert layer.blob.numel() == sum(np_ * 16 * K // 256 * SUPER_BYTES[p.kind] // 16
+                                     for np_, p in zip(panels_of, parts))
+    assert SUPER_BYTES["Q4_K"] * 8 / (16 * 256) == 4.625 and SUPER_BYTES["Q6_K"] * 8 / (16 * 256) == 6.5625
+    bias = torch.randn(n)
+    panels = pack_weight(dense)
+    for rows in ROWS + [8, 9, 10, 11]:
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        got = layer(x)
+        assert torch.equal(got, kernels.packed_linear(x, panels, n)), rows
+        layer.bias = bias
+        assert torch.equal(layer(x), kernels.packed_linear(x, panels, n, bias)), rows
+        layer.bias = None
+        torch.testing.assert_close(got, x @ dense.t(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(layer(x[-1:])[0], got[-1])  # a row alone: the same bits
+
+
+def test_only_whole_panels_of_q4_k_and_q6_k_take_super_blocks():
+    assert kquant_panels_fit(_parts(["Q4_K", "Q6_K"], [32, 17]))
+    assert not kquant_panels_fit(_parts(["Q5_K"], [32]))
+    assert not kquant_panels_fit(_parts(["Q4_K", "Q6_K"], [20, 16]))  # a panel would hold two kinds
+    with pytest.raises(ValueError, match="whole panels"):
+        pack_kquant_panels(_parts(["Q4_K", "Q6_K"], [20, 16]))
+
+
+@needs_super_blocks
+def test_pack_linears_keeps_super_blocks_in_exact_mode_only():
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(K, 40), torch.nn.Linear(K, 33))
+
+    quantized = {"0": _parts(["Q4_K", "Q6_K"], [32, 8]), "1": _parts(["Q5_K", "Q4_K"], [20, 13])}
+    exact = model()
+    assert pack_linears(exact, quantized)
+    assert isinstance(exact[0], KQuantLinear)
+    assert isinstance(exact[1], QuantizedLinear)  # Q5_K, and a panel of two kinds: the grouped layout
+    if kernels.int8_linear_supported():
+        fast = model()
+        assert pack_linears(fast, quantized, int8_activations=True)
+        assert isinstance(fast[0], QuantizedLinear) and fast[0].int8_activations
+
+
+@needs_super_blocks
+def test_kquant_linear_names_a_layout_that_does_not_fit():
+    layer = KQuantLinear.from_parts(_parts(["Q4_K", "Q6_K"], [32, 17]), 49, None, kernels)
+    x = torch.randn(2, K)
+    with pytest.raises(RuntimeError, match="does not hold K = 256"):
+        kernels.kquant_linear(x[:, :256], layer.blob, layer.offsets, layer.kinds, 49)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        kernels.kquant_linear(x, layer.blob, layer.offsets, layer.kinds, 80)
+    with pytest.raises(RuntimeError, match="offsets do not span"):
+        kernels.kquant_linear(x, layer.blob[:-1], layer.offsets, layer.kinds, 49)
+    kinds = layer.kinds.clone()
+    kinds[0] = 7
+    with pytest.raises(RuntimeError, match="panel 0"):
+        kernels.kquant_linear(x, layer.blob, layer.offsets, kinds, 49)
+
+
 INT8_CASES = ["Q4_K", "Q5_K", "Q6_K", "fused Q4_K+Q4_K+Q6_K (a Q4_K_M QKV)"]
 
 
@@ -119,11 +199,16 @@ def test_q4_k_m_gguf_keeps_its_blocks_and_matches_transformers(tmp_path, caplog)
         loaded = load_model(str(path), "fp32")
     assert "dequantizing" not in caplog.text  # every type here has a kernel
     layer = loaded.model.layers[0]
-    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                   layer.mlp.down_proj, loaded.model.lm_head):
-        assert isinstance(module, QuantizedLinear)
-    assert layer.self_attn.qkv_proj.group == 16  # Q4_K + Q6_K parts: the grouped layout
-    assert layer.mlp.gate_up_proj.codes.shape[2] == 8  # Q4_K: 4-bit codes
+    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+               loaded.model.lm_head)
+    if kquant_matmul_supported(kernels):  # Q4_K and Q6_K: their super-blocks; Q5_K (O): 8-bit codes
+        assert all(isinstance(module, KQuantLinear) for module in modules if module is not layer.self_attn.o_proj)
+        assert isinstance(layer.self_attn.o_proj, QuantizedLinear)
+        assert set(layer.self_attn.qkv_proj.kinds.tolist()) == {0, 1}
+    else:
+        assert all(isinstance(module, QuantizedLinear) for module in modules)
+        assert layer.self_attn.qkv_proj.group == 16  # Q4_K + Q6_K parts: the grouped layout
+        assert layer.mlp.gate_up_proj.codes.shape[2] == 8  # Q4_K: 4-bit codes
     seqs = [list(range(3, 43)), [7, 8, 9]]
     ours = loaded.model.dense_logits(seqs)
     theirs = tc.transformers_logits(tc.transformers_model(folder), seqs)

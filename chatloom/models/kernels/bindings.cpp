@@ -41,6 +41,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "grouped_quantized_linear with x quantized to int8 per 16 (codes in int8_linear's 8-bit layout)", NoGil(),
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("kquant_linear", &kquant_linear,
+        "x [M, K] @ W^T (+ bias) with W as Q4_K / Q6_K super-block panels (blob, offsets [P + 1], kinds [P])",
+        NoGil(), pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("offsets"), pybind11::arg("kinds"),
+        pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
+  m.def("kquant_linear_supported", &kquant_linear_supported, "whether this CPU runs kquant_linear (AVX-512)");
+  m.def("kquant_super_bytes", &kquant_super_bytes, "bytes of one panel's super-block of a kind (0: Q4_K, 1: Q6_K)");
   m.def("bf16_linear", &bf16_linear, "x [M, K] @ W^T (+ bias) with W in bfloat16 panels [P, K / 2, 32]", NoGil(),
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto");

@@ -32,8 +32,16 @@ torch::Tensor run_linear(const NativeLinear& l, const torch::Tensor& x) {
       return grouped_int8_linear(x, l.weight, l.scales, l.out_features, l.bias);
     case NativeLinear::kBF16:
       return bf16_linear(x, l.weight, l.out_features, l.bias, "auto");
+    case NativeLinear::kKQuant:
+      return kquant_linear(x, l.weight, l.scales, l.m_panels, l.out_features, l.bias);
   }
   TORCH_CHECK(false, "unknown linear kind ", l.kind);
+}
+
+// A quantized layer (kQuantized or kKQuant) as the team path's tasks.
+QuantizedPanels panels_of(const NativeLinear& l) {
+  if (l.kind == NativeLinear::kKQuant) return kquant_panels(l.weight, l.scales, l.m_panels, l.bias, l.out_features);
+  return quantized_panels(l.weight, l.scales, l.bias, l.out_features);
 }
 
 // What forward and forward_logits both need before they pick a path.
@@ -54,7 +62,7 @@ NativeLinear::NativeLinear(int64_t kind_, torch::Tensor weight_, c10::optional<t
                            c10::optional<torch::Tensor> bias_, c10::optional<torch::Tensor> m_panels_,
                            int64_t out_features_)
     : kind((Kind)kind_), weight(std::move(weight_)), out_features(out_features_) {
-  TORCH_CHECK(kind_ >= kPacked && kind_ <= kBF16, "unknown linear kind ", kind_);
+  TORCH_CHECK(kind_ >= kPacked && kind_ <= kKQuant, "unknown linear kind ", kind_);
   if (scales_.has_value()) scales = *scales_;
   if (bias_.has_value() && bias_->defined()) bias = *bias_;
   if (m_panels_.has_value()) m_panels = *m_panels_;
@@ -66,12 +74,10 @@ DecodeStack::DecodeStack(std::vector<DecodeLayerWeights> layers, torch::Tensor f
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), cos_(std::move(cos)),
       sin_(std::move(sin)), interleaved_(interleaved), hq_(hq), hkv_(hkv), scale_(scale) {
   TORCH_CHECK(!layers_.empty(), "a decoder stack needs at least one layer");
-  const auto tasks = [](const NativeLinear& l) {
-    return quantized_panels(l.weight, l.scales, l.bias, l.out_features);
-  };
+  const auto tasks = [](const NativeLinear& l) { return panels_of(l); };
   const bool all_quantized = std::all_of(layers_.begin(), layers_.end(), [](const DecodeLayerWeights& w) {
     for (const NativeLinear* l : {&w.qkv, &w.o, &w.gate_up, &w.down})
-      if (l->kind != NativeLinear::kQuantized) return false;
+      if (l->kind != NativeLinear::kQuantized && l->kind != NativeLinear::kKQuant) return false;
     return true;
   });
   if (all_quantized && quantized_tasks_supported())
@@ -127,8 +133,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, con
 
 void DecodeStack::set_head(const NativeLinear& head) {
   head_.reset();
-  if (team_.empty() || head.kind != NativeLinear::kQuantized) return;
-  const QuantizedPanels panels = quantized_panels(head.weight, head.scales, head.bias, head.out_features);
+  if (team_.empty() || (head.kind != NativeLinear::kQuantized && head.kind != NativeLinear::kKQuant)) return;
+  const QuantizedPanels panels = panels_of(head);
   if (panels.k_dim != team_[0].qkv.k_dim) return;
   head_ = head;
   head_panels_ = panels;

@@ -11,14 +11,14 @@
 
 // One linear layer as the kernels see it; `kind` names the kernel its Python module calls.
 struct NativeLinear {
-  enum Kind : int64_t { kPacked = 0, kQuantized = 1, kInt8 = 2, kGrouped = 3, kGroupedInt8 = 4, kBF16 = 5 };
+  enum Kind : int64_t { kPacked = 0, kQuantized = 1, kInt8 = 2, kGrouped = 3, kGroupedInt8 = 4, kBF16 = 5, kKQuant = 6 };
   NativeLinear(int64_t kind, torch::Tensor weight, c10::optional<torch::Tensor> scales,
                c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> m_panels, int64_t out_features);
   Kind kind;
   torch::Tensor weight;  // packed panels (float32 or bf16) or quantized codes
-  torch::Tensor scales;  // quantized kinds: [P, K / group, 2, 16]
+  torch::Tensor scales;  // quantized kinds: [P, K / group, 2, 16]; kKQuant: the panels' offsets
   c10::optional<torch::Tensor> bias;
-  torch::Tensor m_panels;  // int8 kind with a nonzero m (Q5_K): the m term's packed panels
+  torch::Tensor m_panels;  // int8 kind with a nonzero m (Q5_K): the m term's packed panels; kKQuant: kinds
   int64_t out_features;
 };
 

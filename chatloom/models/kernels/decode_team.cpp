@@ -46,8 +46,9 @@ int64_t now_ns() {
 // waiting threads share. False when the weights are all claimed.
 bool prefetch_some(std::atomic<int64_t>& cursor, const QuantizedPanels& w) {
   constexpr int64_t kClaim = 1024, kLine = 64;
-  const int64_t code_bytes = w.panels * w.k_dim * (w.q4 ? 8 : 16);
-  const int64_t scale_bytes = w.panels * (w.k_dim / 32) * 2 * 16 * (w.half_scales ? 2 : 4);
+  // Super-block panels hold their scales among the codes.
+  const int64_t code_bytes = w.kq_offsets ? w.kq_offsets[w.panels] : w.panels * w.k_dim * (w.q4 ? 8 : 16);
+  const int64_t scale_bytes = w.kq_offsets ? 0 : w.panels * (w.k_dim / 32) * 2 * 16 * (w.half_scales ? 2 : 4);
   const int64_t at = cursor.fetch_add(kClaim, std::memory_order_relaxed);
   if (at >= code_bytes) return false;
   const char* codes = reinterpret_cast<const char*>(w.codes);

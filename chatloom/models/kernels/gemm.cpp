@@ -577,6 +577,15 @@ void check_input(const torch::Tensor& x, int64_t k_dim, int64_t panels, int64_t 
 
 }  // namespace
 
+void float_panel_pair_rows(const float* x, int64_t k_dim, const float* pa, const float* pb, const float* bias,
+                           float* out, int64_t ldo, int64_t ncols_b, int64_t m0, int64_t m1) {
+#ifdef CHATLOOM_HAVE_WIDE_PATH
+  if (use_wide("auto")) return panel_pair_rows(x, k_dim, pa, pb, bias, out, ldo, ncols_b, m0, m1);
+#endif
+  panel_rows(x, k_dim, pa, bias, out, ldo, pb ? kPanel : ncols_b, m0, m1);
+  if (pb) panel_rows(x, k_dim, pb, bias ? bias + kPanel : nullptr, out + kPanel, ldo, ncols_b, m0, m1);
+}
+
 std::vector<std::string> float_linear_isas() {
   std::vector<std::string> out;
   if (has_wide_path()) out.emplace_back("avx512");
@@ -746,6 +755,7 @@ int64_t quantized_tasks(const QuantizedPanels& w) {
 }
 
 void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task) {
+  if (w.kq_offsets != nullptr) return run_kquant_task(w, x, m_dim, out, task);
 #ifdef CHATLOOM_HAVE_WIDE_PATH
   quantized_group16(x, m_dim, w.k_dim, w.codes, w.q4 ? 8 : kPanel, ScalePtr{w.scales, w.half_scales}, w.panels,
                     w.out_features, w.bias, w.q4, out, task);

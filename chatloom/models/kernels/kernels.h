@@ -81,6 +81,19 @@ std::vector<std::string> bf16_linear_isas();
 torch::Tensor grouped_quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                        int64_t out_features, c10::optional<torch::Tensor> bias);
 
+// Rows [m0, m1) of x [M, K] against two float32 panels [K, 16] (pb null: pa alone), into columns
+// [0, 32) of out (ldo apart; the second panel's first ncols_b): packed_linear's tiles, so its bits.
+void float_panel_pair_rows(const float* x, int64_t k_dim, const float* pa, const float* pb, const float* bias,
+                           float* out, int64_t ldo, int64_t ncols_b, int64_t m0, int64_t m1);
+
+// x [M, K] @ W^T (+ bias) with W as Q4_K / Q6_K super-block panels (kquant_panels.cpp): blob holds
+// panel p at offsets[p], of kind kinds[p] (0: Q4_K, 1: Q6_K). Bit-identical to gguf's dequantizer
+// followed by packed_linear. Needs AVX-512: kquant_linear_supported().
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor blob, torch::Tensor offsets, torch::Tensor kinds,
+                            int64_t out_features, c10::optional<torch::Tensor> bias);
+bool kquant_linear_supported();
+int64_t kquant_super_bytes(int64_t kind);
+
 // The exact quantized head's argmax per row of x (greedy_head.cpp): the same token as
 // quantized_linear(x, codes, scales, out_features).argmax(1), found by screening every logit with
 // int8_linear(x, codes8, scales8) under a rigorous error bound and recomputing only the candidates
@@ -103,11 +116,18 @@ struct QuantizedPanels {
   bool half_scales, q4;
   int64_t k_dim, panels, out_features;
   const float* bias;
+  // Super-block panels (kquant_linear's; codes is then the blob): the panels' offsets and kinds.
+  const int64_t* kq_offsets = nullptr;
+  const uint8_t* kq_kinds = nullptr;
 };
 constexpr int64_t kMaxTaskRows = 12;
 constexpr int64_t kTaskFeatures = 64;  // output features per task: columns [task * 64, task * 64 + 64)
 QuantizedPanels quantized_panels(const torch::Tensor& codes, const torch::Tensor& scales,
                                  const c10::optional<torch::Tensor>& bias, int64_t out_features);
+// kquant_linear's weights as tasks of 4 panels (checked as kquant_linear checks them).
+QuantizedPanels kquant_panels(const torch::Tensor& blob, const torch::Tensor& offsets, const torch::Tensor& kinds,
+                              const c10::optional<torch::Tensor>& bias, int64_t out_features);
+void run_kquant_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task);
 bool quantized_tasks_supported();
 int64_t quantized_tasks(const QuantizedPanels& w);
 // Rows x [m_dim, K] against task `task`'s panels, into their columns of out [m_dim, out_features].
