@@ -26,6 +26,7 @@ from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cac
 from chatloom.engine.executor import ModelOutput, StepExecutor
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.kv_events import KVEventLog
+from chatloom.engine.kv_sizing import uniform_window
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.output_processor import OutputProcessor, RequestState, merge_outputs
 from chatloom.engine.outputs import RequestOutput
@@ -38,7 +39,7 @@ from chatloom.engine.spec_decode.calibrate import calibrate_decoder
 from chatloom.engine.stats import EngineSnapshot, EngineStats
 from chatloom.engine.structured.guide import GrammarGuide
 from chatloom.models.loader import LoadedModel
-from chatloom.models.packed_linear import uses_int8_matmul
+from chatloom.models.packed_linear import uses_bf16_matmul, uses_int8_matmul
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,12 @@ class LLMEngine:
         cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, loaded.dtype,
-                                                     uses_int8_matmul(loaded.model))
+                                                     uses_int8_matmul(loaded.model), uses_bf16_matmul(loaded.model))
         bytes_per_token = cfg.kv_bytes_per_token("fp32") * self.kv_cache_dtype.itemsize // 4
-        num_blocks = self.config.resolve_num_blocks(bytes_per_token)
+        # Sized now, with the weights loaded: what is available is what the pool may share.
+        self.kv_pool_plan = self.config.plan_kv_pool(bytes_per_token, cfg.max_position,
+                                                     uniform_window(cfg.layer_windows))
+        num_blocks = self.kv_pool_plan.blocks
         self.max_model_len = self.config.resolve_max_model_len(cfg.max_position)
         # The prefix cache's stored/evicted keys, numbered: a replica publishes them to routers.
         self.kv_events = KVEventLog(loaded.id, self.config.block_size)
