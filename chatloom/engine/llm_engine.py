@@ -26,7 +26,7 @@ from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cac
 from chatloom.engine.executor import ModelOutput, StepExecutor
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.kv_events import KVEventLog
-from chatloom.engine.kv_sizing import uniform_window
+from chatloom.engine.kv_sizing import uniform_window, window_tokens
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.output_processor import OutputProcessor, RequestState, merge_outputs
 from chatloom.engine.outputs import RequestOutput
@@ -61,7 +61,8 @@ class LLMEngine:
         # The prefix cache's stored/evicted keys, numbered: a replica publishes them to routers.
         self.kv_events = KVEventLog(loaded.id, self.config.block_size)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, self.config.block_size, loaded.id,
-                                                         self.config.enable_prefix_caching, self.kv_events))
+                                                         self.config.enable_prefix_caching, self.kv_events),
+                                               window=uniform_window(cfg.layer_windows))
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config, self.max_model_len),
                                    self.kv_cache_manager)
         self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size,
@@ -103,9 +104,13 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequest(f"the prompt has {len(token_ids)} tokens; the context window is "
                                  f"{self.max_model_len} tokens, and the answer needs room too")
-        if min(len(token_ids) + params.max_tokens, self.max_model_len) > self.pool_tokens:
-            raise InvalidRequest(f"the request needs up to {len(token_ids) + params.max_tokens} tokens "
-                                 f"of KV cache; the pool holds {self.pool_tokens}")
+        need = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        window = self.kv_cache_manager.window
+        if window is not None:  # the prompt's blocks at admission, then about a window's
+            need = min(need, max(len(token_ids) + 1, window_tokens(window, need, self.config.block_size)))
+        if need > self.pool_tokens:
+            raise InvalidRequest(f"the request needs up to {need} tokens of KV cache; the pool holds "
+                                 f"{self.pool_tokens}")
         vocab = self.loaded.config.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequest("prompt token ids must be within the vocabulary")
@@ -184,6 +189,7 @@ class LLMEngine:
         for seq in scheduled:
             if not seq.is_finished:
                 self.kv_cache_manager.register_full_blocks(seq)
+                self.kv_cache_manager.release_behind_window(seq)
         self.stats.record_step(batch.num_tokens, num_new, now)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> tuple[int, RequestOutput | None]:
