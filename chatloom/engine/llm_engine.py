@@ -24,6 +24,7 @@ from typing import Mapping
 from chatloom.engine.block_pool import BlockPool
 from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cache_dtype
 from chatloom.engine.executor import ModelOutput, StepExecutor
+from chatloom.engine.heap import return_free_heap
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.kv_events import KVEventLog
 from chatloom.engine.kv_sizing import uniform_window, window_tokens
@@ -79,6 +80,7 @@ class LLMEngine:
         if self.spec is not None and self.spec.adaptive:
             calibrate_decoder(self.spec, self.runner, self.config)
         self.executor = StepExecutor(self.runner, self.sampler, self.guide, self.spec, self.eos_ids)
+        return_free_heap()  # what loading freed, back to the machine before serving
 
     # -- requests ---------------------------------------------------------------
     @property
