@@ -235,6 +235,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="tiny prompts and 4 output tokens: the run's shape, for a small model (figures mean little)")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="output tokens per request (default 64)")
+    p.add_argument("--long-prompt", type=positive_int, default=None, metavar="N",
+                   help="tokens of the long prompt (default 4000)")
+    p.add_argument("--history", type=positive_int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="tokens of each in-flight conversation's history (default 1000 3000)")
+    p.add_argument("--chat-requests", type=positive_int, default=None, metavar="N",
+                   help="conversations in the in-flight run (default 16, 8 at a time)")
     p.add_argument("--threads", type=positive_int, default=None, help="threads for every server (default: theirs)")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="keep each server's log here")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON here")

@@ -240,10 +240,13 @@ def sizes(args) -> int:
         raise ValueError("--hf-folder: more folders than --model files")
     targets = [Target(Path(m), Path(folders[i]) if i < len(folders) else None) for i, m in enumerate(args.model)]
     plan = QUICK if args.quick else SizesPlan()
-    if args.max_tokens is not None:
-        if args.max_tokens < 2:
-            raise ValueError("--max-tokens must be at least 2 (a TPOT needs two tokens)")
-        plan = dataclasses.replace(plan, max_tokens=args.max_tokens)
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError("--max-tokens must be at least 2 (a TPOT needs two tokens)")
+    if args.history is not None and args.history[0] > args.history[1]:
+        raise ValueError("--history: MIN must not exceed MAX")
+    changes = {"max_tokens": args.max_tokens, "long_prompt": args.long_prompt, "chat_requests": args.chat_requests,
+               "history": tuple(args.history) if args.history else None}
+    plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
     result = run_sizes(targets, plan, servers, Path(args.llama_server) if args.llama_server else None,
                        args.threads, Path(args.log_dir) if args.log_dir else None, args.seed)
