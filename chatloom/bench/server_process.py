@@ -69,6 +69,7 @@ class ServerProcess:
     proc: subprocess.Popen | None = None
     load_s: float | None = None
     peak_rss: int = 0
+    context_window: int | None = None
     _sampling: bool = False
     _thread: threading.Thread | None = None
 
@@ -104,6 +105,8 @@ class ServerProcess:
                         r = client.get(self.base_url + "/v1/models")
                         if r.status_code == 200 and r.json().get("data"):
                             served = r.json()["data"][0]["id"]
+                            # chatloom and vLLM say their context window here (llama-server does not).
+                            self.context_window = r.json()["data"][0].get("max_model_len")
                     if served is not None:
                         r = client.post(self.base_url + "/v1/chat/completions", json={
                             "model": served, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,

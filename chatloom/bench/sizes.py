@@ -222,7 +222,8 @@ def run_server(name: str, target: Target, plan: SizesPlan, texts: Texts, threads
         model = server.wait_ready(plan.ready_timeout_s, IGNORE_EOS)
         after_load = server.rss()
         figures = asyncio.run(_measure(server, model, plan, texts))
-        return {"command": argv, "load_to_ready_s": round(server.load_s or 0.0, 2),
+        return {"command": argv, "context_window": server.context_window,
+                "load_to_ready_s": round(server.load_s or 0.0, 2),
                 "rss_after_load_mib": round(after_load / 2**20, 1),
                 "rss_peak_mib": round(server.high_water() / 2**20, 1), **figures}
     except (RuntimeError, OSError, httpx.HTTPError) as exc:

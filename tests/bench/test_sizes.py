@@ -43,6 +43,7 @@ def test_quick_run_measures_chatloom_and_notes_the_missing_peers(checkpoint, tmp
     ours = servers["chatloom"]
     assert "error" not in ours, ours
     assert ours["failed_requests"] == 0 and ours["output_tokens_as_asked"]
+    assert ours["context_window"] == 8192  # the shape's 32,768 positions, capped by default
     assert ours["load_to_ready_s"] > 0 and 0 < ours["rss_after_load_mib"] <= ours["rss_peak_mib"]
     one = ours["one_in_flight"]
     for key in ("tpot_p50_ms", "short_prompt_ttft_p50_ms", "long_prompt_ttft_ms", "long_prompt_prefill_tok_s",
