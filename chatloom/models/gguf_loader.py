@@ -340,24 +340,6 @@ def read_quantized(reader: GGUFFile, family: str) -> dict[str, QuantizedWeight]:
     return out
 
 
-# Rows dequantized at a time: gguf's numpy dequantizers make several temporaries the size of their
-# input in float32, so a whole embedding table (SmolLM2-1.7B's is 400 MB in float32) at once had loading
-# peak about 1.5 GB above what it keeps.
-_DEQUANTIZE_ROWS = 4096
-
-
-def _dequantize_by_rows(quants, data: np.ndarray, kind) -> np.ndarray:
-    """gguf's dequantize of `data`, a slice of rows at a time into one float32 array (the same values)."""
-    if data.ndim < 2 or data.shape[0] <= _DEQUANTIZE_ROWS:
-        return quants.dequantize(data, kind)
-    first = quants.dequantize(data[:_DEQUANTIZE_ROWS], kind)
-    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
-    out[:_DEQUANTIZE_ROWS] = first
-    for i in range(_DEQUANTIZE_ROWS, data.shape[0], _DEQUANTIZE_ROWS):
-        out[i:i + _DEQUANTIZE_ROWS] = quants.dequantize(data[i:i + _DEQUANTIZE_ROWS], kind)
-    return out
-
-
 class GGUFWeights:
     """Tensors of a GGUF file by Hugging Face name, dequantized to float32 only when asked
     for: layers that keep their quantized blocks never exist in float32 at all."""
@@ -373,7 +355,7 @@ class GGUFWeights:
             return None
         t, index = found
         try:
-            arr = _dequantize_by_rows(quants, t.data if index is None else t.data[index], t.tensor_type)
+            arr = quants.dequantize(t.data if index is None else t.data[index], t.tensor_type)
         except Exception as exc:
             raise ModelError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
         if arr.ndim == 1 and name.endswith("shared_expert_gate.weight"):
