@@ -103,6 +103,16 @@ def test_capacity_without_a_budget_shows_the_engines_default_pool(capsys, monkey
     assert r["pool"]["bytes"] <= r["pool"]["cap_bytes"] == (2**30 - r["weight_bytes_estimate"]) // 2
 
 
+def test_capacity_counts_a_window_on_every_layer(capsys):
+    rc, out, err = call(capsys, "capacity", "--model", "phi-3-mini-4k", "--memory-gib", "4", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    # Phi-3-mini's 2,047-token window: 128 blocks of 16 inside it, the one being filled, one more.
+    assert r["sliding_window"] == 2047 and r["tokens_held_per_conversation"] == 130 * 16
+    assert r["bytes_per_conversation"] == r["kv_bytes_per_token"] * 2080
+    assert r["conversations"] == 4 * 2**30 // (r["kv_bytes_per_token"] * 2080)
+
+
 def test_generate_with_the_tiny_model():
     r = run_cli("generate", "hello there", "--model", "tiny-random", "--max-tokens", "8", "--temperature", "0")
     assert r.returncode == 0, r.stderr
