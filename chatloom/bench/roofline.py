@@ -76,6 +76,20 @@ def isa_peaks(kernels, iters: int = 3_000_000) -> dict[str, float]:
     return {kind: round(max(kernels.peak_gops(kind, iters) for _ in range(3)), 1) for kind in kernels.peak_kinds()}
 
 
+def read_bandwidth_gbps(mib: int = 512, repeats: int = 5) -> float:
+    """This machine's streaming read bandwidth in GB/s: the best of `repeats` sums over a float32 buffer
+    of `mib` MiB (far larger than the caches), on torch's threads. A decode step at batch 1 reads every
+    weight once, so weight bytes over this is the fastest a step can be (the memory roofline)."""
+    buffer = torch.ones(mib * 2**20 // 4)
+    buffer.sum()  # first touch: page faults, not reads
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - t0)
+    return round(buffer.numel() * 4 / best / 1e9, 2)
+
+
 def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
                  batch_sizes: tuple[int, ...] = (1, 8, 32, 64, 128, 512)) -> dict:
     cfg = loaded.config
@@ -120,4 +134,5 @@ def run_roofline(loaded: LoadedModel, num_requests: int = 32, seed: int = 0,
                if peaks else {}),
             "parameters": params, "engine_tokens_per_s": round(tokens / run["seconds"], 1),
             "engine_output_tokens_per_s": run["output_tokens_per_s"],
-            "engine_gflops": round(achieved, 1), "fraction_of_best_matmul": round(achieved / best, 3)}
+            "engine_gflops": round(achieved, 1), "fraction_of_best_matmul": round(achieved / best, 3),
+            "read_bandwidth_gbps": read_bandwidth_gbps()}

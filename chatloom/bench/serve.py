@@ -67,10 +67,13 @@ class Result:
         return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model: str, prompt: str,
-                      max_tokens: int) -> Result:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+async def one_request(client: httpx.AsyncClient, url: str, headers: dict, model: str, prompt: str | list[dict],
+                      max_tokens: int, extra: dict | None = None) -> Result:
+    """One streamed greedy chat request; `prompt` is the user's message or the whole message list, `extra`
+    adds fields to the body (e.g. vLLM's ignore_eos)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0, **(extra or {})}
     result = Result()
     start = time.perf_counter()
     last = None

@@ -9,6 +9,10 @@ from chatloom.model_args import KV_CACHE_DTYPE_NAMES, add_model_args
 from chatloom.models.registry import DEFAULT_MODEL
 from chatloom.cli import bench_runs as runs
 
+# chatloom/bench/sizes.py's SERVERS, named here so that building the parser does not import torch (a test
+# keeps the two equal).
+SIZES_SERVERS = ("chatloom", "llama-server", "vllm")
+
 # bench/perplexity.py's MODES (it imports torch; the parser is built without it; a test keeps them equal).
 PERPLEXITY_MODES = ("exact", "int8", "bf16", "exact+fp16kv", "exact+bf16kv", "int8+fp32kv", "int8+bf16kv")
 
@@ -236,3 +240,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="the folder to write NAME-hf/ and NAME-f16.gguf into")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=runs.checkpoints)
+
+    p = sub.add_parser("sizes", help="chatloom, llama-server and vLLM side by side on the same weights, one server "
+                                     "at a time: TPOT, TTFT, 8 in flight, a busy neighbour, memory, load time")
+    p.add_argument("--model", required=True, action="append", metavar="GGUF",
+                   help="a GGUF file (repeat for several models)")
+    p.add_argument("--hf-folder", action="append", default=None, metavar="DIR",
+                   help="the Hugging Face folder of the same weights, for vLLM (one per --model, in order)")
+    p.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary "
+                                                                         "(skipped with a note when absent)")
+    p.add_argument("--servers", default=",".join(SIZES_SERVERS),
+                   help=f"which servers, comma-separated (default: {','.join(SIZES_SERVERS)})")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny prompts and 4 output tokens: the run's shape, for a small model (figures mean little)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="output tokens per request (default 64)")
+    p.add_argument("--long-prompt", type=positive_int, default=None, metavar="N",
+                   help="tokens of the long prompt (default 4000)")
+    p.add_argument("--history", type=positive_int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="tokens of each in-flight conversation's history (default 1000 3000)")
+    p.add_argument("--chat-requests", type=positive_int, default=None, metavar="N",
+                   help="conversations in the in-flight run (default 16, 8 at a time)")
+    p.add_argument("--threads", type=positive_int, default=None, help="threads for every server (default: theirs)")
+    p.add_argument("--log-dir", default=None, metavar="DIR", help="keep each server's log here")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", action="store_true", help="also print a Markdown table per model (stderr)")
+    p.set_defaults(func=runs.sizes)

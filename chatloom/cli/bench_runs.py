@@ -245,6 +245,36 @@ def checkpoints(args) -> int:
     return 0
 
 
+def sizes(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from chatloom.bench.sizes import QUICK, SizesPlan, Target, format_table, run_sizes
+
+    folders = args.hf_folder or []
+    if len(folders) > len(args.model):
+        raise ValueError("--hf-folder: more folders than --model files")
+    targets = [Target(Path(m), Path(folders[i]) if i < len(folders) else None) for i, m in enumerate(args.model)]
+    plan = QUICK if args.quick else SizesPlan()
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError("--max-tokens must be at least 2 (a TPOT needs two tokens)")
+    if args.history is not None and args.history[0] > args.history[1]:
+        raise ValueError("--history: MIN must not exceed MAX")
+    changes = {"max_tokens": args.max_tokens, "long_prompt": args.long_prompt, "chat_requests": args.chat_requests,
+               "history": tuple(args.history) if args.history else None}
+    plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
+    servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
+    result = run_sizes(targets, plan, servers, Path(args.llama_server) if args.llama_server else None,
+                       args.threads, Path(args.log_dir) if args.log_dir else None, args.seed)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
+
+
 def router(args) -> int:
     from chatloom.bench.router_policies import plot, run_router_bench, table
     from chatloom.serving.local_fleet import LocalReplicas

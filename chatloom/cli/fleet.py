@@ -60,9 +60,11 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
             raise ValueError("--local-replicas replaces --replica and [[fleet.models]]; give one of them")
         from chatloom.serving.local_fleet import LocalReplicas
 
-        extra = ["--kv-cache-gb", str(settings.engine.kv_cache_gb), "--max-num-seqs", str(settings.engine.max_num_seqs),
+        extra = ["--max-num-seqs", str(settings.engine.max_num_seqs),
                  "--max-num-batched-tokens", str(settings.engine.max_num_batched_tokens), "--dtype", settings.model.dtype,
                  "--kv-cache-dtype", settings.engine.kv_cache_dtype]
+        if settings.engine.kv_cache_gb is not None:
+            extra += ["--kv-cache-gb", str(settings.engine.kv_cache_gb)]
         if settings.engine.num_blocks:
             extra += ["--num-blocks", str(settings.engine.num_blocks)]
         auto = args.local_replicas == "auto"

@@ -229,17 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("capacity", help="how many tokens and conversations fit in a KV-cache memory budget")
+    p = sub.add_parser("capacity", help="how many tokens and conversations fit in a KV-cache memory budget, "
+                                         "or in the pool the engine gives the model by default")
     p.add_argument("--model", required=True, metavar="ID|PATH|CONFIG.json",
                    help="registry id, GGUF file, HF folder or config.json; "
                         "or a shipped example by name (llama-70b)")
-    mem = p.add_mutually_exclusive_group(required=True)
+    mem = p.add_mutually_exclusive_group()
     mem.add_argument("--memory-gb", type=positive_float, metavar="X", help="KV-cache memory in GB (10^9 bytes)")
     mem.add_argument("--memory-gib", type=positive_float, metavar="X", help="KV-cache memory in GiB (2^30 bytes)")
-    p.add_argument("--context", type=positive_int, default=8000, metavar="N",
-                   help="tokens per conversation (default 8000)")
-    p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), default="fp16",
-                   help="KV-cache dtype (default fp16)")
+    p.add_argument("--context", type=positive_int, default=None, metavar="N",
+                   help="tokens per conversation (default 8000 with a memory budget; without one, the "
+                        "context window the engine gives the model)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), default=None,
+                   help="KV-cache dtype (default fp16 with a memory budget; without one, what the engine "
+                        "chooses: fp32 in the exact mode)")
     p.add_argument("--weights", choices=("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "all"),
                    default=None, help="also print the memory the weights take in chatloom when the model's "
                                       "file is stored this way (all: every type)")

@@ -114,10 +114,15 @@ def _capacity_spec(spec: str) -> str:
 
 
 def capacity(cfg, memory_bytes: int, context: int, dtype: str) -> dict[str, Any]:
+    from chatloom.engine.kv_sizing import uniform_window, window_tokens
     from chatloom.models.config import DTYPE_BYTES
 
     per_token = cfg.kv_bytes_per_token(dtype)
-    per_conv = per_token * context
+    # With a window on every layer the engine gives back the blocks that leave it: a conversation
+    # holds at most a window's worth, however long it grows.
+    window = uniform_window(cfg.layer_windows)
+    held = window_tokens(window, context, 16)
+    per_conv = per_token * held
     return {
         "model": cfg.name,
         "architecture": cfg.architecture,
@@ -131,6 +136,8 @@ def capacity(cfg, memory_bytes: int, context: int, dtype: str) -> dict[str, Any]
         "memory_bytes": memory_bytes,
         "tokens": memory_bytes // per_token,
         "context": context,
+        "sliding_window": window,
+        "tokens_held_per_conversation": held,
         "bytes_per_conversation": per_conv,
         "conversations": memory_bytes // per_conv,
     }
@@ -146,29 +153,114 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         from chatloom.models import describe_config
 
         cfg = describe_config(spec)
+    if args.memory_gb is None and args.memory_gib is None:
+        return _default_pool(cfg, spec, args)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else int(args.memory_gib * 2**30)
-    r = capacity(cfg, memory, args.context, args.dtype)
+    r = capacity(cfg, memory, args.context or 8000, args.dtype or "fp16")
     if args.weights:
         r["weight_bytes"] = _weight_table(cfg, args.weights)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
-    per_token, per_conv, n = r["kv_bytes_per_token"], r["bytes_per_conversation"], fmt_int(args.context)
-    print(f"model: {cfg.name} ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, "
-          f"head dim {cfg.head_dim}, context window {fmt_int(cfg.max_position)} tokens)")
-    print(f"KV cache per token ({args.dtype}): {fmt_int(per_token)} bytes ({fmt_binary(per_token)})"
-          f" = 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims"
-          f" x {r['dtype_bytes']} byte{'s' if r['dtype_bytes'] > 1 else ''}")
+    per_conv, n = r["bytes_per_conversation"], fmt_int(r["context"])
+    _print_per_token(cfg, r["dtype"], r["kv_bytes_per_token"], r["dtype_bytes"])
     print(f"KV cache memory: {fmt_int(memory)} bytes ({fmt_decimal(memory)}, {fmt_binary(memory)})")
     print(f"tokens that fit: {fmt_int(r['tokens'])}")
+    _print_window(r)
     print(f"one {n}-token conversation: {fmt_int(per_conv)} bytes "
           f"({fmt_decimal(per_conv)}, {fmt_binary(per_conv)})")
     print(f"concurrent {n}-token conversations: {fmt_int(r['conversations'])}")
-    if args.context > cfg.max_position:
+    if r["context"] > cfg.max_position:
         print(f"note: {n} tokens is longer than the model's context window ({fmt_int(cfg.max_position)})")
     for kind, size in r.get("weight_bytes", {}).items():
         how = "any file, every weight in bfloat16" if kind == "bf16-model" else f"{kind} file, fp32 model"
         print(f"weights as loaded ({how}): {fmt_int(size)} bytes ({fmt_binary(size)})")
+    return 0
+
+
+def _print_per_token(cfg, dtype: str, per_token: int, dtype_bytes: int) -> None:
+    print(f"model: {cfg.name} ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads, "
+          f"head dim {cfg.head_dim}, context window {fmt_int(cfg.max_position)} tokens)")
+    print(f"KV cache per token ({dtype}): {fmt_int(per_token)} bytes ({fmt_binary(per_token)})"
+          f" = 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims"
+          f" x {dtype_bytes} byte{'s' if dtype_bytes > 1 else ''}")
+
+
+def _print_window(r: dict[str, Any]) -> None:
+    if r["sliding_window"] is not None and r["tokens_held_per_conversation"] < r["context"]:
+        print(f"sliding window of {fmt_int(r['sliding_window'])} tokens on every layer: a conversation holds "
+              f"at most {fmt_int(r['tokens_held_per_conversation'])} tokens' KV (older blocks are given back)")
+
+
+def _weight_estimate(spec: str, cfg) -> int:
+    """Bytes the weights will take once loaded (in the exact mode), or 0 for a config alone."""
+    from chatloom.models.memory_check import dense_weight_bytes, gguf_weight_bytes
+    from chatloom.models.registry import DEFAULT_MODEL
+
+    if spec == DEFAULT_MODEL:
+        from chatloom.models.registry import smollm2_path
+
+        spec = str(smollm2_path())
+    path = Path(spec)
+    if path.is_file() and path.suffix != ".json":
+        from chatloom.models.gguf_loader import open_gguf
+
+        return gguf_weight_bytes(open_gguf(path).tensors, 4, True)
+    return dense_weight_bytes(cfg, 4) if path.is_dir() else 0
+
+
+def _default_pool(cfg, spec: str, args: argparse.Namespace) -> int:
+    """The KV pool `chatloom serve` gives this model with the current settings, and its arithmetic."""
+    import torch
+
+    from chatloom.engine.config import KV_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
+    from chatloom.engine.kv_sizing import AUTO_KV_CONTEXTS, AUTO_KV_MEMORY_SHARE, uniform_window
+    from chatloom.settings import environment_settings
+
+    settings = environment_settings()
+    config = EngineConfig.from_settings(settings.engine)
+    if args.dtype is not None:
+        if args.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"the engine's KV cache cannot hold {args.dtype}: use {', '.join(KV_CACHE_DTYPES)}")
+        config.kv_cache_dtype = args.dtype
+    if args.context is not None:
+        config.max_model_len = args.context
+    model_dtype = torch.bfloat16 if settings.model.dtype == "bf16" else torch.float32
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model_dtype, settings.model.int8_matmul,
+                                      settings.model.bf16_matmul)
+    dtype = next(k for k, v in KV_CACHE_DTYPES.items() if v == kv_dtype)
+    per_token = cfg.kv_bytes_per_token("fp32") * kv_dtype.itemsize // 4
+    weights = _weight_estimate(spec, cfg)
+    plan = config.plan_kv_pool(per_token, cfg.max_position, uniform_window(cfg.layer_windows), reserved=weights)
+    r = {"model": cfg.name, "architecture": cfg.architecture, "dtype": dtype, "kv_bytes_per_token": per_token,
+         "weight_bytes_estimate": weights, "contexts_wanted": AUTO_KV_CONTEXTS,
+         "memory_share": AUTO_KV_MEMORY_SHARE, "sliding_window": uniform_window(cfg.layer_windows),
+         "context": plan.context_tokens, "tokens_held_per_conversation": plan.tokens_per_context,
+         "pool": plan.as_dict(), "context_window": min(plan.context_tokens, plan.tokens)}
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    _print_per_token(cfg, dtype, per_token, kv_dtype.itemsize)
+    n, per_ctx = fmt_int(plan.context_tokens), plan.tokens_per_context * per_token
+    _print_window(r)
+    if plan.how == "num_blocks":
+        print(f"pool: num_blocks = {fmt_int(plan.blocks)} (set)")
+    elif plan.how == "kv_cache_gb":
+        print(f"pool: kv_cache_gb = {config.kv_cache_gb} (set)")
+    else:
+        print(f"wanted: {AUTO_KV_CONTEXTS} sequences x {fmt_int(plan.tokens_per_context)} tokens x "
+              f"{fmt_int(per_token)} bytes = {fmt_int(plan.wanted_bytes)} bytes ({fmt_binary(plan.wanted_bytes)})")
+        if plan.available_bytes is None:
+            print("memory available: unknown, so one full context")
+        else:
+            free = plan.available_bytes + weights
+            print(f"memory available now: {fmt_binary(free)}; less the weights ({fmt_binary(weights)}): "
+                  f"{fmt_binary(plan.available_bytes)}; the pool may take {AUTO_KV_MEMORY_SHARE:g} of it: "
+                  f"{fmt_binary(plan.cap_bytes)}")
+    print(f"pool: {fmt_int(plan.blocks)} blocks x {plan.block_size} tokens = {fmt_int(plan.tokens)} tokens, "
+          f"{fmt_int(plan.bytes)} bytes ({fmt_binary(plan.bytes)})")
+    print(f"context window: {fmt_int(r['context_window'])} tokens; full-length ({n}-token) sequences at once: "
+          f"{plan.full_contexts:.2f} ({fmt_binary(per_ctx)} each)")
     return 0
 
 

@@ -21,7 +21,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
     import uvicorn
 
     from chatloom.engine import EngineConfig
-    from chatloom.model_args import load_from_args
+    from chatloom.model_args import bf16_matmul, int8_matmul, load_from_args
     from chatloom.models import ModelError
     from chatloom.serving.backend import ModelLoadFailed
     from chatloom.serving.local import LocalBackend
@@ -34,7 +34,10 @@ def cmd_replica(args: argparse.Namespace) -> int:
                                             "max_model_len", "seed", "kv_cache_dtype")}
     # Flags left out keep the engine's own defaults (chatloom/engine/config.py), written only there.
     config = EngineConfig(**{k: v for k, v in sizing.items() if v is not None})
-    loaded = load_from_args(args, kv_cache_bytes=lambda cfg: config.kv_cache_bytes(cfg.kv_bytes_per_token(args.dtype)))
+    # The same pool the backend will plan, checked with the weights before they are read.
+    plan = LocalBackend(args.model, dtype=args.dtype, engine_config=config, int8_matmul=int8_matmul(args.int8_matmul),
+                        bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)))
+    loaded = load_from_args(args, kv_cache_bytes=plan.kv_cache_bytes)
     backend = LocalBackend(loaded, engine_config=config)
     try:  # the engine and its KV pool too, before the port opens
         asyncio.run(backend.start())

@@ -10,14 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
+from chatloom.engine.kv_sizing import KVPoolPlan, plan_kv_pool
+from chatloom.models.memory_check import available_memory_bytes
 from chatloom.settings import DEFAULTS
 from chatloom.settings.tree import EngineSettings
 
 _E = DEFAULTS.engine  # every default below is the settings tree's
 
 # What the KV pool may hold: "auto" is the model's own dtype, or a 16-bit pool where the model
-# multiplies with int8 activations (that mode is not bit-exact anyway, and a decode step's
-# attention reads half the bytes).
+# multiplies with int8 activations or bfloat16 weights (those modes are not bit-exact anyway, and a
+# decode step's attention reads half the bytes).
 KV_CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT8_MODE_KV_CACHE_DTYPE = "fp16"
 # The longest context a replica serves unless told otherwise: a model's full window (often 128k) would
@@ -25,10 +27,12 @@ INT8_MODE_KV_CACHE_DTYPE = "fp16"
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, int8_matmul: bool) -> torch.dtype:
-    """The KV pool's dtype for `choice` ("auto", "fp32", "bf16" or "fp16")."""
+def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, int8_matmul: bool,
+                           bf16_matmul: bool = False) -> torch.dtype:
+    """The KV pool's dtype for `choice` ("auto", "fp32", "bf16" or "fp16"): with "auto", the model's
+    dtype in the exact mode, a 16-bit pool where the matmuls already round (int8 or bf16 matmuls)."""
     if choice == "auto":
-        return KV_CACHE_DTYPES[INT8_MODE_KV_CACHE_DTYPE] if int8_matmul else model_dtype
+        return KV_CACHE_DTYPES[INT8_MODE_KV_CACHE_DTYPE] if int8_matmul or bf16_matmul else model_dtype
     if choice not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {choice!r}: use auto, {', '.join(KV_CACHE_DTYPES)}")
     if model_dtype == torch.float64:
@@ -42,7 +46,7 @@ class EngineConfig:
 
     block_size: int = _E.block_size
     num_blocks: int | None = _E.num_blocks  # overrides kv_cache_gb when set
-    kv_cache_gb: float = _E.kv_cache_gb
+    kv_cache_gb: float | None = _E.kv_cache_gb  # neither set: sized from the model and memory (kv_sizing.py)
     max_num_batched_tokens: int = _E.max_num_batched_tokens
     max_num_seqs: int = _E.max_num_seqs
     max_model_len: int | None = _E.context_window  # default: the model's context length, capped at DEFAULT_MAX_MODEL_LEN
@@ -72,14 +76,19 @@ class EngineConfig:
         """The context window for a model that knows `max_position` positions."""
         return self.max_model_len or min(max_position, DEFAULT_MAX_MODEL_LEN)
 
-    def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
-        if self.num_blocks is not None:
-            return self.num_blocks
-        return max(1, int(self.kv_cache_gb * 1024**3) // (kv_bytes_per_token * self.block_size))
-
-    def kv_cache_bytes(self, kv_bytes_per_token: int) -> int:
-        """Bytes the KV pool will take (what the memory check before loading adds to the weights)."""
-        return self.resolve_num_blocks(kv_bytes_per_token) * self.block_size * kv_bytes_per_token
+    def plan_kv_pool(self, kv_bytes_per_token: int, max_position: int, window: int | None = None,
+                     available: int | None = None, reserved: int = 0) -> KVPoolPlan:
+        """The KV pool for a model of `max_position` positions storing `kv_bytes_per_token`: num_blocks,
+        kv_cache_gb, or sized from the memory `available` (measured now when not given) less `reserved`
+        bytes (the weights, when sized before they are loaded). `window`: the attention window every
+        layer has, if any."""
+        if self.num_blocks is None and self.kv_cache_gb is None and available is None:
+            available = available_memory_bytes()
+        if available is not None:
+            available = max(0, available - reserved)
+        return plan_kv_pool(kv_bytes_per_token, self.block_size, self.resolve_max_model_len(max_position),
+                            num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb, available=available,
+                            window=window)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@ and all), one and a half blocks of 16, and the half is most of what a short ques
 The new sequence then gets a fresh block and the cached block's first k slots are copied into it
 (`copy_prefix`, the runner's; K and V of a token depend only on the tokens up to it, so they are the
 ones a recomputation would write).
+
+In a model whose every layer attends within a window (Mistral's and Phi-3's configs), a block whose
+keys every later query is too far ahead to see is given back to the pool as the sequence moves on
+(`release_behind_window`), so a long conversation holds about a window's blocks, not its length's.
+Its table entry stays where it was, so positions still map to blocks; the windowed attention reads
+only the blocks inside the window (models/attention.py), and masks anything else it gathers.
 """
 from __future__ import annotations
 
@@ -20,8 +26,12 @@ from chatloom.engine.sequence import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, copy_prefix: Callable[[int, int, int], None] | None = None) -> None:
+    def __init__(self, pool: BlockPool, copy_prefix: Callable[[int, int, int], None] | None = None,
+                 window: int | None = None) -> None:
         self.pool = pool
+        # The attention window every layer has (None: some layer sees the whole context).
+        self.window = window
+        self.released_blocks = 0  # given back behind the window, over the manager's life
         self.block_size = pool.block_size
         # copy_prefix(src, dst, n): copy the K/V of block src's first n slots into block dst. Without
         # it, only whole blocks are reused.
@@ -172,12 +182,35 @@ class KVCacheManager:
             self.pool.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full)
             seq.num_hashed_blocks = num_full
 
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Give back the leading blocks of `seq` that no later query can see: the next query is at
+        position num_computed_tokens, and a query at p sees keys p - window + 1 .. p, so block i
+        (positions i * bs .. i * bs + bs - 1) is done once i * bs + bs <= num_computed - window + 1.
+        With prefix caching, the last published block stays: the next block's key is made from its own."""
+        if self.window is None:
+            return
+        done = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        if self.pool.enable_caching:
+            done = min(done, seq.num_hashed_blocks - 1)
+        if done > seq.num_released_blocks:
+            # Oldest first to the back of the free list: a published block stays findable by the
+            # prefix cache until it is handed out again.
+            self.pool.release(seq.block_table[seq.num_released_blocks:done])
+            self.released_blocks += done - seq.num_released_blocks
+            seq.num_released_blocks = done
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks held by live sequences."""
+        return self.num_blocks - self.num_free_blocks
+
     def free_sequence(self, seq: Sequence) -> None:
         """Drop `seq`'s references; its tail blocks are evicted first."""
-        self.pool.release(reversed(seq.block_table))
+        self.pool.release(reversed(seq.block_table[seq.num_released_blocks:]))
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no running sequence holds (between benchmark runs)."""

@@ -25,8 +25,10 @@ from chatloom.engine.block_pool import BlockPool
 from chatloom.engine.choices import plan_forks
 from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cache_dtype
 from chatloom.engine.executor import ModelOutput, StepExecutor
+from chatloom.engine.heap import return_free_heap
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.kv_events import KVEventLog
+from chatloom.engine.kv_sizing import uniform_window, window_tokens
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.output_processor import OutputProcessor, RequestState, merge_outputs
 from chatloom.engine.outputs import RequestOutput, TokenLogprob
@@ -39,7 +41,7 @@ from chatloom.engine.spec_decode.calibrate import calibrate_decoder
 from chatloom.engine.stats import EngineSnapshot, EngineStats
 from chatloom.engine.structured.guide import GrammarGuide
 from chatloom.models.loader import LoadedModel
-from chatloom.models.packed_linear import uses_int8_matmul
+from chatloom.models.packed_linear import uses_bf16_matmul, uses_int8_matmul
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +53,18 @@ class LLMEngine:
         cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.config.kv_cache_dtype, loaded.dtype,
-                                                     uses_int8_matmul(loaded.model))
+                                                     uses_int8_matmul(loaded.model), uses_bf16_matmul(loaded.model))
         bytes_per_token = cfg.kv_bytes_per_token("fp32") * self.kv_cache_dtype.itemsize // 4
-        num_blocks = self.config.resolve_num_blocks(bytes_per_token)
+        # Sized now, with the weights loaded: what is available is what the pool may share.
+        self.kv_pool_plan = self.config.plan_kv_pool(bytes_per_token, cfg.max_position,
+                                                     uniform_window(cfg.layer_windows))
+        num_blocks = self.kv_pool_plan.blocks
         self.max_model_len = self.config.resolve_max_model_len(cfg.max_position)
         # The prefix cache's stored/evicted keys, numbered: a replica publishes them to routers.
         self.kv_events = KVEventLog(loaded.id, self.config.block_size)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, self.config.block_size, loaded.id,
-                                                         self.config.enable_prefix_caching, self.kv_events))
+                                                         self.config.enable_prefix_caching, self.kv_events),
+                                               window=uniform_window(cfg.layer_windows))
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config, self.max_model_len),
                                    self.kv_cache_manager)
         self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size,
@@ -76,6 +82,7 @@ class LLMEngine:
         if self.spec is not None and self.spec.adaptive:
             calibrate_decoder(self.spec, self.runner, self.config)
         self.executor = StepExecutor(self.runner, self.sampler, self.guide, self.spec, self.eos_ids)
+        return_free_heap()  # what loading freed, back to the machine before serving
 
     # -- requests ---------------------------------------------------------------
     @property
@@ -101,9 +108,13 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequest(f"the prompt has {len(token_ids)} tokens; the context window is "
                                  f"{self.max_model_len} tokens, and the answer needs room too")
-        if min(len(token_ids) + params.max_tokens, self.max_model_len) > self.pool_tokens:
-            raise InvalidRequest(f"the request needs up to {len(token_ids) + params.max_tokens} tokens "
-                                 f"of KV cache; the pool holds {self.pool_tokens}")
+        need = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        window = self.kv_cache_manager.window
+        if window is not None:  # the prompt's blocks at admission, then about a window's
+            need = min(need, max(len(token_ids) + 1, window_tokens(window, need, self.config.block_size)))
+        if need > self.pool_tokens:
+            raise InvalidRequest(f"the request needs up to {need} tokens of KV cache; the pool holds "
+                                 f"{self.pool_tokens}")
         vocab = self.loaded.config.vocab_size
         if any(t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequest("prompt token ids must be within the vocabulary")
@@ -195,6 +206,7 @@ class LLMEngine:
         for seq in scheduled:
             if not seq.is_finished:
                 self.kv_cache_manager.register_full_blocks(seq)
+                self.kv_cache_manager.release_behind_window(seq)
         self.stats.record_step(batch.num_tokens, num_new, now)
 
     def _plan_forks(self, seq: Sequence) -> None:

@@ -1,6 +1,9 @@
 """Owns the KV pool and turns one scheduled batch into one forward pass."""
 from __future__ import annotations
 
+import math
+import mmap
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,7 +27,20 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
     # Refuse with the sizes rather than be killed while zeroing the pool.
     per_layer = num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     check_fits(f"a KV cache of {num_blocks} blocks", 0, 2 * cfg.num_layers * per_layer)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    return [(zeroed_on_demand(shape, dtype), zeroed_on_demand(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages the kernel supplies on first write (a private anonymous mapping): a
+    pool sized for several full contexts costs resident memory only as conversations fill it, where
+    torch.zeros would write every page at once. Page-aligned, as the kernels like it."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    with warnings.catch_warnings():  # the mapping is writable; torch warns about buffers in general
+        warnings.simplefilter("ignore", UserWarning)
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 @dataclass

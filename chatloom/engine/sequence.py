@@ -71,6 +71,9 @@ class Sequence:
         # Tokens whose K/V are already in the cache (computed or found in the prefix cache).
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading blocks already published in the prefix cache
+        # Leading blocks given back because every layer's window has moved past them (their table
+        # entries stay, unread: kv_cache_manager.release_behind_window).
+        self.num_released_blocks = 0
         # Proposed next tokens the target checks in this step (speculative decoding); the
         # scheduler trims them to the step's budget and free blocks.
         self.spec_token_ids: list[int] = []

@@ -8,10 +8,13 @@ from typing import AsyncIterator
 
 from chatloom.engine import EngineConfig, InvalidRequest, RequestOutput, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from chatloom.engine.config import resolve_kv_cache_dtype
+from chatloom.engine.kv_sizing import uniform_window
 from chatloom.engine.outputs import TokenLogprob
 from chatloom.engine.thread_pool import then_release
 from chatloom.models import LoadedModel, ModelError, describe_config, load_model
 from chatloom.models.chat_template import encode_chat
+from chatloom.models.loader import resolve_dtype
 from chatloom.models.token_bytes import TokenBytes
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
@@ -43,10 +46,12 @@ class LocalBackend(Backend):
         self._encoded: dict[tuple, list[int]] = {}  # recent chat prompts' token ids, oldest first
         self._token_bytes: TokenBytes | None = None  # made at the first request for logprobs
 
-    def _kv_cache_bytes(self, cfg) -> int:
+    def kv_cache_bytes(self, cfg) -> int:
         """The KV pool the engine will allocate for a model config (checked with the weights)."""
-        per_token = cfg.kv_bytes_per_token("bf16" if self._dtype == "bf16" else "fp32")
-        return self._config.resolve_num_blocks(per_token) * self._config.block_size * per_token
+        kv_dtype = resolve_kv_cache_dtype(self._config.kv_cache_dtype, resolve_dtype(self._dtype),
+                                          self._int8_matmul, self._bf16_matmul)
+        per_token = cfg.kv_bytes_per_token("fp32") * kv_dtype.itemsize // 4
+        return self._config.plan_kv_pool(per_token, cfg.max_position, uniform_window(cfg.layer_windows)).bytes
 
     # -- lifecycle ----------------------------------------------------------------
     def check(self) -> None:
@@ -61,7 +66,7 @@ class LocalBackend(Backend):
                 if self._loaded is None:
                     log.info("loading model %s", self._spec)
                     self._loaded = await asyncio.to_thread(then_release, load_model, self._spec, self._dtype,
-                                                           self._int8_matmul, self._kv_cache_bytes, self._bf16_matmul)
+                                                           self._int8_matmul, self.kv_cache_bytes, self._bf16_matmul)
                 # Allocating the KV pool takes a moment for big pools; keep the event loop free. The
                 # executor thread keeps living: it gives back its OpenMP pool (engine/thread_pool.py).
                 self._engine = await asyncio.to_thread(then_release, AsyncEngine.from_model, self._loaded,

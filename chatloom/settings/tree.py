@@ -49,7 +49,10 @@ class EngineSettings(Group):
     """The local engine's sizing: the KV pool, the per-step budget, speculative decoding."""
 
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
-    kv_cache_gb: float = Field(1.0, gt=0, description="KV-cache memory in GiB (ignored when num_blocks is set).")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache memory in GiB (ignored when num_blocks is "
+                                                             "set). Default: room for 4 sequences at the full "
+                                                             "context window, at most half the memory available "
+                                                             "after loading (see docs/speed.md).")
     num_blocks: int | None = Field(None, gt=0, description="KV-cache blocks; overrides kv_cache_gb.")
     max_num_seqs: int = Field(64, gt=0, description="Most sequences running in one step.")
     max_num_batched_tokens: int = Field(512, gt=0, description="Token budget of one step: decodes first, "

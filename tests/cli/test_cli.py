@@ -87,6 +87,32 @@ def test_capacity_prints_weight_memory(capsys):
     assert list(json.loads(out)["weight_bytes"]) == ["Q8_0"]
 
 
+def test_capacity_without_a_budget_shows_the_engines_default_pool(capsys, monkeypatch):
+    from chatloom.engine import config as engine_config
+
+    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: 64 * 2**30)
+    rc, out, err = call(capsys, "capacity", "--model", "smollm2-135m-instruct")
+    assert rc == 0, err
+    assert "KV cache per token (fp32): 46,080 bytes" in out  # the exact mode keeps float32
+    assert "wanted: 4 sequences x 8,192 tokens x 46,080 bytes" in out
+    assert "pool: 2,048 blocks x 16 tokens = 32,768 tokens" in out and "context window: 8,192 tokens" in out
+    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: 2**30)
+    rc, out, _ = call(capsys, "capacity", "--model", "smollm2-135m-instruct", "--dtype", "bf16", "--json")
+    r = json.loads(out)
+    assert r["dtype"] == "bf16" and r["pool"]["how"] == "auto"
+    assert r["pool"]["bytes"] <= r["pool"]["cap_bytes"] == (2**30 - r["weight_bytes_estimate"]) // 2
+
+
+def test_capacity_counts_a_window_on_every_layer(capsys):
+    rc, out, err = call(capsys, "capacity", "--model", "phi-3-mini-4k", "--memory-gib", "4", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    # Phi-3-mini's 2,047-token window: 128 blocks of 16 inside it, the one being filled, one more.
+    assert r["sliding_window"] == 2047 and r["tokens_held_per_conversation"] == 130 * 16
+    assert r["bytes_per_conversation"] == r["kv_bytes_per_token"] * 2080
+    assert r["conversations"] == 4 * 2**30 // (r["kv_bytes_per_token"] * 2080)
+
+
 def test_generate_with_the_tiny_model():
     r = run_cli("generate", "hello there", "--model", "tiny-random", "--max-tokens", "8", "--temperature", "0")
     assert r.returncode == 0, r.stderr
@@ -186,7 +212,7 @@ BAD_INPUTS = {
     "unknown command": (["frobnicate"], ["frobnicate"]),
     "no command": ([], ["command"]),
     "unknown option": (["models", "--colour"], ["--colour"]),
-    "capacity without memory": (["capacity", "--model", "llama-70b"], ["--memory-gb"]),
+    "capacity of an fp8 engine pool": (["capacity", "--model", "llama-70b", "--dtype", "fp8"], ["fp8"]),
     "capacity negative memory": (["capacity", "--model", "llama-70b", "--memory-gb", "-1"], ["--memory-gb"]),
     "capacity unknown model": (["capacity", "--model", "nope", "--memory-gb", "1"], ["unknown model"]),
     "capacity unsupported config": (["capacity", "--model", "{root}/gpt2-folder/config.json", "--memory-gb", "1"],

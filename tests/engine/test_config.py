@@ -40,3 +40,53 @@ def test_the_engine_schedules_with_its_own_configuration(tiny_model):
     default = LLMEngine(tiny_model, EngineConfig(num_blocks=64))
     assert default.scheduler.config.max_model_len == default.max_model_len == \
         min(tiny_model.config.max_position, DEFAULT_MAX_MODEL_LEN)
+
+
+# -- the KV pool's size ---------------------------------------------------------------------------------
+
+from chatloom.engine.kv_sizing import AUTO_KV_CONTEXTS, AUTO_KV_MEMORY_SHARE, plan_kv_pool  # noqa: E402
+
+GIB = 1024**3
+
+
+def test_an_unset_pool_holds_a_few_full_contexts_when_memory_allows():
+    # The 1.7B shape in float32: 384 KiB a token, 3 GiB for one 8,192-token context.
+    per_token = 2 * 24 * 32 * 64 * 4
+    plan = EngineConfig().plan_kv_pool(per_token, 8192, available=64 * GIB)
+    assert plan.how == "auto" and plan.tokens == AUTO_KV_CONTEXTS * 8192
+    assert plan.bytes == AUTO_KV_CONTEXTS * 3 * GIB and plan.full_contexts == AUTO_KV_CONTEXTS
+
+
+def test_an_unset_pool_takes_at_most_its_share_of_the_memory_available():
+    per_token = 2 * 24 * 32 * 64 * 4
+    plan = EngineConfig().plan_kv_pool(per_token, 8192, available=16 * GIB, reserved=2 * GIB)
+    assert plan.available_bytes == 14 * GIB and plan.cap_bytes == int(14 * GIB * AUTO_KV_MEMORY_SHARE)
+    assert plan.bytes <= plan.cap_bytes < plan.bytes + 16 * per_token  # whole blocks
+    assert plan.context_tokens == 8192 < plan.tokens  # still more than one full context
+    starved = EngineConfig().plan_kv_pool(per_token, 8192, available=GIB)
+    assert starved.tokens == GIB // 2 // per_token // 16 * 16 < 8192  # the window is then the pool's
+
+
+def test_a_set_pool_size_wins_and_unknown_memory_gives_one_context():
+    assert EngineConfig(num_blocks=7, kv_cache_gb=3.0).plan_kv_pool(1024, 4096, available=GIB).blocks == 7
+    assert EngineConfig(kv_cache_gb=1.0).plan_kv_pool(1024, 4096, available=1).tokens == GIB // 1024
+    assert plan_kv_pool(1024, 16, 4096).how == "auto-unknown-memory"
+    assert plan_kv_pool(1024, 16, 4096).tokens == 4096
+
+
+def test_a_window_on_every_layer_bounds_what_a_context_needs():
+    plan = plan_kv_pool(1024, 16, 8192, available=64 * GIB, window=1000)
+    assert plan.tokens_per_context == (63 + 2) * 16 and plan.tokens == AUTO_KV_CONTEXTS * plan.tokens_per_context
+
+
+def test_the_engine_sizes_its_pool_from_the_memory_available(tiny_model, monkeypatch):
+    from chatloom.engine import config as config_module
+
+    monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 10**12)
+    engine = LLMEngine(tiny_model, EngineConfig())
+    context = engine.max_model_len
+    assert engine.kv_pool_plan.how == "auto"
+    assert engine.pool_tokens == AUTO_KV_CONTEXTS * context
+    monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 100 * 1024)
+    small = LLMEngine(tiny_model, EngineConfig())
+    assert small.pool_tokens * small.kv_pool_plan.bytes_per_token <= 50 * 1024

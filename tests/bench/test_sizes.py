@@ -1,0 +1,77 @@
+"""`chatloom bench sizes` in its quick mode: chatloom measured as a server of its own, the peers that are
+not on this machine skipped with a note, and the JSON's shape (the figures of a tiny model mean nothing)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chatloom.bench import sizes
+from chatloom.bench.checkpoints import SHAPES, make_checkpoint, shrink
+from chatloom.cli import bench as bench_cli
+from chatloom.cli.main import main
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(shrink(SHAPES["qwen2.5-1.5b"], **TINY), tmp_path_factory.mktemp("sizes"), seed=0)
+
+
+def test_the_cli_names_the_same_servers():
+    assert bench_cli.SIZES_SERVERS == sizes.SERVERS
+
+
+def test_quick_run_measures_chatloom_and_notes_the_missing_peers(checkpoint, tmp_path, capsys):
+    out = tmp_path / "sizes.json"
+    assert main(["bench", "sizes", "--model", str(checkpoint.gguf_file), "--quick", "--llama-server",
+                 str(tmp_path / "no-such-binary"), "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+                 "--table"]) == 0
+    printed, table = capsys.readouterr()
+    result = json.loads(printed)
+    assert json.loads(out.read_text()) == result
+    assert result["benchmark"] == "sizes" and result["plan"]["max_tokens"] == sizes.QUICK.max_tokens
+    assert result["read_bandwidth_gbps"] > 0
+    (model,) = result["models"]
+    assert model["weight_bytes_per_step"] > 0 and model["roofline_tpot_ms"] > 0
+    servers = model["servers"]
+    assert list(servers) == list(sizes.SERVERS)
+    assert "no-such-binary" in servers["llama-server"]["skipped"]
+    assert "skipped" in servers["vllm"]  # not importable here, or no Hugging Face folder given
+    ours = servers["chatloom"]
+    assert "error" not in ours, ours
+    assert ours["failed_requests"] == 0 and ours["output_tokens_as_asked"]
+    assert ours["context_window"] == 8192  # the shape's 32,768 positions, capped by default
+    assert ours["load_to_ready_s"] > 0 and 0 < ours["rss_after_load_mib"] <= ours["rss_peak_mib"]
+    one = ours["one_in_flight"]
+    for key in ("tpot_p50_ms", "short_prompt_ttft_p50_ms", "long_prompt_ttft_ms", "long_prompt_prefill_tok_s",
+                "tpot_at_long_context_ms"):
+        assert one[key] > 0, key
+    assert one["long_prompt_tokens"] >= sizes.QUICK.long_prompt > one["short_prompt_tokens"] - 40
+    many = ours["in_flight"]
+    assert many["completed"] == sizes.QUICK.chat_requests and many["in_flight"] == 8
+    assert many["output_tok_s"] > 0 and 0 < many["ttft_p50_ms"] <= many["ttft_p90_ms"]
+    assert ours["busy"]["tpot_p50_ms"] > 0 and ours["busy"]["over_quiet"] > 0
+    assert ours["roofline_share"] > 0
+    assert "| 1 in flight: TPOT p50, ms |" in table and "llama-server: no llama-server binary" in table
+    assert (tmp_path / "logs" / f"{checkpoint.gguf_file.stem}-chatloom.log").is_file()
+
+
+def test_a_missing_model_file_is_one_clear_line(tmp_path, capsys):
+    assert main(["bench", "sizes", "--model", str(tmp_path / "nope.gguf"), "--quick"]) != 0
+    err = capsys.readouterr().err
+    assert "no GGUF file at" in err and "Traceback" not in err
+
+
+def test_prompts_have_the_length_asked_and_no_shared_prefix():
+    from chatloom.models.loader import load_tokenizer
+
+    texts = sizes.Texts(load_tokenizer("smollm2-135m-instruct"), seed=0)
+    a, b = texts.text(100), texts.text(100)
+    assert a.split()[:2] != b.split()[:2]
+    assert 90 <= len(texts.tokenizer.encode(a)) <= 110
+    chat = texts.conversation(1000)
+    assert chat[-1]["role"] == "user" and {m["role"] for m in chat} == {"user", "assistant"}
+    assert 900 <= sum(len(texts.tokenizer.encode(m["content"])) for m in chat) <= 1200
