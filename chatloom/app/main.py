@@ -19,8 +19,8 @@ from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, 
 from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
-from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, moderations, openai, recovery,
-                                     usage, web)
+from chatloom.app.api.routes import (admin, anthropic, auth, conversations, embeddings, health, moderations, openai,
+                                     recovery, usage, web)
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
 from chatloom.app.core.validation import EdgeGuard
@@ -38,13 +38,14 @@ def default_backend(settings: Settings) -> Backend:
 
         fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
                             settings.model.name)
-        return build_fleet_backend(fleet, lambda spec: local_backend(settings, spec))
+        return build_fleet_backend(fleet, lambda spec, pooling=None: local_backend(settings, spec, pooling))
     return local_backend(settings, settings.model.name)
 
 
-def local_backend(settings: Settings, spec: str) -> Backend:
+def local_backend(settings: Settings, spec: str, pooling: str | None = None) -> Backend:
     return LocalBackend(spec, settings.model.dtype, EngineConfig.from_settings(settings.engine),
-                        int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul)
+                        int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul,
+                        pooling=pooling or settings.embeddings.pooling)
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
@@ -108,7 +109,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes)  # outermost: before any parsing
-    for module in (health, auth, conversations, recovery, usage, admin, openai, anthropic, moderations, web):
+    for module in (health, auth, conversations, recovery, usage, admin, openai, anthropic, moderations, embeddings,
+                   web):
         app.include_router(module.router)
     return app
 

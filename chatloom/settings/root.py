@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                InitSettingsSource)
 
-from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
+from chatloom.settings.tree import (AccountSettings, ChatSettings, EmbeddingsSettings, EngineSettings,
+                                    FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
                                     ServerSettings, SharedStateSettings, TrafficSettings)
 
@@ -41,6 +42,7 @@ class Settings(BaseSettings):
     traffic: TrafficSettings = Field(default_factory=TrafficSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    embeddings: EmbeddingsSettings = Field(default_factory=EmbeddingsSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)

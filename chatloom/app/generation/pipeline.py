@@ -47,6 +47,7 @@ from chatloom.app.traffic.admission import INTERACTIVE, REASONING, Slot
 from chatloom.app.core.errors import ApiError
 from chatloom.app.traffic.quotas import QuotaExceeded
 from chatloom.settings import Settings
+from chatloom.app.generation.embedding import Embedder
 from chatloom.app.generation.run_types import (AnswerText, Ask, BudgetSpent, ChatPrompt, Finished, GenerationStopped,
                                                Limits, Piece, Prompt, TextPrompt, Thinking, TokenPrompt)
 from chatloom.app.generation.tool_calls import ToolCall, ToolCallParser
@@ -68,6 +69,7 @@ class Pipeline:
         self.backend = backend
         self.traffic = traffic
         self.settings = settings
+        self.embeddings = Embedder(backend, traffic, settings)  # the embed path (embedding.py)
 
     @property
     def context_window(self) -> int:
