@@ -19,8 +19,10 @@ from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, 
 from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
-from chatloom.app.api.routes import (admin, anthropic, auth, conversations, embeddings, health, moderations, openai,
-                                     recovery, usage, web)
+from chatloom.app.api.routes import (admin, anthropic, auth, conversations, embeddings, files, health, moderations,
+                                     openai, recovery, usage, web)
+from chatloom.app.files.retrieval import Retriever
+from chatloom.app.files.service import Files
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
 from chatloom.app.core.validation import EdgeGuard
@@ -60,13 +62,15 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     traffic.quotas = hot.quotas
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
+    blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
+    user_files = Files(db, blobs, pipeline.embeddings, settings)
+    retriever = Retriever(user_files, backend)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.accounts.argon2_time_cost, settings.accounts.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
-        conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
-        callers=CallerCache(settings.accounts.auth_cache_s),
-        blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"),
+        conversations=ConversationService(db, pipeline, settings, hot.logs, retriever), hot=hot,
+        callers=CallerCache(settings.accounts.auth_cache_s), blobs=blobs, files=user_files, retriever=retriever,
     )
 
     @asynccontextmanager
@@ -108,9 +112,11 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     install_error_handlers(app)
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
-    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes)  # outermost: before any parsing
+    # Outermost: before any parsing. Uploads take up to the file limit plus the multipart framing.
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes,
+                       larger_bodies={"/files": settings.files.max_file_bytes + 64_000})
     for module in (health, auth, conversations, recovery, usage, admin, openai, anthropic, moderations, embeddings,
-                   web):
+                   files, web):
         app.include_router(module.router)
     return app
 

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                InitSettingsSource)
 
-from chatloom.settings.tree import (AccountSettings, ChatSettings, EmbeddingsSettings, EngineSettings,
+from chatloom.settings.tree import (AccountSettings, ChatSettings, EmbeddingsSettings, EngineSettings, FilesSettings,
                                     FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
                                     ServerSettings, SharedStateSettings, TrafficSettings)
@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     embeddings: EmbeddingsSettings = Field(default_factory=EmbeddingsSettings)
+    files: FilesSettings = Field(default_factory=FilesSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)

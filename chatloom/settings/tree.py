@@ -172,6 +172,27 @@ class EmbeddingsSettings(Group):
                                                               "request together.")
 
 
+class FilesSettings(Group):
+    """Uploaded files: limits, text extraction, chunking and retrieval into the chat prompt."""
+
+    max_file_bytes: int = Field(10_000_000, gt=0, description="Largest upload (413 past it).")
+    max_user_bytes: int = Field(200_000_000, gt=0, description="Most bytes of files one user may keep (413 past it).")
+    max_extracted_chars: int = Field(2_000_000, gt=0, description="Most text extracted from one file; more is "
+                                                                  "refused as a decompression bomb (413).")
+    max_archive_ratio: float = Field(100.0, gt=1, description="A DOCX whose parts unpack to more than this many "
+                                                              "times its size is refused as a decompression bomb.")
+    chunk_chars: int = Field(1200, ge=200, description="Length of one indexed passage, in characters.")
+    chunk_overlap_chars: int = Field(200, ge=0, description="Characters a passage repeats from the one before.")
+    embeddings: bool = Field(True, description="Index passages with embeddings too (hybrid retrieval); off: "
+                                               "full-text search only.")
+    embedding_model: str | None = Field(None, description="Model whose embeddings index the passages "
+                                                          "(default: the default model).")
+    top_k: int = Field(4, ge=1, description="Passages retrieved for one message.")
+    prompt_tokens: int = Field(1024, ge=0, description="Most prompt tokens the retrieved passages may take; the "
+                                                       "conversation's history gets the rest of the budget.")
+    rrf_k: int = Field(60, gt=0, description="The constant of reciprocal rank fusion (full-text and vector ranks).")
+
+
 class RecoverySettings(Group):
     """Crash recovery and shutdown."""
 

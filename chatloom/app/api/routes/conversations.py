@@ -82,6 +82,7 @@ async def rename_conversation(body: RenameIn, conv: OwnedConversation, session: 
 @router.delete("/{conversation_id}", status_code=204, responses=OWN_CONVERSATION | errors(503))
 async def delete_conversation(ctx: Ctx, conv: OwnedConversation, session: SessionDep) -> Response:
     await _stop(ctx, conv.id)
+    await ctx.files.delete_for_conversation(session, conv.user_id, conv.id)  # the files only it held, for good
     await Conversations(session).delete(conv.id)
     await session.commit()
     return Response(status_code=204)
