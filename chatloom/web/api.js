@@ -73,6 +73,7 @@ export const api = {
   me: () => request('GET', '/auth/me'),
 
   conversations: () => request('GET', '/conversations?limit=100'),
+  searchConversations: (q) => request('GET', `/conversations?limit=50&q=${enc(q)}`),
   createConversation: () => request('POST', '/conversations'),
   conversation: (id, leaf) => request('GET', `/conversations/${enc(id)}${leaf ? `?leaf=${enc(leaf)}` : ''}`),
   rename: (id, title) => request('PATCH', `/conversations/${enc(id)}`, { body: { title } }),

@@ -9,6 +9,7 @@ import { renderSidebar } from './sidebar.js';
 import { renderUsage } from './usage.js';
 
 const state = {
+  searching: false, // the sidebar lists search results (the search box has words)
   user: null,
   conversations: [],
   convId: null, // null: a new chat, created on the first message
@@ -90,17 +91,27 @@ async function refreshUsage() {
 }
 
 async function refreshConversations() {
+  const q = $('search').value.trim();
   try {
-    state.conversations = await api.conversations();
+    state.conversations = q ? await api.searchConversations(q) : await api.conversations();
+    state.searching = Boolean(q);
   } catch (err) {
     if (err.status !== 401) showNotice(describeError(err));
   }
   drawSidebar();
 }
 
+// The search box: results follow typing, a moment after the last key (one request per pause).
+let searchTimer = null;
+function onSearchInput() {
+  clearTimeout(searchTimer);
+  searchTimer = setTimeout(refreshConversations, 200);
+}
+
 function drawSidebar() {
   renderSidebar($('conversation-list'), state.conversations, state.convId, {
-    open: (id) => { openConversation(id); closeDrawer(); },
+    // A search hit in a message opens the branch through that message.
+    open: (id, messageId) => { openConversation(id, messageId || null); closeDrawer(); },
     rename: async (id, title) => {
       try { await api.rename(id, title); } catch (err) { showNotice(describeError(err)); }
       await refreshConversations();
@@ -111,7 +122,7 @@ function drawSidebar() {
       if (id === state.convId) newChat();
       await refreshConversations();
     },
-  });
+  }, state.searching);
 }
 
 function setTitle(title) {
@@ -430,6 +441,10 @@ function wire() {
     if (e.key === 'Escape' && state.run) { e.preventDefault(); stop(); }
   });
   $('new-chat').addEventListener('click', () => { newChat(); closeDrawer(); });
+  $('search').addEventListener('input', onSearchInput);
+  $('search').addEventListener('keydown', (e) => {
+    if (e.key === 'Escape' && $('search').value) { e.stopPropagation(); $('search').value = ''; refreshConversations(); }
+  });
   $('logout').addEventListener('click', () => { detach(); showAuth(); });
   $('menu').addEventListener('click', () => document.body.classList.toggle('sidebar-open'));
   $('scrim').addEventListener('click', closeDrawer);

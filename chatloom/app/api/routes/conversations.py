@@ -7,6 +7,7 @@ from sqlalchemy import select
 
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_service import UNSET, Generation, GenerationOptions
+from chatloom.app.chat.search import search_conversations
 from chatloom.app.api.deps import Ctx, CurrentUser, OwnedConversation, SessionDep
 from chatloom.app.core.errors import ApiError
 from chatloom.app.state.events import EventLog
@@ -39,8 +40,15 @@ def stream_response(gen: Generation) -> EventStreamResponse:
 
 @router.get("", response_model=list[ConversationOut], responses=SIGNED_IN)
 async def list_conversations(user: CurrentUser, session: SessionDep, limit: int = Query(20, ge=1, le=100),
-                             offset: Offset = 0) -> list[ConversationOut]:
-    """Newest first."""
+                             offset: Offset = 0,
+                             q: str | None = Query(None, max_length=500, description=(
+                                 "Search the caller's titles and messages (every branch): every word must "
+                                 "match, the last as a prefix; best match first, each with a snippet."))
+                             ) -> list[ConversationOut]:
+    """Newest first; with `q`, the conversations matching it, best first, with highlighted snippets."""
+    if q is not None and q.strip():
+        return [ConversationOut.of(h.conversation, h.snippet, h.message_id)
+                for h in await search_conversations(session, user.id, q, limit, offset)]
     return [ConversationOut.of(c) for c in await Conversations(session).page(user.id, limit, offset)]
 
 
