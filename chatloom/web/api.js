@@ -90,6 +90,23 @@ export const api = {
   }),
   stop: (id) => request('POST', `/conversations/${enc(id)}/stop`),
 
+  upload: async (file, conversationId) => {
+    const form = new FormData();
+    form.append('file', file, file.name);
+    if (conversationId) form.append('conversation_id', conversationId);
+    const headers = session.token ? { Authorization: `Bearer ${session.token}` } : {};
+    let res;
+    try {
+      res = await fetch('/files', { method: 'POST', headers, body: form });
+    } catch {
+      throw new ApiError(0, 'Cannot reach the server. Check your connection.', 'network_error', 5);
+    }
+    if (!res.ok) throw await toError(res);
+    return res.json();
+  },
+  conversationFiles: (id) => request('GET', `/conversations/${enc(id)}/files`),
+  fileText: (id) => request('GET', `/files/${enc(id)}/text`),
+
   feedback: (messageId, rating) => request('POST', `/messages/${enc(messageId)}/feedback`, { body: { rating } }),
   models: () => request('GET', '/v1/models'),
   usage: () => request('GET', '/usage'),

@@ -2,6 +2,7 @@
 // composer) to the API. Rendering lives in messages.js / sidebar.js, streaming in run.js.
 import { api, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
+import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
 import { renderBranch, streamingMessage, updateStreaming } from './messages.js';
 import { describeError, hideNotice, setupNotice, showNotice } from './notice.js';
 import { Run } from './run.js';
@@ -157,7 +158,18 @@ function newChat() {
   setHash();
   drawMessages();
   drawSidebar();
+  showAttachments(null);
   $('input').focus();
+}
+
+// The open conversation, created now if this is a new chat (files attach to a conversation).
+async function ensureConversation() {
+  if (state.convId) return state.convId;
+  const conv = await api.createConversation();
+  state.convId = conv.id;
+  setHash();
+  await refreshConversations();
+  return conv.id;
 }
 
 async function openConversation(id, leaf = null) {
@@ -171,6 +183,7 @@ async function openConversation(id, leaf = null) {
     if (err.status === 404) { newChat(); refreshConversations(); }
     return;
   }
+  if (id !== state.convId) showAttachments(id);
   state.convId = id;
   state.leaf = leaf;
   state.branch = conv.messages;
@@ -394,6 +407,7 @@ async function sendFromComposer() {
   const input = $('input');
   const text = input.value.trim();
   if (!text || state.run) return;
+  await uploadsSettled(); // files being attached are read by this message's answer
   if (!state.convId) {
     try {
       const conv = await api.createConversation();
@@ -442,6 +456,8 @@ function wire() {
   });
   $('new-chat').addEventListener('click', () => { newChat(); closeDrawer(); });
   $('search').addEventListener('input', onSearchInput);
+  setupUploads({ ensureConversation, notice: (message) => showNotice(message) });
+  setupPassageDialog();
   $('search').addEventListener('keydown', (e) => {
     if (e.key === 'Escape' && $('search').value) { e.stopPropagation(); $('search').value = ''; refreshConversations(); }
   });
