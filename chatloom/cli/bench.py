@@ -218,6 +218,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--latency-chunks", type=int, default=1000, help="passages in the latency collection (0: skip)")
     p.add_argument("--chunk-chars", type=positive_int, default=1200, help="passage length in characters")
     p.add_argument("--overlap", type=int, default=200, help="characters a passage repeats from the one before")
+    p.add_argument("--pooling", choices=("last", "mean"), default="last", help="how the model's embeddings pool")
     p.set_defaults(func=runs.retrieval)
 
     p = sub.add_parser("checkpoints", help="write random-weight checkpoints of real model shapes (Hugging Face "

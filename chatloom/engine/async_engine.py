@@ -217,7 +217,7 @@ class AsyncEngine:
         assert last is not None
         return last
 
-    async def embed(self, prompts: list[list[int]], pooling: str = "mean") -> list[list[float]]:
+    async def embed(self, prompts: list[list[int]], pooling: str = "last") -> list[list[float]]:
         """Each prompt's pooled, normalized hidden state, computed between generation steps.
         Cancelling the caller drops the job and frees its blocks."""
         job_id = f"embed-{next(self._ids)}"

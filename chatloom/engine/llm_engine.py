@@ -251,7 +251,7 @@ class LLMEngine:
             bar.close()
         return [results[i] for i in ids]
 
-    def embed(self, prompts: list[str | list[int]], pooling: str = "mean") -> list[list[float]]:
+    def embed(self, prompts: list[str | list[int]], pooling: str = "last") -> list[list[float]]:
         """Each prompt's pooled, L2-normalized final hidden state (offline use; see embedding.py)."""
         return self.embedder.run([self.encode_prompt(p) for p in prompts], pooling)
 

@@ -28,14 +28,14 @@ class LocalBackend(Backend):
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
                  engine_config: EngineConfig | None = None, int8_matmul: bool = False,
-                 bf16_matmul: bool = False, pooling: str = "mean") -> None:
+                 bf16_matmul: bool = False, pooling: str = "last") -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model
         self._dtype = dtype
         self._int8_matmul = int8_matmul
         self._bf16_matmul = bf16_matmul
         self._config = engine_config or EngineConfig()
-        self.pooling = pooling  # how embed() pools the hidden states: "mean" or "last" (engine/embedding.py)
+        self.pooling = pooling  # how embed() pools the hidden states: "last" or "mean" (engine/embedding.py)
         self._engine: AsyncEngine | None = None
         self._error: str | None = None
         self._start_lock = asyncio.Lock()

@@ -163,9 +163,9 @@ class FleetSettings(Group):
 class EmbeddingsSettings(Group):
     """Embeddings (/v1/embeddings, and the vectors of file retrieval)."""
 
-    pooling: Literal["mean", "last"] = Field("mean", description="How a model served in this process pools its "
-                                                                 "final hidden states into one vector: mean of "
-                                                                 "every token, or the last token (a "
+    pooling: Literal["mean", "last"] = Field("last", description="How a model served in this process pools its "
+                                                                 "final hidden states into one vector: the last "
+                                                                 "token's, or the mean of every token (a "
                                                                  "[[fleet.models]] entry's pooling overrides it).")
     max_inputs: int = Field(2048, gt=0, description="Most inputs in one embeddings request.")
     max_request_tokens: int = Field(65_536, gt=0, description="Most tokens of all inputs of one embeddings "

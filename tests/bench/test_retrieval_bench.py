@@ -28,4 +28,6 @@ def test_bench_reports_recall_per_mode_and_latency(tiny_model_fp32):
     # The random model's vectors carry no meaning, but the words do: full-text finds most answers,
     # and fusing in meaningless vectors costs it little.
     assert recall["fulltext"] >= 0.5 and recall["hybrid"] >= recall["fulltext"] - 0.25
-    assert r["latency"]["passages"] == 60 and r["latency"]["searches"] == 12 and r["latency"]["p50_ms"] > 0
+    latency = r["latency"]
+    assert latency["passages"] == 60 and latency["searches"] == 12
+    assert all(latency[part]["p50_ms"] > 0 for part in ("hybrid", "question_embedding", "fulltext"))
