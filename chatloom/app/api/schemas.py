@@ -120,15 +120,22 @@ class ConversationOut(BaseModel):
     title: str
     created: str | None
     updated: str | None
-    # Only in search results (GET /conversations?q=): the best match as HTML (escaped text, matched words in
-    # <mark>), and the message it is in (None: the title matched).
-    snippet: str | None = None
-    message_id: str | None = None
 
     @classmethod
-    def of(cls, conv: Conversation, snippet: str | None = None, message_id: str | None = None) -> "ConversationOut":
-        return cls(id=conv.id, title=conv.title or "New chat", created=iso(conv.created), updated=iso(conv.updated),
-                   snippet=snippet, message_id=message_id)
+    def of(cls, conv: Conversation) -> "ConversationOut":
+        return cls(id=conv.id, title=conv.title or "New chat", created=iso(conv.created), updated=iso(conv.updated))
+
+
+class ConversationHit(ConversationOut):
+    """A search result (GET /conversations?q=): the conversation, its best match as HTML (escaped text,
+    matched words in <mark>), and the message it is in (None: the title matched)."""
+
+    snippet: str
+    message_id: str | None
+
+    @classmethod
+    def hit(cls, conv: Conversation, snippet: str, message_id: str | None) -> "ConversationHit":
+        return cls(**ConversationOut.of(conv).model_dump(), snippet=snippet, message_id=message_id)
 
 
 class MessageOut(BaseModel):
