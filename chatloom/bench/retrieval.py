@@ -60,7 +60,7 @@ async def _run(loaded, k: int, questions: list[dict], latency_chunks: int, docs_
     settings = Settings(server={"data_dir": data_dir},
                         accounts={"jwt_secret": "bench-secret-0123456789abcdef0123456789abcdef",
                                   "argon2_time_cost": 1, "argon2_memory_kib": 1024},
-                        files={"chunk_chars": chunk_chars, "chunk_overlap_chars": overlap, "top_k": k,
+                        files={"embeddings": True, "chunk_chars": chunk_chars, "chunk_overlap_chars": overlap, "top_k": k,
                                "max_user_bytes": 1_000_000_000})
     backend = LocalBackend(loaded, engine_config=EngineConfig(num_blocks=2048, max_num_batched_tokens=1024),
                            pooling=pooling)

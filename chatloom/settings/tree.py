@@ -183,8 +183,10 @@ class FilesSettings(Group):
                                                               "times its size is refused as a decompression bomb.")
     chunk_chars: int = Field(1200, ge=200, description="Length of one indexed passage, in characters.")
     chunk_overlap_chars: int = Field(200, ge=0, description="Characters a passage repeats from the one before.")
-    embeddings: bool = Field(True, description="Index passages with embeddings too (hybrid retrieval); off: "
-                                               "full-text search only.")
+    embeddings: bool = Field(False, description="Index passages with embeddings too and fuse vector search with "
+                                                "full-text search; off: full-text search only. Worth it with an "
+                                                "embedding model (embedding_model), not with a chat model's vectors "
+                                                "(docs/files.md has the figures).")
     embedding_model: str | None = Field(None, description="Model whose embeddings index the passages "
                                                           "(default: the default model).")
     top_k: int = Field(4, ge=1, description="Passages retrieved for one message.")

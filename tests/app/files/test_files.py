@@ -61,6 +61,16 @@ async def test_upload_extract_list_read_and_search(client, alice):
     assert len(vector) == min(5, len(passages))
 
 
+async def test_embeddings_are_off_by_default(tmp_path, tiny_backend):
+    async with app_client(make_settings(tmp_path), tiny_backend) as (client, app, alice):
+        r = await upload(client, alice, "a.md", LLAMAS.encode())
+        assert r.status_code == 201 and "full-text search only" in r.json()["status_details"]
+        c = await counts(app)
+        assert c["file_chunks"] > 0 and c["vectors"] == 0
+        found = (await client.get("/files/search", headers=alice, params={"q": "zebra savanna"})).json()
+        assert "savanna" in found[0]["text"]
+
+
 async def test_pdf_and_docx_text_is_extracted_with_pages(client, alice):
     pdf = await upload(client, alice, "report.bin", make_pdf(["Quarterly revenue grew strongly.",
                                                               "The warehouse in Lyon opened in March."]))
@@ -91,7 +101,7 @@ async def test_bad_files_are_refused_and_nothing_is_kept(client, app, alice, nam
 
 
 async def test_size_limits_are_413(tmp_path, tiny_backend):
-    settings = make_settings(tmp_path, files={"max_file_bytes": 2000, "max_user_bytes": 3000})
+    settings = make_settings(tmp_path, files={"max_file_bytes": 2000, "max_user_bytes": 3000, "embeddings": True})
     async with app_client(settings, tiny_backend) as (client, app, alice):
         assert (await upload(client, alice, "a.txt", b"x " * 1001)).status_code == 413
         assert (await upload(client, alice, "a.txt", b"word " * 300)).status_code == 201
@@ -131,7 +141,8 @@ async def test_answers_retrieve_passages_and_cite_them(tmp_path, tiny_model_fp32
     backend = RecordingBackend(inner)
     try:
         # tiny-random tokenizes by character: short passages, a budget for two of them
-        settings = make_settings(tmp_path, files={"prompt_tokens": 700, "top_k": 2, "chunk_chars": 300})
+        settings = make_settings(tmp_path, files={"prompt_tokens": 700, "top_k": 2, "chunk_chars": 300,
+                                                  "embeddings": True})
         async with app_client(settings, backend) as (client, app, alice):
             cid = await new_conversation(client, alice)
             coll = (await client.post("/collections", headers=alice, json={"name": "zoo"})).json()["id"]
