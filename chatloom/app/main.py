@@ -24,8 +24,10 @@ from chatloom.app.api.batch_endpoints import batch_endpoints
 from chatloom.app.api.routes import admin, anthropic, auth, conversations, health, moderations, openai, recovery
 from chatloom.app.api.routes import responses, usage, web
 from chatloom.app.api.routes import mcp_servers, tool_files
-from chatloom.app.api.routes import batches, files
+from chatloom.app.api.routes import batches, embeddings, files, user_files
 from chatloom.app.batch.runner import BatchRunner
+from chatloom.app.files.retrieval import Retriever
+from chatloom.app.files.service import Files
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
@@ -47,13 +49,14 @@ def default_backend(settings: Settings) -> Backend:
 
         fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
                             settings.model.name)
-        return build_fleet_backend(fleet, lambda spec: local_backend(settings, spec))
+        return build_fleet_backend(fleet, lambda spec, pooling=None: local_backend(settings, spec, pooling))
     return local_backend(settings, settings.model.name)
 
 
-def local_backend(settings: Settings, spec: str) -> Backend:
+def local_backend(settings: Settings, spec: str, pooling: str | None = None) -> Backend:
     return LocalBackend(spec, settings.model.dtype, EngineConfig.from_settings(settings.engine),
-                        int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul)
+                        int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul,
+                        pooling=pooling or settings.embeddings.pooling)
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None,
@@ -73,13 +76,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     pipeline = Pipeline(backend, traffic, settings)
     scaler = build_scaler(settings, traffic, backend, local_replicas)
     blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
+    file_service = Files(db, blobs, pipeline.embeddings, settings)
+    retriever = Retriever(file_service, backend)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.accounts.argon2_time_cost, settings.accounts.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
-        conversations=ConversationService(db, pipeline, settings, hot.logs, blobs), hot=hot,
-        callers=CallerCache(settings.accounts.auth_cache_s),
-        blobs=blobs,
+        conversations=ConversationService(db, pipeline, settings, hot.logs, blobs, retriever), hot=hot,
+        callers=CallerCache(settings.accounts.auth_cache_s), blobs=blobs, files=file_service, retriever=retriever,
     )
 
     runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,
@@ -132,12 +136,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     install_error_handlers(app)
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
-    # Uploads stream to disk in their route, which checks each purpose's limit; the edge only refuses a body
-    # declared larger than the largest (plus room for the multipart framing).
+    # Outermost: before any parsing. /v1/files uploads stream to disk in their route, which checks each
+    # purpose's limit (the edge only refuses a body declared larger than the largest, plus room for the
+    # multipart framing); /files uploads are read here up to the file limit plus the framing.
     uploads = {"/v1/files": max(settings.files.max_bytes.values()) + 65_536}
-    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes, uploads=uploads)  # outermost
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes, uploads=uploads,
+                       larger_bodies={"/files": settings.files.max_file_bytes + 64_000})
     routes = (health, auth, conversations, tool_files, mcp_servers, recovery, usage, admin,
-              openai, responses, anthropic, moderations, files, batches,
+              openai, responses, anthropic, moderations, embeddings, files, batches, user_files,
               web)  # last: its catch-all serves the browser app
     for module in routes:
         app.include_router(module.router)

@@ -233,6 +233,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.set_defaults(func=runs.busy)
 
+    p = sub.add_parser("retrieval", help="recall@k of full-text, vector and fused retrieval over chatloom's docs, "
+                                          "and the time retrieval adds before an answer")
+    _common(p)
+    p.add_argument("--k", type=positive_int, default=5, help="passages retrieved per question")
+    p.add_argument("--questions", type=positive_int, default=None, help="use only the first N questions")
+    p.add_argument("--latency-chunks", type=int, default=1000, help="passages in the latency collection (0: skip)")
+    p.add_argument("--chunk-chars", type=positive_int, default=1200, help="passage length in characters")
+    p.add_argument("--overlap", type=int, default=200, help="characters a passage repeats from the one before")
+    p.add_argument("--pooling", choices=("last", "mean"), default="last", help="how the model's embeddings pool")
+    p.set_defaults(func=runs.retrieval)
+
     p = sub.add_parser("checkpoints", help="write random-weight checkpoints of real model shapes (Hugging Face "
                                            "folder and GGUF F16), offline")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",

@@ -308,3 +308,10 @@ def router(args) -> int:
         plot(result, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def retrieval(args) -> int:
+    from chatloom.bench.retrieval import run_retrieval
+
+    return _emit(run_retrieval(load_from_args(args), args.k, args.questions, args.latency_chunks,
+                               chunk_chars=args.chunk_chars, overlap=args.overlap, pooling=args.pooling), args.table)

@@ -38,7 +38,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
     plan = LocalBackend(args.model, dtype=args.dtype, engine_config=config, int8_matmul=int8_matmul(args.int8_matmul),
                         bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)))
     loaded = load_from_args(args, kv_cache_bytes=plan.kv_cache_bytes)
-    backend = LocalBackend(loaded, engine_config=config)
+    backend = LocalBackend(loaded, engine_config=config, pooling=args.pooling)
     try:  # the engine and its KV pool too, before the port opens
         asyncio.run(backend.start())
     except ModelLoadFailed as exc:
@@ -69,6 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=positive_int, default=8100, help="port (default 8100)")
     p.add_argument("--seed", type=int, default=None, help="seed for unseeded sampled requests")
+    p.add_argument("--pooling", choices=("last", "mean"), default="last",
+                   help="how /v1/embeddings pools the final hidden states (default: the last token's)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     add_replica_args(p)
     p.set_defaults(func=cmd_replica)

@@ -88,6 +88,30 @@ class AsyncEngine:
                 self.engine.abort(args)
             elif cmd == "reset_prefix_cache":
                 self.engine.kv_cache_manager.reset_prefix_cache()
+            elif cmd == "embed":
+                job_id, prompts, pooling = args
+                try:
+                    self.engine.embedder.add(prompts, pooling, job_id)
+                except Exception as exc:  # invalid input: report it to the caller
+                    self._deliver(job_id, exc)
+            elif cmd == "abort_embed":
+                self.engine.embedder.abort(args)
+
+    def _embed_step(self) -> None:
+        """One embedding forward pass, between generation steps; finished jobs go to their callers."""
+        try:
+            done = self.engine.embedder.step()
+        except Exception as exc:
+            log.exception("embedding pass failed")
+            for job in list(self.engine.embedder.jobs):
+                self.engine.embedder.abort(job.job_id)
+                self._deliver(job.job_id, RequestFailedError(f"embedding failed: {exc!r}"))
+            return
+        self._deliver_all([(job.job_id, job) for job in done])
+
+    def _embedding(self) -> bool:
+        embedder = getattr(self.engine, "embedder", None)
+        return embedder is not None and embedder.has_work()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         self._deliver_all([(request_id, item)])
@@ -115,6 +139,10 @@ class AsyncEngine:
         busy = False
         while not self._stopped:
             self._apply_commands()
+            if self._embedding():
+                self._embed_step()
+                if not self.engine.has_unfinished_requests():
+                    continue
             if not self.engine.has_unfinished_requests():
                 self._hand_over()
                 if busy:  # going idle: other threads' torch work must not find this pool (thread_pool.py)
@@ -192,6 +220,27 @@ class AsyncEngine:
             last = out
         assert last is not None
         return last
+
+    async def embed(self, prompts: list[list[int]], pooling: str = "last") -> list[list[float]]:
+        """Each prompt's pooled, normalized hidden state, computed between generation steps.
+        Cancelling the caller drops the job and frees its blocks."""
+        job_id = f"embed-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[job_id] = (asyncio.get_running_loop(), q)
+        self._commands.put(("embed", (job_id, prompts, pooling)))
+        self._wakeup.set()
+        finished = False
+        try:
+            item = await q.get()
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            return [list(v) for v in item.vectors]
+        finally:
+            self._streams.pop(job_id, None)
+            if not finished:
+                self._commands.put(("abort_embed", job_id))
+                self._wakeup.set()
 
     def reset_prefix_cache(self) -> None:
         """Forget cached blocks no running sequence holds (between benchmark runs), at the next step boundary."""

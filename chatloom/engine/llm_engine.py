@@ -24,6 +24,7 @@ from typing import Mapping
 from chatloom.engine.block_pool import BlockPool
 from chatloom.engine.choices import plan_forks
 from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cache_dtype
+from chatloom.engine.embedding import Embedder
 from chatloom.engine.executor import ModelOutput, StepExecutor
 from chatloom.engine.heap import return_free_heap
 from chatloom.engine.kv_cache_manager import KVCacheManager
@@ -82,6 +83,9 @@ class LLMEngine:
         if self.spec is not None and self.spec.adaptive:
             calibrate_decoder(self.spec, self.runner, self.config)
         self.executor = StepExecutor(self.runner, self.sampler, self.guide, self.spec, self.eos_ids)
+        # Embedding jobs: prefill-only passes between the steps, holding blocks only while they run.
+        self.embedder = Embedder(self.runner, self.kv_cache_manager, self.config.max_num_batched_tokens,
+                                 self.max_model_len, cfg.vocab_size)
         return_free_heap()  # what loading freed, back to the machine before serving
 
     # -- requests ---------------------------------------------------------------
@@ -308,6 +312,10 @@ class LLMEngine:
         if bar:
             bar.close()
         return [results[k] for k in keys]
+
+    def embed(self, prompts: list[str | list[int]], pooling: str = "last") -> list[list[float]]:
+        """Each prompt's pooled, L2-normalized final hidden state (offline use; see embedding.py)."""
+        return self.embedder.run([self.encode_prompt(p) for p in prompts], pooling)
 
     def snapshot(self) -> EngineSnapshot:
         kv, st = self.kv_cache_manager, self.stats

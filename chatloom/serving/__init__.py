@@ -2,7 +2,8 @@
 over several replicas (policies, health, failover), several models behind one backend, and the
 replica's own HTTP face (replica_server.py). May import engine and models, never app."""
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, GenerationRequest, ModelLoadFailed, Timings, UnknownModel, Usage)
+                                      Delta, EmbedInput, Embeddings, GenerationRequest, ModelLoadFailed, Timings,
+                                      UnknownModel, Usage)
 from chatloom.serving.local import LocalBackend
 from chatloom.serving.multi_model import MultiModelBackend
 from chatloom.serving.remote import RemoteBackend, ReplicaError
@@ -11,5 +12,5 @@ from chatloom.serving.router import Router, RouterConfig
 from chatloom.engine.structured.constraint import Constraint, ConstraintError
 
 __all__ = ["Backend", "BackendError", "BackendNotReady", "BackendStats", "BadGenerationRequest", "Delta",
-           "GenerationRequest", "ModelLoadFailed", "Timings", "UnknownModel", "Usage", "LocalBackend", "MultiModelBackend",
+           "EmbedInput", "Embeddings", "GenerationRequest", "ModelLoadFailed", "Timings", "UnknownModel", "Usage", "LocalBackend", "MultiModelBackend",
            "RemoteBackend", "ReplicaError", "Router", "RouterConfig", "Constraint", "ConstraintError"]

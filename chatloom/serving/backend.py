@@ -112,6 +112,18 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Embeddings:
+    """One unit vector per input, in input order, and the tokens the inputs took."""
+
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+# What an embedding input may be: text, or token ids already (as OpenAI's /v1/embeddings takes them).
+EmbedInput = str | list[int]
+
+
+@dataclass(frozen=True)
 class Timings:
     """One request's latencies in seconds, vLLM's definitions; None where not measured."""
 
@@ -278,6 +290,21 @@ class Backend(abc.ABC):
             last = delta
         return Delta("".join(parts), True, last.finish_reason, last.prompt_tokens,
                      last.completion_tokens, last.cached_tokens)
+
+    # -- embeddings -------------------------------------------------------------------
+    def embedding_tokens(self, inputs: list[EmbedInput], model: str | None = None) -> int:
+        """Tokens the inputs take when embedded (exact with a local tokenizer, else an estimate)."""
+        return sum(len(x) if isinstance(x, list) else self.count_tokens(x) for x in inputs)
+
+    def embedding_size(self, model: str | None = None) -> int | None:
+        """Components of the model's embeddings, where known before asking (None: unknown)."""
+        return None
+
+    async def embed(self, inputs: list[EmbedInput], model: str | None = None) -> Embeddings:
+        """Each input's pooled, L2-normalized hidden state. Raises BadGenerationRequest where the
+        backend does not serve embeddings, BackendNotReady or BackendError as stream() does."""
+        raise BadGenerationRequest(f"model {self.resolve_model(model)!r} does not serve embeddings",
+                                   "embeddings_unsupported", "model")
 
     def stats(self) -> BackendStats:
         """Load figures for health pages and routing (KV usage, queue lengths)."""

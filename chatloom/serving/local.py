@@ -18,7 +18,8 @@ from chatloom.models.loader import resolve_dtype
 from chatloom.models.token_bytes import TokenBytes
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, GenerationRequest, ModelLoadFailed, TextLogprob, Timings)
+                                      Delta, EmbedInput, Embeddings, GenerationRequest, ModelLoadFailed, TextLogprob,
+                                      Timings)
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,14 @@ class LocalBackend(Backend):
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
                  engine_config: EngineConfig | None = None, int8_matmul: bool = False,
-                 bf16_matmul: bool = False) -> None:
+                 bf16_matmul: bool = False, pooling: str = "last") -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model
         self._dtype = dtype
         self._int8_matmul = int8_matmul
         self._bf16_matmul = bf16_matmul
         self._config = engine_config or EngineConfig()
+        self.pooling = pooling  # how embed() pools the hidden states: "last" or "mean" (engine/embedding.py)
         self._engine: AsyncEngine | None = None
         self._error: str | None = None
         self._start_lock = asyncio.Lock()
@@ -249,6 +251,27 @@ class LocalBackend(Backend):
             raise BadGenerationRequest(str(exc)) from None
         except (EngineDeadError, RequestFailedError) as exc:
             raise BackendError(str(exc)) from exc
+
+    # -- embeddings -------------------------------------------------------------------
+    def _embedding_ids(self, inputs: list[EmbedInput]) -> list[list[int]]:
+        return [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+
+    def embedding_tokens(self, inputs: list[EmbedInput], model: str | None = None) -> int:
+        return sum(len(ids) for ids in self._embedding_ids(inputs))
+
+    def embedding_size(self, model: str | None = None) -> int | None:
+        return self._loaded.config.hidden_size if self._loaded is not None else None
+
+    async def embed(self, inputs: list[EmbedInput], model: str | None = None) -> Embeddings:
+        self.resolve_model(model)
+        ids = self._embedding_ids(inputs)
+        try:
+            vectors = await self.engine.embed(ids, self.pooling)
+        except InvalidRequest as exc:
+            raise BadGenerationRequest(str(exc), param="input") from None
+        except EngineDeadError as exc:
+            raise BackendError(str(exc)) from exc
+        return Embeddings(vectors, sum(len(x) for x in ids))
 
     def abort(self, request_id: str) -> None:
         if self._engine is not None:

@@ -11,8 +11,8 @@ import dataclasses
 import logging
 from typing import AsyncIterator
 
-from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, Delta, GenerationRequest,
-                                      ModelLoadFailed)
+from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, Delta, EmbedInput,
+                                      Embeddings, GenerationRequest, ModelLoadFailed)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,22 @@ class MultiModelBackend(Backend):
         finally:
             if request.request_id:
                 self._owner.pop(request.request_id, None)
+
+    def _ready_backend(self, model: str | None) -> Backend:
+        backend = self.backend_for(model)
+        if not backend.ready:
+            name = self.resolve_model(model)
+            raise BackendNotReady(self._errors.get(name) or f"model {name!r} is loading")
+        return backend
+
+    def embedding_tokens(self, inputs: list[EmbedInput], model: str | None = None) -> int:
+        return self.backend_for(model).embedding_tokens(inputs)
+
+    def embedding_size(self, model: str | None = None) -> int | None:
+        return self.backend_for(model).embedding_size()
+
+    async def embed(self, inputs: list[EmbedInput], model: str | None = None) -> Embeddings:
+        return await self._ready_backend(model).embed(inputs, None)
 
     def abort(self, request_id: str) -> None:
         backend = self._owner.get(request_id)

@@ -9,10 +9,33 @@ import json
 from typing import Any
 
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
-from chatloom.serving.backend import BadGenerationRequest
+from chatloom.serving.backend import BadGenerationRequest, EmbedInput
 
 # OpenAI's default for /v1/completions; chat answers default to the rest of the context window.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def embedding_inputs(value: object) -> list[EmbedInput]:
+    """/v1/embeddings' `input`: a string, a list of strings, a list of token ids, or a list of such
+    lists, as a list of inputs. BadGenerationRequest (param `input`) names what is wrong."""
+    def ids(v: object) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str):
+        value = [value]
+    elif ids(value):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise BadGenerationRequest("input must be a string, a list of strings, a list of token ids, or a list "
+                                   "of token-id lists, and not empty", param="input")
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item:
+                raise BadGenerationRequest(f"input[{i}] is an empty string", param="input")
+        elif not ids(item):
+            raise BadGenerationRequest(f"input[{i}] must be a non-empty string or a non-empty list of token ids",
+                                       param="input")
+    return list(value)
 
 
 def _number(body: dict, name: str, kind: type, default: Any) -> Any:

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, GenerationRequest, TextLogprob)
+                                      Delta, EmbedInput, Embeddings, GenerationRequest, TextLogprob)
 from chatloom.serving.openai_protocol import error_message, sampling_to_body
 
 log = logging.getLogger(__name__)
@@ -278,6 +278,32 @@ class RemoteBackend(Backend):
         if finish is None:
             raise ReplicaError(f"{self.base_url}: the answer ended without a finish reason")
         yield finish
+
+    async def embed(self, inputs: list[EmbedInput], model: str | None = None) -> Embeddings:
+        """The server's /v1/embeddings (float vectors; chatloom replicas and vLLM serve it)."""
+        self.resolve_model(model)
+        where = f"{self.base_url}/v1/embeddings"
+        body = {"model": self.model, "input": list(inputs), "encoding_format": "float"}
+        try:
+            r = await self._client.post("/v1/embeddings", json=body, timeout=httpx.Timeout(
+                self.timeouts.between_chunks, connect=self.timeouts.stream_connect))
+        except httpx.TimeoutException as exc:
+            raise ReplicaTimeout(f"{where}: {_describe(exc)}") from None
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{where}: {_describe(exc)}") from None
+        answer = _json_or_error(r, where)
+        data = answer.get("data")
+        try:
+            rows = sorted(data, key=lambda d: d["index"])
+            vectors = [[float(x) for x in d["embedding"]] for d in rows]
+        except (TypeError, KeyError, ValueError):
+            raise ReplicaError(f"{where} answered no embedding list") from None
+        if len(vectors) != len(inputs):
+            raise ReplicaError(f"{where} answered {len(vectors)} embeddings for {len(inputs)} inputs")
+        usage = answer.get("usage") or {}
+        tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else \
+            self.embedding_tokens(inputs)
+        return Embeddings(vectors, tokens)
 
     def abort(self, request_id: str) -> None:
         """Close the request's connection; the server aborts it."""

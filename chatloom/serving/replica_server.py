@@ -29,8 +29,8 @@ from chatloom.engine.async_engine import EngineDeadError
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.serving.backend import BackendNotReady, BadGenerationRequest
 from chatloom.serving.local import LocalBackend
-from chatloom.serving.openai_protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, error_body, sampling_from_body,
-                                              sse)
+from chatloom.serving.openai_protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, embedding_inputs, error_body,
+                                              sampling_from_body, sse)
 
 log = logging.getLogger(__name__)
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -325,5 +325,17 @@ def create_replica_app(backend: LocalBackend) -> FastAPI:
         ids = backend.encode_messages(messages)
         params = sampling_from_body(body, max(1, backend.context_window - len(ids)))
         return await generate(body, ids, params, chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict:
+        body = await json_body(request)
+        engine()
+        if body.get("encoding_format", "float") != "float":
+            raise _Rejected(400, "this replica answers encoding_format float only", param="encoding_format")
+        result = await backend.embed(embedding_inputs(body.get("input")))
+        metrics.prompt_tokens += result.prompt_tokens
+        return {"object": "list", "model": backend.default_model,
+                "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(result.vectors)],
+                "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
 
     return app

@@ -25,7 +25,7 @@ from typing import AsyncIterator, Sequence
 
 from chatloom.engine.block_hash import prefix_block_keys
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, GenerationRequest, ReplicaStatus, Timings)
+                                      Delta, EmbedInput, Embeddings, GenerationRequest, ReplicaStatus, Timings)
 from chatloom.serving.continuation import AnswerProgress
 from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
@@ -291,6 +291,21 @@ class Router(Backend):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await r.client.close()
+
+    async def embed(self, inputs: list[EmbedInput], model: str | None = None) -> Embeddings:
+        """On the least busy healthy replica; another one if it fails (the request's own fault, a 4xx,
+        is no reason to try again)."""
+        self.resolve_model(model)
+        last: Exception | None = None
+        for r in sorted((r for r in self.replicas if r.healthy and not (r.draining or r.held)), key=lambda r: r.inflight):
+            r.inflight += 1
+            try:
+                return await r.client.embed(inputs)
+            except ReplicaError as exc:
+                last = exc
+            finally:
+                r.inflight -= 1
+        raise BackendError(f"no replica of {self.model!r} could embed the input: {last or 'none is healthy'}")
 
     def abort(self, request_id: str) -> None:
         current = self._current.get(request_id)

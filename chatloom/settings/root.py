@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                InitSettingsSource)
 
-from chatloom.settings.tree import (AccountSettings, BatchSettings, ChatSettings, EngineSettings, FileSettings,
+from chatloom.settings.tree import (AccountSettings, BatchSettings, ChatSettings, EmbeddingsSettings, EngineSettings,
+                                    FilesSettings,
                                     FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
                                     ServerSettings, SharedStateSettings, ToolsSettings, TrafficSettings,
@@ -46,7 +47,8 @@ class Settings(BaseSettings):
     autoscale: AutoscaleSettings = Field(default_factory=AutoscaleSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
-    files: FileSettings = Field(default_factory=FileSettings)
+    embeddings: EmbeddingsSettings = Field(default_factory=EmbeddingsSettings)
+    files: FilesSettings = Field(default_factory=FilesSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)

@@ -318,16 +318,47 @@ class FleetSettings(Group):
                                                                       "waiting, min_prefix_fraction.")
 
 
-class FileSettings(Group):
-    """Uploaded files (/v1/files): how large each purpose may be."""
+class EmbeddingsSettings(Group):
+    """Embeddings (/v1/embeddings, and the vectors of file retrieval)."""
+
+    pooling: Literal["mean", "last"] = Field("last", description="How a model served in this process pools its "
+                                                                 "final hidden states into one vector: the last "
+                                                                 "token's, or the mean of every token (a "
+                                                                 "[[fleet.models]] entry's pooling overrides it).")
+    max_inputs: int = Field(2048, gt=0, description="Most inputs in one embeddings request.")
+    max_request_tokens: int = Field(65_536, gt=0, description="Most tokens of all inputs of one embeddings "
+                                                              "request together.")
+
+
+class FilesSettings(Group):
+    """Uploaded files: limits, text extraction, chunking and retrieval into the chat prompt."""
 
     max_bytes: dict[str, int] = Field(
         {"batch": 100_000_000, "default": 25_000_000},
-        description="Largest upload per purpose, in bytes ('default' for the purposes not named); larger is a "
-                    "413 and nothing is stored.")
+        description="Largest upload to the OpenAI-shaped /v1/files per purpose, in bytes ('default' for the "
+                    "purposes not named); larger is a 413 and nothing is stored.")
+    max_file_bytes: int = Field(10_000_000, gt=0, description="Largest upload to the product's /files, for "
+                                                              "retrieval (413 past it).")
+    max_user_bytes: int = Field(200_000_000, gt=0, description="Most bytes of files one user may keep (413 past it).")
+    max_extracted_chars: int = Field(2_000_000, gt=0, description="Most text extracted from one file; more is "
+                                                                  "refused as a decompression bomb (413).")
+    max_archive_ratio: float = Field(100.0, gt=1, description="A DOCX whose parts unpack to more than this many "
+                                                              "times its size is refused as a decompression bomb.")
+    chunk_chars: int = Field(1200, ge=200, description="Length of one indexed passage, in characters.")
+    chunk_overlap_chars: int = Field(200, ge=0, description="Characters a passage repeats from the one before.")
+    embeddings: bool = Field(False, description="Index passages with embeddings too and fuse vector search with "
+                                                "full-text search; off: full-text search only. Worth it with an "
+                                                "embedding model (embedding_model), not with a chat model's vectors "
+                                                "(docs/files.md has the figures).")
+    embedding_model: str | None = Field(None, description="Model whose embeddings index the passages "
+                                                          "(default: the default model).")
+    top_k: int = Field(4, ge=1, description="Passages retrieved for one message.")
+    prompt_tokens: int = Field(1024, ge=0, description="Most prompt tokens the retrieved passages may take; the "
+                                                       "conversation's history gets the rest of the budget.")
+    rrf_k: int = Field(60, gt=0, description="The constant of reciprocal rank fusion (full-text and vector ranks).")
 
     @model_validator(mode="after")
-    def _positive(self) -> "FileSettings":
+    def _positive(self) -> "FilesSettings":
         if "default" not in self.max_bytes:
             raise ValueError("max_bytes needs a 'default' entry")
         if any(v <= 0 for v in self.max_bytes.values()):

@@ -3,6 +3,8 @@ from chatloom.store.database import DEFAULT_URL, Database
 from chatloom.store.models import AnswerChunk, ApiKey, Base, Conversation, DailyUsage, Feedback, Message, User, new_id
 from chatloom.store.responses import StoredResponse
 from chatloom.store.mcp import UserMcpServer  # noqa: F401 - its table joins the metadata
+# Retrieval's tables (their own module): imported here so the metadata, and so migrations, see them.
+from chatloom.store import file_chunks  # noqa: F401
 from chatloom.store.repositories import AnswerChunks, ApiKeys, Conversations, FeedbackRows, Messages, UsageRows, Users
 
 __all__ = ["DEFAULT_URL", "Database", "AnswerChunk", "AnswerChunks", "ApiKey", "Base", "Conversation", "Message", "User",

@@ -115,6 +115,9 @@ class Message(Base):
     interrupted_reason: Mapped[str | None] = mapped_column(Text)
     # The answer's tool steps, in order: [{"id", "name", "arguments", "output", "error"}] (chat tools).
     tool_steps: Mapped[list | None] = mapped_column(JSON)
+    # The passages of uploaded files the answer's prompt held: [{"n", "file_id", "filename", "chunk_id",
+    # "ordinal", "page", "char_start", "char_end", "text"}] (app/files/retrieval.py).
+    citations: Mapped[list | None] = mapped_column(JSON)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -73,6 +73,7 @@ export const api = {
   me: () => request('GET', '/auth/me'),
 
   conversations: () => request('GET', '/conversations?limit=100'),
+  searchConversations: (q) => request('GET', `/conversations?limit=50&q=${enc(q)}`),
   createConversation: () => request('POST', '/conversations'),
   conversation: (id, leaf) => request('GET', `/conversations/${enc(id)}${leaf ? `?leaf=${enc(leaf)}` : ''}`),
   rename: (id, title) => request('PATCH', `/conversations/${enc(id)}`, { body: { title } }),
@@ -88,6 +89,23 @@ export const api = {
     raw: true, signal, headers: lastEventId ? { 'Last-Event-ID': String(lastEventId) } : {},
   }),
   stop: (id) => request('POST', `/conversations/${enc(id)}/stop`),
+
+  upload: async (file, conversationId) => {
+    const form = new FormData();
+    form.append('file', file, file.name);
+    if (conversationId) form.append('conversation_id', conversationId);
+    const headers = session.token ? { Authorization: `Bearer ${session.token}` } : {};
+    let res;
+    try {
+      res = await fetch('/files', { method: 'POST', headers, body: form });
+    } catch {
+      throw new ApiError(0, 'Cannot reach the server. Check your connection.', 'network_error', 5);
+    }
+    if (!res.ok) throw await toError(res);
+    return res.json();
+  },
+  conversationFiles: (id) => request('GET', `/conversations/${enc(id)}/files`),
+  fileText: (id) => request('GET', `/files/${enc(id)}/text`),
 
   feedback: (messageId, rating) => request('POST', `/messages/${enc(messageId)}/feedback`, { body: { rating } }),
   models: () => request('GET', '/v1/models'),

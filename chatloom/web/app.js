@@ -2,6 +2,7 @@
 // composer) to the API. Rendering lives in messages.js / sidebar.js, streaming in run.js.
 import { api, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
+import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
 import { renderBranch, streamingMessage, updateStreaming } from './messages.js';
 import { describeError, hideNotice, setupNotice, showNotice } from './notice.js';
 import { Run } from './run.js';
@@ -9,6 +10,7 @@ import { renderSidebar } from './sidebar.js';
 import { renderUsage } from './usage.js';
 
 const state = {
+  searching: false, // the sidebar lists search results (the search box has words)
   user: null,
   conversations: [],
   convId: null, // null: a new chat, created on the first message
@@ -90,17 +92,27 @@ async function refreshUsage() {
 }
 
 async function refreshConversations() {
+  const q = $('search').value.trim();
   try {
-    state.conversations = await api.conversations();
+    state.conversations = q ? await api.searchConversations(q) : await api.conversations();
+    state.searching = Boolean(q);
   } catch (err) {
     if (err.status !== 401) showNotice(describeError(err));
   }
   drawSidebar();
 }
 
+// The search box: results follow typing, a moment after the last key (one request per pause).
+let searchTimer = null;
+function onSearchInput() {
+  clearTimeout(searchTimer);
+  searchTimer = setTimeout(refreshConversations, 200);
+}
+
 function drawSidebar() {
   renderSidebar($('conversation-list'), state.conversations, state.convId, {
-    open: (id) => { openConversation(id); closeDrawer(); },
+    // A search hit in a message opens the branch through that message.
+    open: (id, messageId) => { openConversation(id, messageId || null); closeDrawer(); },
     rename: async (id, title) => {
       try { await api.rename(id, title); } catch (err) { showNotice(describeError(err)); }
       await refreshConversations();
@@ -111,7 +123,7 @@ function drawSidebar() {
       if (id === state.convId) newChat();
       await refreshConversations();
     },
-  });
+  }, state.searching);
 }
 
 function setTitle(title) {
@@ -146,7 +158,18 @@ function newChat() {
   setHash();
   drawMessages();
   drawSidebar();
+  showAttachments(null);
   $('input').focus();
+}
+
+// The open conversation, created now if this is a new chat (files attach to a conversation).
+async function ensureConversation() {
+  if (state.convId) return state.convId;
+  const conv = await api.createConversation();
+  state.convId = conv.id;
+  setHash();
+  await refreshConversations();
+  return conv.id;
 }
 
 async function openConversation(id, leaf = null) {
@@ -160,6 +183,7 @@ async function openConversation(id, leaf = null) {
     if (err.status === 404) { newChat(); refreshConversations(); }
     return;
   }
+  if (id !== state.convId) showAttachments(id);
   state.convId = id;
   state.leaf = leaf;
   state.branch = conv.messages;
@@ -383,6 +407,7 @@ async function sendFromComposer() {
   const input = $('input');
   const text = input.value.trim();
   if (!text || state.run) return;
+  await uploadsSettled(); // files being attached are read by this message's answer
   if (!state.convId) {
     try {
       const conv = await api.createConversation();
@@ -430,6 +455,12 @@ function wire() {
     if (e.key === 'Escape' && state.run) { e.preventDefault(); stop(); }
   });
   $('new-chat').addEventListener('click', () => { newChat(); closeDrawer(); });
+  $('search').addEventListener('input', onSearchInput);
+  setupUploads({ ensureConversation, notice: (message) => showNotice(message) });
+  setupPassageDialog();
+  $('search').addEventListener('keydown', (e) => {
+    if (e.key === 'Escape' && $('search').value) { e.stopPropagation(); $('search').value = ''; refreshConversations(); }
+  });
   $('logout').addEventListener('click', () => { detach(); showAuth(); });
   $('menu').addEventListener('click', () => document.body.classList.toggle('sidebar-open'));
   $('scrim').addEventListener('click', closeDrawer);

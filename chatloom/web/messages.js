@@ -1,6 +1,7 @@
 // The message view: one branch of the conversation tree, as bubbles with their tools
 // (‹ 2/3 › between siblings, edit for questions, copy / regenerate / thumbs for answers).
 import { el } from './dom.js';
+import { sourcesOf } from './files.js';
 import { icon } from './icons.js';
 import { renderMarkdown } from './markdown.js';
 import { codeStep } from './code_step.js';
@@ -99,7 +100,9 @@ function assistantMessage(m, actions, busy, convId) {
   const thinking = thought ? el('details', { class: 'thinking' }, el('summary', {}, 'Thought about it'),
     el('div', { class: 'thought', text: thought })) : null;
   const steps = toolSteps(m.tool_steps, convId);
-  node.append(...(thinking ? [thinking] : []), ...(steps ? [steps] : []), bubble, ...(line ? [line] : []), toolbar);
+  const sources = sourcesOf(m.citations);
+  node.append(...(thinking ? [thinking] : []), ...(steps ? [steps] : []), bubble, ...(sources ? [sources] : []),
+    ...(line ? [line] : []), toolbar);
   return node;
 }
 

@@ -161,6 +161,15 @@ class RecordingBackend(Backend):
     def abort(self, request_id):
         self.inner.abort(request_id)
 
+    def embedding_tokens(self, inputs, model=None):
+        return self.inner.embedding_tokens(inputs, model)
+
+    def embedding_size(self, model=None):
+        return self.inner.embedding_size(model)
+
+    async def embed(self, inputs, model=None):
+        return await self.inner.embed(inputs, model)
+
     def summaries(self) -> list[GenerationRequest]:
         return [r for r in self.requests if r.messages[0]["content"] == SUMMARIZER_SYSTEM]
 

@@ -70,6 +70,7 @@ async def test_models_route_by_name_and_unknown_is_404(fleet, hf_replica, tmp_pa
     ([{"id": "a", "replicas": ["http://x:1"]}], ["http://y:1"], "prefix_aware", None, "not both"),
     (None, ["http://y:1"], "fastest", None, "router_policy"),
     (None, ["http://y:1"], "least_load", {"prefix": "high"}, "router_weights.prefix"),
+    ([{"id": "a", "pooling": "max"}], None, "prefix_aware", None, "pooling must be"),
 ])
 def test_malformed_fleet_settings_are_one_line_errors(models, replicas, policy, weights, message):
     with pytest.raises(ValueError, match=message):
@@ -80,6 +81,16 @@ def test_replica_flag_serves_the_default_model_and_weights_are_read():
     fleet = parse_fleet(None, ["http://h:1/"], "least_load", {"prefix": 2, "balance_waiting": 8}, "/m/tiny.gguf")
     assert fleet.models[0].id == "tiny" and fleet.models[0].replicas == ("http://h:1",)
     assert fleet.weights.prefix == 2.0 and fleet.weights.extra == {"balance_waiting": 8.0}
+
+
+def test_pooling_is_set_per_local_model():
+    from chatloom.app.core.fleet_settings import build_fleet_backend
+    from chatloom.serving import LocalBackend
+
+    fleet = parse_fleet([{"id": "a", "path": "tiny-random", "pooling": "last"}, {"id": "b", "path": "tiny-random"}],
+                        None, "prefix_aware", None, "m")
+    backend = build_fleet_backend(fleet, lambda spec, pooling=None: LocalBackend(spec, pooling=pooling or "mean"))
+    assert backend.backends["a"].pooling == "last" and backend.backends["b"].pooling == "mean"
 
 
 def _running(url: str) -> float:

@@ -17,6 +17,8 @@ from chatloom.app.core.auth import API_KEY_PREFIX, Passwords, Tokens, hash_api_k
 from chatloom.app.core.caller_cache import CallerCache
 from chatloom.app.chat.conversation_service import ConversationService
 from chatloom.app.core.errors import ApiError, not_found
+from chatloom.app.files.retrieval import Retriever
+from chatloom.app.files.service import Files
 from chatloom.app.state.hot_state import HotState
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.settings import Settings
@@ -41,6 +43,8 @@ class AppContext:
     hot: HotState  # quotas, stream logs, stops, job leases: in memory, or shared by the gateways in Redis
     callers: CallerCache  # recently authenticated callers (spares the database a lookup per request)
     blobs: BlobStore  # uploaded files' bytes (rows in the files table say whose and what)
+    files: Files  # a user's files for retrieval: upload, index, attach, delete (app/files/)
+    retriever: Retriever  # their passages for a question
 
 
 def get_context(request: Request) -> AppContext:

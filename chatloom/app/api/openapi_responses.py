@@ -53,7 +53,9 @@ WHY: dict[int, str] = {
     404: "Not found, or not the caller's.",
     409: "Conflicts with the current state (an answer is already being generated, a name is taken, "
          "an answer that cannot be continued).",
-    413: "The request body is larger than the server's max_body_bytes (answered before parsing).",
+    413: "The request body is larger than the server's max_body_bytes (answered before parsing), or an "
+         "uploaded file passes a file, storage or extraction limit.",
+    415: "The uploaded file's content (not its name) is of a type the server does not read.",
     422: "The body or a parameter does not match the schema (error.param names the field).",
     429: "Over the tier's quota (tokens or requests per minute or day, concurrent answers); "
          "Retry-After says when to retry.",

@@ -126,6 +126,18 @@ class ConversationOut(BaseModel):
         return cls(id=conv.id, title=conv.title or "New chat", created=iso(conv.created), updated=iso(conv.updated))
 
 
+class ConversationHit(ConversationOut):
+    """A search result (GET /conversations?q=): the conversation, its best match as HTML (escaped text,
+    matched words in <mark>), and the message it is in (None: the title matched)."""
+
+    snippet: str
+    message_id: str | None
+
+    @classmethod
+    def hit(cls, conv: Conversation, snippet: str, message_id: str | None) -> "ConversationHit":
+        return cls(**ConversationOut.of(conv).model_dump(), snippet=snippet, message_id=message_id)
+
+
 class MessageOut(BaseModel):
     id: str
     parent_id: str | None
@@ -134,6 +146,9 @@ class MessageOut(BaseModel):
     reasoning: str | None = None  # the thinking of a reasoning answer
     # Tool calls the answer made and their results, in order: {id, name, arguments, output, error}.
     tool_steps: list[dict] | None = None
+    # Passages of the user's files the answer's prompt held, numbered as the answer cites them ([1]...):
+    # {n, file_id, filename, chunk_id, ordinal, page, char_start, char_end, text}.
+    citations: list[dict] | None = None
     tokens: int
     model: str | None
     status: str
@@ -150,7 +165,7 @@ class MessageOut(BaseModel):
     def of(cls, m: Message, siblings: list[Message], feedback: str | None = None) -> "MessageOut":
         ids = [s.id for s in siblings]
         return cls(id=m.id, parent_id=m.parent_id, role=m.role, text=m.text, reasoning=m.reasoning,
-                   tool_steps=m.tool_steps,
+                   tool_steps=m.tool_steps, citations=m.citations,
                    tokens=m.tokens, model=m.model, status=m.status, finish_reason=m.finish_reason,
                    created=iso(m.created), sibling_ids=ids, sibling_index=ids.index(m.id), feedback=feedback,
                    error=m.error or None, interrupted_reason=m.interrupted_reason)

@@ -60,6 +60,7 @@ class Generation:
     prompt: ChatPrompt | None = None
     draft: Draft | None = None
     prompt_tokens: int = 0
+    citations: list[dict] | None = None  # the passages of the user's files the prompt holds, numbered
 
     def answer_tokens(self) -> int:
         """Answer tokens so far, as logged beside each piece for a gateway that may take this over."""
@@ -235,6 +236,8 @@ class AnswerJob:
                       "reasoning": "".join(out.thinking) or None, "tool_steps": out.steps or None,
                       "finish_reason": None if out.error else reason,
                       "prompt_tokens": gen.run.usage.prompt_tokens or None}
+            if gen.citations:
+                values["citations"] = gen.citations
             if out.error is not None:
                 values["error"] = str(out.error) or type(out.error).__name__
             try:
@@ -252,7 +255,8 @@ class AnswerJob:
                 await gen.log.append({
                     "done": True, "message_id": gen.message_id, "user_message_id": gen.user_message_id,
                     "conversation_id": gen.conversation_id, "status": status, "finish_reason": reason,
-                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}})
+                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens},
+                    **({"citations": gen.citations} if gen.citations else {})})
         finally:
             try:
                 await gen.log.close()

@@ -49,6 +49,7 @@ class Draft:
     kept: list[Turn]
     to_summarize: list[Turn] = field(default_factory=list)
     summary_tokens: int = 0
+    context: str = ""  # what the system message gains before the summary: passages of the user's files
 
     @property
     def pending(self) -> bool:
@@ -110,16 +111,18 @@ class PromptAssembler:
             tree = Tree(await Messages(session).all_in(conv.id))
         return branch_turns(tree.path_to(question_id), conv.summary, conv.summary_upto)
 
-    def plan(self, history: list[Turn], summary: str | None, max_tokens: int, extra_tokens: int = 0) -> Draft:
+    def plan(self, history: list[Turn], summary: str | None, max_tokens: int, extra_tokens: int = 0,
+             context: str = "") -> Draft:
         """Which turns go in, from their stored counts. `extra_tokens`: what the prompt as sent adds to the
-        system prompt and the turns (tool descriptions, thinking instructions, an answer being continued)."""
+        system prompt and the turns (tool descriptions, thinking instructions, an answer being continued).
+        `context`: retrieved passages for the system message (their tokens come out of the history's room)."""
         count = self.backend.count_tokens
         plan = plan_prompt(history, budget=self.context_window - max_tokens, cost=self.template_cost,
-                           system_tokens=count(self.settings.chat.system_prompt) + extra_tokens,
+                           system_tokens=count(self.settings.chat.system_prompt + context) + extra_tokens,
                            summary_tokens=count(SUMMARY_HEADER + summary) if summary else 0,
                            summary_reserve=self.summary_max_tokens() + count(SUMMARY_HEADER),
                            keep_fraction=self.settings.chat.summary_keep_fraction)
-        draft = Draft(summary if plan.use_summary else None, list(plan.kept), list(plan.to_summarize))
+        draft = Draft(summary if plan.use_summary else None, list(plan.kept), list(plan.to_summarize), context=context)
         if draft.pending:
             draft.summary_tokens = self.summary_cost(draft.summary, draft.to_summarize)
         return draft
@@ -127,7 +130,7 @@ class PromptAssembler:
     def build(self, draft: Draft, summary: str | None, count: Callable[[list[dict]], int], limit: int) -> list[dict]:
         """The messages: system prompt (with `summary`) and the draft's turns, the oldest dropped while the
         prompt as sent (`count`) takes more than `limit` tokens; the newest turn is always kept."""
-        system = self.settings.chat.system_prompt
+        system = self.settings.chat.system_prompt + draft.context
         kept = list(draft.kept)
         messages = build_messages(system, summary, kept)
         # Stored counts are estimates of the rendered prompt; drop the oldest turns if the exact count disagrees.
@@ -140,7 +143,7 @@ class PromptAssembler:
         """An upper bound of the tokens of the prompt `build` will make once a pending summary is written:
         the draft's turns counted exactly, plus the largest summary; at most `limit` unless even the
         turns without a summary take more (build then drops turns to fit)."""
-        without = count(build_messages(self.settings.chat.system_prompt, None, draft.kept))
+        without = count(build_messages(self.settings.chat.system_prompt + draft.context, None, draft.kept))
         if not draft.pending:
             return without
         most = without + self.backend.count_tokens(SUMMARY_HEADER) + self.summary_max_tokens() + SUMMARY_JOIN_SLACK

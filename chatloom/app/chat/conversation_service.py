@@ -38,6 +38,7 @@ from chatloom.app.tools.builtins import builtin_registry
 from chatloom.app.tools.registry import ToolRegistry
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.core.validation import off_loop
+from chatloom.app.files.retrieval import Passage, Retriever, citations, context_text
 from chatloom.app.generation.pipeline import Ask, ChatPrompt, Pipeline, Run
 from chatloom.app.generation.tool_calls import ToolUse
 from chatloom.app.state.answer_journal import AnswerJournal, JournaledLog
@@ -69,8 +70,9 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
     """Starts, runs, stops and takes over the answers of conversations."""
 
     def __init__(self, db: Database, pipeline: Pipeline, settings: Settings, logs: EventLogStore,
-                 blobs: BlobStore | None = None) -> None:
+                 blobs: BlobStore | None = None, retriever: Retriever | None = None) -> None:
         self.db = db
+        self.retriever = retriever  # passages of the conversation's files for each new message
         self.pipeline = pipeline
         self.backend = pipeline.backend
         self.settings = settings
@@ -130,7 +132,9 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
                                             conv.summary_upto)
-            planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens)], summary)
+            passages = await self._passages(options.user, conv.id, text)
+            planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens)], summary,
+                                                context=context_text(passages))
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, run.limits.model,
@@ -140,10 +144,17 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
                 values["title"] = make_title(text, self.settings.chat.title_chars)
             await Conversations(session).touch(conv.id, **values)
             await session.commit()
-            return await self._start(conv.id, user_msg.id, answer.id, run, planned=planned)
+            return await self._start(conv.id, user_msg.id, answer.id, run, planned=planned,
+                                     citations=citations(passages))
         except BaseException:
             await self._give_back(conv.id, claimed, run)
             raise
+
+    async def _passages(self, user: User, conversation_id: str, text: str) -> list[Passage]:
+        """The passages of the conversation's files for this message (none without a retriever or files)."""
+        if self.retriever is None:
+            return []
+        return await self.retriever.for_conversation(user, conversation_id, text)
 
     async def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
         if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
@@ -184,13 +195,15 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             if question_id is None:
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
             tree = Tree(await Messages(session).all_in(conv.id))
+            passages = await self._passages(options.user, conv.id, tree.by_id[question_id].text)
             planned = await self.reserve_answer(run, *branch_turns(tree.path_to(question_id), conv.summary,
-                                                                    conv.summary_upto))
+                                                                    conv.summary_upto), context=context_text(passages))
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
                                                  status="incomplete", writer=self.jobs.instance)
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
             await session.commit()
-            return await self._start(conv.id, question_id, answer.id, run, planned=planned)
+            return await self._start(conv.id, question_id, answer.id, run, planned=planned,
+                                     citations=citations(passages))
         except BaseException:
             await self._give_back(conv.id, claimed, run)
             raise
@@ -204,12 +217,13 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             await run.close()
 
     async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None,
-                              prefix: str = "") -> tuple[ChatPrompt | None, Draft, int]:
+                              prefix: str = "", context: str = "") -> tuple[ChatPrompt | None, Draft, int]:
         """Plan the answer's prompt (no model work) and reserve its quota, before any response: the prompt
         exactly as it will be sent when no summary has to be written first, else an upper bound of it plus
         an allowance for the summary; and, with tools, the rounds after the first. Raises the 400, 429 or
         503 of `Run.reserve`. Returns (the prompt or None, the draft, the tokens reserved for the prompt)
-        for `_start`. `prefix`: the answer's text so far, which the prompt continues."""
+        for `_start`. `prefix`: the answer's text so far, which the prompt continues; `context`: retrieved
+        passages for the system message."""
         limit = self.prompts.context_window - run.max_tokens
 
         def count(messages: list[dict]) -> int:
@@ -218,13 +232,13 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         def plan() -> tuple[ChatPrompt | None, Draft, int]:
             bare = [{"role": "system", "content": self.settings.chat.system_prompt}]
             extra = count(bare) - self.backend.count_prompt_tokens(bare)  # tools, thinking, the prefix
-            draft = self.prompts.plan(history, summary, run.max_tokens, extra)
+            draft = self.prompts.plan(history, summary, run.max_tokens, extra, context)
             if draft.pending:
                 return None, draft, self.prompts.bound(draft, count, limit)
             prompt = self._final_prompt(run, self.prompts.build(draft, draft.summary, count, limit), prefix)
             return prompt, draft, run.prompt_tokens(prompt)  # counted once: reserve() and admit() reuse it
 
-        size = sum(len(t.text) for t in history) + len(prefix) + len(summary or "")
+        size = sum(len(t.text) for t in history) + len(prefix) + len(summary or "") + len(context)
         prompt, draft, tokens = await off_loop(plan, size=size)  # a long branch is counted off the event loop
         tools = run.ask.tools is not None and run.ask.tools.active
         await run.reserve(prompt if prompt is not None else tokens,
@@ -233,12 +247,14 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         return prompt, draft, tokens
 
     async def _start(self, conversation_id: str, question_id: str, answer_id: str, run: Run,
-                     prefix: str = "", planned: tuple[ChatPrompt | None, Draft, int] | None = None) -> Generation:
+                     prefix: str = "", planned: tuple[ChatPrompt | None, Draft, int] | None = None,
+                     citations: list[dict] | None = None) -> Generation:
         run.request_id = answer_id  # stop() and the engine know the answer by its message id
         gen = Generation(conversation_id, question_id, answer_id, run,
                          JournaledLog(await self.logs.create(answer_id), self.journal, answer_id), prefix=prefix)
         if planned is not None:
             gen.prompt, gen.draft, gen.prompt_tokens = planned
+        gen.citations = citations
         await self.logs.set_pointer(conversation_id, answer_id)  # for GET /conversations/{id}/stream
         await self.jobs.update(JobRecord(conversation_id, self.jobs.gateway, answer_id, spec={
             "user_message_id": question_id, "user_id": run.ask.user.id, "model": run.limits.model,

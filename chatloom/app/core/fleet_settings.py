@@ -24,7 +24,7 @@ from chatloom.serving.backend import Backend
 from chatloom.serving.routing import PolicyWeights
 
 log = logging.getLogger(__name__)
-_ENTRY_KEYS = {"id", "replicas", "path", "tokenizer", "api_key"}
+_ENTRY_KEYS = {"id", "replicas", "path", "tokenizer", "api_key", "pooling"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class ModelEntry:
     path: str | None = None  # the local model spec (default: id)
     tokenizer: str | None = None  # where a router reads its tokenizer (default: id or path, if local)
     api_key: str | None = None  # sent to the replicas (vLLM --api-key)
+    pooling: str | None = None  # embeddings of a model run here: "mean" or "last" (default: embeddings.pooling)
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,11 @@ def _entry(i: int, raw: object) -> ModelEntry:
     for key in ("path", "tokenizer", "api_key"):
         if key in raw and not isinstance(raw[key], str):
             raise ValueError(f"{where} ({model_id}): {key} must be a string")
+    pooling = raw.get("pooling")
+    if pooling is not None and pooling not in ("mean", "last"):
+        raise ValueError(f"{where} ({model_id}): pooling must be \"mean\" or \"last\"")
     return ModelEntry(model_id, tuple(u.rstrip("/") for u in reps), raw.get("path"), raw.get("tokenizer"),
-                      raw.get("api_key"))
+                      raw.get("api_key"), pooling)
 
 
 def _weights(raw: object) -> PolicyWeights:
@@ -127,7 +131,7 @@ def _router_tokenizer(entry: ModelEntry):
 
 
 def build_fleet_backend(fleet: FleetSettings, local_backend) -> Backend:
-    """One backend for every configured model. `local_backend(spec)` builds an in-process one."""
+    """One backend for every configured model. `local_backend(spec, pooling)` builds an in-process one."""
     from chatloom.serving.multi_model import MultiModelBackend
     from chatloom.serving.router import Router, RouterConfig
 
@@ -137,7 +141,7 @@ def build_fleet_backend(fleet: FleetSettings, local_backend) -> Backend:
             backends[e.id] = Router(e.id, list(e.replicas), RouterConfig(policy=fleet.policy, weights=fleet.weights),
                                     _router_tokenizer(e), e.api_key)
         else:
-            backends[e.id] = local_backend(e.path or e.id)
+            backends[e.id] = local_backend(e.path or e.id, e.pooling)
     if len(backends) == 1:
         return next(iter(backends.values()))
     return MultiModelBackend(backends)

@@ -119,14 +119,17 @@ class EdgeGuard:
     """ASGI middleware: the body size limit and the text check, before any route runs.
     (Pure ASGI, so streamed answers pass through unbuffered.)
 
-    `uploads` maps the paths that take file uploads (multipart) to their own, larger limit: their bodies
-    are not read here (the route streams them to disk and checks its own limits), only a declared
+    `larger_bodies` maps exact paths to a larger limit of their own (their bodies are still read and
+    checked here). `uploads` maps the paths that take file uploads (multipart) to their own limit: their
+    bodies are not read here (the route streams them to disk and checks its own limits), only a declared
     Content-Length over that limit is refused."""
 
-    def __init__(self, app, max_body_bytes: int = 1_000_000, uploads: dict[str, int] | None = None) -> None:
+    def __init__(self, app, max_body_bytes: int = 1_000_000, larger_bodies: dict[str, int] | None = None,
+                 uploads: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.uploads = uploads or {}
+        self.larger_bodies = dict(larger_bodies or {})
+        self.uploads = dict(uploads or {})
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -135,21 +138,20 @@ class EdgeGuard:
         if problem is not None:
             return await _reply(scope, send, 400, *problem)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
+        upload = self.uploads.get(path) if scope.get("method") == "POST" else None
+        limit = upload or self.larger_bodies.get(path, self.max_body_bytes)
         length = headers.get(b"content-length")
         if length is not None:
             try:
                 declared = int(length)
             except ValueError:
                 return await _reply(scope, send, 400, "Content-Length is not a number", "header", "invalid_header")
-            upload_limit = self.uploads.get(scope.get("path", "")) if scope.get("method") == "POST" else None
-            if upload_limit is not None and declared > upload_limit:
-                return await _reply(scope, send, 413, f"the request body is {declared} bytes; at most "
-                                    f"{upload_limit} are accepted here", None, "request_too_large")
-            if upload_limit is None and declared > self.max_body_bytes:
-                return await _reply(scope, send, 413, *self._too_large(declared))
+            if declared > limit:
+                return await _reply(scope, send, 413, *self._too_large(declared, limit))
         elif b"transfer-encoding" not in headers:
             return await self.app(scope, receive, send)  # no body at all
-        if scope.get("method") == "POST" and scope.get("path", "") in self.uploads:
+        if upload is not None:
             return await self.app(scope, receive, send)  # an upload: the route streams it to disk
 
         # Read the body (bounded), check it, then hand it to the route as if it came from the client.
@@ -160,8 +162,8 @@ class EdgeGuard:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                return await _reply(scope, send, 413, *self._too_large(size))
+            if size > limit:
+                return await _reply(scope, send, 413, *self._too_large(size, limit))
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -185,9 +187,9 @@ class EdgeGuard:
 
         await self.app(scope, replay, send)
 
-    def _too_large(self, size: int) -> tuple[str, str | None, str]:
-        return (f"the request body is {size} bytes; at most {self.max_body_bytes} are accepted",
-                None, "request_too_large")
+    @staticmethod
+    def _too_large(size: int, limit: int) -> tuple[str, str | None, str]:
+        return (f"the request body is {size} bytes; at most {limit} are accepted", None, "request_too_large")
 
 
 def _bad_target(scope) -> tuple[str, str, str] | None:

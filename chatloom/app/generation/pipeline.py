@@ -52,6 +52,7 @@ from chatloom.app.core.errors import ApiError
 from chatloom.app.traffic.quotas import QuotaExceeded
 from chatloom.settings import Settings
 from chatloom.app.generation.choice_stream import ChoiceStream
+from chatloom.app.generation.embedding import Embedder
 from chatloom.app.generation.run_types import (AnswerText, Ask, BudgetSpent, ChatPrompt, Choice, Finished,
                                                GenerationStopped, Limits, Piece, Prompt, PromptLogprobs, TextPrompt,
                                                Thinking, TokenPrompt)
@@ -73,6 +74,7 @@ class Pipeline:
         self.backend = backend
         self.traffic = traffic
         self.settings = settings
+        self.embeddings = Embedder(backend, traffic, settings)  # the embed path (embedding.py)
 
     @property
     def context_window(self) -> int:

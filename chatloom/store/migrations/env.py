@@ -10,16 +10,22 @@ import asyncio
 from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from chatloom.store.file_chunks import is_search_index
 from chatloom.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
 
 
+def include_name(name, type_, parent_names) -> bool:
+    """The full-text index (FTS5 tables, expression indexes) is made by hand in its migration."""
+    return not is_search_index(name)
+
+
 def _run(connection) -> None:
     # Batch mode lets later migrations alter columns on SQLite too.
     context.configure(connection=connection, target_metadata=target_metadata,
-                      render_as_batch=connection.dialect.name == "sqlite")
+                      render_as_batch=connection.dialect.name == "sqlite", include_name=include_name)
     with context.begin_transaction():
         context.run_migrations()
 

@@ -84,7 +84,7 @@ def _call(schema, method: str, path: str, token: str | None = None, **kwargs):
 
 
 def _seed(schema) -> Known:
-    """The admin account, a conversation with one finished answer, an API key."""
+    """The admin account, a conversation with one finished answer, an API key, a collection holding a file."""
     known = Known()
     r = _call(schema, "POST", "/auth/signup", body={"username": "fuzzer", "password": "correct horse"})
     assert r.status_code == 201, r.text
@@ -106,11 +106,18 @@ def _seed(schema) -> Known:
                      body={"model": "tiny-random", "input": "hello", "max_output_tokens": 8}).json()["id"]
     mcp = _call(schema, "POST", "/mcp-servers", known.token,
                 body={"name": "seeded", "url": "https://93.184.215.14/mcp"}).json()["id"]
+    coll = _call(schema, "POST", "/collections", known.token, body={"name": "fuzz"}).json()["id"]
+    r = _call(schema, "POST", "/files", known.token, body={"file": b"Notes on fuzzing the API.", "collection_id": coll},
+              media_type="multipart/form-data")
+    assert r.status_code == 201, r.text
     known.ids = {"conversation_id": [cid], "message_id": [m["id"] for m in detail["messages"]],
+                 "file_id": [r.json()["id"]], "collection_id": [coll],
                  "key_id": [key], "response_id": [response], "server_id": [mcp], "username": ["fuzzer"],
                  "password": ["correct horse"],
                  "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"]}
-    known.ids.update(_seed_batches(schema, known.token))
+    batches = _seed_batches(schema, known.token)
+    batches["file_id"] = known.ids["file_id"] + batches["file_id"]  # the product's /files and /v1/files
+    known.ids.update(batches)
     return known
 
 
@@ -218,8 +225,10 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     known = _seed(schema)
     known.answers_running = app.state.ctx.conversations.running_count
     operations = [result.ok() for result in schema.get_all_operations()]
-    # Deletions last, so the real ids stay valid for the other operations.
-    operations.sort(key=lambda op: op.method.upper() == "DELETE")
+    # Deletions last, so the real ids stay valid for the other operations; among them, the deepest paths
+    # first (a conversation's attached file before the conversation), and the account itself at the end.
+    operations.sort(key=lambda op: (op.method.upper() == "DELETE", op.path == "/auth/me",
+                                    -op.path.count("/") if op.method.upper() == "DELETE" else 0))
     tally = Tally()
     for operation in operations:
         for mode in EXAMPLES:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
 from chatloom.app.core.auth import new_api_key
@@ -9,7 +10,8 @@ from chatloom.app.api.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.api.openapi_responses import SIGNED_IN, errors
 from chatloom.app.api.schemas import ApiKeyCreated, ApiKeyIn, ApiKeyOut, Credentials, LoginIn, SessionOut, UserOut
-from chatloom.store import ApiKeys, Users
+from chatloom.app.state.stop_relay import stop_anywhere
+from chatloom.store import ApiKeys, Conversation, Conversations, User, Users
 
 router = APIRouter(prefix="/auth", tags=["auth"])
 
@@ -64,4 +66,20 @@ async def revoke_api_key(key_id: str, user: CurrentUser, ctx: Ctx, session: Sess
         raise not_found("api key")
     await session.commit()
     ctx.callers.forget_user(user.id)  # the revoked key stops working here at once
+    return Response(status_code=204)
+
+
+@router.delete("/me", status_code=204, responses=errors(401, 503))
+async def delete_account(user: CurrentUser, ctx: Ctx, session: SessionDep) -> Response:
+    """Delete the caller's account and everything of theirs for good: running answers are stopped; its
+    conversations, files (rows, passages, vectors and bytes), collections, API keys and usage go."""
+    conversation_ids = list(await session.scalars(select(Conversation.id).where(Conversation.user_id == user.id)))
+    for cid in conversation_ids:
+        await stop_anywhere(cid, ctx.conversations.stop, ctx.hot.jobs, ctx.hot.stops, ctx.conversations.logs)
+    await ctx.files.delete_for_user(session, user.id)
+    for cid in conversation_ids:
+        await Conversations(session).delete(cid)
+    await session.execute(delete(User).where(User.id == user.id))  # keys, usage, feedback: ON DELETE CASCADE
+    await session.commit()
+    ctx.callers.forget_user(user.id)
     return Response(status_code=204)

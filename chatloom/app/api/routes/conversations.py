@@ -9,13 +9,14 @@ from sqlalchemy import select
 
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_service import UNSET, Generation, GenerationOptions
+from chatloom.app.chat.search import search_conversations
 from chatloom.app.api.deps import Ctx, CurrentUser, OwnedConversation, SessionDep
 from chatloom.app.core.errors import ApiError
 from chatloom.app.state.events import EventLog
 from chatloom.app.tools.sandbox import remove_scratch
 from chatloom.app.state.stop_relay import stop_anywhere
-from chatloom.app.api.schemas import (ConversationDetail, ConversationIn, ConversationOut, GenerationIn, MessageIn,
-                                  MessageOut, RenameIn, StopOut)
+from chatloom.app.api.schemas import (ConversationDetail, ConversationHit, ConversationIn, ConversationOut, GenerationIn,
+                                      MessageIn, MessageOut, RenameIn, StopOut)
 from chatloom.app.api.openapi_responses import ANSWER_STREAM, CONVERSATION_ANSWER, OWN_CONVERSATION, SIGNED_IN, errors
 from chatloom.app.api.sse import HEARTBEAT, SSE_HEADERS, EventStreamResponse, frame_event
 from chatloom.app.core.validation import Offset
@@ -40,10 +41,17 @@ def stream_response(gen: Generation) -> EventStreamResponse:
                              "X-User-Message-Id": gen.user_message_id})
 
 
-@router.get("", response_model=list[ConversationOut], responses=SIGNED_IN)
+@router.get("", response_model=list[ConversationHit] | list[ConversationOut], responses=SIGNED_IN)
 async def list_conversations(user: CurrentUser, session: SessionDep, limit: int = Query(20, ge=1, le=100),
-                             offset: Offset = 0) -> list[ConversationOut]:
-    """Newest first."""
+                             offset: Offset = 0,
+                             q: str | None = Query(None, max_length=500, description=(
+                                 "Search the caller's titles and messages (every branch): every word must "
+                                 "match, the last as a prefix; best match first, each with a snippet."))
+                             ) -> list[ConversationHit] | list[ConversationOut]:
+    """Newest first; with `q`, the conversations matching it, best first, with highlighted snippets."""
+    if q is not None and q.strip():
+        return [ConversationHit.hit(h.conversation, h.snippet, h.message_id)
+                for h in await search_conversations(session, user.id, q, limit, offset)]
     return [ConversationOut.of(c) for c in await Conversations(session).page(user.id, limit, offset)]
 
 
@@ -85,6 +93,7 @@ async def rename_conversation(body: RenameIn, conv: OwnedConversation, session: 
 @router.delete("/{conversation_id}", status_code=204, responses=OWN_CONVERSATION | errors(503))
 async def delete_conversation(ctx: Ctx, conv: OwnedConversation, session: SessionDep) -> Response:
     await _stop(ctx, conv.id)
+    await ctx.files.delete_for_conversation(session, conv.user_id, conv.id)  # the files only it held, for good
     await Conversations(session).delete(conv.id)
     await session.commit()
     await asyncio.to_thread(remove_scratch, ctx.settings.server.data_dir, conv.id)  # the code interpreter's files

@@ -1,0 +1,173 @@
+"""`chatloom bench retrieval`: how well, and how fast, retrieval over uploaded files finds the passage
+that answers a question.
+
+The corpus is chatloom's own documentation (docs/*.md), uploaded through the product's own path
+(extraction, passages, embeddings by the served model, the full-text index), into a fresh SQLite
+database. The questions (texts/retrieval_questions.jsonl, committed with the bench) each name the page that
+answers them and a phrase of the answer; a retrieved passage is relevant when it is from that page and
+holds the phrase (so the set does not depend on where passages are cut). Recall@k is the fraction of
+questions with a relevant passage in the top k, for full-text search alone, vector search alone, and
+the two fused by reciprocal rank (what the chat uses).
+
+Latency: retrieval runs before an answer's first token, so what it adds to TTFT is the time of one
+hybrid search, the question's embedding included. It is measured over a collection of
+`latency_chunks` passages (the corpus's passages again, with random unit vectors), each question once,
+with its two largest parts beside it: the question's embedding (through quota, admission and
+metering) and the full-text search alone.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+QUESTIONS = Path(__file__).parent / "texts" / "retrieval_questions.jsonl"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+MODES = ("fulltext", "vector", "hybrid")
+
+
+def load_questions(path: Path = QUESTIONS, limit: int | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def run_retrieval(loaded, k: int = 5, limit: int | None = None, latency_chunks: int = 1000,
+                  docs_dir: Path = DOCS, chunk_chars: int = 1200, overlap: int = 200, pooling: str = "last") -> dict:
+    with tempfile.TemporaryDirectory(prefix="chatloom-bench-retrieval-") as data_dir:
+        return asyncio.run(_run(loaded, k, load_questions(limit=limit), latency_chunks, docs_dir, data_dir,
+                                chunk_chars, overlap, pooling))
+
+
+async def _run(loaded, k: int, questions: list[dict], latency_chunks: int, docs_dir: Path, data_dir: str,
+               chunk_chars: int, overlap: int, pooling: str) -> dict:
+    from chatloom.app.main import create_app
+    from chatloom.engine import EngineConfig
+    from chatloom.serving import LocalBackend
+    from chatloom.settings import Settings
+    from chatloom.store import Users
+
+    settings = Settings(server={"data_dir": data_dir},
+                        accounts={"jwt_secret": "bench-secret-0123456789abcdef0123456789abcdef",
+                                  "argon2_time_cost": 1, "argon2_memory_kib": 1024},
+                        files={"embeddings": True, "chunk_chars": chunk_chars, "chunk_overlap_chars": overlap, "top_k": k,
+                               "max_user_bytes": 1_000_000_000})
+    backend = LocalBackend(loaded, engine_config=EngineConfig(num_blocks=2048, max_num_batched_tokens=1024),
+                           pooling=pooling)
+    await backend.start()
+    app = create_app(settings, backend)
+    try:
+        async with app.router.lifespan_context(app):
+            ctx = app.state.ctx
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench") as client:
+                for name in ("reader", "latency"):
+                    r = await client.post("/auth/signup", json={"username": name, "password": "correct horse"})
+                    r.raise_for_status()
+            async with ctx.db.session() as session:
+                # The pro tier: its per-minute limits hold the bench's hundreds of embeddings requests (a
+                # refused question embedding would silently leave a search without vectors).
+                reader = await Users(session).set_tier("reader", "pro")
+                other = await Users(session).set_tier("latency", "pro")
+                await session.commit()
+            t0 = time.perf_counter()
+            files = {}
+            for path in sorted(docs_dir.glob("*.md")):
+                row = await ctx.files.upload(reader, path.name, path.read_bytes())
+                files[row.id] = path.name
+            index_s = time.perf_counter() - t0
+            passages = await _passages(ctx)
+            recall, misses, stale = await _recall(ctx, reader, files, passages, questions, k)
+            latency = await _latency(ctx, other, passages, questions, latency_chunks, loaded)
+    finally:
+        await backend.close()
+    return {"benchmark": "retrieval", "model": loaded.id, "pooling": pooling, "k": k, "questions": len(questions),
+            "stale_questions": stale, "documents": len(files), "passages": len(passages),
+            "chunk_chars": chunk_chars, "chunk_overlap_chars": overlap, "index_s": round(index_s, 2),
+            f"recall_at_{k}": recall, "missed": misses, "latency": latency}
+
+
+async def _passages(ctx) -> dict[int, tuple[str, str]]:
+    """Every indexed passage of the corpus: id -> (file id, text)."""
+    from sqlalchemy import select
+
+    from chatloom.store.file_chunks import FileChunk
+
+    async with ctx.db.session() as session:
+        rows = (await session.execute(select(FileChunk.id, FileChunk.file_id, FileChunk.text))).all()
+    return {i: (f, t) for i, f, t in rows}
+
+
+async def _recall(ctx, user, files: dict[str, str], passages: dict, questions: list[dict], k: int):
+    hits = {m: 0 for m in MODES}
+    misses: dict[str, list[str]] = {m: [] for m in MODES}
+    stale = 0
+    ids = list(files)
+    for q in questions:
+        answer = _norm(q["answer"])
+        relevant = {i for i, (f, text) in passages.items() if files[f] == q["doc"] and answer in _norm(text)}
+        if not relevant:  # the docs changed under the question: say so, do not count it
+            stale += 1
+            continue
+        for mode in MODES:
+            found = await ctx.retriever.search(user, ids, q["question"], mode, k)
+            if relevant & set(found):
+                hits[mode] += 1
+            else:
+                misses[mode].append(q["question"])
+    counted = len(questions) - stale
+    recall = {m: round(hits[m] / counted, 3) if counted else None for m in MODES}
+    return recall, {m: v[:10] for m, v in misses.items()}, stale
+
+
+async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, loaded) -> dict:
+    """One hybrid search per question over `size` passages of the user's own (texts of the corpus,
+    random unit vectors), timed end to end: the question's embedding, both searches, the fusion."""
+    from chatloom.app.files.search import pack
+    from chatloom.store.file_chunks import FileChunk
+    from chatloom.store.models import StoredFile, new_id
+
+    if size <= 0 or not passages:
+        return {}
+    rng = np.random.default_rng(0)
+    width = loaded.config.hidden_size
+    texts = [t for _, t in passages.values()]
+    model = ctx.backend.default_model
+    file_id = new_id("file")
+    async with ctx.db.session() as session:
+        session.add(StoredFile(id=file_id, user_id=user.id, filename="latency.md", purpose="user_data",
+                               content_type="text/markdown", bytes=0, blob_key=f"{user.id}/{file_id}",
+                               status="processed"))
+        await session.flush()
+        for i in range(size):
+            v = rng.standard_normal(width).astype(np.float32)
+            session.add(FileChunk(file_id=file_id, user_id=user.id, ordinal=i, text=texts[i % len(texts)],
+                                  char_start=0, char_end=0, embedding=pack((v / np.linalg.norm(v)).tolist()),
+                                  embedding_model=model))
+        await session.commit()
+    await ctx.retriever.search(user, [file_id], "warm up", "hybrid")
+    # Alternated per question, so a busy moment of a shared machine lands on every part alike.
+    parts: dict[str, list[float]] = {"hybrid": [], "question_embedding": [], "fulltext": []}
+    for q in questions:
+        for part in parts:
+            t0 = time.perf_counter()
+            if part == "question_embedding":
+                await ctx.pipeline.embeddings.embed(user, [q["question"]])
+            else:
+                await ctx.retriever.search(user, [file_id], q["question"], part)
+            parts[part].append((time.perf_counter() - t0) * 1000)
+    out: dict = {"passages": size, "searches": len(questions)}
+    for part, times in parts.items():
+        times.sort()
+        out[part] = {"p50_ms": round(statistics.median(times), 2), "p90_ms": round(times[int(0.9 * (len(times) - 1))], 2),
+                     "max_ms": round(times[-1], 2)}
+    return out

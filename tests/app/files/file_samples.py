@@ -1,0 +1,66 @@
+"""Documents made in the test, byte by byte: PDFs with text pages, DOCX files, broken and hostile ones."""
+from __future__ import annotations
+
+import io
+import zipfile
+
+
+def make_pdf(pages: list[str]) -> bytes:
+    """A small valid PDF, one text line per page (Helvetica), with a correct cross-reference table."""
+    objects: list[bytes] = []
+    n = len(pages)
+    kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(n))
+    objects.append(b"<< /Type /Catalog /Pages 2 0 R >>")
+    objects.append(f"<< /Type /Pages /Kids [{kids}] /Count {n} >>".encode())
+    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
+    for i, text in enumerate(pages):
+        safe = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
+        stream = f"BT /F1 12 Tf 72 720 Td ({safe}) Tj ET".encode()
+        objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+                       f"/Contents {5 + 2 * i} 0 R >>".encode())
+        objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+    out = io.BytesIO()
+    out.write(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objects, 1):
+        offsets.append(out.tell())
+        out.write(b"%d 0 obj\n" % i + body + b"\nendobj\n")
+    xref = out.tell()
+    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
+    for off in offsets:
+        out.write(b"%010d 00000 n \n" % off)
+    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
+    return out.getvalue()
+
+
+def make_encrypted_pdf() -> bytes:
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(make_pdf(["a secret page"]))))
+    writer.encrypt("user-password", algorithm="RC4-128")
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def make_docx(paragraphs: list[str]) -> bytes:
+    import docx
+
+    document = docx.Document()
+    for p in paragraphs:
+        document.add_paragraph(p)
+    out = io.BytesIO()
+    document.save(out)
+    return out.getvalue()
+
+
+def make_docx_bomb(unpacked: int = 60_000_000) -> bytes:
+    """A ZIP that says it is a DOCX, whose document part unpacks to `unpacked` bytes of one letter."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("[Content_Types].xml", "<Types/>")
+        z.writestr("word/document.xml", b"a" * unpacked)
+    return out.getvalue()
+
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64

@@ -1,0 +1,33 @@
+"""`chatloom bench retrieval` end to end on the tiny model, and its question set against the docs."""
+from __future__ import annotations
+
+import re
+
+from chatloom.bench.retrieval import DOCS, load_questions, run_retrieval
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def test_the_question_set_is_large_and_every_answer_is_in_its_page():
+    questions = load_questions()
+    assert len(questions) >= 100
+    assert len({q["question"] for q in questions}) == len(questions)
+    for q in questions:
+        page = DOCS / q["doc"]
+        assert page.exists(), q
+        assert _norm(q["answer"]) in _norm(page.read_text(encoding="utf-8")), q
+
+
+def test_bench_reports_recall_per_mode_and_latency(tiny_model_fp32):
+    r = run_retrieval(tiny_model_fp32, k=5, limit=12, latency_chunks=60)
+    assert r["questions"] == 12 and r["stale_questions"] == 0 and r["documents"] >= 20
+    recall = r["recall_at_5"]
+    assert set(recall) == {"fulltext", "vector", "hybrid"}
+    # The random model's vectors carry no meaning, but the words do: full-text finds most answers,
+    # and fusing in meaningless vectors costs it little.
+    assert recall["fulltext"] >= 0.5 and recall["hybrid"] >= recall["fulltext"] - 0.25
+    latency = r["latency"]
+    assert latency["passages"] == 60 and latency["searches"] == 12
+    assert all(latency[part]["p50_ms"] > 0 for part in ("hybrid", "question_embedding", "fulltext"))
