@@ -85,7 +85,7 @@ class KVCacheManager:
 
     # -- block tables ------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq.token_ids)
+        hits = self._cached_prefix(seq.cache_token_ids)
         # Hit blocks sitting on the free list are not free for this purpose: we take them.
         blocks = self.pool.blocks
         hits_on_free = sum(1 for b in hits if blocks[b].ref_count == 0)
@@ -96,9 +96,10 @@ class KVCacheManager:
         """Give `seq` blocks for all its current tokens, reusing cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"
         pool = self.pool
-        hits = self._cached_prefix(seq.token_ids)
+        keyed = seq.cache_token_ids
+        hits = self._cached_prefix(keyed)
         parent = pool.blocks[hits[-1]].key if hits else pool.root_key
-        donor, partial = self._partial_hit(seq.token_ids, len(hits), parent)
+        donor, partial = self._partial_hit(keyed, len(hits), parent)
         # Every token but the last could have come from the cache (its logits are needed).
         self.query_tokens += len(seq) - 1
         self.hit_tokens += len(hits) * self.block_size + partial
@@ -145,7 +146,7 @@ class KVCacheManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         if num_full > seq.num_hashed_blocks:
-            self.pool.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full)
+            self.pool.cache_full_blocks(seq.block_table, seq.cache_token_ids, seq.num_hashed_blocks, num_full)
             seq.num_hashed_blocks = num_full
 
     def free_sequence(self, seq: Sequence) -> None:

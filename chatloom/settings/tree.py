@@ -61,6 +61,9 @@ class EngineSettings(Group):
                                                                "(default: the model's, at most 8192).")
     enable_prefix_caching: bool = Field(True, description="Share the KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    encoder_cache_mb: float = Field(256.0, ge=0, description="Memory for image embeddings kept by image hash "
+                                                             "(vision models), so a second question about the "
+                                                             "same image runs no encoder; 0 keeps none.")
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off", description="Speculative decoding: off, ngram (prompt lookup) or draft (speculative_model).")
     num_speculative_tokens: int = Field(4, ge=1, description="Most tokens proposed per sequence and step.")
