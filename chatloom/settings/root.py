@@ -17,7 +17,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
                                InitSettingsSource)
 
 from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
-                                    ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
+                                    ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings, VisionSettings,
                                     ServerSettings, SharedStateSettings, TrafficSettings)
 
 ENV_PREFIX = "CHATLOOM_"
@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     chat: ChatSettings = Field(default_factory=ChatSettings)
     traffic: TrafficSettings = Field(default_factory=TrafficSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
+    vision: VisionSettings = Field(default_factory=VisionSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)

@@ -152,6 +152,17 @@ class ModerationSettings(Group):
     holdback_tokens: int = Field(4, ge=0, description="Pieces of output held back for the output check.")
 
 
+class VisionSettings(Group):
+    """Images in chat messages, for models that read them (Idefics3 / SmolVLM)."""
+
+    max_images_per_request: int = Field(8, ge=0, description="Most images one request may carry, all its "
+                                                             "messages together.")
+    max_image_bytes: int = Field(10 * 2**20, gt=0, description="Largest image file accepted, in bytes.")
+    max_image_pixels: int = Field(25_000_000, gt=0, description="Most pixels (width x height) an image may "
+                                                                "have; larger ones, decompression bombs "
+                                                                "among them, are refused before decoding.")
+
+
 class FleetSettings(Group):
     """Several models or replicas behind the router."""
 
