@@ -131,3 +131,37 @@ async def test_typed_marker_characters_never_stand_for_an_image(tmp_path, vision
         r = await client.post("/v1/chat/completions", headers=headers,
                               json=ask({"type": "text", "text": "look \ufffc here"}))
         assert r.status_code == 200, r.text
+
+
+def anthropic_image(image: Image.Image) -> dict:
+    url = data_url(image)
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}}
+
+
+async def test_anthropic_image_blocks_reach_a_vision_model(tmp_path, vision_backend):
+    async with app_client(settings(tmp_path), vision_backend) as (client, _, headers):
+        body = {"model": "tiny-vlm", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": [anthropic_image(tv.test_image(71, 47, seed=1)),
+                                                          {"type": "text", "text": "What is in this picture?"}]}]}
+        r = await client.post("/v1/messages", headers=headers, json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        prompt_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]  # Anthropic leaves cache reads out
+        counted = await client.post("/v1/messages/count_tokens", headers=headers, json=body)
+        assert counted.json()["input_tokens"] == prompt_tokens
+        # The same image through the OpenAI front is the same prompt.
+        same = await client.post("/v1/chat/completions", headers=headers,
+                                 json=ask(image_part(data_url(tv.test_image(71, 47, seed=1))), TEXT))
+        assert same.json()["usage"]["prompt_tokens"] == prompt_tokens
+        bad = {**body, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]}]}
+        r = await client.post("/v1/messages", headers=headers, json=bad)
+        assert r.status_code == 400 and "not an image" in r.json()["error"]["message"], r.text
+
+
+async def test_anthropic_image_to_a_text_model_is_refused(tmp_path, tiny_backend):
+    async with app_client(settings(tmp_path), tiny_backend) as (client, _, headers):
+        r = await client.post("/v1/messages", headers=headers, json={
+            "model": "tiny-random", "max_tokens": 4,
+            "messages": [{"role": "user", "content": [anthropic_image(tv.test_image(16, 16))]}]})
+        assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"], r.text
