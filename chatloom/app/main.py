@@ -19,13 +19,14 @@ from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, 
 from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
-from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, moderations, openai, recovery,
+from chatloom.app.api.routes import (admin, anthropic, audio, auth, conversations, health, moderations, openai, recovery,
                                      usage, web)
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
 from chatloom.app.core.validation import EdgeGuard
 from chatloom.engine import EngineConfig
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
+from chatloom.serving.speech import SpeechBackend
 from chatloom.store import Database
 from chatloom.store.blobs import LocalBlobStore
 
@@ -47,12 +48,17 @@ def local_backend(settings: Settings, spec: str) -> Backend:
                         int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul)
 
 
-def create_app(settings: Settings | None = None, backend: Backend | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, backend: Backend | None = None,
+               speech: SpeechBackend | None = None) -> FastAPI:
     """Build the app. Without a backend, the settings' model runs in-process (and is closed with the app);
-    a backend passed in belongs to the caller."""
+    a backend passed in belongs to the caller. So does `speech`; without it, [speech] model (if set) is
+    loaded in-process."""
     settings = settings or Settings()
     owns_backend = backend is None
     backend = backend or default_backend(settings)
+    owns_speech = speech is None
+    if speech is None and settings.speech.model:
+        speech = SpeechBackend(settings.speech.model, max_batch=settings.speech.max_batch)
     db = Database(settings.database_url)
     hot = build_hot_state(settings)  # quotas, stream logs, stops, job leases: in memory, or shared in Redis
     traffic = build_traffic(settings, backend, db)
@@ -65,7 +71,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s),
-        blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"),
+        blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"), speech=speech,
     )
 
     @asynccontextmanager
@@ -79,6 +85,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
         await sweeper.start()
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend, _app), name="backend-start")
+        speech_loading = asyncio.create_task(_start_speech(speech), name="speech-start") if speech else None
         try:
             yield
         finally:
@@ -97,6 +104,10 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                 loading.cancel()
             if owns_backend:
                 await backend.close()
+            if speech_loading is not None and not speech_loading.done():
+                speech_loading.cancel()
+            if speech is not None and owns_speech:
+                await speech.close()
             await traffic.moderator.close()
             await db.close()
 
@@ -107,10 +118,20 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     install_error_handlers(app)
     install_redis_errors(app, hot)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
-    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes)  # outermost: before any parsing
-    for module in (health, auth, conversations, recovery, usage, admin, openai, anthropic, moderations, web):
+    # Outermost: before any parsing. An audio upload may be as large as the speech settings allow.
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes,
+                       path_limits={audio.TRANSCRIPTIONS: settings.speech.max_audio_bytes + audio.FORM_OVERHEAD})
+    for module in (health, auth, conversations, recovery, usage, admin, openai, anthropic, moderations, audio, web):
         app.include_router(module.router)
     return app
+
+
+async def _start_speech(speech: SpeechBackend) -> None:
+    """Load the speech model; a failure leaves the transcription endpoint answering 503 with the reason."""
+    try:
+        await speech.start()
+    except ModelLoadFailed as exc:
+        log.error("%s", exc)
 
 
 async def _start_backend(backend: Backend, app: FastAPI) -> None:

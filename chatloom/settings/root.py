@@ -18,6 +18,7 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
 
 from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
                                     ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings, VisionSettings,
+                                    SpeechSettings,
                                     ServerSettings, SharedStateSettings, TrafficSettings)
 
 ENV_PREFIX = "CHATLOOM_"
@@ -41,6 +42,7 @@ class Settings(BaseSettings):
     traffic: TrafficSettings = Field(default_factory=TrafficSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
     vision: VisionSettings = Field(default_factory=VisionSettings)
+    speech: SpeechSettings = Field(default_factory=SpeechSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)

@@ -163,6 +163,17 @@ class VisionSettings(Group):
                                                                 "among them, are refused before decoding.")
 
 
+class SpeechSettings(Group):
+    """Speech to text (POST /v1/audio/transcriptions) with a Whisper model run in this process."""
+
+    model: str | None = Field(None, description="A Whisper Hugging Face folder (e.g. whisper-small); unset, "
+                                                "the transcription endpoint answers 404.")
+    max_audio_bytes: int = Field(25 * 2**20, gt=0, description="Largest audio file accepted, in bytes.")
+    max_audio_seconds: float = Field(3600.0, gt=0, description="Longest audio accepted, in seconds.")
+    max_batch: int = Field(8, gt=0, description="Most 30-second windows transcribed together, from any "
+                                                "number of requests.")
+
+
 class FleetSettings(Group):
     """Several models or replicas behind the router."""
 

@@ -169,8 +169,8 @@ class RecordingBackend(Backend):
 
 
 @asynccontextmanager
-async def app_client(settings, backend):
-    app = create_app(settings, backend)
+async def app_client(settings, backend, **extra):
+    app = create_app(settings, backend, **extra)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             yield client, app, await signup(client, "alice")

@@ -24,6 +24,7 @@ from chatloom.app.traffic.control import Traffic
 from chatloom.serving import Backend
 from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users
 from chatloom.store.blobs import BlobStore
+from chatloom.serving.speech import SpeechBackend
 
 
 @dataclass
@@ -41,6 +42,7 @@ class AppContext:
     hot: HotState  # quotas, stream logs, stops, job leases: in memory, or shared by the gateways in Redis
     callers: CallerCache  # recently authenticated callers (spares the database a lookup per request)
     blobs: BlobStore  # uploaded files' bytes (rows in the files table say whose and what)
+    speech: SpeechBackend | None = None  # speech to text, where a Whisper model is set ([speech] model)
 
 
 def get_context(request: Request) -> AppContext:
