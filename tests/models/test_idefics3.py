@@ -104,3 +104,12 @@ def test_greedy_tokens_match_transformers(hf, loaded, size):
     # Without the image the answer differs: the embeddings are what the model read.
     plain = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert plain[0].token_ids != want
+
+
+def test_capacity_reads_the_decoder_of_a_vision_folder_or_its_config(folder, loaded):
+    from chatloom.models import describe_config
+
+    for spec in (folder, folder / "config.json"):
+        cfg = describe_config(str(spec))
+        assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (2, 2, 8, loaded.config.vocab_size)
+        assert cfg.kv_bytes_per_token() == 2 * 2 * 2 * 8 * 4

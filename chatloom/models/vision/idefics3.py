@@ -15,11 +15,11 @@ from torch import nn
 from PIL import Image
 
 from chatloom.models.config import ModelConfig, ModelError
-from chatloom.models.hf_config import config_from_hf
+from chatloom.models.hf_config import VISION_LANGUAGE, config_from_hf
 from chatloom.models.vision.idefics3_processor import Idefics3ImageProcessor, prompt_text
 from chatloom.models.vision.siglip import SiglipConfig, SiglipVisionTransformer
 
-VISION_ARCHITECTURES = ("idefics3", "smolvlm")
+VISION_ARCHITECTURES = VISION_LANGUAGE
 IMAGE_TOKEN = "<image>"
 
 
@@ -45,8 +45,7 @@ class Idefics3Config:
         text_cfg, vision_cfg = cfg.get("text_config"), cfg.get("vision_config")
         if not isinstance(text_cfg, dict) or not isinstance(vision_cfg, dict):
             raise ModelError("an Idefics3 config.json needs text_config and vision_config objects")
-        text_cfg = {"model_type": "llama", "rms_norm_eps": 1e-5, **text_cfg}
-        text = config_from_hf(text_cfg, name=name)
+        text = config_from_hf(cfg, name=name)  # the decoder, from text_config
         # The head is read from lm_head.weight when the checkpoint has one, else from the embeddings.
         text.tie_word_embeddings = False
         vision = SiglipConfig.from_hf(vision_cfg)
