@@ -222,8 +222,10 @@ class ModelRunner:
             if self.before_forward is not None:
                 self.before_forward()
             # Past the last layer's K/V only the rows that give logits are computed.
-            hidden = self.model(ids, positions, attn, self.kv_caches, keep_rows=rows if len(rows) < len(ids) else None,
-                                embeds=embeds)
+            keep = rows if len(rows) < len(ids) else None
+            # Image embeddings only where a step has them: a text model's call is what it always was.
+            hidden = self.model(ids, positions, attn, self.kv_caches, keep_rows=keep) if embeds is None else \
+                self.model(ids, positions, attn, self.kv_caches, keep_rows=keep, embeds=embeds)
             if not rows:
                 return ForwardResult(hidden.new_empty(0), None, sampled)
             logits, argmax = self.model.logits_and_argmax(hidden)
