@@ -65,13 +65,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     traffic.quotas = hot.quotas
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
+    blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
         passwords=Passwords(settings.accounts.argon2_time_cost, settings.accounts.argon2_memory_kib),
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
-        conversations=ConversationService(db, pipeline, settings, hot.logs), hot=hot,
+        conversations=ConversationService(db, pipeline, settings, hot.logs, blobs), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s),
-        blobs=LocalBlobStore(Path(settings.server.data_dir) / "blobs"), speech=speech,
+        blobs=blobs, speech=speech,
     )
 
     @asynccontextmanager

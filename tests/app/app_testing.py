@@ -154,6 +154,9 @@ class RecordingBackend(Backend):
     def count_prompt_tokens(self, messages):
         return self.inner.count_prompt_tokens(messages)
 
+    def takes_images(self, model=None):
+        return self.inner.takes_images(model)
+
     def stream(self, request):
         self.requests.append(request)
         return self.inner.stream(request)

@@ -165,3 +165,57 @@ async def test_anthropic_image_to_a_text_model_is_refused(tmp_path, tiny_backend
             "model": "tiny-random", "max_tokens": 4,
             "messages": [{"role": "user", "content": [anthropic_image(tv.test_image(16, 16))]}]})
         assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"], r.text
+
+
+# -- images kept in a conversation ---------------------------------------------------------------
+
+async def _vision_files(app) -> list:
+    from sqlalchemy import select
+    from chatloom.store.models import StoredFile
+    async with app.state.ctx.db.session() as session:
+        return list((await session.execute(select(StoredFile).where(StoredFile.purpose == "vision"))).scalars())
+
+
+async def test_a_conversation_keeps_its_images(tmp_path, vision_backend):
+    from app_testing import RecordingBackend, new_conversation, send
+    recording = RecordingBackend(vision_backend)
+    async with app_client(settings(tmp_path), recording) as (client, app, headers):
+        cid = await new_conversation(client, headers)
+        image = tv.test_image(71, 47, seed=4)
+        _, events = await send(client, headers, cid, "What is in this picture?", images=[data_url(image)],
+                               max_tokens=3)
+        first = recording.answers()[-1].messages[-1]
+        assert len(first["images"]) == 1 and first["content"].endswith("What is in this picture?")
+        files = await _vision_files(app)
+        assert len(files) == 1 and files[0].content_type == "image/png"
+        assert app.state.ctx.blobs.exists(files[0].blob_key)
+        runs = vision_backend.engine.engine.runner.encoder_runs
+        # A second question, text only: the image is still in the prompt, read back from the blob store,
+        # and its embeddings and KV blocks are reused.
+        await send(client, headers, cid, "And the colours?", max_tokens=3)
+        second = recording.answers()[-1].messages
+        kept = [m for m in second if m.get("images")]
+        assert len(kept) == 1 and kept[0]["images"][0].content_hash == first["images"][0].content_hash
+        assert vision_backend.engine.engine.runner.encoder_runs == runs
+        r = await client.get(f"/conversations/{cid}", headers=headers)
+        user_msgs = [m for m in r.json()["messages"] if m["role"] == "user"]
+        assert user_msgs[0]["tokens"] > 13 * 4  # the stored count includes the image's tokens
+
+
+async def test_a_bad_image_in_a_conversation_stores_nothing(tmp_path, vision_backend, tiny_backend):
+    from app_testing import new_conversation
+    async with app_client(settings(tmp_path), vision_backend) as (client, app, headers):
+        cid = await new_conversation(client, headers)
+        bad = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+        r = await client.post(f"/conversations/{cid}/messages", headers=headers,
+                              json={"text": "look", "images": [bad]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", r.text
+        assert await _vision_files(app) == []
+        detail = await client.get(f"/conversations/{cid}", headers=headers)
+        assert detail.json()["messages"] == []
+    async with app_client(settings(tmp_path / "text"), tiny_backend) as (client, app, headers):
+        cid = await new_conversation(client, headers)
+        r = await client.post(f"/conversations/{cid}/messages", headers=headers,
+                              json={"text": "look", "images": [data_url(tv.test_image(16, 16))]})
+        assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"], r.text
+        assert await _vision_files(app) == []
