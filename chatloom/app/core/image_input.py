@@ -8,13 +8,24 @@ a decompression bomb is refused before it is decoded).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+from typing import Any, Callable, TypeVar
 
 from chatloom.app.core.errors import ApiError
 from chatloom.serving import Backend
 from chatloom.serving.images import IMAGE_MARKER, ImageData, ImageError, read_image
 from chatloom.settings.tree import VisionSettings
+
+
+T = TypeVar("T")
+
+
+async def reading_images(has_images: bool, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), in a worker thread when the request has images: decoding one takes tens of
+    milliseconds, which must not stall every other user's stream on the event loop."""
+    return await asyncio.to_thread(fn, *args) if has_images else fn(*args)
 
 
 def without_markers(text: str) -> str:

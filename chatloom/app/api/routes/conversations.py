@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy import select
 
-from chatloom.app.core.image_input import ImageReader, require_vision
+from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_service import UNSET, Generation, GenerationOptions
 from chatloom.app.api.deps import Ctx, CurrentUser, OwnedConversation, SessionDep
@@ -107,7 +107,7 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
     if body.images:  # read and checked before anything is saved
         require_vision(ctx.backend, body.model)
         reader = ImageReader(ctx.settings.vision, "images")
-        images = [reader.data_url(url) for url in body.images]
+        images = await reading_images(True, lambda: [reader.data_url(url) for url in body.images])
     gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images)
     return stream_response(gen)
 

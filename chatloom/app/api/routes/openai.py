@@ -19,7 +19,7 @@ from starlette.background import BackgroundTask
 
 from chatloom.app.api.deps import AppContext, Ctx, CurrentUser, SessionDep
 from chatloom.app.core.errors import ApiError, error_body
-from chatloom.app.core.image_input import ImageReader, require_vision
+from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
 from chatloom.app.api.openai_out import CapabilitiesOut, ChatCompletionOut, CompletionOut, ModelList, ModelOut
 from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
@@ -207,7 +207,7 @@ async def chat_completions(body: ChatCompletionIn, ctx: Ctx, user: CurrentUser, 
     tools = body.tool_use()
     if body.has_images():  # a model that takes none is named before any image is read
         require_vision(ctx.backend, body.model)
-    prompt = body.prompt(tools, ImageReader(ctx.settings.vision, "messages"))
+    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
     ask = body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools)
     return await _respond(ctx, body, ask, prompt, body.user_text(prompt), _ChatFormat(ask.reasoning_effort is not None),
                           session)
