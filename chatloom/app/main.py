@@ -24,7 +24,7 @@ from chatloom.app.api.batch_endpoints import batch_endpoints
 from chatloom.app.api.routes import admin, anthropic, auth, conversations, health, moderations, openai, recovery
 from chatloom.app.api.routes import responses, usage, web
 from chatloom.app.api.routes import mcp_servers, tool_files
-from chatloom.app.api.routes import batches, embeddings, files, user_files
+from chatloom.app.api.routes import audio, batches, embeddings, files, user_files
 from chatloom.app.batch.runner import BatchRunner
 from chatloom.app.files.retrieval import Retriever
 from chatloom.app.files.service import Files
@@ -37,6 +37,7 @@ from chatloom.serving.autoscale import AutoscaleConfig, PredictiveAutoscaler
 from chatloom.serving.local_fleet import LocalReplicas
 from chatloom.serving.local_scaler import LocalFleetScaler
 from chatloom.serving.router import Router
+from chatloom.serving.speech import SpeechBackend
 from chatloom.store import Database
 from chatloom.store.blobs import LocalBlobStore
 
@@ -60,13 +61,17 @@ def local_backend(settings: Settings, spec: str, pooling: str | None = None) -> 
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None,
-               local_replicas: LocalReplicas | None = None) -> FastAPI:
+               local_replicas: LocalReplicas | None = None, speech: SpeechBackend | None = None) -> FastAPI:
     """Build the app. Without a backend, the settings' model runs in-process (and is closed with the app);
-    a backend passed in belongs to the caller. With `local_replicas` (the processes the backend's router
-    routes over) and autoscale.enabled, the autoscaler starts and drains them."""
+    a backend passed in belongs to the caller. So does `speech`; without it, [speech] model (if set) is
+    loaded in-process. With `local_replicas` (the processes the backend's router routes over) and
+    autoscale.enabled, the autoscaler starts and drains them."""
     settings = settings or Settings()
     owns_backend = backend is None
     backend = backend or default_backend(settings)
+    owns_speech = speech is None
+    if speech is None and settings.speech.model:
+        speech = SpeechBackend(settings.speech.model, max_batch=settings.speech.max_batch)
     db = Database(settings.database_url)
     hot = build_hot_state(settings)  # quotas, stream logs, stops, job leases: in memory, or shared in Redis
     traffic = build_traffic(settings, backend, db)
@@ -84,6 +89,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs, blobs, retriever), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s), blobs=blobs, files=file_service, retriever=retriever,
+        speech=speech,
     )
 
     runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,
@@ -102,6 +108,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend, _app), name="backend-start")
         scaling = asyncio.create_task(scaler.run(), name="autoscaler") if scaler is not None else None
+        speech_loading = asyncio.create_task(_start_speech(speech), name="speech-start") if speech else None
         try:
             yield
         finally:
@@ -125,6 +132,10 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
                 loading.cancel()
             if owns_backend:
                 await backend.close()
+            if speech_loading is not None and not speech_loading.done():
+                speech_loading.cancel()
+            if speech is not None and owns_speech:
+                await speech.close()
             await traffic.moderator.close()
             await db.close()
 
@@ -138,12 +149,13 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     # Outermost: before any parsing. /v1/files uploads stream to disk in their route, which checks each
     # purpose's limit (the edge only refuses a body declared larger than the largest, plus room for the
-    # multipart framing); /files uploads are read here up to the file limit plus the framing.
+    # multipart framing); /files and audio uploads are read here up to their own limit plus the framing.
     uploads = {"/v1/files": max(settings.files.max_bytes.values()) + 65_536}
-    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes, uploads=uploads,
-                       larger_bodies={"/files": settings.files.max_file_bytes + 64_000})
+    larger = {"/files": settings.files.max_file_bytes + 64_000,
+              audio.TRANSCRIPTIONS: settings.speech.max_audio_bytes + audio.FORM_OVERHEAD}
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes, uploads=uploads, larger_bodies=larger)
     routes = (health, auth, conversations, tool_files, mcp_servers, recovery, usage, admin,
-              openai, responses, anthropic, moderations, embeddings, files, batches, user_files,
+              openai, responses, anthropic, moderations, embeddings, files, batches, user_files, audio,
               web)  # last: its catch-all serves the browser app
     for module in routes:
         app.include_router(module.router)
@@ -165,6 +177,14 @@ def build_scaler(settings: Settings, traffic: Traffic, backend: Backend,
     scaler.autoscaler.desired = len(local.urls) if local is not None else a.min_replicas
     scaler.register(traffic.metrics.registry)
     return scaler
+
+
+async def _start_speech(speech: SpeechBackend) -> None:
+    """Load the speech model; a failure leaves the transcription endpoint answering 503 with the reason."""
+    try:
+        await speech.start()
+    except ModelLoadFailed as exc:
+        log.error("%s", exc)
 
 
 async def _start_backend(backend: Backend, app: FastAPI) -> None:

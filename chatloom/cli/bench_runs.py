@@ -97,6 +97,18 @@ def prefix(args) -> int:
                  args.table)
 
 
+def vision(args) -> int:
+    from chatloom.bench.vision import run_vision
+
+    loaded = load_from_args(args)
+    if loaded.vision is None:
+        print(f"chatloom: error: bench vision: model {loaded.id} does not take images (give a SmolVLM folder)",
+              file=sys.stderr)
+        return 2
+    return _emit(run_vision(loaded, rounds=args.rounds, streams=args.streams, max_tokens=args.max_tokens,
+                            image_every=args.image_every, seed=args.seed), args.table)
+
+
 def memory(args) -> int:
     from chatloom.bench.memory import run_memory
     from chatloom.bench.workload import standard_workload

@@ -28,6 +28,7 @@ from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.engine.stats import EngineSnapshot
 from chatloom.engine.thread_pool import release_thread_pool
 from chatloom.models.loader import LoadedModel
+from chatloom.models.vision.prompt import ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd == "add":
-                request_id, prompt, params, priority = args
+                request_id, prompt, params, priority, images = args
                 try:
-                    self.engine.add_request(prompt, params, request_id, priority)
+                    self.engine.add_request(prompt, params, request_id, priority, images)
                 except Exception as exc:  # invalid request: report it on its stream
                     self._deliver(request_id, exc)
             elif cmd == "abort":
@@ -173,13 +174,13 @@ class AsyncEngine:
 
     # -- public API -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0) -> tuple[str, asyncio.Queue]:
+                    priority: int = 0, images: list[ImageInput] | None = None) -> tuple[str, asyncio.Queue]:
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", (request_id, prompt, params, priority)))
+        self._commands.put(("add", (request_id, prompt, params, priority, images)))
         self._wakeup.set()
         return request_id, q
 
@@ -189,12 +190,13 @@ class AsyncEngine:
         self._wakeup.set()
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, priority: int = 0,
+                     images: list[ImageInput] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive, until each of the request's n choices has had its output
         with finished=True (outputs of several choices interleave; `index` tells them apart).
         Cancelling the consumer (or closing the generator) aborts the request."""
         params = params or SamplingParams()
-        request_id, q = self.add_request(prompt, params, request_id, priority)
+        request_id, q = self.add_request(prompt, params, request_id, priority, images)
         finished = False
         left = params.n
         try:

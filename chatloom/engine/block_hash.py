@@ -5,6 +5,10 @@ prefixes map to identical keys. The engine's prefix cache, a replica's published
 the router's prefix index and the simulator all compute keys here, so a key computed by a
 router in one process names the same block a replica holds in another. Python's built-in
 hash() is salted per process for strings, hence blake2b.
+
+An image's tokens are all the same placeholder id, so a prompt's blocks are keyed with each image
+token replaced by a negative id drawn from the image's content hash (`with_image_keys`): the same
+image in the same place reuses its KV blocks, and another image there does not.
 """
 from __future__ import annotations
 
@@ -35,6 +39,22 @@ def prefix_block_keys(token_ids: Sequence[int], block_size: int, model_key: str,
         parent = block_key(parent, token_ids[i * block_size:(i + 1) * block_size])
         keys.append(parent)
     return keys
+
+
+def image_token_key(content_hash: str) -> int:
+    """The id an image's tokens stand as in block keys: negative, so never a vocabulary id."""
+    return -1 - (int(content_hash[:15], 16) if content_hash else 0)
+
+
+def with_image_keys(token_ids: Sequence[int], images: Sequence[tuple[str, Sequence[int]]]) -> list[int]:
+    """`token_ids` with each image's positions ((content hash, positions) per image) replaced by
+    that image's key."""
+    out = list(token_ids)
+    for content_hash, positions in images:
+        key = image_token_key(content_hash)
+        for p in positions:
+            out[p] = key
+    return out
 
 
 def _digest(data: bytes) -> int:

@@ -54,6 +54,7 @@ class EngineConfig:
     kv_cache_dtype: str = _E.kv_cache_dtype
     enable_prefix_caching: bool = _E.enable_prefix_caching
     enable_chunked_prefill: bool = _E.enable_chunked_prefill
+    encoder_cache_mb: float = _E.encoder_cache_mb  # image embeddings kept by image hash (vision models)
     seed: int | None = None  # for unseeded sampled requests
     # Speculative decoding (engine/spec_decode/): "off", "ngram" (prompt lookup) or "draft".
     speculative: str = _E.speculative
@@ -68,7 +69,8 @@ class EngineConfig:
                    max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
                    max_model_len=engine.context_window, kv_cache_dtype=engine.kv_cache_dtype,
                    enable_prefix_caching=engine.enable_prefix_caching,
-                   enable_chunked_prefill=engine.enable_chunked_prefill, speculative=engine.speculative,
+                   enable_chunked_prefill=engine.enable_chunked_prefill, encoder_cache_mb=engine.encoder_cache_mb,
+                   speculative=engine.speculative,
                    num_speculative_tokens=engine.num_speculative_tokens,
                    speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive)
 

@@ -96,7 +96,7 @@ class KVCacheManager:
     # -- block tables ------------------------------------------------------------------
     def _hits(self, seq: Sequence) -> list[int]:
         # A request for its prompt's log probabilities computes every prompt token: cached ones give no logits.
-        return [] if seq.params.prompt_logprobs is not None else self._cached_prefix(seq.token_ids)
+        return [] if seq.params.prompt_logprobs is not None else self._cached_prefix(seq.cache_token_ids)
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._hits(seq)
@@ -110,10 +110,11 @@ class KVCacheManager:
         """Give `seq` blocks for all its current tokens, reusing cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"
         pool = self.pool
+        keyed = seq.cache_token_ids
         hits = self._hits(seq)
         parent = pool.blocks[hits[-1]].key if hits else pool.root_key
         donor, partial = (None, 0) if seq.params.prompt_logprobs is not None else \
-            self._partial_hit(seq.token_ids, len(hits), parent)
+            self._partial_hit(keyed, len(hits), parent)
         # Every token but the last could have come from the cache (its logits are needed).
         self.query_tokens += len(seq) - 1
         self.hit_tokens += len(hits) * self.block_size + partial
@@ -179,7 +180,7 @@ class KVCacheManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         if num_full > seq.num_hashed_blocks:
-            self.pool.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_hashed_blocks, num_full)
+            self.pool.cache_full_blocks(seq.block_table, seq.cache_token_ids, seq.num_hashed_blocks, num_full)
             seq.num_hashed_blocks = num_full
 
     def release_behind_window(self, seq: Sequence) -> None:

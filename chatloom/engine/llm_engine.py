@@ -25,6 +25,7 @@ from chatloom.engine.block_pool import BlockPool
 from chatloom.engine.choices import plan_forks
 from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cache_dtype
 from chatloom.engine.embedding import Embedder
+from chatloom.engine.encoder_cache import EncoderCache
 from chatloom.engine.executor import ModelOutput, StepExecutor
 from chatloom.engine.heap import return_free_heap
 from chatloom.engine.kv_cache_manager import KVCacheManager
@@ -42,6 +43,7 @@ from chatloom.engine.spec_decode.calibrate import calibrate_decoder
 from chatloom.engine.stats import EngineSnapshot, EngineStats
 from chatloom.engine.structured.guide import GrammarGuide
 from chatloom.models.loader import LoadedModel
+from chatloom.models.vision.prompt import ImageInput
 from chatloom.models.packed_linear import uses_bf16_matmul, uses_int8_matmul
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,12 @@ class LLMEngine:
                                                window=uniform_window(cfg.layer_windows))
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config, self.max_model_len),
                                    self.kv_cache_manager)
+        self.encoder_cache = EncoderCache(int(self.config.encoder_cache_mb * 2**20))
         self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size,
-                                  kv_cache_dtype=self.kv_cache_dtype)
+                                  kv_cache_dtype=self.kv_cache_dtype, vision=loaded.vision,
+                                  encoder_cache=self.encoder_cache)
+        # An image already encoded costs the step's encoder budget nothing.
+        self.scheduler.encoder_cached = self.encoder_cache.__contains__
         # A prompt that agrees with part of a cached block takes that part's K/V from it.
         self.kv_cache_manager.copy_prefix = self.runner.copy_block_prefix
         self.sampler = Sampler(self.config.seed)
@@ -104,9 +110,14 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    images: list[ImageInput] | None = None) -> str:
+        """`images`: where a vision model's image embeddings go in the prompt (models/vision/prompt.py
+        places them)."""
         params = params or SamplingParams()
         token_ids = self.encode_prompt(prompt)
+        if images:
+            self._check_images(token_ids, images)
         if not token_ids:
             raise InvalidRequest("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -127,7 +138,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.output_processor.requests or request_id in self._groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params, priority)
+        seq = Sequence(request_id, token_ids, params, priority, images)
         if params.constraint is not None:
             self._add_matcher(seq)
         self.output_processor.add(seq)
@@ -141,6 +152,18 @@ class LLMEngine:
         p = seq.params
         budget = None if p.ignore_eos else min(p.max_tokens, self.max_model_len - seq.prompt_len)
         self.guide.add(seq.request_id, p.constraint, budget)
+
+    def _check_images(self, token_ids: list[int], images: list[ImageInput]) -> None:
+        vision = self.loaded.vision
+        if vision is None:
+            raise InvalidRequest(f"model {self.loaded.id} does not take images")
+        image_token = vision.image_token_id
+        for image in images:
+            if not image.positions or any(not 0 <= p < len(token_ids) or token_ids[p] != image_token
+                                          for p in image.positions):
+                raise InvalidRequest("an image's positions are not the prompt's image tokens")
+        if sum(i.num_tokens for i in images) != sum(1 for t in token_ids if t == image_token):
+            raise InvalidRequest("the prompt's image tokens and its images' do not match")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (all its choices) now; its blocks are free when this returns."""

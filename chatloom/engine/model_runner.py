@@ -1,6 +1,7 @@
 """Owns the KV pool and turns one scheduled batch into one forward pass."""
 from __future__ import annotations
 
+import bisect
 import math
 import mmap
 import warnings
@@ -16,6 +17,9 @@ from chatloom.models.attention import AttentionBatch, PrefillSegment, chunk_mask
 from chatloom.models.kernels import load_kernels
 from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.memory_check import check_fits
+from chatloom.models.vision.idefics3 import Idefics3Vision
+from chatloom.models.vision.prompt import ImageInput
+from chatloom.engine.encoder_cache import EncoderCache
 
 
 def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
@@ -56,8 +60,13 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 use_kernels: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
+                 use_kernels: bool = True, kv_cache_dtype: torch.dtype | None = None,
+                 vision: Idefics3Vision | None = None, encoder_cache: EncoderCache | None = None) -> None:
         self.model = model
+        # A vision-language model's image side, and its outputs by image hash.
+        self.vision = vision
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
+        self.encoder_runs = 0  # images encoded (not found in the encoder cache)
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_cache_dtype)
         self._pools = ([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches])
@@ -153,6 +162,37 @@ class ModelRunner:
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 
+    def image_embeddings(self, image: ImageInput) -> torch.Tensor:
+        """An image's decoder embeddings [image tokens, hidden]: from the encoder cache, or encoded now."""
+        found = self.encoder_cache.get(image.content_hash)
+        if found is not None:
+            return found
+        embeddings = self.vision.encode(self.vision.preprocess(image.image))
+        if embeddings.shape[0] != image.num_tokens:
+            raise ValueError(f"the image gives {embeddings.shape[0]} embeddings for {image.num_tokens} image tokens")
+        self.encoder_runs += 1
+        self.encoder_cache.put(image.content_hash, embeddings)
+        return embeddings
+
+    def _image_embeds(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of this step's queries that are image tokens, and their embeddings (None: no image)."""
+        if self.vision is None or not any(seq.images for seq, _ in batch.prefills):
+            return None
+        q = len(batch.decodes) + batch.num_spec_tokens  # prefill queries follow the decodes'
+        rows: list[int] = []
+        values: list[torch.Tensor] = []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            for image in seq.images:
+                lo, hi = bisect.bisect_left(image.positions, start), bisect.bisect_left(image.positions, start + n)
+                if lo < hi:
+                    rows.extend(q + p - start for p in image.positions[lo:hi])
+                    values.append(self.image_embeddings(image)[lo:hi])
+            q += n
+        if not rows:
+            return None
+        return torch.tensor(rows), torch.cat(values)
+
     def _argmax_only(self, batch: ScheduledBatch) -> bool:
         """Whether nothing but each row's argmax will be read: every sequence greedy, unconstrained
         and past its min_tokens (the sampler bans stop tokens in the logits before that)."""
@@ -186,9 +226,11 @@ class ModelRunner:
                                                                         self.before_forward, self._argmax_only(batch))
             return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
         ids, positions, attn, rows = self._prepare(batch)
-        if segments := _prompt_segments(batch):
+        embeds = self._image_embeds(batch)
+        # Prompt logprobs are asked of text prompts only (/v1/completions' echo takes no images).
+        if embeds is None and (segments := _prompt_segments(batch)):
             return self._with_prompt_logits(batch, ids, positions, attn, rows, segments, sampled)
-        if len(rows) == len(ids):  # every query gives logits: a decode step may take them from the stack
+        if len(rows) == len(ids) and embeds is None:  # every query gives logits: a decode step may take them from the stack
             if self._argmax_only(batch):  # a step checking greedy proposals reads each row's argmax alone
                 found = self.model.decode_argmax(ids, positions, attn, self.kv_caches, self.before_forward)
                 if found is not None:
@@ -201,7 +243,10 @@ class ModelRunner:
             if self.before_forward is not None:
                 self.before_forward()
             # Past the last layer's K/V only the rows that give logits are computed.
-            hidden = self.model(ids, positions, attn, self.kv_caches, keep_rows=rows if len(rows) < len(ids) else None)
+            keep = rows if len(rows) < len(ids) else None
+            # Image embeddings only where a step has them: a text model's call is what it always was.
+            hidden = self.model(ids, positions, attn, self.kv_caches, keep_rows=keep) if embeds is None else \
+                self.model(ids, positions, attn, self.kv_caches, keep_rows=keep, embeds=embeds)
             if not rows:
                 return ForwardResult(hidden.new_empty(0), None, sampled)
             logits, argmax = self.model.logits_and_argmax(hidden)

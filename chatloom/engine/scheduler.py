@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Callable
 
 from chatloom.engine.config import SchedulerConfig
 from chatloom.engine.kv_cache_manager import KVCacheManager
@@ -45,6 +46,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Whether an image's embeddings are ready (the engine's encoder cache); without it every image
+        # of a chunk is charged to the step's encoder budget.
+        self.encoder_cached: Callable[[str], bool] = lambda content_hash: False
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -71,9 +75,30 @@ class Scheduler:
         # Its original arrival order puts it back at the front of its priority class.
         self.add(victim)
 
+    def _fit_encoder(self, seq: Sequence, n: int, encoding: dict[str, int]) -> int:
+        """How many of the next `n` prompt tokens of `seq` can run this step, when the images they
+        reach must be encoded within the step's encoder budget (as many image embeddings as the step
+        has tokens), so a large image never stalls other users' streams. The chunk stops before the
+        first image that does not fit; an image larger than the whole budget runs in a step of its
+        own. `encoding` (hash -> embeddings) holds what this step already encodes, and grows."""
+        start = seq.num_computed_tokens
+        budget = self.config.max_num_batched_tokens
+        for image in seq.images:
+            first, last = image.positions[0], image.positions[-1]
+            if last < start or first >= start + n:
+                continue
+            if image.content_hash in encoding or self.encoder_cached(image.content_hash):
+                continue
+            spent = sum(encoding.values())
+            if spent and spent + image.num_tokens > budget:
+                return max(first - start, 0)
+            encoding[image.content_hash] = image.num_tokens
+        return n
+
     def schedule(self) -> ScheduledBatch:
         cfg, batch = self.config, ScheduledBatch()
         budget = cfg.max_num_batched_tokens
+        encoding: dict[str, int] = {}  # the images this step encodes, by hash: their embeddings
         self.running.sort(key=lambda s: s.sort_key)
 
         # 1. Running sequences: decodes (one token) and unfinished prefills, in priority order.
@@ -84,6 +109,11 @@ class Scheduler:
             n = min(remaining, budget) if cfg.enable_chunked_prefill or remaining == 1 else remaining
             if n > budget:
                 break
+            if seq.images:
+                n = self._fit_encoder(seq, n, encoding)
+                if n == 0:  # its next image waits for a step with encoder budget left
+                    i += 1
+                    continue
             # Grow the block table; when the pool is full, preempt the lowest-priority, newest.
             while not self.kv.can_grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
@@ -115,6 +145,11 @@ class Scheduler:
                 n = remaining
             else:
                 n = min(remaining, budget)
+            if seq.images:
+                n = self._fit_encoder(seq, n, encoding)
+                if n == 0:
+                    self.kv.free_sequence(seq)
+                    break
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

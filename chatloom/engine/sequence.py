@@ -6,10 +6,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from chatloom.engine.block_hash import with_image_keys
 from chatloom.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from chatloom.models.vision.prompt import ImageInput
 
 _arrival_counter = itertools.count()
 
@@ -59,7 +64,7 @@ class RequestMetrics:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> None:
+                 priority: int = 0, images: list[ImageInput] | None = None) -> None:
         self.request_id = request_id
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -79,6 +84,11 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=self.prompt_len)
+        # Images whose embeddings replace the prompt's image tokens, and the prompt as the prefix
+        # cache keys it (each image token standing for its image's hash).
+        self.images: list[ImageInput] = list(images or [])
+        self._keyed_prompt = with_image_keys(prompt_token_ids, [(i.content_hash, i.positions) for i in self.images]) \
+            if self.images else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -93,7 +103,7 @@ class Sequence:
     def fork(self, index: int) -> "Sequence":
         """Choice `index` of this request: the same tokens and timing, its own id and random stream
         (seed + index where a seed is given), no blocks yet."""
-        child = Sequence(f"{self.group_id}#{index}", self.token_ids, self.params, self.priority)
+        child = Sequence(f"{self.group_id}#{index}", self.token_ids, self.params, self.priority, self.images)
         child.arrival_order = self.arrival_order
         child.group_id, child.index = self.group_id, index
         child.metrics = dataclasses.replace(self.metrics)
@@ -104,6 +114,13 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """The tokens the prefix cache keys blocks by: token_ids, with image tokens keyed by image."""
+        if self._keyed_prompt is None:
+            return self.token_ids
+        return self._keyed_prompt + self.token_ids[self.prompt_len:]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Any
 from chatloom.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelError, RopeScaling
 
 _GEMMA = ("gemma2", "gemma3_text")
+VISION_LANGUAGE = ("idefics3", "smolvlm")  # Idefics3 / SmolVLM: a Llama-family text_config
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -87,6 +88,10 @@ def _moe(cfg: dict, model_type: str, layers: int) -> dict[str, Any]:
 def config_from_hf(cfg: dict, name: str = "model") -> ModelConfig:
     """Build from a Hugging Face config.json dictionary."""
     model_type = cfg.get("model_type", "")
+    if model_type in VISION_LANGUAGE and isinstance(cfg.get("text_config"), dict):
+        # A vision-language model's decoder (its image side is models/vision/): what the KV cache,
+        # the context window and `chatloom capacity` are about.
+        return config_from_hf({"model_type": "llama", "rms_norm_eps": 1e-5, **cfg["text_config"]}, name)
     if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
         raise ModelError("Gemma 3 vision-language checkpoints are not supported; use a text-only "
                          "(gemma3_text) checkpoint such as Gemma 3 1B")

@@ -8,15 +8,34 @@ import torch
 
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.hf_config import read_config_file
+from chatloom.models.vision.idefics3 import VISION_ARCHITECTURES, Idefics3Config
 
 
 def read_config(folder: Path) -> ModelConfig:
+    """The decoder's config (a vision-language model's text_config)."""
+    vision = read_vision_config(folder)
+    if vision is not None:
+        return vision.text
     path = folder / "config.json"
     if not path.exists():
         raise ModelError(f"{folder} has no config.json")
     cfg = read_config_file(path)
     cfg.name = folder.name
     return cfg
+
+
+def read_vision_config(folder: Path) -> "Idefics3Config | None":
+    """The whole config of a vision-language folder (Idefics3 / SmolVLM), or None for a text model."""
+    path = folder / "config.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read config {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("model_type") not in VISION_ARCHITECTURES:
+        return None
+    return Idefics3Config.from_hf(data, name=folder.name)
 
 
 def generation_eos(folder: Path) -> list[int]:

@@ -266,13 +266,17 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                keep_rows: list[int] | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden], or with keep_rows
+                keep_rows: list[int] | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]. `embeds` (rows [R], values [R, hidden]) replaces those rows'
+        token embeddings (a vision model's image tokens). Returns final hidden states [T, hidden], or with keep_rows
         [len(keep_rows), hidden] for those rows alone. A prefill step reads the last prompt
         token's row only: past the last layer's K/V projection nothing of the others is needed,
         so its attention output, O projection and MLP run for the kept rows alone (the same bits
         for them; a 2,048-token step skips about 3% of its matmuls)."""
         x = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream may be updated in place
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         if (self.native_decode and kv_caches and batch.decode_only
                 and (stack := self.decode_stack()) is not None):
             hidden = stack.forward(x, positions, [c[0] for c in kv_caches], [c[1] for c in kv_caches],

@@ -15,11 +15,12 @@ from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.hf_config import read_config_file
 from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.kernels import load_kernels
-from chatloom.models.memory_check import check_fits, dense_weight_bytes, gguf_weight_bytes
+from chatloom.models.memory_check import check_fits, dense_weight_bytes, gguf_weight_bytes, vision_weight_bytes
 from chatloom.models.packed_linear import QUANTIZED_KINDS, kernels_can_pack, kquant_matmul_supported
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY, smollm2_path, tiny_random_config
 from chatloom.models.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from chatloom.models.weights import build_model, random_model
+from chatloom.models.vision.idefics3 import Idefics3Vision, build_vision, text_weight_getter
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class LoadedModel:
     tokenizer: TextTokenizer
     config: ModelConfig
     load_seconds: float = 0.0
+    # The image side of a vision-language model (None: the model takes text only).
+    vision: Idefics3Vision | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -133,6 +136,15 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         kv = kv_cache_bytes(cfg) if callable(kv_cache_bytes) else kv_cache_bytes
         check_fits(f"model {path.name}", weight_bytes, kv)
 
+    vision = None
+    if path.is_dir() and (vision_cfg := hf_loader.read_vision_config(path)) is not None:
+        cfg = vision_cfg.text
+        check(cfg, dense_weight_bytes(cfg, float_bytes) + vision_weight_bytes(vision_cfg, float_bytes))
+        tok = from_hf_folder(path, hf_loader.generation_eos(path))
+        tensors = hf_loader.read_weights(path)
+        vision = build_vision(vision_cfg, path, tensors.get, torch_dtype)
+        model = build_model(cfg, text_weight_getter(tensors.get), torch_dtype, bf16_matmul=bf16_matmul)
+        return LoadedModel(path.stem, model, tok, cfg, time.perf_counter() - t0, vision)
     if path.is_dir():
         cfg = hf_loader.read_config(path)
         check(cfg, dense_weight_bytes(cfg, float_bytes))

@@ -101,6 +101,11 @@ def dense_weight_bytes(cfg: ModelConfig, float_bytes: int) -> int:
     return cfg.num_parameters() * float_bytes
 
 
+def vision_weight_bytes(cfg, float_bytes: int) -> int:
+    """The image side of a vision-language model (an Idefics3Config): encoder and connector."""
+    return cfg.vision_parameters() * float_bytes
+
+
 def format_bytes(n: float) -> str:
     if n >= 2**30:
         return f"{n / 2**30:.1f} GiB"

@@ -144,6 +144,11 @@ def from_hf_folder(folder: Path, generation_eos: list[int] | None = None) -> Tex
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if template is None and (folder / "chat_template.jinja").exists():
         template = (folder / "chat_template.jinja").read_text()
+    if template is None and (folder / "chat_template.json").exists():  # a processor's (vision models)
+        try:
+            template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            raise ModelError(f"cannot read {folder / 'chat_template.json'}") from None
     bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
     bos_id = tok.token_to_id(bos) if bos else None
     eos_ids = set(generation_eos or [])

@@ -266,6 +266,10 @@ class Backend(abc.ABC):
     def count_tokens(self, text: str) -> int:
         """Tokens `text` takes as message content (no template, no special tokens)."""
 
+    def takes_images(self, model: str | None = None) -> bool:
+        """Whether `model` (None: the default) reads images in chat messages (serving/images.py)."""
+        return False
+
     @abc.abstractmethod
     def count_prompt_tokens(self, messages: list[dict]) -> int:
         """Tokens the rendered chat prompt for `messages` takes, generation prompt included."""

@@ -17,6 +17,9 @@ from chatloom.models.chat_template import encode_chat
 from chatloom.models.loader import resolve_dtype
 from chatloom.models.token_bytes import TokenBytes
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY
+from chatloom.models.hf_loader import read_vision_config
+from chatloom.models.vision.prompt import ImageInput
+from chatloom.serving.images import ImageError, encode_vision_chat, message_images
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
                                       Delta, EmbedInput, Embeddings, GenerationRequest, ModelLoadFailed, TextLogprob,
                                       Timings)
@@ -45,7 +48,8 @@ class LocalBackend(Backend):
         self._engine: AsyncEngine | None = None
         self._error: str | None = None
         self._start_lock = asyncio.Lock()
-        self._encoded: dict[tuple, list[int]] = {}  # recent chat prompts' token ids, oldest first
+        # Recent chat prompts' token ids (and where their images go), oldest first.
+        self._encoded: dict[tuple, tuple[list[int], list[ImageInput]]] = {}
         self._token_bytes: TokenBytes | None = None  # made at the first request for logprobs
 
     def kv_cache_bytes(self, cfg) -> int:
@@ -126,38 +130,59 @@ class LocalBackend(Backend):
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special=False))
 
+    def takes_images(self, model: str | None = None) -> bool:
+        if self._loaded is not None:
+            return self._loaded.vision is not None
+        path = Path(self._spec)
+        try:
+            return path.is_dir() and read_vision_config(path) is not None
+        except ModelError:
+            return False
+
     def encode_messages(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        return list(self._encode_cached(messages, continue_final)[0])
+
+    def _encode_cached(self, messages: list[dict], continue_final: bool) -> tuple[list[int], list[ImageInput]]:
         # The gateway counts a prompt's tokens (quota, admission) and then streams the same messages:
         # the second call is served from this small cache instead of rendering and tokenizing again.
-        key = (continue_final, repr([(m.get("role"), m.get("content")) for m in messages]))
-        ids = self._encoded.get(key)
-        if ids is None:
-            ids = self._encode_messages(messages, continue_final)
-            self._encoded[key] = ids
+        key = (continue_final, repr([(m.get("role"), m.get("content"),
+                                      [i.content_hash for i in m.get("images") or ()]) for m in messages]))
+        found = self._encoded.get(key)
+        if found is None:
+            found = self._encode_messages(messages, continue_final)
+            self._encoded[key] = found
             if len(self._encoded) > 64:
                 self._encoded.pop(next(iter(self._encoded)))
-        return list(ids)
+        return found
 
-    def _encode_messages(self, messages: list[dict], continue_final: bool) -> list[int]:
+    def _encode_messages(self, messages: list[dict], continue_final: bool) -> tuple[list[int], list[ImageInput]]:
         partial = ""
         if continue_final:  # the last message is the assistant's unfinished turn: go on from its text
             if not messages or messages[-1].get("role") != "assistant":
                 raise BadGenerationRequest("continuing needs an assistant message last", "invalid_messages",
                                            "messages")
             messages, partial = messages[:-1], messages[-1].get("content") or ""
+        loaded = self.engine.engine.loaded
+        if loaded.vision is None and message_images(messages):
+            raise BadGenerationRequest(f"model {loaded.id} does not take images; send text only", "unsupported_content",
+                                       "messages")
         try:
-            return encode_chat(self.tokenizer, messages, continue_text=partial)
-        except ModelError as exc:
+            if loaded.vision is not None:  # its template reads content as text and image parts
+                return encode_vision_chat(loaded, messages, partial)
+            return encode_chat(self.tokenizer, messages, continue_text=partial), []
+        except (ModelError, ImageError) as exc:
             raise BadGenerationRequest(str(exc), "invalid_messages", "messages") from None
 
     def count_prompt_tokens(self, messages: list[dict]) -> int:
         return len(self.encode_messages(messages))
 
     # -- generation -----------------------------------------------------------------
-    def _prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
+    def _prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams, list[ImageInput]]:
         self.resolve_model(request.model)
+        images: list[ImageInput] = []
         if request.messages is not None:
-            ids = self.encode_messages(request.messages, request.continue_final)
+            ids, images = self._encode_cached(request.messages, request.continue_final)
+            ids = list(ids)
         elif request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
         elif request.prompt_token_ids is not None:
@@ -176,20 +201,20 @@ class LocalBackend(Backend):
                                     logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
-        return ids, params
+        return ids, params, images
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        ids, params = self._prepare(request)
+        ids, params, images = self._prepare(request)
         if request.resume_token_ids:
             if params.n > 1:
                 raise BadGenerationRequest("an answer of several choices cannot be resumed", param="n")
-            async for delta in self._resume(request, ids, params):
+            async for delta in self._resume(request, ids, params, images):
                 yield delta
             return
         sent = [0] * params.n  # output token ids handed out so far per choice (the finishing token arrives only on the last output)
         try:
             async for out in self.engine.stream(ids, params, request_id=request.request_id,
-                                                priority=request.priority):
+                                                priority=request.priority, images=images):
                 metrics = _timings(out)
                 new_ids = out.token_ids[sent[out.index]:] if out.finished else out.delta_token_ids
                 sent[out.index] += len(new_ids)
@@ -220,7 +245,8 @@ class LocalBackend(Backend):
         return [text(prompt[i], None) if e is None else
                 text(e.token_id, e.logprob, tuple(text(t, lp) for t, lp in e.top)) for i, e in enumerate(entries)]
 
-    async def _resume(self, request: GenerationRequest, ids: list[int], params: SamplingParams):
+    async def _resume(self, request: GenerationRequest, ids: list[int], params: SamplingParams,
+                      images: list[ImageInput]):
         """The rest of an answer begun elsewhere: prompt + its tokens as the prompt, the text decoded
         from the whole answer (continuation.py), so the user's text goes on with no gap or repeat."""
         from chatloom.serving.continuation import AnswerProgress
@@ -233,7 +259,7 @@ class LocalBackend(Backend):
         sent = 0
         try:
             async for out in self.engine.stream(ids + answer.token_ids, rest, request_id=request.request_id,
-                                                priority=request.priority):
+                                                priority=request.priority, images=images):
                 new_ids = out.token_ids[sent:] if out.finished else out.delta_token_ids
                 sent += len(new_ids)
                 text = answer.add(list(new_ids), out.delta_text, out.finished)

@@ -84,6 +84,9 @@ class MultiModelBackend(Backend):
     def count_prompt_tokens(self, messages: list[dict]) -> int:
         return self.default.count_prompt_tokens(messages)
 
+    def takes_images(self, model: str | None = None) -> bool:
+        return self.backend_for(model).takes_images()
+
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         backend = self.backend_for(request.model)
         if not backend.ready:

@@ -17,10 +17,9 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
                                InitSettingsSource)
 
 from chatloom.settings.tree import (AccountSettings, BatchSettings, ChatSettings, EmbeddingsSettings, EngineSettings,
-                                    FilesSettings,
-                                    FleetSettings, ModelSettings,
-                                    ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
-                                    ServerSettings, SharedStateSettings, ToolsSettings, TrafficSettings,
+                                    FilesSettings, FleetSettings, ModelSettings, ModerationSettings, RecoverySettings,
+                                    RuntimeSettings, SamplingSettings, ServerSettings, SharedStateSettings,
+                                    SpeechSettings, ToolsSettings, TrafficSettings, VisionSettings,
                                     DegradeSettings, AutoscaleSettings)
 
 ENV_PREFIX = "CHATLOOM_"
@@ -46,6 +45,8 @@ class Settings(BaseSettings):
     degrade: DegradeSettings = Field(default_factory=DegradeSettings)
     autoscale: AutoscaleSettings = Field(default_factory=AutoscaleSettings)
     moderation: ModerationSettings = Field(default_factory=ModerationSettings)
+    vision: VisionSettings = Field(default_factory=VisionSettings)
+    speech: SpeechSettings = Field(default_factory=SpeechSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     embeddings: EmbeddingsSettings = Field(default_factory=EmbeddingsSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)

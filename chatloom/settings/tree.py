@@ -64,6 +64,9 @@ class EngineSettings(Group):
                                                                "(default: the model's, at most 8192).")
     enable_prefix_caching: bool = Field(True, description="Share the KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    encoder_cache_mb: float = Field(256.0, ge=0, description="Memory for image embeddings kept by image hash "
+                                                             "(vision models), so a second question about the "
+                                                             "same image runs no encoder; 0 keeps none.")
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off", description="Speculative decoding: off, ngram (prompt lookup) or draft (speculative_model).")
     num_speculative_tokens: int = Field(4, ge=1, description="Most tokens proposed per sequence and step.")
@@ -305,6 +308,28 @@ class ModerationSettings(Group):
     api_key: str | None = Field(None, description="Bearer token for the moderation server.")
     timeout_s: float = Field(5.0, gt=0, description="Timeout of one moderation call.")
     holdback_tokens: int = Field(4, ge=0, description="Pieces of output held back for the output check.")
+
+
+class VisionSettings(Group):
+    """Images in chat messages, for models that read them (Idefics3 / SmolVLM)."""
+
+    max_images_per_request: int = Field(8, ge=0, description="Most images one request may carry, all its "
+                                                             "messages together.")
+    max_image_bytes: int = Field(10 * 2**20, gt=0, description="Largest image file accepted, in bytes.")
+    max_image_pixels: int = Field(25_000_000, gt=0, description="Most pixels (width x height) an image may "
+                                                                "have; larger ones, decompression bombs "
+                                                                "among them, are refused before decoding.")
+
+
+class SpeechSettings(Group):
+    """Speech to text (POST /v1/audio/transcriptions) with a Whisper model run in this process."""
+
+    model: str | None = Field(None, description="A Whisper Hugging Face folder (e.g. whisper-small); unset, "
+                                                "the transcription endpoint answers 404.")
+    max_audio_bytes: int = Field(25 * 2**20, gt=0, description="Largest audio file accepted, in bytes.")
+    max_audio_seconds: float = Field(3600.0, gt=0, description="Longest audio accepted, in seconds.")
+    max_batch: int = Field(8, gt=0, description="Most 30-second windows transcribed together, from any "
+                                                "number of requests.")
 
 
 class FleetSettings(Group):

@@ -1,5 +1,6 @@
 """Persistence: SQLAlchemy models, repositories, Alembic migrations. SQLite by default, PostgreSQL by URL."""
 from chatloom.store.database import DEFAULT_URL, Database
+from chatloom.store.message_images import MessageImage  # noqa: F401 (in the metadata the migrations match)
 from chatloom.store.models import AnswerChunk, ApiKey, Base, Conversation, DailyUsage, Feedback, Message, User, new_id
 from chatloom.store.responses import StoredResponse
 from chatloom.store.mcp import UserMcpServer  # noqa: F401 - its table joins the metadata

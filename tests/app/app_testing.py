@@ -154,6 +154,9 @@ class RecordingBackend(Backend):
     def count_prompt_tokens(self, messages):
         return self.inner.count_prompt_tokens(messages)
 
+    def takes_images(self, model=None):
+        return self.inner.takes_images(model)
+
     def stream(self, request):
         self.requests.append(request)
         return self.inner.stream(request)
@@ -178,8 +181,8 @@ class RecordingBackend(Backend):
 
 
 @asynccontextmanager
-async def app_client(settings, backend):
-    app = create_app(settings, backend)
+async def app_client(settings, backend, **extra):
+    app = create_app(settings, backend, **extra)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             yield client, app, await signup(client, "alice")

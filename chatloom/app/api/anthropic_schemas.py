@@ -6,7 +6,8 @@ rendering (app/generation/tool_calls.py): `system` joins the system turn, an ass
 blocks become its tool calls, a user turn's `tool_result` blocks become `role: tool` turns (each must answer
 a `tool_use` id of an earlier assistant turn). A conversation that ends with an assistant turn is continued
 from its text (Anthropic's "prefill"). Unknown fields (metadata, cache_control...) are accepted and ignored;
-block types this server cannot read (images, documents, thinking) are refused with a 400 naming them.
+block types this server cannot read (documents, thinking) are refused with a 400 naming them. A user turn's
+`image` blocks (base64 sources) reach a model that reads images, as on the OpenAI front.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chatloom.app.core.errors import ApiError
+from chatloom.app.core.image_input import ImageReader, without_markers
+from chatloom.serving.images import IMAGE_MARKER
 from chatloom.app.generation.pipeline import Ask, ChatPrompt
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse, render_messages
 from chatloom.app.api.openai_schemas import MAX_TOOL_OUTPUT_CHARS, checked
@@ -56,7 +59,22 @@ class ToolResultBlockIn(BaseModel):
         return f"Error: {body}" if self.is_error else body
 
 
-ContentBlockIn = Annotated[Union[TextBlockIn, ToolUseBlockIn, ToolResultBlockIn], Field(discriminator="type")]
+class ImageSourceIn(BaseModel):
+    model_config = LENIENT
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlockIn(BaseModel):
+    model_config = LENIENT
+    type: Literal["image"]
+    source: ImageSourceIn
+
+
+ContentBlockIn = Annotated[Union[TextBlockIn, ToolUseBlockIn, ToolResultBlockIn, ImageBlockIn],
+                           Field(discriminator="type")]
 
 
 class AnthropicMessageIn(BaseModel):
@@ -64,7 +82,7 @@ class AnthropicMessageIn(BaseModel):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlockIn]
 
-    def blocks(self) -> list[TextBlockIn | ToolUseBlockIn | ToolResultBlockIn]:
+    def blocks(self) -> list[TextBlockIn | ToolUseBlockIn | ToolResultBlockIn | ImageBlockIn]:
         return [TextBlockIn(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
@@ -122,8 +140,12 @@ class MessagesBase(BaseModel):
             return ""
         return self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
 
-    def prompt(self, tools: ToolUse | None = None) -> ChatPrompt:
-        """The conversation as chat turns; a last assistant turn is continued, not answered anew."""
+    def has_images(self) -> bool:
+        return any(isinstance(b, ImageBlockIn) for m in self.messages for b in m.blocks())
+
+    def prompt(self, tools: ToolUse | None = None, images: ImageReader | None = None) -> ChatPrompt:
+        """The conversation as chat turns; a last assistant turn is continued, not answered anew. With
+        `images`, a user turn's image blocks are read and checked (serving/images.py carries them)."""
         turns: list[dict] = []
         system = self.system_text()
         if system:
@@ -132,9 +154,20 @@ class MessagesBase(BaseModel):
         for i, m in enumerate(self.messages):
             texts: list[str] = []
             calls: list[ToolCall] = []
+            before = len(images.images) if images is not None else 0
             for block in m.blocks():
                 if isinstance(block, TextBlockIn):
-                    texts.append(block.text)
+                    texts.append(without_markers(block.text) if images is not None else block.text)
+                elif isinstance(block, ImageBlockIn):
+                    if images is None or m.role != "user":
+                        raise ApiError(400, f"messages[{i}]: image blocks are read in user turns, by models that "
+                                       "take images", "unsupported_content", "messages")
+                    source = block.source
+                    if source.type == "url":
+                        images.data_url(source.url or "")
+                    else:
+                        images.base64(source.data or "")
+                    texts.append(IMAGE_MARKER)
                 elif isinstance(block, ToolUseBlockIn):
                     if m.role != "assistant":
                         raise ApiError(400, f"messages[{i}]: tool_use blocks belong in assistant turns",
@@ -157,7 +190,10 @@ class MessagesBase(BaseModel):
             if m.role == "assistant":
                 turns.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
             elif text or not isinstance(m.content, list) or not m.content:
-                turns.append({"role": "user", "content": text})
+                turn = {"role": "user", "content": text}
+                if images is not None and len(images.images) > before:
+                    turn["images"] = images.images[before:]
+                turns.append(turn)
         last = self.messages[-1]
         prefill = last.role == "assistant" and not any(isinstance(b, ToolUseBlockIn) for b in last.blocks())
         return ChatPrompt(render_messages(turns, tools), continue_final=prefill)

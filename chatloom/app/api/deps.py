@@ -26,6 +26,7 @@ from chatloom.app.traffic.control import Traffic
 from chatloom.serving import Backend
 from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users
 from chatloom.store.blobs import BlobStore
+from chatloom.serving.speech import SpeechBackend
 
 
 @dataclass
@@ -45,6 +46,7 @@ class AppContext:
     blobs: BlobStore  # uploaded files' bytes (rows in the files table say whose and what)
     files: Files  # a user's files for retrieval: upload, index, attach, delete (app/files/)
     retriever: Retriever  # their passages for a question
+    speech: SpeechBackend | None = None  # speech to text, where a Whisper model is set ([speech] model)
 
 
 def get_context(request: Request) -> AppContext:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chatloom.app.core.errors import ApiError
+from chatloom.app.core.image_input import ImageReader, without_markers
+from chatloom.serving.images import IMAGE_MARKER
 from chatloom.app.generation.pipeline import Ask, ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse, render_messages
 from chatloom.app.core.validation import Seed
@@ -56,17 +58,27 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
 
-    def text(self) -> str:
+    def text(self, images: ImageReader | None = None) -> str:
+        """The content as text; with `images`, image_url parts are read into it and stand in the text
+        as IMAGE_MARKER (serving/images.py). Without it, any part but text is refused."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
-            return self.content
+            return without_markers(self.content) if images is not None else self.content
         texts = []
         for part in self.content:
+            if part.type == "image_url" and images is not None:
+                url = getattr(part, "image_url", None)
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ApiError(400, "an image_url part needs image_url.url", "invalid_value", "messages")
+                images.data_url(url)
+                texts.append(IMAGE_MARKER)
+                continue
             if part.type != "text" or part.text is None:
-                raise ApiError(400, f"content parts of type {part.type!r} are not supported; send text",
-                               "unsupported_content", "messages")
-            texts.append(part.text)
+                raise ApiError(400, f"content parts of type {part.type!r} are not supported; send text"
+                               + (" or image_url" if images is not None else ""), "unsupported_content", "messages")
+            texts.append(without_markers(part.text) if images is not None else part.text)
         return "".join(texts)
 
 
@@ -207,12 +219,20 @@ class ChatCompletionIn(SamplingIn):
         return checked(Constraint.json_schema(fmt.json_schema.schema_), "response_format's JSON schema",
                       "response_format")
 
-    def prompt(self, tools: ToolUse | None = None) -> ChatPrompt:
+    def has_images(self) -> bool:
+        return any(not isinstance(m.content, (str, type(None))) and any(p.type == "image_url" for p in m.content)
+                   for m in self.messages)
+
+    def prompt(self, tools: ToolUse | None = None, images: ImageReader | None = None) -> ChatPrompt:
+        """The chat prompt; with `images`, user messages may carry image_url parts (read and checked)."""
         messages: list[dict] = []
         calls_made: set[str] = set()
         for i, m in enumerate(self.messages):
             role = "system" if m.role == "developer" else m.role
-            turn: dict = {"role": role, "content": m.text()}
+            before = len(images.images) if images is not None else 0
+            turn: dict = {"role": role, "content": m.text(images if role == "user" else None)}
+            if images is not None and len(images.images) > before:
+                turn["images"] = images.images[before:]
             if role == "assistant" and m.tool_calls:
                 turn["tool_calls"] = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
                 calls_made.update(c.id for c in m.tool_calls)

@@ -63,6 +63,8 @@ class GenerationIn(BaseModel):
 class MessageIn(GenerationIn):
     text: str
     parent_id: str | None = Field(default=None, max_length=40)
+    # Images shown with the message (data URLs), for a model that reads images; kept in the conversation.
+    images: list[str] = Field(default_factory=list, max_length=64)
 
     @field_validator("text")
     @classmethod

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 
 from chatloom.app.chat.branches import Tree
 from chatloom.app.core.errors import ApiError
+from chatloom.app.chat.message_images import with_images
+from chatloom.store.blobs import BlobStore
 from chatloom.app.chat.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messages, chunk_turns, plan_prompt,
                                  summarizer_messages)
 from chatloom.settings import Settings
@@ -71,8 +73,10 @@ def branch_turns(path: Sequence[Message], summary: str | None,
 
 
 class PromptAssembler:
-    def __init__(self, db: Database, backend: Backend, settings: Settings, context_window: Callable[[], int]) -> None:
+    def __init__(self, db: Database, backend: Backend, settings: Settings, context_window: Callable[[], int],
+                 blobs: BlobStore | None = None) -> None:
         self.db = db
+        self.blobs = blobs  # where the images of user messages are (None: a conversation holds text only)
         self.backend = backend
         self.settings = settings
         self._window = context_window
@@ -109,7 +113,14 @@ class PromptAssembler:
             if conv is None:
                 raise ConversationDeleted
             tree = Tree(await Messages(session).all_in(conv.id))
-        return branch_turns(tree.path_to(question_id), conv.summary, conv.summary_upto)
+            turns, summary = branch_turns(tree.path_to(question_id), conv.summary, conv.summary_upto)
+            return await self.with_images(session, turns), summary
+
+    async def with_images(self, session, turns: list[Turn]) -> list[Turn]:
+        """The turns with their messages' images (read from the blob store)."""
+        if self.blobs is None:
+            return turns
+        return await with_images(session, self.blobs, turns, self.settings.vision.max_image_pixels)
 
     def plan(self, history: list[Turn], summary: str | None, max_tokens: int, extra_tokens: int = 0,
              context: str = "") -> Draft:

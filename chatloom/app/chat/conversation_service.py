@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from chatloom.app.chat.answer_job import AnswerJob, Generation
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_prompt import Draft, PromptAssembler, branch_turns
+from chatloom.app.chat.message_images import delete_blobs, image_tokens, save_images
 from chatloom.app.chat.prompt import Turn
 from chatloom.app.chat.stopping import Stopping
 from chatloom.app.chat.takeover import TakeOver
@@ -46,6 +47,7 @@ from chatloom.app.state.events import EventLogStore
 from chatloom.app.state.job_keeper import reservation_spec
 from chatloom.app.state.jobs import JobRecord, Jobs, MemoryJobs
 from chatloom.settings import Settings
+from chatloom.serving.images import ImageData
 from chatloom.store import Conversation, Conversations, Database, Messages, User
 from chatloom.store.blobs import BlobStore
 
@@ -78,7 +80,8 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         self.settings = settings
         self.logs = logs
         self.journal = AnswerJournal(db)
-        self.prompts = PromptAssembler(db, pipeline.backend, settings, lambda: pipeline.context_window)
+        self.blobs = blobs
+        self.prompts = PromptAssembler(db, pipeline.backend, settings, lambda: pipeline.context_window, blobs)
         self._running: dict[str, Generation | None] = {}
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
         self.draining = False  # shutting down: no new answers here
@@ -115,8 +118,11 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         return True
 
     async def send(self, session: AsyncSession, conv: Conversation, text: str, options: GenerationOptions,
-                   parent_id: object = UNSET) -> Generation:
-        """Save a user message (under parent_id, or at the end of the active branch) and start its answer."""
+                   parent_id: object = UNSET, images: list[ImageData] | tuple = ()) -> Generation:
+        """Save a user message (under parent_id, or at the end of the active branch), with `images` (read
+        and checked; kept with the message), and start its answer."""
+        if images and self.blobs is None:
+            raise ApiError(400, "this server keeps no images in conversations", "unsupported_content", "images")
         if len(text) > self.settings.chat.max_message_chars:
             raise ApiError(400, f"the message is too long: {len(text)} characters, at most "
                            f"{self.settings.chat.max_message_chars} allowed", "message_too_long", "text")
@@ -129,21 +135,31 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             parent = self._parent(tree, conv, parent_id)
             run = await self.pipeline.open((await self._with_tools(options)).ask(""), moderate=text)  # before model work
             text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # large input
+            if images:  # a turn's stored count includes its images' tokens
+                text_tokens += await asyncio.to_thread(image_tokens, self.backend, text, list(images))
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
                                             conv.summary_upto)
             passages = await self._passages(options.user, conv.id, text)
-            planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens)], summary,
-                                                context=context_text(passages))
+            history = await self.prompts.with_images(session, history)
+            planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens, tuple(images))],
+                                                summary, context=context_text(passages))
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
+            if images:
+                written = await save_images(session, self.blobs, options.user.id, user_msg.id, list(images))
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, run.limits.model,
                                         status="incomplete", writer=self.jobs.instance)
             values = {"current_leaf_id": answer.id}
             if conv.title is None and not tree.by_id:
                 values["title"] = make_title(text, self.settings.chat.title_chars)
             await Conversations(session).touch(conv.id, **values)
-            await session.commit()
+            try:
+                await session.commit()
+            except BaseException:
+                if images:  # nothing half-written: the rows were not saved, so neither are the bytes
+                    await asyncio.to_thread(delete_blobs, self.blobs, written)
+                raise
             return await self._start(conv.id, user_msg.id, answer.id, run, planned=planned,
                                      citations=citations(passages))
         except BaseException:

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from chatloom.serving.images import IMAGE_MARKER
+
 SUMMARY_HEADER = "\n\nSummary of the earlier part of this conversation:\n"
 
 SUMMARIZER_SYSTEM = "You write short, faithful summaries of conversations."
@@ -24,7 +26,8 @@ class Turn:
     id: str
     role: str  # user | assistant
     text: str
-    tokens: int
+    tokens: int  # of the text and its images
+    images: tuple = ()  # serving.images.ImageData of a user turn, shown before its text
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,13 @@ def system_content(system_prompt: str, summary: str | None) -> str:
 
 
 def build_messages(system_prompt: str, summary: str | None, turns: list[Turn]) -> list[dict]:
-    return ([{"role": "system", "content": system_content(system_prompt, summary)}]
-            + [{"role": t.role, "content": t.text} for t in turns])
+    return ([{"role": "system", "content": system_content(system_prompt, summary)}] + [_turn(t) for t in turns])
+
+
+def _turn(t: Turn) -> dict:
+    if not t.images:
+        return {"role": t.role, "content": t.text}
+    return {"role": t.role, "content": IMAGE_MARKER * len(t.images) + t.text, "images": list(t.images)}
 
 
 def transcript(turns: list[Turn]) -> str:

@@ -124,7 +124,10 @@ def render_messages(messages: list[dict], tools: ToolUse | None) -> list[dict]:
         calls: list[ToolCall] = m.get("tool_calls") or []
         if calls:
             content = "\n".join(([content] if content else []) + [c.text() for c in calls])
-        out.append({"role": m["role"], "content": content})
+        turn = {"role": m["role"], "content": content}
+        if m.get("images"):  # a vision model's images travel beside the text (serving/images.py)
+            turn["images"] = m["images"]
+        out.append(turn)
     if tools is not None and tools.active:
         text = tools.system_text()
         if out and out[0]["role"] == "system":

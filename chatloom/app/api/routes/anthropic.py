@@ -20,6 +20,7 @@ from chatloom.app.api.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.api.openapi_responses import ANTHROPIC_ANSWER, ANTHROPIC_ERROR_SCHEMA, anthropic_stream, errors
 from chatloom.app.api.run_start import start_run
 from chatloom.app.api.sse import SSE_HEADERS, EventStreamResponse, frame
+from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
 from chatloom.app.core.errors import ApiError, anthropic_error_body, anthropic_status
 from chatloom.app.core.validation import off_loop
 from chatloom.app.generation.pipeline import AnswerText, Run, ToolCall
@@ -103,7 +104,9 @@ class _StreamFormat:
 @router.post("/messages", responses=anthropic_stream(AnthropicMessageOut) | ANTHROPIC_ANSWER)
 async def create_message(body: MessagesIn, ctx: Ctx, user: CurrentUser, session: SessionDep):
     tools = body.tool_use()
-    prompt = body.prompt(tools)
+    if body.has_images():  # a model that takes none is named before any image is read
+        require_vision(ctx.backend, body.model)
+    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
     ask = body.to_ask(user, f"msg_{uuid.uuid4().hex}", tools)
     run, pieces, first = await start_run(ctx.pipeline, ask, prompt, body.user_text(prompt), session)
     message = {"id": run.request_id, "type": "message", "role": "assistant", "model": run.limits.model}
@@ -168,7 +171,9 @@ async def create_message(body: MessagesIn, ctx: Ctx, user: CurrentUser, session:
 async def count_tokens(body: CountTokensIn, ctx: Ctx, user: CurrentUser) -> CountTokensOut:
     """The prompt's tokens as /v1/messages would send it (system, turns, tools), without running it."""
     tools = body.tool_use()
-    prompt = body.prompt(tools)
+    if body.has_images():
+        require_vision(ctx.backend, body.model)
+    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
     backend = ctx.backend
     model = backend.resolve_model(body.model)  # an unknown model is a 404, as on /v1/messages
     ctx.traffic.check_model(ctx.traffic.tier(user), model)

@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy import select
 
+from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_service import UNSET, Generation, GenerationOptions
 from chatloom.app.chat.search import search_conversations
@@ -112,9 +113,15 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
                        user: CurrentUser) -> EventStreamResponse:
     """Save the message and stream the answer: data: {"token"} events, then data: {"done": true, ...}.
     Omit parent_id to continue the active branch; give an earlier assistant message's id (or null
-    for the first message) to branch off, as an edit does."""
+    for the first message) to branch off, as an edit does. `images` (data URLs) are shown to a model that
+    reads images, before the text, and stay with the message for the rest of the conversation."""
     parent = body.parent_id if "parent_id" in body.model_fields_set else UNSET
-    gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent)
+    images = []
+    if body.images:  # read and checked before anything is saved
+        require_vision(ctx.backend, body.model)
+        reader = ImageReader(ctx.settings.vision, "images")
+        images = await reading_images(True, lambda: [reader.data_url(url) for url in body.images])
+    gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images)
     return stream_response(gen)
 
 

@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 from chatloom.app.api.deps import AppContext, Ctx, CurrentUser, SessionDep
 from chatloom.app.core.errors import ApiError, error_body
 from chatloom.app.api.openai_logprobs import CompletionLogprobs, chat_logprobs, join_blocks
+from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
 from chatloom.app.api.openai_out import CapabilitiesOut, ChatCompletionOut, CompletionOut, ModelList, ModelOut
 from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
@@ -333,7 +334,9 @@ async def chat_completions(body: ChatCompletionIn, ctx: Ctx, user: CurrentUser, 
 async def chat_answer(ctx: AppContext, body: ChatCompletionIn, user: User, session: AsyncSession, batch: bool = False):
     """The chat completion route's answer; `batch`: run in the batch class (the Batch API's lines)."""
     tools = body.tool_use()
-    prompt = body.prompt(tools)
+    if body.has_images():  # a model that takes none is named before any image is read
+        require_vision(ctx.backend, body.model)
+    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
     ask = replace(body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools), batch=batch)
     fmt = _ChatFormat(ask.reasoning_effort is not None, ask.logprobs is not None)
     return await _respond(ctx, body, [(ask, prompt, body.user_text(prompt))], fmt, session)
@@ -367,24 +370,25 @@ def _decode(ctx: AppContext, ids: list[int]) -> str:
         return ""
 
 
-def _model(request: Request, model_id: str) -> ModelOut:
+def _model(request: Request, ctx: AppContext, model_id: str) -> ModelOut:
     """A served model and what it supports. Every model the backend serves takes chat and plain-text
     prompts (a model without a chat template of its own gets the fallback template) and tool calls (rendered
-    into the prompt, forced by a grammar); embeddings are there when the API serves them; no model here
-    reads images (image content is refused on every route)."""
+    into the prompt, forced by a grammar); embeddings are there when the API serves them; vision when the
+    model reads images (Idefics3 / SmolVLM served in this process)."""
     paths = {getattr(route, "path", None) for route in request.app.routes}
     return ModelOut(id=model_id, capabilities=CapabilitiesOut(
-        chat=True, completions=True, embeddings="/v1/embeddings" in paths, tools=True, vision=False))
+        chat=True, completions=True, embeddings="/v1/embeddings" in paths, tools=True,
+        vision=ctx.backend.takes_images(model_id)))
 
 
 @router.get("/models", response_model=ModelList, responses=SIGNED_IN)
 async def list_models(request: Request, ctx: Ctx, user: CurrentUser) -> ModelList:
     """The served models, each with a `capabilities` extension field."""
-    return ModelList(data=[_model(request, m) for m in ctx.backend.model_ids])
+    return ModelList(data=[_model(request, ctx, m) for m in ctx.backend.model_ids])
 
 
 @router.get("/models/{model_id:path}", response_model=ModelOut, responses=errors(401, 404))
 async def get_model(model_id: str, request: Request, ctx: Ctx, user: CurrentUser) -> ModelOut:
     if model_id not in ctx.backend.model_ids:
         raise ApiError(404, f"the model {model_id!r} does not exist", "model_not_found", "model")
-    return _model(request, model_id)
+    return _model(request, ctx, model_id)

@@ -1,0 +1,93 @@
+"""Images at the edge: each API's image input (an OpenAI data URL, an Anthropic base64 block) read,
+checked and decoded once, with a 400 that names the problem.
+
+Refused: more images than `vision.max_images_per_request`, a URL that is not a data URL (http(s)
+images are not fetched), data that is not base64, a file over `vision.max_image_bytes`, data that is
+not an image or is corrupt, and an image over `vision.max_image_pixels` (checked from its header, so
+a decompression bomb is refused before it is decoded).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from typing import Any, Callable, TypeVar
+
+from chatloom.app.core.errors import ApiError
+from chatloom.serving import Backend
+from chatloom.serving.images import IMAGE_MARKER, ImageData, ImageError, read_image
+from chatloom.settings.tree import VisionSettings
+
+
+T = TypeVar("T")
+
+
+async def reading_images(has_images: bool, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), in a worker thread when the request has images: decoding one takes tens of
+    milliseconds, which must not stall every other user's stream on the event loop."""
+    return await asyncio.to_thread(fn, *args) if has_images else fn(*args)
+
+
+def without_markers(text: str) -> str:
+    """User text with the image marker character removed: typed text never stands for an image."""
+    return text.replace(IMAGE_MARKER, "") if IMAGE_MARKER in text else text
+
+
+def require_vision(backend: Backend, model: str | None) -> None:
+    """400 unless `model` reads images (checked before any quota or queue)."""
+    if not backend.takes_images(model):
+        raise ApiError(400, f"the model {model or backend.model_ids[0]!r} does not take images; send text only "
+                       "or choose a model whose capabilities include vision (GET /v1/models)",
+                       "unsupported_content", "messages")
+
+
+class ImageReader:
+    """The images of one request, in order, checked as they are read."""
+
+    def __init__(self, settings: VisionSettings, param: str) -> None:
+        self.settings = settings
+        self.param = param
+        self.images: list[ImageData] = []
+
+    def _refuse(self, message: str, code: str = "invalid_image") -> ApiError:
+        return ApiError(400, message, code, self.param)
+
+    def data_url(self, url: str) -> ImageData:
+        """An OpenAI image_url: data:image/...;base64,... only."""
+        if not url.startswith("data:"):
+            scheme = url.split(":", 1)[0] if ":" in url else ""
+            raise self._refuse(f"image URLs{f' ({scheme})' if scheme else ''} are not fetched; send the image "
+                               "inline as a data URL (data:image/png;base64,...)", "unsupported_image_url")
+        head, sep, payload = url.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise self._refuse("an image data URL must be base64: data:image/png;base64,...")
+        media = head[len("data:"):-len(";base64")]
+        if media and not media.startswith("image/"):
+            raise self._refuse(f"the data URL's media type {media!r} is not an image")
+        return self.base64(payload)
+
+    def base64(self, payload: str) -> ImageData:
+        """Base64 image bytes (an Anthropic image block's data, a data URL's payload)."""
+        limit = self.settings.max_image_bytes
+        if len(payload) * 3 // 4 > limit + 3:
+            raise self._refuse(f"the image is larger than {limit} bytes", "image_too_large")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise self._refuse("the image data is not valid base64") from None
+        return self.raw(data)
+
+    def raw(self, data: bytes) -> ImageData:
+        if len(self.images) >= self.settings.max_images_per_request:
+            raise self._refuse(f"at most {self.settings.max_images_per_request} images per request",
+                               "too_many_images")
+        if len(data) > self.settings.max_image_bytes:
+            raise self._refuse(f"the image has {len(data)} bytes; at most {self.settings.max_image_bytes} are "
+                               "accepted", "image_too_large")
+        try:
+            image = read_image(data, self.settings.max_image_pixels)
+        except ImageError as exc:
+            code = "image_too_large" if "pixels" in str(exc) else "invalid_image"
+            raise self._refuse(f"image {len(self.images) + 1}: {exc}", code) from None
+        self.images.append(image)
+        return image

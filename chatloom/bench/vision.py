@@ -1,0 +1,105 @@
+"""Images in the engine: what the encoder cache and the prefix cache save on a second question about
+the same image, and what encoding images costs text-only users' streams.
+
+1. TTFT of a first question about a new image (encoder and the whole prefill) against a second question
+   about the same image (its embeddings and KV blocks reused), in alternating rounds, each round with a
+   fresh image.
+2. The inter-token latency p90 of `streams` text-only requests decoding together, alone and while
+   requests with new images arrive (one every `image_every` steps), alternating quiet and busy rounds.
+
+Run with a real vision checkpoint: `chatloom bench vision --model PATH`.
+"""
+from __future__ import annotations
+
+import io
+import statistics
+import time
+
+import numpy as np
+from PIL import Image
+
+from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+from chatloom.models.loader import LoadedModel
+from chatloom.serving.images import IMAGE_MARKER, encode_vision_chat, read_image
+
+QUESTIONS = ("Describe this picture in one sentence.", "What colours are most common in it?")
+TEXT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _image(side: int, seed: int):
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return read_image(buf.getvalue(), side * side + 1)
+
+
+def _prompt(loaded: LoadedModel, text: str, image=None):
+    message = {"role": "user", "content": (IMAGE_MARKER if image else "") + text, "images": [image] if image else []}
+    return encode_vision_chat(loaded, [message])
+
+
+def _ttft(engine: LLMEngine, loaded: LoadedModel, text: str, image) -> float:
+    ids, placed = _prompt(loaded, text, image)
+    rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1), images=placed)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out.metrics.ttft
+
+
+def _itl_p90(engine: LLMEngine, loaded: LoadedModel, streams: int, max_tokens: int, image_every: int,
+             seed: int) -> float:
+    ids, _ = _prompt(loaded, TEXT)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # The image requests are made beforehand: a server decodes uploads outside the engine's steps.
+    pending = [_prompt(loaded, QUESTIONS[0], _image(512, seed * 1000 + i))
+               for i in range(max_tokens // image_every + 1 if image_every else 0)]
+    text_ids = {engine.add_request(ids, params) for _ in range(streams)}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    step = 0
+    while text_ids:
+        if image_every and step % image_every == 0 and pending:
+            img_ids, placed = pending.pop()
+            engine.add_request(img_ids, SamplingParams(temperature=0.0, max_tokens=1), images=placed)
+        outs = engine.step()
+        now = time.perf_counter()
+        step += 1
+        for out in outs:
+            if out.request_id in text_ids:
+                if out.request_id in last and out.delta_token_ids:
+                    gaps.append(now - last[out.request_id])
+                last[out.request_id] = now
+                if out.finished:
+                    text_ids.discard(out.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return float(np.percentile(gaps, 90)) if gaps else 0.0
+
+
+def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_tokens: int = 32,
+               image_every: int = 4, image_side: int = 512, seed: int = 0) -> dict:
+    if loaded.vision is None:
+        raise ValueError(f"model {loaded.id} does not take images: give a vision checkpoint (Idefics3 / SmolVLM)")
+    engine = LLMEngine(loaded, EngineConfig())
+    cold, warm = [], []
+    for r in range(rounds):
+        image = _image(image_side, seed + r)
+        cold.append(_ttft(engine, loaded, QUESTIONS[0], image))
+        warm.append(_ttft(engine, loaded, QUESTIONS[1], image))
+    quiet, busy = [], []
+    for r in range(rounds):  # alternated: the machine's load changes from minute to minute
+        quiet.append(_itl_p90(engine, loaded, streams, max_tokens, 0, seed))
+        busy.append(_itl_p90(engine, loaded, streams, max_tokens, image_every, seed + 1 + r))
+    cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    quiet_s, busy_s = statistics.median(quiet), statistics.median(busy)
+    return {
+        "benchmark": "vision", "model": loaded.id, "rounds": rounds, "image_side": image_side,
+        "image_tokens": loaded.vision.num_image_tokens(image_side, image_side),
+        "ttft": {"first_question_s": cold_s, "second_question_s": warm_s,
+                 "speedup": cold_s / warm_s if warm_s else None},
+        "text_streams": {"streams": streams, "image_every_steps": image_every,
+                         "itl_p90_quiet_s": quiet_s, "itl_p90_with_images_s": busy_s,
+                         "rise": busy_s / quiet_s - 1 if quiet_s else None},
+        "encoder_runs": engine.runner.encoder_runs,
+    }

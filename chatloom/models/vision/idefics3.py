@@ -1,0 +1,134 @@
+"""Idefics3 / SmolVLM: a SigLIP encoder, a pixel-shuffle connector, a Llama-family decoder.
+
+The decoder is chatloom's own (llama.py) built from `text_config`; this file holds the image side:
+`Idefics3Vision` turns an image's tiles into one embedding per image token, in the order the prompt's
+image tokens come (`prompt_text`), and knows how many tokens an image of a given size becomes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from PIL import Image
+
+from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.hf_config import VISION_LANGUAGE, config_from_hf
+from chatloom.models.vision.idefics3_processor import Idefics3ImageProcessor, prompt_text
+from chatloom.models.vision.siglip import SiglipConfig, SiglipVisionTransformer
+
+VISION_ARCHITECTURES = VISION_LANGUAGE
+IMAGE_TOKEN = "<image>"
+
+
+@dataclass
+class Idefics3Config:
+    text: ModelConfig
+    vision: SiglipConfig
+    scale_factor: int
+    image_token_id: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def image_seq_len(self) -> int:
+        """Image tokens per tile: the encoder's patches after the pixel shuffle."""
+        return self.vision.patches_per_side ** 2 // self.scale_factor ** 2
+
+    def vision_parameters(self) -> int:
+        """The encoder's and the connector's parameters (the decoder's are text.num_parameters())."""
+        return self.vision.num_parameters() + self.vision.hidden_size * self.scale_factor ** 2 * self.text.hidden_size
+
+    @classmethod
+    def from_hf(cls, cfg: dict, name: str = "model") -> "Idefics3Config":
+        text_cfg, vision_cfg = cfg.get("text_config"), cfg.get("vision_config")
+        if not isinstance(text_cfg, dict) or not isinstance(vision_cfg, dict):
+            raise ModelError("an Idefics3 config.json needs text_config and vision_config objects")
+        text = config_from_hf(cfg, name=name)  # the decoder, from text_config
+        # The head is read from lm_head.weight when the checkpoint has one, else from the embeddings.
+        text.tie_word_embeddings = False
+        vision = SiglipConfig.from_hf(vision_cfg)
+        scale = int(cfg.get("scale_factor", 2))
+        if scale < 1 or vision.patches_per_side % scale:
+            raise ModelError(f"scale_factor {scale} does not divide the {vision.patches_per_side} patches per side")
+        if "image_token_id" not in cfg:
+            raise ModelError("config.json lacks image_token_id")
+        return cls(text, vision, scale, int(cfg["image_token_id"]))
+
+
+class Idefics3Vision(nn.Module):
+    """The image side of the model: tiles in, decoder embeddings out."""
+
+    def __init__(self, cfg: Idefics3Config, processor: Idefics3ImageProcessor) -> None:
+        super().__init__()
+        self.config = cfg
+        self.processor = processor
+        self.vision_model = SiglipVisionTransformer(cfg.vision)
+        self.proj = nn.Linear(cfg.vision.hidden_size * cfg.scale_factor ** 2, cfg.text.hidden_size, bias=False)
+        if processor.tile != cfg.vision.image_size:
+            raise ModelError(f"the image processor's tile ({processor.tile}) is not the encoder's image size "
+                             f"({cfg.vision.image_size})")
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
+
+    def pixel_shuffle(self, x: torch.Tensor) -> torch.Tensor:
+        """[tiles, side*side, D] -> [tiles, side*side/s^2, D*s^2]: each s x s block of patches becomes
+        one token (the same order as transformers' connector)."""
+        b, seq, d = x.shape
+        s, side = self.config.scale_factor, int(seq ** 0.5)
+        x = x.view(b, side, side // s, d * s).permute(0, 2, 1, 3)
+        x = x.reshape(b, side // s, side // s, d * s * s).permute(0, 2, 1, 3)
+        return x.reshape(b, seq // (s * s), d * s * s)
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """One image's tiles [tiles, 3, H, W] -> its embeddings [tiles * image_seq_len, text hidden]."""
+        dtype = self.proj.weight.dtype
+        feats = self.vision_model(pixel_values.to(dtype))
+        return self.proj(self.pixel_shuffle(feats)).reshape(-1, self.config.text.hidden_size)
+
+    def prompt_for(self, image: Image.Image) -> str:
+        """The text that stands for `image` in the prompt (tags and image tokens, tile by tile)."""
+        rows, cols = self.processor.grid(image.width, image.height)
+        return prompt_text(rows, cols, self.config.image_seq_len)
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        """Image tokens an image of this size becomes (its embeddings; the tags around them aside)."""
+        rows, cols = self.processor.grid(width, height)
+        return (rows * cols + 1) * self.config.image_seq_len
+
+    def preprocess(self, image: Image.Image) -> torch.Tensor:
+        return torch.from_numpy(self.processor(image).pixel_values)
+
+
+def build_vision(cfg: Idefics3Config, folder: Path, get: Callable[[str], torch.Tensor | None],
+                 dtype: torch.dtype) -> Idefics3Vision:
+    """The image side with its weights from `get` (checkpoint names)."""
+    vision = Idefics3Vision(cfg, Idefics3ImageProcessor.from_folder(folder))
+    names = SiglipVisionTransformer.weight_names(cfg.vision, "model.vision_model.")
+    names = {f"vision_model.{k}": v for k, v in names.items()}
+    names["proj.weight"] = "model.connector.modality_projection.proj.weight"
+    state = {}
+    shapes = {k: tuple(v.shape) for k, v in vision.state_dict().items()}
+    for ours, theirs in names.items():
+        tensor = get(theirs)
+        if tensor is None:
+            raise ModelError(f"weight {theirs!r} is missing from the model file")
+        if tuple(tensor.shape) != shapes[ours]:
+            raise ModelError(f"weight {theirs} has shape {tuple(tensor.shape)}, expected {shapes[ours]} "
+                             "(the weights do not match the model's config)")
+        state[ours] = tensor.to(dtype)
+    vision.load_state_dict(state, strict=True)
+    return vision.eval().requires_grad_(False)
+
+
+def text_weight_getter(get: Callable[[str], torch.Tensor | None]) -> Callable[[str], torch.Tensor | None]:
+    """The decoder's weights under the names build_model reads (model.layers..., lm_head)."""
+    def text_get(name: str) -> torch.Tensor | None:
+        if name.startswith("model."):
+            return get("model.text_model." + name[len("model."):])
+        return get(name)
+    return text_get

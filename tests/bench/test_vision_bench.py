@@ -1,0 +1,38 @@
+"""`chatloom bench vision` on the tiny random Idefics3: the JSON it prints (the figures themselves need a
+real checkpoint and a quiet machine)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatloom.bench.vision import run_vision
+from chatloom.cli.main import main
+from chatloom.models import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import tiny_vision as tv  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tv.write_idefics3_folder(tmp_path_factory.mktemp("vision") / "tiny-vlm")
+
+
+def test_the_vision_bench_measures_both_questions_and_the_text_streams(folder):
+    result = run_vision(load_model(str(folder)), rounds=1, streams=2, max_tokens=4, image_every=2)
+    assert result["ttft"]["first_question_s"] > 0 and result["ttft"]["second_question_s"] > 0
+    assert result["text_streams"]["itl_p90_quiet_s"] > 0 and result["text_streams"]["itl_p90_with_images_s"] > 0
+    # One image per round's questions (the second question reuses it), and one per image request.
+    assert result["encoder_runs"] == 1 + 2
+    assert result["image_tokens"] == (4 * 4 + 1) * 4
+
+
+def test_the_cli_prints_json_and_refuses_a_text_model(folder, capsys):
+    assert main(["bench", "vision", "--model", str(folder), "--rounds", "1", "--max-tokens", "2",
+                 "--streams", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["benchmark"] == "vision"
+    assert main(["bench", "vision", "--model", "tiny-random"]) == 2
+    assert "does not take images" in capsys.readouterr().err

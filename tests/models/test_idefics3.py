@@ -1,0 +1,115 @@
+"""Idefics3 / SmolVLM through chatloom against transformers, on a tiny random checkpoint built offline:
+the same pixel values, the same prompt tokens, the same image embeddings and the same greedy tokens."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
+from chatloom.models import load_model
+from chatloom.models.chat_template import render_chat
+from chatloom.models.vision.images import content_hash
+from chatloom.models.vision.prompt import expand_images
+
+import tiny_vision as tv
+
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tv.write_idefics3_folder(tmp_path_factory.mktemp("idefics3") / "tiny-idefics3")
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+    return Idefics3ForConditionalGeneration.from_pretrained(folder).eval(), AutoProcessor.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    return load_model(str(folder), "fp32")
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("size,mode", [((71, 47), "RGB"), ((20, 90), "RGB"), ((16, 16), "RGB"),
+                                       ((300, 129), "RGBA"), ((64, 64), "L"), ((33, 200), "P")])
+def test_pixel_values_match_the_processor(hf, loaded, size, mode):
+    image = tv.test_image(*size, mode="RGB" if mode == "P" else mode)
+    if mode == "P":
+        image = image.convert("P")
+    want = hf[1].image_processor(images=[image], return_tensors="np", return_row_col_info=True)
+    ours = loaded.vision.processor(image)
+    tiles = want["pixel_values"][0]
+    assert ours.pixel_values.shape == tiles.shape
+    np.testing.assert_allclose(ours.pixel_values, tiles, atol=1e-5, rtol=0)
+    assert (ours.rows, ours.cols) == (want["rows"][0][0], want["cols"][0][0])
+    assert loaded.vision.processor.grid(*size) == (ours.rows, ours.cols)
+
+
+def test_prompt_tokens_match_the_processor(hf, loaded):
+    model, processor = hf
+    images = [tv.test_image(71, 47, seed=1), tv.test_image(20, 20, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
+                                             {"type": "image"}, {"type": "text", "text": "?"}]}]
+    text = render_chat(loaded.tokenizer.chat_template, messages)
+    want = processor(text=text, images=images, return_tensors="pt")["input_ids"][0].tolist()
+    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(i)), i) for i in images])
+    assert ids == want
+    image_token = loaded.vision.image_token_id
+    assert [p for image in placed for p in image.positions] == [i for i, t in enumerate(ids) if t == image_token]
+    # 71 x 47 is resized to 128 x 84, then to 3 x 4 tiles of 32 (and a global view); 20 x 20 to 4 x 4 tiles.
+    assert [i.num_tokens for i in placed] == [(3 * 4 + 1) * 4, (4 * 4 + 1) * 4]
+
+
+def test_image_embeddings_match_transformers(hf, loaded):
+    model, processor = hf
+    image = tv.test_image(71, 47)
+    inputs = processor(text="<image>", images=[image], return_tensors="pt")
+    with torch.no_grad():
+        want = model.model.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"]).pooler_output[0]
+    got = loaded.vision.encode(loaded.vision.preprocess(image))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("size", [(71, 47), (24, 24)])
+def test_greedy_tokens_match_transformers(hf, loaded, size):
+    model, processor = hf
+    image = tv.test_image(*size, seed=3)
+    text = render_chat(loaded.tokenizer.chat_template, MESSAGES)
+    inputs = processor(text=text, images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = out[0, inputs["input_ids"].shape[1]:].tolist()
+
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=16))
+    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(image)), image)])
+    assert ids == inputs["input_ids"][0].tolist()
+    rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), images=placed)
+    got = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                got = o.token_ids
+    assert got == want
+    # Without the image the answer differs: the embeddings are what the model read.
+    plain = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert plain[0].token_ids != want
+
+
+def test_capacity_reads_the_decoder_of_a_vision_folder_or_its_config(folder, loaded):
+    from chatloom.models import describe_config
+
+    for spec in (folder, folder / "config.json"):
+        cfg = describe_config(str(spec))
+        assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (2, 2, 8, loaded.config.vocab_size)
+        assert cfg.kv_bytes_per_token() == 2 * 2 * 2 * 8 * 4
