@@ -60,6 +60,8 @@ class User(Base):
     password_hash: Mapped[str | None] = mapped_column(String(255))
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     tier: Mapped[str] = mapped_column(String(32), default="free", server_default="free")
+    # Lower-cased; set by single sign-on, so a person signing in again by another route finds this account.
+    email: Mapped[str | None] = mapped_column(String(255), unique=True)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
