@@ -1,0 +1,55 @@
+"""Request bodies and response shapes of the account features: shared links, export and import,
+custom instructions and memories, single sign-on."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from chatloom.app.api.schemas import STRICT, iso
+from chatloom.store import Memory, SharedLink
+
+
+# -- shared links ----------------------------------------------------------------------------------
+
+class ShareIn(BaseModel):
+    model_config = STRICT
+    message_id: str | None = Field(default=None, max_length=40,
+                                   description="share the branch from the root up to this message; "
+                                               "default: the active branch")
+
+
+class ShareOut(BaseModel):
+    id: str
+    token: str
+    url: str = Field(description="the public page, relative to the server: /s/{token}")
+    conversation_id: str
+    upto_message_id: str
+    title: str
+    message_count: int
+    created: str | None
+
+    @classmethod
+    def of(cls, link: SharedLink) -> "ShareOut":
+        return cls(id=link.id, token=link.token, url=f"/s/{link.token}", conversation_id=link.conversation_id,
+                   upto_message_id=link.upto_message_id, title=link.title, message_count=len(link.messages),
+                   created=iso(link.created))
+
+
+class SharedMessage(BaseModel):
+    role: str
+    text: str
+    created: str | None
+
+
+class SharedConversation(BaseModel):
+    """What anyone holding the link sees: the title and the shared messages, nothing else."""
+
+    title: str
+    created: str | None
+    messages: list[SharedMessage]
+
+    @classmethod
+    def of(cls, link: SharedLink) -> "SharedConversation":
+        return cls(title=link.title, created=iso(link.created),
+                   messages=[SharedMessage(**m) for m in link.messages])
