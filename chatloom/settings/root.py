@@ -16,9 +16,10 @@ from pydantic import ValidationError
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                InitSettingsSource)
 
-from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, ModelSettings,
-                                    ModerationSettings, RecoverySettings, RuntimeSettings, SamplingSettings,
-                                    ServerSettings, SharedStateSettings, TrafficSettings)
+from chatloom.settings.tree import (AccountSettings, ChatSettings, EngineSettings, FleetSettings, MemorySettings,
+                                    ModelSettings, ModerationSettings, PortabilitySettings, RecoverySettings,
+                                    RuntimeSettings, SamplingSettings, ServerSettings, SharedStateSettings, SsoSettings,
+                                    TrafficSettings)
 
 ENV_PREFIX = "CHATLOOM_"
 ENV_NESTED_DELIMITER = "__"
@@ -44,6 +45,9 @@ class Settings(BaseSettings):
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    portability: PortabilitySettings = Field(default_factory=PortabilitySettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
+    sso: SsoSettings = Field(default_factory=SsoSettings)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],

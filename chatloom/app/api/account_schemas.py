@@ -53,3 +53,40 @@ class SharedConversation(BaseModel):
     def of(cls, link: SharedLink) -> "SharedConversation":
         return cls(title=link.title, created=iso(link.created),
                    messages=[SharedMessage(**m) for m in link.messages])
+
+
+# -- export and import -----------------------------------------------------------------------------
+
+class ExportMessage(BaseModel):
+    id: str
+    parent_id: str | None = Field(description="the message this one answers or follows; null for a root")
+    role: Literal["user", "assistant"]
+    text: str
+    created: str | None = Field(description="ISO 8601, UTC")
+    model: str | None = None
+    status: str | None = None
+    reasoning: str | None = None
+
+
+class ExportConversation(BaseModel):
+    id: str
+    title: str
+    created: str | None
+    updated: str | None
+    current_leaf_id: str | None = Field(description="the message the conversation was left at (its active branch)")
+    messages: list[ExportMessage] = Field(description="every message of every branch, oldest first")
+
+
+class ExportFile(BaseModel):
+    """chatloom's export: every branch of every conversation; POST /conversations/import reads it back."""
+
+    format: Literal["chatloom.conversations"]
+    version: Literal[1]
+    exported: str | None
+    conversations: list[ExportConversation]
+
+
+class ImportOut(BaseModel):
+    format: Literal["chatloom", "chatgpt"] = Field(description="what the file was found to be")
+    conversation_ids: list[str] = Field(description="the new conversations, in the file's order")
+    messages: int = Field(description="messages imported (ChatGPT's system and tool messages are left out)")

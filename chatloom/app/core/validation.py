@@ -117,9 +117,12 @@ class EdgeGuard:
     """ASGI middleware: the body size limit and the text check, before any route runs.
     (Pure ASGI, so streamed answers pass through unbuffered.)"""
 
-    def __init__(self, app, max_body_bytes: int = 1_000_000) -> None:
+    def __init__(self, app, max_body_bytes: int = 1_000_000, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        # Routes that take a file (exact paths): their own size limit, and no text check, since a file may
+        # hold any text (a model's answer with a control character); such a route checks what it reads.
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -128,14 +131,15 @@ class EdgeGuard:
         if problem is not None:
             return await _reply(scope, send, 400, *problem)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         length = headers.get(b"content-length")
         if length is not None:
             try:
                 declared = int(length)
             except ValueError:
                 return await _reply(scope, send, 400, "Content-Length is not a number", "header", "invalid_header")
-            if declared > self.max_body_bytes:
-                return await _reply(scope, send, 413, *self._too_large(declared))
+            if declared > limit:
+                return await _reply(scope, send, 413, *self._too_large(declared, limit))
         elif b"transfer-encoding" not in headers:
             return await self.app(scope, receive, send)  # no body at all
 
@@ -147,14 +151,15 @@ class EdgeGuard:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                return await _reply(scope, send, 413, *self._too_large(size))
+            if size > limit:
+                return await _reply(scope, send, 413, *self._too_large(size, limit))
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
         ctype = headers.get(b"content-type", b"").lower()
-        if body and not ctype.startswith((b"multipart/", b"application/x-www-form-urlencoded")):
+        if body and not ctype.startswith((b"multipart/", b"application/x-www-form-urlencoded")) \
+                and scope.get("path", "") not in self.path_limits:
             found = (await asyncio.to_thread(scan_json_body, body) if len(body) > LARGE_BODY_BYTES
                      else scan_json_body(body))
             if found is not None:
@@ -172,8 +177,8 @@ class EdgeGuard:
 
         await self.app(scope, replay, send)
 
-    def _too_large(self, size: int) -> tuple[str, str | None, str]:
-        return (f"the request body is {size} bytes; at most {self.max_body_bytes} are accepted",
+    def _too_large(self, size: int, limit: int) -> tuple[str, str | None, str]:
+        return (f"the request body is {size} bytes; at most {limit} are accepted",
                 None, "request_too_large")
 
 
