@@ -19,8 +19,8 @@ from chatloom.app.state.hot_state import build_hot_state, install_redis_errors, 
 from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
-from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, moderations, openai, recovery,
-                                     portability, responses, sharing, usage, web)
+from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, memory, moderations, openai,
+                                     portability, recovery, responses, sharing, usage, web)
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
 from chatloom.app.core.validation import EdgeGuard
@@ -109,8 +109,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes,  # outermost: before any parsing
                        path_limits={portability.IMPORT_PATH: settings.portability.import_max_bytes})
-    for module in (health, auth, portability, conversations, sharing, recovery, usage, admin, openai, anthropic,
-                   moderations, responses, web):
+    for module in (health, auth, portability, conversations, sharing, memory, recovery, usage, admin, openai,
+                   anthropic, moderations, responses, web):
         app.include_router(module.router)
     return app
 

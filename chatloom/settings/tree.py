@@ -111,7 +111,7 @@ class ChatSettings(Group):
     event_log_retention_s: float = Field(600.0, gt=0, description="How long a finished answer's stream events "
                                                                   "stay resumable.")
     title_chars: int = Field(60, gt=0, description="Length of a conversation's automatic title.")
-    tools: str = Field("calculator,time,search", description="Built-in tools the chat's model may call "
+    tools: str = Field("calculator,time,search,remember", description="Built-in tools the chat's model may call "
                                                              "(comma-separated; empty for none).")
     max_tool_calls_per_answer: int = Field(4, ge=0, description="Tool calls one answer may make before it must "
                                                                 "answer in text.")

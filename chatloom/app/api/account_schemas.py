@@ -90,3 +90,34 @@ class ImportOut(BaseModel):
     format: Literal["chatloom", "chatgpt"] = Field(description="what the file was found to be")
     conversation_ids: list[str] = Field(description="the new conversations, in the file's order")
     messages: int = Field(description="messages imported (ChatGPT's system and tool messages are left out)")
+
+
+# -- custom instructions and memories --------------------------------------------------------------
+
+class InstructionsIn(BaseModel):
+    model_config = STRICT
+    text: str = Field(max_length=20_000, description="empty to clear them")
+
+
+class InstructionsOut(BaseModel):
+    text: str
+
+
+class MemoryIn(BaseModel):
+    model_config = STRICT
+    text: str = Field(min_length=1, max_length=20_000)
+
+
+class MemoryOut(BaseModel):
+    id: str
+    text: str
+    status: Literal["active", "proposed"] = Field(description="proposed: suggested by the model, not yet "
+                                                             "confirmed, not in the prompt")
+    source_conversation_id: str | None
+    created: str | None
+    updated: str | None
+
+    @classmethod
+    def of(cls, m: Memory) -> "MemoryOut":
+        return cls(id=m.id, text=m.text, status=m.status, source_conversation_id=m.source_conversation_id,
+                   created=iso(m.created), updated=iso(m.updated))

@@ -209,10 +209,12 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         def count(messages: list[dict]) -> int:
             return run.prompt_tokens(self._final_prompt(run, messages, prefix))
 
+        system = await self.prompts.system_for(run.ask.user.id)
+
         def plan() -> tuple[ChatPrompt | None, Draft, int]:
-            bare = [{"role": "system", "content": self.settings.chat.system_prompt}]
+            bare = [{"role": "system", "content": system}]
             extra = count(bare) - self.backend.count_prompt_tokens(bare)  # tools, thinking, the prefix
-            draft = self.prompts.plan(history, summary, run.max_tokens, extra)
+            draft = self.prompts.plan(history, summary, run.max_tokens, extra, system)
             if draft.pending:
                 return None, draft, self.prompts.bound(draft, count, limit)
             prompt = self._final_prompt(run, self.prompts.build(draft, draft.summary, count, limit), prefix)

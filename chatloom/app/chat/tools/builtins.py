@@ -1,10 +1,10 @@
 """The built-in chat tools by name, as settings.chat.tools lists them."""
 from __future__ import annotations
 
-from chatloom.app.chat.tools import calculator, clock, search
+from chatloom.app.chat.tools import calculator, clock, remember, search
 from chatloom.app.chat.tools.registry import ToolRegistry
 
-BUILTINS = {"calculator": calculator.TOOL, "time": clock.TOOL, "search": search.TOOL}
+BUILTINS = {"calculator": calculator.TOOL, "time": clock.TOOL, "search": search.TOOL, "remember": remember.TOOL}
 
 
 def builtin_registry(names: list[str]) -> ToolRegistry:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse
+from chatloom.settings import Settings
 from chatloom.store import Database, User
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class ToolContext:
     user: User
     db: Database
     conversation_id: str
+    settings: Settings | None = None  # for the tools with limits of their own (remember: the memory group)
 
 
 @dataclass(frozen=True)
