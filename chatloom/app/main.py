@@ -20,7 +20,7 @@ from chatloom.app.api import openapi_responses
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.app.chat.recovery import Sweeper, drain
 from chatloom.app.api.routes import (admin, anthropic, auth, conversations, health, memory, moderations, openai,
-                                     portability, recovery, responses, sharing, usage, web)
+                                     portability, recovery, responses, sharing, sso, usage, web)
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, build_traffic
 from chatloom.app.core.validation import EdgeGuard
@@ -109,7 +109,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes,  # outermost: before any parsing
                        path_limits={portability.IMPORT_PATH: settings.portability.import_max_bytes})
-    for module in (health, auth, portability, conversations, sharing, memory, recovery, usage, admin, openai,
+    for module in (health, auth, sso, portability, conversations, sharing, memory, recovery, usage, admin, openai,
                    anthropic, moderations, responses, web):
         app.include_router(module.router)
     return app

@@ -121,3 +121,13 @@ class MemoryOut(BaseModel):
     def of(cls, m: Memory) -> "MemoryOut":
         return cls(id=m.id, text=m.text, status=m.status, source_conversation_id=m.source_conversation_id,
                    created=iso(m.created), updated=iso(m.updated))
+
+
+# -- single sign-on ---------------------------------------------------------------------------------
+
+class SsoInfo(BaseModel):
+    """What the login screen offers."""
+
+    enabled: bool = Field(description="single sign-on is offered: GET /auth/sso/login starts it")
+    label: str | None = Field(description="the text of its button")
+    local_login: bool = Field(description="username and password sign-in (and sign-up) are available")
