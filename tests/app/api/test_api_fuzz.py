@@ -99,9 +99,13 @@ def _seed(schema) -> Known:
     key = _call(schema, "POST", "/auth/api-keys", known.token, body={"name": "fuzz"}).json()["id"]
     response = _call(schema, "POST", "/v1/responses", known.token,
                      body={"model": "tiny-random", "input": "hello", "max_output_tokens": 8}).json()["id"]
+    share = _call(schema, "POST", "/conversations/{conversation_id}/shares", known.token,
+                  path_parameters={"conversation_id": cid}).json()
+    memory = _call(schema, "POST", "/memories", known.token, body={"text": "likes fuzzing"}).json()["id"]
     known.ids = {"conversation_id": [cid], "message_id": [m["id"] for m in detail["messages"]],
                  "key_id": [key], "response_id": [response], "username": ["fuzzer"], "password": ["correct horse"],
-                 "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"]}
+                 "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"],
+                 "share_id": [share["id"]], "token": [share["token"]], "memory_id": [memory]}
     return known
 
 
@@ -181,8 +185,9 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     known = _seed(schema)
     known.answers_running = app.state.ctx.conversations.running_count
     operations = [result.ok() for result in schema.get_all_operations()]
-    # Deletions last, so the real ids stay valid for the other operations.
-    operations.sort(key=lambda op: op.method.upper() == "DELETE")
+    # Deletions last, so the real ids stay valid for the other operations; the conversation's the very last,
+    # since deleting it takes its shared links along.
+    operations.sort(key=lambda op: (op.method.upper() == "DELETE", op.path == "/conversations/{conversation_id}"))
     tally = Tally()
     for operation in operations:
         for mode in EXAMPLES:
