@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.memory import system_prompt_for
 from chatloom.app.core.errors import ApiError
@@ -103,10 +105,13 @@ class PromptAssembler:
                            f"{self.context_window}-token context window", "context_length_exceeded", "text")
 
     # -- planning: before the answer starts -------------------------------------------------
-    async def system_for(self, user_id: str) -> str:
-        """The system prompt of the user's answers: the server's, their instructions and memories."""
-        async with self.db.session() as session:
+    async def system_for(self, user_id: str, session: AsyncSession | None = None) -> str:
+        """The system prompt of the user's answers: the server's, their instructions and memories. Read in
+        `session` where the caller holds one: a second connection per request would drain the pool."""
+        if session is not None:
             return await system_prompt_for(session, self.settings, user_id, self.backend.count_tokens)
+        async with self.db.session() as own:
+            return await system_prompt_for(own, self.settings, user_id, self.backend.count_tokens)
 
     async def load(self, conversation_id: str, question_id: str) -> tuple[list[Turn], str | None]:
         """The branch ending at `question_id` from the store: its turns after the summary, and the summary."""

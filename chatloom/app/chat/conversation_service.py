@@ -127,7 +127,8 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
                                             conv.summary_upto)
-            planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens)], summary)
+            planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens)], summary,
+                                                session=session)
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, run.limits.model,
@@ -179,7 +180,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
             tree = Tree(await Messages(session).all_in(conv.id))
             planned = await self.reserve_answer(run, *branch_turns(tree.path_to(question_id), conv.summary,
-                                                                    conv.summary_upto))
+                                                                    conv.summary_upto), session=session)
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
                                                  status="incomplete", writer=self.jobs.instance)
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
@@ -197,19 +198,20 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         if run is not None:
             await run.close()
 
-    async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None,
-                              prefix: str = "") -> tuple[ChatPrompt | None, Draft, int]:
+    async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None, prefix: str = "",
+                              session: AsyncSession | None = None) -> tuple[ChatPrompt | None, Draft, int]:
         """Plan the answer's prompt (no model work) and reserve its quota, before any response: the prompt
         exactly as it will be sent when no summary has to be written first, else an upper bound of it plus
         an allowance for the summary; and, with tools, the rounds after the first. Raises the 400, 429 or
         503 of `Run.reserve`. Returns (the prompt or None, the draft, the tokens reserved for the prompt)
-        for `_start`. `prefix`: the answer's text so far, which the prompt continues."""
+        for `_start`. `prefix`: the answer's text so far, which the prompt continues; `session`: the caller's,
+        to read the user's instructions and memories in."""
         limit = self.prompts.context_window - run.max_tokens
 
         def count(messages: list[dict]) -> int:
             return run.prompt_tokens(self._final_prompt(run, messages, prefix))
 
-        system = await self.prompts.system_for(run.ask.user.id)
+        system = await self.prompts.system_for(run.ask.user.id, session)
 
         def plan() -> tuple[ChatPrompt | None, Draft, int]:
             bare = [{"role": "system", "content": system}]

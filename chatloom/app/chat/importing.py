@@ -37,6 +37,10 @@ class Node:
     model: str | None = None
     tokens: int = 0  # filled in by count_tokens before storing
 
+    def __post_init__(self) -> None:  # what neither the tokenizer nor a column takes is replaced at once
+        self.text = clean(self.text)
+        self.model = clean(self.model)[:200] if self.model else None
+
 
 @dataclass
 class Imported:
@@ -45,6 +49,9 @@ class Imported:
     updated: datetime
     nodes: list[Node] = field(default_factory=list)  # parents before children, siblings oldest first
     current: str | None = None  # the key of the node the conversation was left at
+
+    def __post_init__(self) -> None:
+        self.title = clean(self.title)
 
 
 def refuse(problem: str) -> ApiError:
@@ -73,6 +80,9 @@ def parse(raw: bytes, max_messages: int) -> tuple[str, list[Imported]]:
 
 # -- checking values -------------------------------------------------------------------------------
 
+KIND_NAMES = {str: "a string", list: "a list", dict: "an object", int: "a number", float: "a number"}
+
+
 def _get(obj: Any, key: str, where: str, kind: type | tuple, optional: bool = False) -> Any:
     if not isinstance(obj, dict):
         raise refuse(f"{where} must be an object")
@@ -80,8 +90,8 @@ def _get(obj: Any, key: str, where: str, kind: type | tuple, optional: bool = Fa
     if value is None and optional:
         return None
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise refuse(f"{where}.{key} must be {names.replace('str', 'a string').replace('list', 'a list')}")
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        raise refuse(f"{where}.{key} must be {' or '.join(KIND_NAMES.get(k, k.__name__) for k in kinds)}")
     return value
 
 
@@ -230,7 +240,7 @@ async def store(session: AsyncSession, user_id: str, convs: list[Imported]) -> l
     """Add the conversations under new ids (the caller commits once: all or nothing). Returns their ids."""
     ids = []
     for imp in convs:
-        conv = Conversation(id=new_id("conv"), user_id=user_id, title=clean(imp.title), created=imp.created,
+        conv = Conversation(id=new_id("conv"), user_id=user_id, title=imp.title, created=imp.created,
                             updated=imp.updated)
         session.add(conv)
         new_ids: dict[str, str] = {}
@@ -239,8 +249,7 @@ async def store(session: AsyncSession, user_id: str, convs: list[Imported]) -> l
             new_ids[node.key] = new_id("msg")
             rows.append(Message(id=new_ids[node.key], conversation_id=conv.id,
                                 parent_id=new_ids[node.parent] if node.parent else None, role=node.role,
-                                text=clean(node.text), tokens=node.tokens,
-                                model=clean(node.model)[:200] if node.model else None,
+                                text=node.text, tokens=node.tokens, model=node.model,
                                 status="complete", created=node.created))
         conv.current_leaf_id = new_ids.get(imp.current) if imp.current else (rows[-1].id if rows else None)
         await session.flush()  # the conversation row before its messages

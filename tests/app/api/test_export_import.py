@@ -153,3 +153,14 @@ async def test_an_import_over_the_limit_is_413(tmp_path, tiny_backend):
         assert await count_rows(app) == (0, 0)
         ok = await client.post("/conversations/import", headers=h, content=json.dumps(chatgpt_export()))
         assert ok.status_code == 201, ok.text
+
+
+async def test_text_no_column_can_hold_is_replaced_not_a_500(client, alice):
+    export = chatgpt_export()
+    export[0]["mapping"]["a1"]["message"]["content"]["parts"] = ["four \ud800 and \x00 and \x0c"]
+    r = await client.post("/conversations/import", headers={**alice, "Content-Type": "application/json"},
+                          content=json.dumps(export))
+    assert r.status_code == 201, r.text
+    conv = (await client.get(f"/conversations/{r.json()['conversation_ids'][0]}/export", headers=alice)).json()
+    texts = [m["text"] for m in conv["conversations"][0]["messages"]]
+    assert "four \ufffd and \ufffd and \x0c" in texts
