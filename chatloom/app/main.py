@@ -28,6 +28,7 @@ from chatloom.app.api.routes import audio, batches, embeddings, files, user_file
 from chatloom.app.batch.runner import BatchRunner
 from chatloom.app.files.retrieval import Retriever
 from chatloom.app.files.service import Files
+from chatloom.app.api.routes import memory, portability, sharing, sso
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
@@ -149,13 +150,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     app.add_middleware(RateLimitHeaders, traffic=lambda: ctx.traffic)
     # Outermost: before any parsing. /v1/files uploads stream to disk in their route, which checks each
     # purpose's limit (the edge only refuses a body declared larger than the largest, plus room for the
-    # multipart framing); /files and audio uploads are read here up to their own limit plus the framing.
+    # multipart framing); /files, audio and import bodies are read here up to their own limit.
     uploads = {"/v1/files": max(settings.files.max_bytes.values()) + 65_536}
     larger = {"/files": settings.files.max_file_bytes + 64_000,
-              audio.TRANSCRIPTIONS: settings.speech.max_audio_bytes + audio.FORM_OVERHEAD}
+              audio.TRANSCRIPTIONS: settings.speech.max_audio_bytes + audio.FORM_OVERHEAD,
+              portability.IMPORT_PATH: settings.portability.import_max_bytes}
     app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes, uploads=uploads, larger_bodies=larger)
-    routes = (health, auth, conversations, tool_files, mcp_servers, recovery, usage, admin,
-              openai, responses, anthropic, moderations, embeddings, files, batches, user_files, audio,
+    routes = (health, auth, sso, portability, conversations, sharing, memory, tool_files, mcp_servers, recovery,
+              usage, admin, openai, responses, anthropic, moderations, embeddings, files, batches, user_files, audio,
               web)  # last: its catch-all serves the browser app
     for module in routes:
         app.include_router(module.router)

@@ -17,10 +17,10 @@ from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, Setting
                                InitSettingsSource)
 
 from chatloom.settings.tree import (AccountSettings, BatchSettings, ChatSettings, EmbeddingsSettings, EngineSettings,
-                                    FilesSettings, FleetSettings, ModelSettings, ModerationSettings, RecoverySettings,
-                                    RuntimeSettings, SamplingSettings, ServerSettings, SharedStateSettings,
-                                    SpeechSettings, ToolsSettings, TrafficSettings, VisionSettings,
-                                    DegradeSettings, AutoscaleSettings)
+                                    FilesSettings, FleetSettings, MemorySettings, ModelSettings, ModerationSettings,
+                                    PortabilitySettings, RecoverySettings, RuntimeSettings, SamplingSettings,
+                                    ServerSettings, SharedStateSettings, SpeechSettings, SsoSettings, ToolsSettings,
+                                    TrafficSettings, VisionSettings, DegradeSettings, AutoscaleSettings)
 
 ENV_PREFIX = "CHATLOOM_"
 ENV_NESTED_DELIMITER = "__"
@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     shared_state: SharedStateSettings = Field(default_factory=SharedStateSettings)
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    portability: PortabilitySettings = Field(default_factory=PortabilitySettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
+    sso: SsoSettings = Field(default_factory=SsoSettings)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],

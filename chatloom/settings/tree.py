@@ -119,9 +119,10 @@ class ChatSettings(Group):
     event_log_retention_s: float = Field(600.0, gt=0, description="How long a finished answer's stream events "
                                                                   "stay resumable.")
     title_chars: int = Field(60, gt=0, description="Length of a conversation's automatic title.")
-    tools: str = Field("calculator,time,search", description="Built-in tools the chat's model may call "
-                                                             "(comma-separated; empty for none): calculator, "
-                                                             "time, search, python, web_search, fetch_page.")
+    tools: str = Field("calculator,time,search,remember", description="Built-in tools the chat's model may call "
+                                                                      "(comma-separated; empty for none): "
+                                                                      "calculator, time, search, remember, python, "
+                                                                      "web_search, fetch_page.")
     max_tool_calls_per_answer: int = Field(4, ge=0, description="Tool calls one answer may make before it must "
                                                                 "answer in text.")
     tool_rounds_reserved: int = Field(1, ge=0, description="Rounds after the first (a tool's result read back) "
@@ -448,3 +449,51 @@ class RuntimeSettings(Group):
                                               "for comparisons. Read by the C++ kernels when they load.")
     skip_memory_check: bool = Field(False, description="Load a model even when weights and KV cache look larger "
                                                        "than the available memory.")
+
+
+class PortabilitySettings(Group):
+    """Export and import of conversations (our own JSON format and ChatGPT's conversations.json)."""
+
+    import_max_bytes: int = Field(50_000_000, gt=0, description="Largest import file; a larger one gets 413 "
+                                                                "(this route alone may exceed server.max_body_bytes).")
+    import_max_messages: int = Field(200_000, gt=0, description="Most messages one import may hold.")
+
+
+class MemorySettings(Group):
+    """Custom instructions and remembered facts, placed in the system prompt of the user's conversations."""
+
+    enabled: bool = Field(True, description="Add the user's instructions and memories to the system prompt, and "
+                                            "let the model propose memories (the `remember` tool).")
+    prompt_budget_tokens: int = Field(400, ge=0, description="Most tokens the instructions and memories may add to "
+                                                             "the system prompt; the newest memories that fit go in.")
+    max_memories: int = Field(200, gt=0, description="Most memories (confirmed or proposed) one user may keep.")
+    max_memory_chars: int = Field(500, gt=0, description="Longest memory.")
+    max_instructions_chars: int = Field(3000, gt=0, description="Longest custom instructions.")
+
+
+class SsoSettings(Group):
+    """Single sign-on: OpenID Connect (authorization code with PKCE) against one identity provider."""
+
+    enabled: bool = Field(False, description="Offer 'Sign in with' the provider below on the login screen.")
+    issuer: str | None = Field(None, description="The provider's issuer URL; its /.well-known/openid-configuration "
+                                                 "is read for the endpoints.")
+    client_id: str | None = Field(None, description="This server's client id at the provider.")
+    client_secret: str | None = Field(None, description="Its client secret (none: a public client, PKCE alone).")
+    scopes: str = Field("openid email profile", description="Scopes asked for (space-separated; openid is needed).")
+    redirect_url: str | None = Field(None, description="The callback URL registered at the provider; default: this "
+                                                       "server's own /auth/sso/callback as the browser reached it.")
+    button_label: str = Field("Sign in with SSO", description="Text of the login screen's single sign-on button.")
+    local_login: bool = Field(True, description="Keep username/password sign-in and sign-up; off: SSO only.")
+    create_users: bool = Field(True, description="A person the server does not know gets an account on first "
+                                                 "sign-in; off: only existing accounts (by email) may sign in.")
+    link_by_email: bool = Field(True, description="A first sign-in whose verified email belongs to an account "
+                                                  "signs in to that account (linked, not duplicated).")
+    role_claim: str | None = Field(None, description="ID-token or userinfo claim (a string or a list of strings, "
+                                                     "e.g. groups) mapped to admin and tier below.")
+    admin_values: list[str] = Field(default_factory=list, description="Values of role_claim that make the user an "
+                                                                      "admin (set at every sign-in).")
+    tier_values: dict[str, str] = Field(default_factory=dict, description="Value of role_claim -> tier name; the "
+                                                                          "first match sets the tier at every "
+                                                                          "sign-in (none: the tier is left alone).")
+    state_ttl_s: int = Field(600, gt=0, description="How long a sign-in may take between leaving for the provider "
+                                                    "and coming back.")

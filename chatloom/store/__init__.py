@@ -6,8 +6,10 @@ from chatloom.store.responses import StoredResponse
 from chatloom.store.mcp import UserMcpServer  # noqa: F401 - its table joins the metadata
 # Retrieval's tables (their own module): imported here so the metadata, and so migrations, see them.
 from chatloom.store import file_chunks  # noqa: F401
+from chatloom.store import batches  # noqa: F401 (the Batch API's tables)
+from chatloom.store.accounts_extra import CustomInstructions, Identity, Memory, SharedLink
 from chatloom.store.repositories import AnswerChunks, ApiKeys, Conversations, FeedbackRows, Messages, UsageRows, Users
 
 __all__ = ["DEFAULT_URL", "Database", "AnswerChunk", "AnswerChunks", "ApiKey", "Base", "Conversation", "Message", "User",
            "new_id", "ApiKeys", "Conversations", "Messages", "Users", "DailyUsage", "Feedback", "UsageRows", "FeedbackRows",
-           "StoredResponse"]
+           "StoredResponse", "CustomInstructions", "Identity", "Memory", "SharedLink"]

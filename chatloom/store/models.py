@@ -60,6 +60,8 @@ class User(Base):
     password_hash: Mapped[str | None] = mapped_column(String(255))
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     tier: Mapped[str] = mapped_column(String(32), default="free", server_default="free")
+    # Lower-cased; set by single sign-on, so a person signing in again by another route finds this account.
+    email: Mapped[str | None] = mapped_column(String(255), unique=True)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -193,8 +195,3 @@ class StoredFile(Base):
     status_details: Mapped[str | None] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-
-
-# Tables defined in modules of their own, imported here so that Base.metadata (and the migrations check)
-# sees them.
-from chatloom.store import batches as _batches  # noqa: E402,F401

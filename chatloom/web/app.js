@@ -1,5 +1,6 @@
 // The chat app's entry point: holds the state and wires the screens (auth, sidebar, messages,
 // composer) to the API. Rendering lives in messages.js / sidebar.js, streaming in run.js.
+import { setupAccount, setupSso, takeSsoToken } from './account.js';
 import { api, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
 import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
@@ -474,10 +475,13 @@ function wire() {
     navigator.clipboard?.writeText(code).then(() => { button.textContent = 'Copied'; }).catch(() => {});
   });
   if (narrow()) closeDrawer();
+  setupAccount({ conversationId: () => state.convId, onImported: refreshConversations });
 }
 
 async function main() {
+  takeSsoToken(); // back from single sign-on: the session token is in the address's fragment
   wire();
+  setupSso();
   if (!session.token) { showAuth(); return; }
   try {
     state.user = await api.me();

@@ -166,7 +166,8 @@ class AnswerJob:
         draft, limit = gen.draft, gen.prompt_tokens
         if draft is None:  # taken over: its reservation was adopted, nothing to fit
             draft, limit = self.prompts.plan(*await self.prompts.load(gen.conversation_id, gen.user_message_id),
-                                             run.max_tokens), self.prompts.context_window - run.max_tokens
+                                             run.max_tokens, system=await self.prompts.system_for(run.ask.user.id)
+                                             ), self.prompts.context_window - run.max_tokens
         summary = await self.prompts.write_summary(draft, gen.conversation_id, run.limits.model, gen.next_summary_id,
                                                    run.charge, lambda request: admitted_summary(run, request))
 
@@ -181,7 +182,7 @@ class AnswerJob:
     async def _run_tools(self, gen: Generation, run: Run, messages: list[dict], text: str, calls: list[ToolCall],
                          out: Outcome) -> list[dict]:
         """Run a round's calls; the prompt for the next round (the round's turn, then one turn per result)."""
-        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id, self.blobs)
+        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id, self.blobs, self.settings)
         budget = self.settings.chat.max_tool_calls_per_answer
         turns = [{"role": "assistant", "content": "\n".join([text] * bool(text) + [c.text() for c in calls])}]
         for call in calls:

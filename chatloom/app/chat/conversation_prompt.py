@@ -15,7 +15,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from chatloom.app.chat.branches import Tree
+from chatloom.app.core.memory import system_prompt_for
 from chatloom.app.core.errors import ApiError
 from chatloom.app.chat.message_images import with_images
 from chatloom.store.blobs import BlobStore
@@ -52,6 +55,7 @@ class Draft:
     to_summarize: list[Turn] = field(default_factory=list)
     summary_tokens: int = 0
     context: str = ""  # what the system message gains before the summary: passages of the user's files
+    system: str = ""  # the system prompt (the server's, with the user's instructions and memories)
 
     @property
     def pending(self) -> bool:
@@ -106,6 +110,14 @@ class PromptAssembler:
                            f"{self.context_window}-token context window", "context_length_exceeded", "text")
 
     # -- planning: before the answer starts -------------------------------------------------
+    async def system_for(self, user_id: str, session: AsyncSession | None = None) -> str:
+        """The system prompt of the user's answers: the server's, their instructions and memories. Read in
+        `session` where the caller holds one: a second connection per request would drain the pool."""
+        if session is not None:
+            return await system_prompt_for(session, self.settings, user_id, self.backend.count_tokens)
+        async with self.db.session() as own:
+            return await system_prompt_for(own, self.settings, user_id, self.backend.count_tokens)
+
     async def load(self, conversation_id: str, question_id: str) -> tuple[list[Turn], str | None]:
         """The branch ending at `question_id` from the store: its turns after the summary, and the summary."""
         async with self.db.session() as session:
@@ -123,17 +135,20 @@ class PromptAssembler:
         return await with_images(session, self.blobs, turns, self.settings.vision.max_image_pixels)
 
     def plan(self, history: list[Turn], summary: str | None, max_tokens: int, extra_tokens: int = 0,
-             context: str = "") -> Draft:
+             context: str = "", system: str | None = None) -> Draft:
         """Which turns go in, from their stored counts. `extra_tokens`: what the prompt as sent adds to the
         system prompt and the turns (tool descriptions, thinking instructions, an answer being continued).
-        `context`: retrieved passages for the system message (their tokens come out of the history's room)."""
+        `context`: retrieved passages for the system message (their tokens come out of the history's room).
+        `system`: the system prompt (system_for); default the server's."""
         count = self.backend.count_tokens
+        system = system if system is not None else self.settings.chat.system_prompt
         plan = plan_prompt(history, budget=self.context_window - max_tokens, cost=self.template_cost,
-                           system_tokens=count(self.settings.chat.system_prompt + context) + extra_tokens,
+                           system_tokens=count((system or self.settings.chat.system_prompt) + context) + extra_tokens,
                            summary_tokens=count(SUMMARY_HEADER + summary) if summary else 0,
                            summary_reserve=self.summary_max_tokens() + count(SUMMARY_HEADER),
                            keep_fraction=self.settings.chat.summary_keep_fraction)
-        draft = Draft(summary if plan.use_summary else None, list(plan.kept), list(plan.to_summarize), context=context)
+        draft = Draft(summary if plan.use_summary else None, list(plan.kept), list(plan.to_summarize),
+                      context=context, system=system)
         if draft.pending:
             draft.summary_tokens = self.summary_cost(draft.summary, draft.to_summarize)
         return draft
@@ -141,7 +156,7 @@ class PromptAssembler:
     def build(self, draft: Draft, summary: str | None, count: Callable[[list[dict]], int], limit: int) -> list[dict]:
         """The messages: system prompt (with `summary`) and the draft's turns, the oldest dropped while the
         prompt as sent (`count`) takes more than `limit` tokens; the newest turn is always kept."""
-        system = self.settings.chat.system_prompt + draft.context
+        system = (draft.system or self.settings.chat.system_prompt) + draft.context
         kept = list(draft.kept)
         messages = build_messages(system, summary, kept)
         # Stored counts are estimates of the rendered prompt; drop the oldest turns if the exact count disagrees.
@@ -154,7 +169,8 @@ class PromptAssembler:
         """An upper bound of the tokens of the prompt `build` will make once a pending summary is written:
         the draft's turns counted exactly, plus the largest summary; at most `limit` unless even the
         turns without a summary take more (build then drops turns to fit)."""
-        without = count(build_messages(self.settings.chat.system_prompt + draft.context, None, draft.kept))
+        without = count(build_messages((draft.system or self.settings.chat.system_prompt) + draft.context, None,
+                                       draft.kept))
         if not draft.pending:
             return without
         most = without + self.backend.count_tokens(SUMMARY_HEADER) + self.summary_max_tokens() + SUMMARY_JOIN_SLACK

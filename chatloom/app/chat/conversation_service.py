@@ -143,7 +143,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             passages = await self._passages(options.user, conv.id, text)
             history = await self.prompts.with_images(session, history)
             planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens, tuple(images))],
-                                                summary, context=context_text(passages))
+                                                summary, context=context_text(passages), session=session)
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             if images:
@@ -213,7 +213,8 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             tree = Tree(await Messages(session).all_in(conv.id))
             passages = await self._passages(options.user, conv.id, tree.by_id[question_id].text)
             planned = await self.reserve_answer(run, *branch_turns(tree.path_to(question_id), conv.summary,
-                                                                    conv.summary_upto), context=context_text(passages))
+                                                                    conv.summary_upto), context=context_text(passages),
+                                                session=session)
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
                                                  status="incomplete", writer=self.jobs.instance)
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
@@ -232,23 +233,27 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         if run is not None:
             await run.close()
 
-    async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None,
-                              prefix: str = "", context: str = "") -> tuple[ChatPrompt | None, Draft, int]:
+    async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None, prefix: str = "",
+                              context: str = "", session: AsyncSession | None = None
+                              ) -> tuple[ChatPrompt | None, Draft, int]:
         """Plan the answer's prompt (no model work) and reserve its quota, before any response: the prompt
         exactly as it will be sent when no summary has to be written first, else an upper bound of it plus
         an allowance for the summary; and, with tools, the rounds after the first. Raises the 400, 429 or
         503 of `Run.reserve`. Returns (the prompt or None, the draft, the tokens reserved for the prompt)
         for `_start`. `prefix`: the answer's text so far, which the prompt continues; `context`: retrieved
-        passages for the system message."""
+        passages for the system message; `session`: the caller's, to read the user's instructions and
+        memories in."""
         limit = self.prompts.context_window - run.max_tokens
 
         def count(messages: list[dict]) -> int:
             return run.prompt_tokens(self._final_prompt(run, messages, prefix))
 
+        system = await self.prompts.system_for(run.ask.user.id, session)
+
         def plan() -> tuple[ChatPrompt | None, Draft, int]:
-            bare = [{"role": "system", "content": self.settings.chat.system_prompt}]
+            bare = [{"role": "system", "content": system}]
             extra = count(bare) - self.backend.count_prompt_tokens(bare)  # tools, thinking, the prefix
-            draft = self.prompts.plan(history, summary, run.max_tokens, extra, context)
+            draft = self.prompts.plan(history, summary, run.max_tokens, extra, context=context, system=system)
             if draft.pending:
                 return None, draft, self.prompts.bound(draft, count, limit)
             prompt = self._final_prompt(run, self.prompts.build(draft, draft.summary, count, limit), prefix)

@@ -185,7 +185,8 @@ async def continue_answer(service: ConversationService, session, conv, message_i
             raise ApiError(409, "this answer has no text to continue from; regenerate it instead", "not_continuable")
         tree = Tree(await Messages(session).all_in(conv.id))
         planned = await service.reserve_answer(run, *branch_turns(tree.path_to(target.parent_id), conv.summary,
-                                                                  conv.summary_upto), prefix=target.text)
+                                                                  conv.summary_upto), prefix=target.text,
+                                                   session=session)
         await session.execute(update(Message).where(Message.id == target.id).values(
             status="incomplete", finish_reason=None, interrupted_reason=None, error=None, heartbeat=utcnow(),
             writer=service.jobs.instance))

@@ -119,8 +119,9 @@ class EdgeGuard:
     """ASGI middleware: the body size limit and the text check, before any route runs.
     (Pure ASGI, so streamed answers pass through unbuffered.)
 
-    `larger_bodies` maps exact paths to a larger limit of their own (their bodies are still read and
-    checked here). `uploads` maps the paths that take file uploads (multipart) to their own limit: their
+    `larger_bodies` maps the exact paths of routes that take a file to a limit of their own; their bodies
+    are read here but get no text check, since a file may hold any text (a model's answer with a control
+    character): such a route checks what it reads. `uploads` maps the paths that take file uploads (multipart) to their own limit: their
     bodies are not read here (the route streams them to disk and checks its own limits), only a declared
     Content-Length over that limit is refused."""
 
@@ -169,7 +170,8 @@ class EdgeGuard:
                 break
         body = b"".join(chunks)
         ctype = headers.get(b"content-type", b"").lower()
-        if body and not ctype.startswith((b"multipart/", b"application/x-www-form-urlencoded")):
+        if body and not ctype.startswith((b"multipart/", b"application/x-www-form-urlencoded")) \
+                and path not in self.larger_bodies:
             found = (await asyncio.to_thread(scan_json_body, body) if len(body) > LARGE_BODY_BYTES
                      else scan_json_body(body))
             if found is not None:

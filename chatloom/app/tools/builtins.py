@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from chatloom.app.tools import calculator, clock, search
+from chatloom.app.tools import calculator, clock, remember, search
 from chatloom.app.tools.code_interpreter import CodeInterpreter
 from chatloom.app.tools.mcp_servers import McpTools, UserMcpTools
 from chatloom.app.tools.registry import Tool, ToolRegistry
@@ -22,7 +22,7 @@ from chatloom.store import Database
 
 log = logging.getLogger(__name__)
 
-BUILTINS = {"calculator": calculator.TOOL, "time": clock.TOOL, "search": search.TOOL}
+BUILTINS = {"calculator": calculator.TOOL, "time": clock.TOOL, "search": search.TOOL, "remember": remember.TOOL}
 
 
 def _python(settings: Settings) -> Tool | None:

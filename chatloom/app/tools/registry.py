@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse
+from chatloom.settings import Settings
 from chatloom.store import Database, User
 from chatloom.store.blobs import BlobStore
 
@@ -50,6 +51,7 @@ class ToolContext:
     db: Database
     conversation_id: str
     blobs: BlobStore | None = None  # where a tool keeps the files it produces (the files table's store)
+    settings: Settings | None = None  # for the tools with limits of their own (remember: the memory group)
 
 
 @dataclass(frozen=True)

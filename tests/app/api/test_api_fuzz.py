@@ -110,11 +110,15 @@ def _seed(schema) -> Known:
     r = _call(schema, "POST", "/files", known.token, body={"file": b"Notes on fuzzing the API.", "collection_id": coll},
               media_type="multipart/form-data")
     assert r.status_code == 201, r.text
+    share = _call(schema, "POST", "/conversations/{conversation_id}/shares", known.token,
+                  path_parameters={"conversation_id": cid}).json()
+    memory = _call(schema, "POST", "/memories", known.token, body={"text": "likes fuzzing"}).json()["id"]
     known.ids = {"conversation_id": [cid], "message_id": [m["id"] for m in detail["messages"]],
                  "file_id": [r.json()["id"]], "collection_id": [coll],
                  "key_id": [key], "response_id": [response], "server_id": [mcp], "username": ["fuzzer"],
                  "password": ["correct horse"],
-                 "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"]}
+                 "model_id": ["tiny-random"], "model": ["tiny-random"], "tier": ["free", "plus", "pro"],
+                 "share_id": [share["id"]], "token": [share["token"]], "memory_id": [memory]}
     batches = _seed_batches(schema, known.token)
     batches["file_id"] = known.ids["file_id"] + batches["file_id"]  # the product's /files and /v1/files
     known.ids.update(batches)
@@ -226,8 +230,10 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     known.answers_running = app.state.ctx.conversations.running_count
     operations = [result.ok() for result in schema.get_all_operations()]
     # Deletions last, so the real ids stay valid for the other operations; among them, the deepest paths
-    # first (a conversation's attached file before the conversation), and the account itself at the end.
+    # first (a conversation's attached file before the conversation), then the conversation (deleting it
+    # takes its shared links along), and the account itself at the end.
     operations.sort(key=lambda op: (op.method.upper() == "DELETE", op.path == "/auth/me",
+                                    op.path == "/conversations/{conversation_id}",
                                     -op.path.count("/") if op.method.upper() == "DELETE" else 0))
     tally = Tally()
     for operation in operations:

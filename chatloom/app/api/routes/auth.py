@@ -18,6 +18,7 @@ router = APIRouter(prefix="/auth", tags=["auth"])
 
 @router.post("/signup", status_code=201, response_model=SessionOut, responses=errors(403, 409))
 async def signup(body: Credentials, ctx: Ctx, session: SessionDep) -> SessionOut:
+    _local_login(ctx)
     users = Users(session)
     if not ctx.settings.accounts.allow_signup and await users.count() > 0:
         raise ApiError(403, "sign-up is closed on this server", "signup_closed")
@@ -33,13 +34,20 @@ async def signup(body: Credentials, ctx: Ctx, session: SessionDep) -> SessionOut
     return SessionOut(token=ctx.tokens.issue(user.id), user=UserOut.of(user))
 
 
-@router.post("/login", response_model=SessionOut, responses=errors(401))
+@router.post("/login", response_model=SessionOut, responses=errors(401, 403))
 async def login(body: LoginIn, ctx: Ctx, session: SessionDep) -> SessionOut:
+    _local_login(ctx)
     user = await Users(session).by_username(body.username)
     # Same answer for a wrong name and a wrong password, so names cannot be probed.
     if user is None or not await ctx.passwords.verify(user.password_hash, body.password):
         raise ApiError(401, "wrong username or password", "invalid_credentials")
     return SessionOut(token=ctx.tokens.issue(user.id), user=UserOut.of(user))
+
+
+def _local_login(ctx: Ctx) -> None:
+    """Passwords are refused where single sign-on is on and local accounts are turned off."""
+    if ctx.settings.sso.enabled and not ctx.settings.sso.local_login:
+        raise ApiError(403, "this server signs in with single sign-on only (GET /auth/sso/login)", "sso_only")
 
 
 @router.get("/me", response_model=UserOut, responses=SIGNED_IN)

@@ -28,6 +28,11 @@ HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "Co
 router = APIRouter(tags=["web"], include_in_schema=False)
 
 
+def page(path: Path) -> FileResponse:
+    """A file of chatloom/web/ with the app's headers (strict CSP, no caching, no referrer)."""
+    return _file(path)
+
+
 def _file(path: Path) -> FileResponse:
     return FileResponse(path, media_type=MEDIA_TYPES.get(path.suffix, "application/octet-stream"), headers=HEADERS)
 

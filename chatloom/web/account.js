@@ -1,0 +1,154 @@
+// The account's own places: the share button of a conversation, the settings panel (custom instructions,
+// memories, shared links, export and import) and single sign-on on the login screen.
+import { request, session } from './api.js';
+import { $, el } from './dom.js';
+import { describeError, showNotice } from './notice.js';
+
+const enc = encodeURIComponent;
+
+// -- single sign-on ---------------------------------------------------------------------
+
+// After /auth/sso/callback the app opens at /#sso_token=...: keep the token, drop it from the address bar.
+export function takeSsoToken() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  const token = params.get('sso_token');
+  if (!token) return false;
+  session.token = token;
+  history.replaceState(null, '', location.pathname + location.search);
+  return true;
+}
+
+export async function setupSso() {
+  let info;
+  try { info = await request('GET', '/auth/sso'); } catch { return; }
+  const button = $('sso-button');
+  button.hidden = !info.enabled;
+  if (info.enabled) button.textContent = info.label;
+  for (const node of document.querySelectorAll('.local-login')) node.hidden = !info.local_login;
+}
+
+// -- sharing ----------------------------------------------------------------------------
+
+async function share(conversationId) {
+  if (!conversationId) { showNotice('Send a message first: an empty chat has nothing to share.'); return; }
+  try {
+    const link = await request('POST', `/conversations/${enc(conversationId)}/shares`);
+    const url = new URL(link.url, location.origin).href;
+    const input = $('share-url');
+    input.value = url;
+    $('share-dialog').showModal();
+    input.select();
+  } catch (err) {
+    showNotice(describeError(err));
+  }
+}
+
+// -- settings: instructions, memories, links, export and import ---------------------------
+
+function memoryRow(m, reload) {
+  const text = el('input', { class: 'memory-text', value: m.text, 'aria-label': 'Memory', maxlength: 500 });
+  const save = el('button', { type: 'button', class: 'link', text: 'Save', onclick: () => act('PATCH', { text: text.value }) });
+  const confirm = m.status === 'proposed'
+    ? el('button', { type: 'button', class: 'link confirm', text: 'Keep', onclick: () => act('POST', undefined, '/confirm') })
+    : null;
+  const remove = el('button', { type: 'button', class: 'link danger', text: m.status === 'proposed' ? 'Decline' : 'Delete',
+    onclick: () => act('DELETE') });
+  async function act(method, body, suffix = '') {
+    try { await request(method, `/memories/${enc(m.id)}${suffix}`, { body }); await reload(); }
+    catch (err) { settingsError(err); }
+  }
+  return el('li', { class: `memory ${m.status}`, dataset: { id: m.id, status: m.status } },
+    m.status === 'proposed' ? el('span', { class: 'badge', text: 'suggested' }) : null, text, save, confirm, remove);
+}
+
+function linkRow(s, reload) {
+  const url = new URL(s.url, location.origin).href;
+  return el('li', { class: 'shared-link', dataset: { id: s.id } },
+    el('a', { href: url, target: '_blank', rel: 'noopener', text: s.title }),
+    el('span', { class: 'muted', text: ` ${s.message_count} messages` }),
+    el('button', { type: 'button', class: 'link danger', text: 'Revoke', onclick: async () => {
+      try { await request('DELETE', `/shares/${enc(s.id)}`); await reload(); } catch (err) { settingsError(err); }
+    } }));
+}
+
+function settingsError(err) {
+  const box = $('settings-error');
+  box.textContent = err ? describeError(err) : '';
+  box.hidden = !err;
+}
+
+async function loadSettings() {
+  settingsError(null);
+  try {
+    const [instructions, memories, links] = await Promise.all([
+      request('GET', '/me/instructions'), request('GET', '/memories'), request('GET', '/shares')]);
+    $('instructions').value = instructions.text;
+    $('memory-list').replaceChildren(...memories.map((m) => memoryRow(m, loadSettings)));
+    $('link-list').replaceChildren(...(links.length ? links.map((s) => linkRow(s, loadSettings))
+      : [el('li', { class: 'muted', text: 'No shared links.' })]));
+  } catch (err) { settingsError(err); }
+}
+
+async function download(format) {
+  try {
+    const res = await request('GET', `/conversations/export?format=${format}`, { raw: true });
+    const blob = await res.blob();
+    const a = el('a', { href: URL.createObjectURL(blob), download: `chatloom-conversations.${format === 'json' ? 'json' : 'md'}` });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+  } catch (err) { settingsError(err); }
+}
+
+async function importFile(file, onImported) {
+  const status = $('import-status');
+  status.textContent = 'Importing…';
+  try {
+    const res = await fetch('/conversations/import', {
+      method: 'POST', body: file,
+      headers: { Authorization: `Bearer ${session.token}`, 'Content-Type': 'application/json' },
+    });
+    const body = await res.json().catch(() => ({}));
+    if (!res.ok) throw new Error(body?.error?.message || `${res.status} ${res.statusText}`);
+    status.textContent = `Imported ${body.conversation_ids.length} conversations (${body.messages} messages).`;
+    onImported();
+  } catch (err) {
+    status.textContent = '';
+    settingsError(err);
+  }
+}
+
+export function setupAccount({ conversationId, onImported }) {
+  $('share').addEventListener('click', () => share(conversationId()));
+  $('share-copy').addEventListener('click', () => {
+    navigator.clipboard?.writeText($('share-url').value).then(() => { $('share-copy').textContent = 'Copied'; }).catch(() => {});
+  });
+  $('share-close').addEventListener('click', () => { $('share-dialog').close(); $('share-copy').textContent = 'Copy'; });
+  $('open-settings').addEventListener('click', () => { $('settings-dialog').showModal(); loadSettings(); });
+  $('settings-close').addEventListener('click', () => $('settings-dialog').close());
+  $('instructions-save').addEventListener('click', async () => {
+    try {
+      await request('PUT', '/me/instructions', { body: { text: $('instructions').value } });
+      $('instructions-save').textContent = 'Saved';
+      setTimeout(() => { $('instructions-save').textContent = 'Save'; }, 1500);
+      settingsError(null);
+    } catch (err) { settingsError(err); }
+  });
+  $('memory-add').addEventListener('submit', async (e) => {
+    e.preventDefault();
+    const input = $('memory-new');
+    try {
+      await request('POST', '/memories', { body: { text: input.value } });
+      input.value = '';
+      await loadSettings();
+    } catch (err) { settingsError(err); }
+  });
+  $('export-json').addEventListener('click', () => download('json'));
+  $('export-markdown').addEventListener('click', () => download('markdown'));
+  $('import-file').addEventListener('change', (e) => {
+    const file = e.target.files?.[0];
+    if (file) importFile(file, onImported);
+    e.target.value = '';
+  });
+}
