@@ -76,7 +76,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs, blobs), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s),
-        blobs=blobs,
+        blobs=blobs, scaler=scaler,
     )
 
     @asynccontextmanager

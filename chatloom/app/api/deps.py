@@ -22,6 +22,7 @@ from chatloom.app.generation.pipeline import Pipeline
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import Traffic
 from chatloom.serving import Backend
+from chatloom.serving.local_scaler import LocalFleetScaler
 from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users
 from chatloom.store.blobs import BlobStore
 
@@ -41,6 +42,7 @@ class AppContext:
     hot: HotState  # quotas, stream logs, stops, job leases: in memory, or shared by the gateways in Redis
     callers: CallerCache  # recently authenticated callers (spares the database a lookup per request)
     blobs: BlobStore  # uploaded files' bytes (rows in the files table say whose and what)
+    scaler: LocalFleetScaler | None = None  # the predictive autoscaler, when it is on
 
 
 def get_context(request: Request) -> AppContext:
