@@ -2,7 +2,9 @@
 while requests are being made; anyone else sees no entry and is refused."""
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 
 import httpx
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from app_testing import LiveServer, make_settings
 from browser_testing import DESKTOP, screenshot, sign_up, unique_name, wait_js
 from chatloom.app.main import create_app
+from chatloom.serving import BackendStats, Timings
 from scripted_backend import ScriptedBackend
 
 ADMIN, PASSWORD = "root", "correct horse battery"
@@ -20,12 +23,38 @@ def points(chart: str) -> str:
     return f"Number(document.getElementById('{chart}').dataset.points)"
 
 
+class MeasuredBackend(ScriptedBackend):
+    """The scripted answers, with the latencies an engine reports and a KV cache that fills with the
+    answers running, so goodput and KV occupancy have something to show."""
+
+    running = 0
+
+    def stats(self) -> BackendStats:
+        return BackendStats(ready=True, num_requests_running=self.running,
+                            kv_cache_usage_perc=min(1.0, 0.15 + 0.3 * self.running))
+
+    async def stream(self, request):
+        start, first = time.monotonic(), None
+        self.running += 1
+        try:
+            async for delta in super().stream(request):
+                first = first or time.monotonic()
+                if delta.finished:
+                    end = time.monotonic()
+                    n = max(1, delta.completion_tokens - 1)
+                    delta = dataclasses.replace(delta, metrics=Timings(ttft=first - start, tpot=(end - first) / n,
+                                                                       e2e=end - start))
+                yield delta
+        finally:
+            self.running -= 1
+
+
 @pytest.fixture(scope="module")
 def ops_server(tmp_path_factory):
     # Its own server, so the first account (the admin) is this module's.
     settings = make_settings(tmp_path_factory.mktemp("e2e-ops"), sampling={"max_tokens": 1000},
-                             autoscale={"enabled": True, "capacity_rps": 1.0, "interval_s": 0.5})
-    with LiveServer(create_app(settings, ScriptedBackend())) as live:
+                             autoscale={"enabled": True, "capacity_rps": 1.0, "interval_s": 0.5, "startup_s": 1.0})
+    with LiveServer(create_app(settings, MeasuredBackend())) as live:
         r = httpx.post(f"{live.url}/auth/signup", json={"username": ADMIN, "password": PASSWORD})
         assert r.status_code == 201 and r.json()["user"]["is_admin"], r.text
         yield live
