@@ -10,6 +10,11 @@ const POLL_MS = 2000;
 const KEEP = 300; // snapshots kept: ten minutes at one every 2 s
 const COLORS = ['#10a37f', '#3b82f6', '#d97706', '#d03a3a', '#8b5cf6', '#0891b2', '#db2777', '#65a30d'];
 
+// Axis text and grid in the page's own colours, so dark mode stays readable.
+const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+const ink = () => css('--muted') || '#6b7280';
+const line = () => css('--border') || '#e3e4e8';
+
 const history = []; // { t, snapshot, arrivalsPerS }
 let timer = null;
 
@@ -35,7 +40,8 @@ class Chart {
       this.plot = new uPlot({
         width: this.width(), height: 200,
         scales: { x: { time: true }, y: this.range ? { range: this.range } : { auto: true } },
-        axes: [{}, { label: this.yLabel, size: 60 }],
+        axes: [{ stroke: ink(), grid: { stroke: line() }, ticks: { stroke: line() } },
+          { label: this.yLabel, size: 60, stroke: ink(), grid: { stroke: line() }, ticks: { stroke: line() } }],
         series: [{}, ...series.map((s, i) => ({ label: s.name, stroke: COLORS[i % COLORS.length], width: 2,
           scale: 'y', spanGaps: false }))],
       }, [xs, ...series.map((s) => s.values)], this.figure);
