@@ -96,7 +96,8 @@ class OpsSnapshot(BaseModel):
     classes: list[OpsClass]
     degrade: OpsDegrade
     autoscale: OpsAutoscale
-    replicas: list[OpsReplica] = Field(description="The router's replicas; empty for a single backend.")
+    replicas: list[OpsReplica] = Field(description="The router's replicas (every model's, behind several "
+                                                   "models); empty for a single backend.")
     usage_by_tier: list[OpsTierUsage]
 
 
@@ -117,6 +118,15 @@ def _backend_stats(ctx: AppContext) -> BackendStats | None:
         return ctx.backend.stats()
     except Exception:  # a backend between states: the page shows no load rather than failing
         return None
+
+
+def _replicas(stats: BackendStats | None) -> list[ReplicaStatus]:
+    """The router's replicas; behind a multi-model backend, every model's router's, in model order."""
+    if stats is None:
+        return []
+    if stats.models:  # the top level repeats the default model's figures: read each model's once
+        return [r for _, m in sorted(stats.models.items()) for r in (m.replicas or [])]
+    return list(stats.replicas or [])
 
 
 def _classes(ctx: AppContext) -> list[OpsClass]:
@@ -154,7 +164,7 @@ def snapshot(ctx: AppContext, day: str, tiers: list[tuple[str, int, int, int, in
         degrade=OpsDegrade(enabled=t.ladder is not None, level=level, step=STEPS[level - 1] if level else None,
                            steps=list(STEPS)),
         autoscale=_autoscale(ctx),
-        replicas=[OpsReplica.of(r) for r in (stats.replicas or [])] if stats is not None else [],
+        replicas=[OpsReplica.of(r) for r in _replicas(stats)],
         usage_by_tier=[OpsTierUsage(tier=tier, users=users, requests=req, prompt_tokens=p, completion_tokens=c,
                                     cached_tokens=cached, total_tokens=p + c)
                        for tier, users, req, p, c, cached in tiers])

@@ -4,6 +4,7 @@ forecast, replicas' states, usage per tier)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Callable
 
@@ -109,3 +110,23 @@ async def test_figures_move_under_load(tmp_path):
     free = after["usage_by_tier"][0]
     assert free["tier"] == "free" and free["users"] == 3 and free["requests"] == 6
     assert free["total_tokens"] == free["prompt_tokens"] + free["completion_tokens"] > 0
+
+
+class TwoModels(ScriptedBackend):
+    """A multi-model backend: each model's router has its replicas."""
+
+    def stats(self) -> BackendStats:
+        def model(url: str, healthy: bool) -> BackendStats:
+            return BackendStats(True, replicas=[ReplicaStatus(url, healthy, False, 0, 0, False, 0)])
+        per_model = {"small": model("http://s1", False), "big": model("http://b1", True)}
+        # As MultiModelBackend: the default model's figures, with every model's beside them.
+        return dataclasses.replace(per_model["small"], models=per_model)
+
+
+async def test_every_models_replicas_behind_a_multi_model_backend(tmp_path):
+    app = create_app(make_settings(tmp_path, moderation={"mode": "off"}), TwoModels())
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            snap = (await c.get("/admin/ops", headers=await signup(c, "root"))).json()
+    assert [(r["url"], r["state"]) for r in snap["replicas"]] == [("http://b1", "ready"), ("http://s1", "ejected")]
+    assert snap["kv_cache_usage"] is None and len(snap["replicas"]) == 2
