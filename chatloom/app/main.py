@@ -90,7 +90,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs, blobs, retriever), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s), blobs=blobs, files=file_service, retriever=retriever,
-        speech=speech,
+        speech=speech, scaler=scaler,
     )
 
     runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,

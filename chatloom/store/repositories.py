@@ -217,6 +217,16 @@ class UsageRows:
         rows = await self.s.execute(q.order_by(DailyUsage.day.desc(), User.username, DailyUsage.model))
         return [(u, name) for u, name in rows.all()]
 
+    async def by_tier(self, day: str) -> list[tuple[str, int, int, int, int, int]]:
+        """One day's totals per user tier (the tier users have now): (tier, users, requests,
+        prompt_tokens, completion_tokens, cached_tokens), by tier name."""
+        q = (select(User.tier, func.count(func.distinct(DailyUsage.user_id)), func.sum(DailyUsage.requests),
+                    func.sum(DailyUsage.prompt_tokens), func.sum(DailyUsage.completion_tokens),
+                    func.sum(DailyUsage.cached_tokens))
+             .join(User, User.id == DailyUsage.user_id).where(DailyUsage.day == day)
+             .group_by(User.tier).order_by(User.tier))
+        return [(tier, *(int(v or 0) for v in rest)) for tier, *rest in (await self.s.execute(q)).all()]
+
 
 class FeedbackRows:
     def __init__(self, session: AsyncSession) -> None:

@@ -63,6 +63,7 @@ async function enterApp() {
   $('auth').hidden = true;
   $('app').hidden = false;
   $('username').textContent = state.user?.username || '';
+  $('ops-link').hidden = !state.user?.is_admin; // the API refuses everyone else anyway
   loadModels();
   refreshUsage();
   await refreshConversations();

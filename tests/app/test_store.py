@@ -80,3 +80,25 @@ async def test_repositories_round_trip(db_url):
         assert await Messages(s).all_in(conv.id) == []
         assert not await Messages(s).finish(a.id, text="late")
     await db.close()
+
+
+async def test_usage_totals_per_tier_for_one_day(db_url):
+    from chatloom.store import UsageRows
+
+    db = Database(db_url)
+    await db.migrate()
+    async with db.session() as s:
+        users = Users(s)
+        a, b, c = [await users.create(n, None) for n in ("a", "b", "c")]
+        await users.set_tier("c", "pro")
+        rows = UsageRows(s)
+        await rows.add(a.id, "2026-01-02", "m1", 10, 5, 4)
+        await rows.add(a.id, "2026-01-02", "m2", 1, 1, 0)
+        await rows.add(b.id, "2026-01-02", "m1", 20, 10, 0, requests=3)
+        await rows.add(c.id, "2026-01-02", "m1", 7, 3, 2)
+        await rows.add(c.id, "2026-01-01", "m1", 100, 100, 100)  # another day
+        await s.commit()
+    async with db.session() as s:
+        assert await UsageRows(s).by_tier("2026-01-02") == [("free", 2, 5, 31, 16, 4), ("pro", 1, 1, 7, 3, 2)]
+        assert await UsageRows(s).by_tier("2026-01-03") == []
+    await db.close()

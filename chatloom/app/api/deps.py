@@ -24,6 +24,7 @@ from chatloom.app.generation.pipeline import Pipeline
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import Traffic
 from chatloom.serving import Backend
+from chatloom.serving.local_scaler import LocalFleetScaler
 from chatloom.store import ApiKeys, Conversation, Conversations, Database, User, Users
 from chatloom.store.blobs import BlobStore
 from chatloom.serving.speech import SpeechBackend
@@ -47,6 +48,7 @@ class AppContext:
     files: Files  # a user's files for retrieval: upload, index, attach, delete (app/files/)
     retriever: Retriever  # their passages for a question
     speech: SpeechBackend | None = None  # speech to text, where a Whisper model is set ([speech] model)
+    scaler: LocalFleetScaler | None = None  # the predictive autoscaler, when it is on
 
 
 def get_context(request: Request) -> AppContext:

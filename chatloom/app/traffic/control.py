@@ -39,6 +39,7 @@ class Traffic:
     reasoning_max_effort: str = "high"
     ladder: DegradeLadder | None = None  # degrade before refusing; None: never
     arrivals: int = 0  # requests that came to the admission queue (each tool round too): the autoscaler's input
+    recent_wait: RecentMax | None = None  # the longest admission-queue wait of the last seconds
 
     # -- degrade before refusing --------------------------------------------------------
     def _step(self, step: str) -> bool:
@@ -200,7 +201,7 @@ def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic
     return Traffic(settings=settings, tiers=TierTable.load(settings.traffic.tiers_file, default=settings.traffic.default_tier),
                    quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings),
                    metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.traffic.reasoning_max_effort,
-                   ladder=ladder)
+                   ladder=ladder, recent_wait=recent_wait)
 
 
 def check_degrade_model(settings: Settings, backend: Backend) -> None:

@@ -1,4 +1,5 @@
-"""Administration: everyone's usage and feedback, tiers, the reasoning cap, engine and queue figures."""
+"""Administration: everyone's usage and feedback, tiers, the reasoning cap, engine and queue figures,
+and the Operations page's snapshot."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Query
@@ -6,7 +7,9 @@ from fastapi import APIRouter, Query
 from chatloom.app.api.deps import AdminUser, Ctx, SessionDep
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.api.openapi_responses import ADMIN, errors
+from chatloom.app.api.ops_schemas import OpsSnapshot, snapshot
 from chatloom.app.traffic.admission import REASONING
+from chatloom.app.traffic.metering import utc_day
 from chatloom.app.traffic.reasoning import EFFORTS
 from chatloom.app.api.routes.usage import since
 from chatloom.app.core.validation import Offset
@@ -77,3 +80,11 @@ async def stats(_admin: AdminUser, ctx: Ctx) -> StatsOut:
     return StatsOut(backend=ctx.backend.stats(),
                     running_generations=ctx.conversations.running_count(),
                     admission=AdmissionOut.of(ctx.traffic.admission))
+
+
+@router.get("/ops", response_model=OpsSnapshot)
+async def ops(_admin: AdminUser, ctx: Ctx, session: SessionDep) -> OpsSnapshot:
+    """The load now, for the Operations page: replicas, the admission queue, KV occupancy, goodput per
+    class, the degrade ladder, the autoscaler, and today's usage per tier."""
+    day = utc_day()
+    return snapshot(ctx, day, await UsageRows(session).by_tier(day))
