@@ -267,7 +267,7 @@ def run_sizes(targets: list[Target], plan: SizesPlan, servers: tuple[str, ...] =
         roofline_s = step_bytes / (bandwidth * 1e9)
         entry: dict = {"model": str(target.gguf), "hf_folder": str(target.hf_folder) if target.hf_folder else None,
                        "file_bytes": target.gguf.stat().st_size, "weight_bytes_per_step": step_bytes,
-                       "roofline_tpot_ms": round(roofline_s * 1000, 2), "servers": {}}
+                       "roofline_tpot_ms": float(f"{roofline_s * 1000:.4g}"), "servers": {}}
         tokenizer = load_tokenizer(str(target.gguf))
         for name in servers:
             # The same prompts for every server: the same seed, drawn afresh.

@@ -154,12 +154,15 @@ class Sandbox:
             if os.path.exists(f):
                 parents(f)
                 args += ["--ro-bind", f, f]
+        # /tmp before the interpreter: one that lives under /tmp (a checkout there, its venv) is bound on
+        # top of the empty /tmp, not hidden by it.
+        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(_TMP_BYTES), "--perms", "1777", "--tmpfs", "/tmp"]
+        made.add("/tmp")
         for p in interpreter_paths(self.python):
             parents(p)
             args += ["--ro-bind", p, p]
             if self.data_dir == Path(p) or Path(p) in self.data_dir.parents:  # never the data folder
                 args += ["--tmpfs", str(self.data_dir)]
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(_TMP_BYTES), "--perms", "1777", "--tmpfs", "/tmp"]
         for inside in (SCRATCH, INSIDE_RUNNER):
             parents(inside)
         args += ["--bind", str(scratch), SCRATCH, "--bind", str(plots), PLOTS,
