@@ -140,7 +140,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             self.prompts.check_fits(text_tokens, run.max_tokens)
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
                                             conv.summary_upto)
-            passages = await self._passages(options.user, conv.id, text)
+            passages = await self._passages(session, options.user, conv.id, text)
             history = await self.prompts.with_images(session, history)
             planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens, tuple(images))],
                                                 summary, context=context_text(passages), session=session)
@@ -166,11 +166,12 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             await self._give_back(conv.id, claimed, run)
             raise
 
-    async def _passages(self, user: User, conversation_id: str, text: str) -> list[Passage]:
-        """The passages of the conversation's files for this message (none without a retriever or files)."""
+    async def _passages(self, session: AsyncSession, user: User, conversation_id: str, text: str) -> list[Passage]:
+        """The passages of the conversation's files for this message (none without a retriever or files),
+        read in the request's own session."""
         if self.retriever is None:
             return []
-        return await self.retriever.for_conversation(user, conversation_id, text)
+        return await self.retriever.for_conversation(user, conversation_id, text, session=session)
 
     async def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
         if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
@@ -211,7 +212,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             if question_id is None:
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
             tree = Tree(await Messages(session).all_in(conv.id))
-            passages = await self._passages(options.user, conv.id, tree.by_id[question_id].text)
+            passages = await self._passages(session, options.user, conv.id, tree.by_id[question_id].text)
             planned = await self.reserve_answer(run, *branch_turns(tree.path_to(question_id), conv.summary,
                                                                     conv.summary_upto), context=context_text(passages),
                                                 session=session)

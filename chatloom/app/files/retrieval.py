@@ -9,10 +9,14 @@ prompt numbers them, so an answer's "[2]" opens the second passage.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from dataclasses import asdict, dataclass
+from typing import AsyncIterator
 
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.core.errors import ApiError
 from chatloom.app.files.search import fulltext, fuse, nearest
@@ -63,19 +67,32 @@ class Retriever:
         self.settings = files.settings
 
     async def search(self, user: User, file_ids: list[str], query: str, mode: str = "hybrid",
-                     limit: int | None = None) -> list[int]:
-        """Passage ids of `file_ids` for `query`, best first: "fulltext", "vector" or "hybrid" (fused)."""
+                     limit: int | None = None, session: AsyncSession | None = None) -> list[int]:
+        """Passage ids of `file_ids` for `query`, best first: "fulltext", "vector" or "hybrid" (fused).
+        `session`: the caller's, used instead of a connection of its own."""
         limit = limit or self.settings.files.top_k
+        found = None
+        if mode in ("vector", "hybrid") and self.settings.files.embeddings:
+            # Before any connection is held: the question's embedding may wait in the admission queue.
+            found = await self._query_vector(user, query)
         rankings: list[list[int]] = []
-        async with self.files.db.session() as session:
+        async with self._session(session) as s:
             if mode in ("fulltext", "hybrid"):
-                rankings.append(await fulltext(session, user.id, file_ids, query, CANDIDATES))
-            if mode in ("vector", "hybrid") and self.settings.files.embeddings:
-                found = await self._query_vector(user, query)
-                if found is not None:
-                    model, vector = found
-                    rankings.append(await nearest(session, user.id, file_ids, vector, model, CANDIDATES))
+                rankings.append(await fulltext(s, user.id, file_ids, query, CANDIDATES))
+            if found is not None:
+                model, vector = found
+                rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES))
         return fuse(rankings, self.settings.files.rrf_k)[:limit]
+
+    @contextlib.asynccontextmanager
+    async def _session(self, session: AsyncSession | None) -> AsyncIterator[AsyncSession]:
+        """The caller's session, or one of our own: a request answering a message already holds one
+        connection, and a second per request runs the pool dry under a burst."""
+        if session is not None:
+            yield session
+        else:
+            async with self.files.db.session() as own:
+                yield own
 
     async def _query_vector(self, user: User, query: str) -> tuple[str, list[float]] | None:
         try:
@@ -85,20 +102,22 @@ class Retriever:
             return None
         return model, result.vectors[0]
 
-    async def for_conversation(self, user: User, conversation_id: str, query: str) -> list[Passage]:
-        """The passages for a new message in a conversation, within the prompt budget; [] without files."""
+    async def for_conversation(self, user: User, conversation_id: str, query: str,
+                               session: AsyncSession | None = None) -> list[Passage]:
+        """The passages for a new message in a conversation, within the prompt budget; [] without files.
+        `session`: the caller's, used instead of a connection of its own."""
         budget = self.settings.files.prompt_tokens
         if budget <= 0 or not query.strip():
             return []
-        async with self.files.db.session() as session:
-            file_ids = await self.files.scope(session, user.id, conversation_id)
+        async with self._session(session) as s:
+            file_ids = await self.files.scope(s, user.id, conversation_id)
         if not file_ids:
             return []
-        ids = await self.search(user, file_ids, query)
+        ids = await self.search(user, file_ids, query, session=session)
         if not ids:
             return []
-        async with self.files.db.session() as session:
-            rows = (await session.execute(select(FileChunk, StoredFile.filename).join(
+        async with self._session(session) as s:
+            rows = (await s.execute(select(FileChunk, StoredFile.filename).join(
                 StoredFile, StoredFile.id == FileChunk.file_id).where(FileChunk.id.in_(ids),
                                                                       FileChunk.user_id == user.id))).all()
         by_id = {chunk.id: (chunk, name) for chunk, name in rows}
