@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from chatloom.sim.cost import mean_request
 from chatloom.sim.fleet import PolicySpec, run_fleet
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.report import SLO, summarize
@@ -23,9 +24,8 @@ from chatloom.sim.arrivals import TrafficModel
 def replica_capacity(spec: ReplicaSpec, traffic: TrafficModel) -> dict:
     """Back-of-envelope decode throughput of one replica: the batch the KV pool and the sequence cap
     allow at the mean context, over the step time at that batch."""
-    answer = traffic.mean_answer_tokens
-    prompt = traffic.system_prompt_tokens + traffic.mean_turns * (traffic.user_median_tokens + answer) / 2
-    ctx = min(prompt + answer / 2, spec.max_model_len)
+    prompt, answer = mean_request(traffic, spec)
+    ctx = prompt + answer / 2
     batch = int(max(1, min(spec.max_num_seqs, spec.pool_tokens // max(ctx + answer / 2, 1))))
     step = spec.step_time.step_time(BatchShape(batch, 0, int(batch * ctx), 0, 0))
     return {"batch": batch, "mean_context": round(ctx), "step_ms": round(step * 1000, 3),
