@@ -150,7 +150,8 @@ async def test_queue_timeout_is_a_503_and_costs_no_model_work(tmp_path):
             bob = await signup(c, "bob")
             long = {"model": "scripted", "messages": [{"role": "user", "content": "long"}], "max_tokens": 50}
             busy = asyncio.create_task(c.post("/v1/chat/completions", json=long, headers=alice))
-            await asyncio.sleep(0.05)
+            while not backend.requests:  # alice's answer holds the one slot before bob asks
+                await asyncio.sleep(0.005)
             r = await c.post("/v1/chat/completions", json={**long, "max_tokens": 3}, headers=bob)
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "queue_timeout" and int(r.headers["retry-after"]) >= 1
