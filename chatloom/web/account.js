@@ -111,7 +111,8 @@ async function importFile(file, onImported) {
     });
     const body = await res.json().catch(() => ({}));
     if (!res.ok) throw new Error(body?.error?.message || `${res.status} ${res.statusText}`);
-    status.textContent = `Imported ${body.conversation_ids.length} conversations (${body.messages} messages).`;
+    const n = body.conversation_ids.length;
+    status.textContent = `Imported ${n} conversation${n === 1 ? '' : 's'} (${body.messages} messages).`;
     onImported();
   } catch (err) {
     status.textContent = '';
