@@ -103,6 +103,11 @@ def test_a_forged_or_replayed_callback_signs_no_one_in(tmp_path, tiny_backend):
         r = httpx.get(gateway.url + "/auth/sso/callback", params={"error": "access_denied"})
         assert r.status_code == 400 and "access_denied" in r.json()["error"]["message"]
         assert httpx.get(gateway.url + "/auth/sso/callback").status_code == 400
+        # A browser's page load goes back to the login screen with the reason instead of a page of JSON.
+        page = httpx.get(gateway.url + "/auth/sso/callback", params={"error": "access_denied"},
+                         headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+        assert page.status_code == 302
+        assert page.headers["location"] == "/#sso_error=single+sign-on+failed%3A+the+provider+said+access_denied"
 
 
 @pytest.mark.parametrize("create_users", [False])
