@@ -64,3 +64,5 @@ def make_docx_bomb(unpacked: int = 60_000_000) -> bytes:
 
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64
+# The start of a 64-bit little-endian ELF executable: its header, then padding of printable-looking bytes.
+ELF = b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 8 + b"\x02\x00\x3e\x00\x01\x00\x00\x00" + b"notes " * 40

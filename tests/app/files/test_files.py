@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import text
 
 from app_testing import RecordingBackend, app_client, done_of, make_settings, new_conversation, send, signup
-from file_samples import PNG, make_docx, make_docx_bomb, make_encrypted_pdf, make_pdf
+from file_samples import ELF, PNG, make_docx, make_docx_bomb, make_encrypted_pdf, make_pdf
 
 LLAMAS = ("# Camelids\n\nThe llama is a domesticated South American camelid, used as a pack animal by Andean "
           "cultures since pre-Columbian times.\n\n" + "Filler sentence about nothing in particular. " * 60 +
@@ -86,6 +86,7 @@ async def test_pdf_and_docx_text_is_extracted_with_pages(client, alice):
 
 @pytest.mark.parametrize("name, data, status, code", [
     ("photo.txt", PNG, 415, "unsupported_file_type"),
+    ("notes.txt", ELF, 415, "unsupported_file_type"),  # a program named as text: the content decides
     ("broken.pdf", b"%PDF-1.7\n1 0 obj << /Type /Catalog", 400, "corrupt_file"),
     ("locked.pdf", None, 400, "encrypted_file"),
     ("bomb.docx", None, 413, "file_too_large"),
@@ -111,6 +112,32 @@ async def test_size_limits_are_413(tmp_path, tiny_backend):
         big = await upload(client, alice, "c.txt", b"y" * 200_000)
         assert big.status_code == 413
         assert (await counts(app))["files"] == 1
+
+
+async def test_a_tiers_own_limits_are_413_and_other_tiers_keep_theirs(tmp_path, tiny_backend):
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text("[free]\nmax_file_bytes = 1500\nmax_storage_bytes = 2500\n")
+    settings = make_settings(tmp_path, traffic={"tiers_file": str(tiers)},
+                             files={"max_file_bytes": 4000, "max_user_bytes": 6000})
+    async with app_client(settings, tiny_backend) as (client, app, alice):
+        bob = await signup(client, "bob")
+        bob_id = (await client.get("/auth/me", headers=bob)).json()["id"]
+        async with app.state.ctx.db.engine.begin() as conn:
+            await conn.execute(text("UPDATE users SET tier = 'pro' WHERE id = :id"), {"id": bob_id})
+        app.state.ctx.callers.forget_user(bob_id)
+        r = await upload(client, alice, "a.txt", b"word " * 320)  # 1,600 bytes: over the free tier's 1,500
+        assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large", r.text
+        assert "limit of 1500 bytes" in r.json()["error"]["message"]
+        assert (await upload(client, alice, "a.txt", b"word " * 280)).status_code == 201
+        r = await upload(client, alice, "b.txt", b"word " * 280)  # 2,800 kept: over the free tier's 2,500
+        assert r.status_code == 413 and r.json()["error"]["code"] == "storage_quota_exceeded", r.text
+        assert "storage limit is 2500" in r.json()["error"]["message"]
+        # The pro tier sets no limits of its own: the [files] settings hold.
+        assert (await upload(client, bob, "a.txt", b"word " * 320)).status_code == 201
+        r = await upload(client, bob, "b.txt", b"word " * 900)  # 4,500 bytes: over [files] max_file_bytes
+        assert r.status_code == 413 and "limit of 4000 bytes" in r.json()["error"]["message"], r.text
+        left = await counts(app)
+        assert left["files"] == left["blobs"] == left["file_texts"] == 2
 
 
 async def test_another_users_files_and_collections_are_404(client, alice):
