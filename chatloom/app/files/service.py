@@ -205,13 +205,19 @@ class Files:
 
     async def detach(self, session: AsyncSession, conversation_id: str, file_id: str | None = None,
                      collection_id: str | None = None) -> None:
+        """Detach a file or collection from a conversation (of the caller's: the route checks); 404 when it
+        was not attached there, which covers another user's ids (only the owner can attach them)."""
         if file_id is not None:
-            await session.execute(delete(ConversationFile).where(ConversationFile.conversation_id == conversation_id,
-                                                                 ConversationFile.file_id == file_id))
+            done = await session.execute(delete(ConversationFile).where(
+                ConversationFile.conversation_id == conversation_id, ConversationFile.file_id == file_id))
+            if done.rowcount == 0:
+                raise ApiError(404, "no such file is attached to this conversation", "file_not_found")
         if collection_id is not None:
-            await session.execute(delete(ConversationCollection).where(
+            done = await session.execute(delete(ConversationCollection).where(
                 ConversationCollection.conversation_id == conversation_id,
                 ConversationCollection.collection_id == collection_id))
+            if done.rowcount == 0:
+                raise ApiError(404, "no such collection is attached to this conversation", "collection_not_found")
         await session.commit()
 
     async def scope(self, session: AsyncSession, user_id: str, conversation_id: str) -> list[str]:

@@ -155,8 +155,34 @@ async def test_another_users_files_and_collections_are_404(client, alice):
     for body in ({"file_id": fid}, {"collection_id": coll}):
         r = await client.post(f"/conversations/{bob_cid}/files", headers=bob, json=body)
         assert r.status_code == 404, body
-    assert (await client.get("/files/search", headers=bob, params={"q": "llama"})).json() == []
+    assert (await client.post(f"/conversations/{cid}/files", headers=alice,
+                              json={"collection_id": coll})).status_code == 204
+    bob_fid = (await upload(client, bob, "b.txt", b"bob's own words", conversation_id=bob_cid)).json()["id"]
+    bob_coll = (await client.post("/collections", headers=bob, json={"name": "his"})).json()["id"]
+    for method, url, body in [
+            ("GET", f"/files?collection_id={coll}", None),
+            ("GET", f"/conversations/{cid}/files", None),
+            ("GET", f"/files/search?q=llama&conversation_id={cid}", None),
+            ("POST", f"/collections/{coll}/files", {"file_id": bob_fid}),  # his file, her collection
+            ("POST", f"/collections/{bob_coll}/files", {"file_id": fid}),  # her file, his collection
+            ("DELETE", f"/conversations/{cid}/files/{fid}", None),  # her conversation
+            ("DELETE", f"/conversations/{cid}/collections/{coll}", None),
+            ("DELETE", f"/conversations/{bob_cid}/files/{fid}", None),  # his conversation, her ids
+            ("DELETE", f"/conversations/{bob_cid}/collections/{coll}", None)]:
+        r = await client.request(method, url, headers=bob, json=body)
+        assert r.status_code == 404, (method, url, r.status_code)
+        assert r.json()["error"]["code"].endswith("_not_found"), r.text
+    found = (await client.get("/files/search", headers=bob, params={"q": "llama"})).json()
+    assert {p["file_id"] for p in found} <= {bob_fid}
     assert (await client.get(f"/files/{fid}", headers=alice)).status_code == 200
+    # Nothing of hers moved: still attached, still in her collection.
+    attached = (await client.get(f"/conversations/{cid}/files", headers=alice)).json()
+    assert [f["id"] for f in attached["files"]] == [fid] and [c["id"] for c in attached["collections"]] == [coll]
+    assert (await client.get(f"/files?collection_id={bob_coll}", headers=bob)).json() == []
+    # The owner detaches for real; a second detach finds nothing attached.
+    assert (await client.delete(f"/conversations/{cid}/files/{fid}", headers=alice)).status_code == 204
+    assert (await client.delete(f"/conversations/{cid}/files/{fid}", headers=alice)).status_code == 404
+    assert (await client.delete(f"/conversations/{cid}/collections/{coll}", headers=alice)).status_code == 204
 
 
 async def test_answers_retrieve_passages_and_cite_them(tmp_path, tiny_model_fp32):
