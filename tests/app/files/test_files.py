@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 
 from app_testing import RecordingBackend, app_client, done_of, make_settings, new_conversation, send, signup
+from chatloom.store.models import Base
 from file_samples import ELF, PNG, make_docx, make_docx_bomb, make_encrypted_pdf, make_pdf
 
 LLAMAS = ("# Camelids\n\nThe llama is a domesticated South American camelid, used as a pack animal by Andean "
@@ -33,6 +34,25 @@ async def counts(app) -> dict[str, int]:
     root = Path(app.state.ctx.settings.server.data_dir) / "blobs"
     out["blobs"] = sum(1 for p in root.rglob("*") if p.is_file()) if root.exists() else 0
     return out
+
+
+async def every_row(app) -> dict[str, int]:
+    """Rows of every table the models declare, the search indexes' own entries (SQLite's FTS5 tables;
+    PostgreSQL's are GIN indexes over those rows), and blobs on disk: what a deletion may leave behind."""
+    db = app.state.ctx.db
+    async with db.engine.connect() as conn:
+        out = {t.name: (await conn.execute(select(func.count()).select_from(t))).scalar()
+               for t in Base.metadata.sorted_tables}
+        if db.is_sqlite:
+            for index in ("chat_fts", "file_chunks_fts_docsize"):
+                out[index] = (await conn.execute(text(f"SELECT count(*) FROM {index}"))).scalar()
+    out["vectors"] = (await counts(app))["vectors"]
+    out["blobs"] = (await counts(app))["blobs"]
+    return out
+
+
+def grown(before: dict[str, int], after: dict[str, int]) -> dict[str, tuple[int, int]]:
+    return {k: (before.get(k, 0), n) for k, n in after.items() if n != before.get(k, 0)}
 
 
 async def test_upload_extract_list_read_and_search(client, alice):
@@ -221,7 +241,9 @@ async def test_answers_retrieve_passages_and_cite_them(tmp_path, tiny_model_fp32
 
 
 async def test_deleting_a_file_conversation_or_collection_leaves_nothing(client, app, alice):
+    start = await every_row(app)
     cid = await new_conversation(client, alice)
+    await send(client, alice, cid, "a question about boats")  # messages, their search index entries
     other = await new_conversation(client, alice)
     one = (await upload(client, alice, "one.md", LLAMAS.encode(), conversation_id=cid)).json()["id"]
     await upload(client, alice, "two.txt", b"plain words about boats " * 80, conversation_id=cid)
@@ -249,23 +271,46 @@ async def test_deleting_a_file_conversation_or_collection_leaves_nothing(client,
     assert (await client.delete(f"/collections/{coll}", headers=alice)).status_code == 204
     left = await counts(app)
     assert all(n == 0 for n in left.values()), left
+    # Every table and index is back where it started, but for the account's own metering of its tokens.
+    assert grown(start, await every_row(app)).keys() <= {"usage"}, grown(start, await every_row(app))
 
 
 async def test_deleting_an_account_removes_its_files_and_keeps_others(client, app, alice):
     bob = await signup(client, "bob")
+    await upload(client, bob, "bob.txt", b"bob keeps this " * 30)
+    bob_cid = await new_conversation(client, bob)
+    await send(client, bob, bob_cid, "bob's question")
+    start = await every_row(app)  # alice has an account and nothing else yet
+
     cid = await new_conversation(client, alice)
-    await send(client, alice, cid, "hello")
+    _, events = await send(client, alice, cid, "hello")
+    answer = done_of(events)["message_id"]
     coll = (await client.post("/collections", headers=alice, json={"name": "c"})).json()["id"]
     await upload(client, alice, "a.md", LLAMAS.encode(), conversation_id=cid)
     await upload(client, alice, "b.txt", b"words in a collection " * 30, collection_id=coll)
-    await upload(client, bob, "bob.txt", b"bob keeps this " * 30)
+    assert (await client.post(f"/conversations/{cid}/files", headers=alice,
+                              json={"collection_id": coll})).status_code == 204
+    for method, url, body in [("POST", f"/conversations/{cid}/shares", None),
+                              ("POST", "/memories", {"text": "I keep bees."}),
+                              ("PUT", "/me/instructions", {"text": "Be terse."}),
+                              ("POST", "/auth/api-keys", {"name": "laptop"}),
+                              ("POST", f"/messages/{answer}/feedback", {"rating": "up"})]:
+        r = await client.request(method, url, headers=alice, json=body)
+        assert r.status_code in (200, 201), (url, r.text)
+    made = grown(start, await every_row(app))
+    for table in ("conversations", "messages", "files", "file_chunks", "collections", "conversation_collections",
+                  "shared_links", "memories", "custom_instructions", "api_keys", "feedback", "usage", "blobs"):
+        assert table in made, table  # each kind of thing an account holds was made, so its removal counts
+
     assert (await client.delete("/auth/me", headers=alice)).status_code == 204
     assert (await client.get("/auth/me", headers=alice)).status_code == 401
     left = await counts(app)
     assert left["files"] == 1 and left["blobs"] == 1 and left["file_texts"] == 1
     async with app.state.ctx.db.engine.connect() as conn:
-        for table in ("conversations", "messages", "collections", "collection_files"):
+        for table in ("collections", "collection_files"):
             assert (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar() == 0, table
         owners = (await conn.execute(text("SELECT DISTINCT user_id FROM file_chunks"))).scalars().all()
     assert len(owners) == 1
     assert [f["filename"] for f in (await client.get("/files", headers=bob)).json()] == ["bob.txt"]
+    # Every table and index holds what it held before alice did anything, less her account.
+    assert grown(start, await every_row(app)) == {"users": (start["users"], start["users"] - 1)}
