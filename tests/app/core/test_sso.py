@@ -123,3 +123,14 @@ async def test_sso_is_404_when_not_set_up(client):
     r = await client.get("/auth/sso/login")
     assert r.status_code == 404 and r.json()["error"]["code"] == "sso_disabled"
     assert (await client.get("/auth/sso/callback", params={"code": "c", "state": "s"})).status_code == 404
+
+
+def test_a_provider_out_of_reach_is_502_or_the_login_screen_with_the_reason(tmp_path, tiny_backend):
+    from app_testing import free_port
+
+    with servers(tmp_path, tiny_backend, issuer=f"http://127.0.0.1:{free_port()}") as (provider, gateway, app):
+        r = httpx.get(gateway.url + "/auth/sso/login")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "sso_provider_error", r.text
+        page = httpx.get(gateway.url + "/auth/sso/login", headers={"Accept": "text/html"})
+        assert page.status_code == 302 and page.headers["location"].startswith("/#sso_error=")
+        assert "chatloom_sso" not in page.cookies
