@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import zipfile
 
 
@@ -61,6 +62,20 @@ def make_docx_bomb(unpacked: int = 60_000_000) -> bytes:
         z.writestr("[Content_Types].xml", "<Types/>")
         z.writestr("word/document.xml", b"a" * unpacked)
     return out.getvalue()
+
+
+def understate_sizes(data: bytes, size: int) -> bytes:
+    """The ZIP with every member's uncompressed size written as at most `size`, in the local headers and
+    the central directory alike: a bomb that lies about what it unpacks to."""
+    out = bytearray(data)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for info in z.infolist():
+            struct.pack_into("<I", out, info.header_offset + 22, min(size, info.file_size))
+    at = out.find(b"PK\x01\x02")
+    while at >= 0:
+        struct.pack_into("<I", out, at + 24, min(size, struct.unpack_from("<I", out, at + 24)[0]))
+        at = out.find(b"PK\x01\x02", at + 4)
+    return bytes(out)
 
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64
