@@ -144,7 +144,9 @@ def _pdf(data: bytes, limits: Limits) -> Extracted:
 
     try:
         reader = PdfReader(io.BytesIO(data))
-        if reader.is_encrypted:
+        # Encrypted with an owner password only (an empty user password: every viewer opens it without
+        # asking) is readable; a PDF that needs a password to open is not.
+        if reader.is_encrypted and not reader.decrypt(""):
             raise ApiError(400, "the PDF is encrypted; upload it without a password", "encrypted_file", "file")
         parts: list[str] = []
         starts: list[int] = []

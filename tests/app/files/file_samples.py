@@ -34,11 +34,13 @@ def make_pdf(pages: list[str]) -> bytes:
     return out.getvalue()
 
 
-def make_encrypted_pdf() -> bytes:
+def make_encrypted_pdf(user_password: str = "user-password", pages: tuple[str, ...] = ("a secret page",),
+                       algorithm: str = "RC4-128") -> bytes:
+    """Encrypted; with user_password "" it has an owner password only, and opens without asking."""
     from pypdf import PdfReader, PdfWriter
 
-    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(make_pdf(["a secret page"]))))
-    writer.encrypt("user-password", algorithm="RC4-128")
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(make_pdf(list(pages)))))
+    writer.encrypt(user_password, owner_password="owner-password", algorithm=algorithm)
     out = io.BytesIO()
     writer.write(out)
     return out.getvalue()

@@ -100,6 +100,13 @@ async def test_pdf_and_docx_text_is_extracted_with_pages(client, alice):
     assert pdf.json()["content_type"] == "application/pdf"
     passages = (await client.get(f"/files/{pdf.json()['id']}/passages", headers=alice)).json()
     assert "Lyon" in passages[0]["text"] and passages[0]["page"] == 1
+    # Restricted by an owner password only (no password to open it, as many published PDFs are): read.
+    for algorithm in ("RC4-128", "AES-256"):
+        restricted = await upload(client, alice, "statement.pdf", make_encrypted_pdf(
+            "", (f"Otters hold hands while sleeping ({algorithm}).",), algorithm))
+        assert restricted.status_code == 201, restricted.text
+        text_of = (await client.get(f"/files/{restricted.json()['id']}/text", headers=alice)).json()["text"]
+        assert f"Otters hold hands while sleeping ({algorithm})." in text_of
     docx = await upload(client, alice, "memo.pdf", make_docx(["Memo: the badge office moved to floor seven."]))
     assert docx.status_code == 201 and "wordprocessingml" in docx.json()["content_type"]
     found = (await client.get("/files/search", headers=alice, params={"q": "badge office", "mode": "fulltext"})).json()
