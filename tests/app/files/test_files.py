@@ -169,6 +169,9 @@ async def test_a_tiers_own_limits_are_413_and_other_tiers_keep_theirs(tmp_path, 
         assert r.status_code == 413 and "limit of 4000 bytes" in r.json()["error"]["message"], r.text
         left = await counts(app)
         assert left["files"] == left["blobs"] == left["file_texts"] == 2
+        listed = {t["name"]: t for t in (await client.get("/admin/tiers", headers=alice)).json()["tiers"]}
+        assert (listed["free"]["max_file_bytes"], listed["free"]["max_storage_bytes"]) == (1500, 2500)
+        assert listed["pro"]["max_file_bytes"] is None
 
 
 async def test_another_users_files_and_collections_are_404(client, alice):
