@@ -82,7 +82,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     pipeline = Pipeline(backend, traffic, settings)
     scaler = build_scaler(settings, traffic, backend, local_replicas)
     blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
-    file_service = Files(db, blobs, pipeline.embeddings, settings)
+    file_service = Files(db, blobs, pipeline.embeddings, settings, traffic.tiers)
     retriever = Retriever(file_service, backend)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,

@@ -8,14 +8,16 @@ const enc = encodeURIComponent;
 
 // -- single sign-on ---------------------------------------------------------------------
 
-// After /auth/sso/callback the app opens at /#sso_token=...: keep the token, drop it from the address bar.
-export function takeSsoToken() {
+// After /auth/sso/callback the app opens at /#sso_token=... (signed in) or /#sso_error=... (the reason it
+// failed): keep the token, drop both from the address bar, and return the error for the login screen.
+export function takeSsoResult() {
   const params = new URLSearchParams(location.hash.slice(1));
   const token = params.get('sso_token');
-  if (!token) return false;
-  session.token = token;
+  const error = params.get('sso_error');
+  if (!token && !error) return null;
+  if (token) session.token = token;
   history.replaceState(null, '', location.pathname + location.search);
-  return true;
+  return error;
 }
 
 export async function setupSso() {
@@ -111,7 +113,8 @@ async function importFile(file, onImported) {
     });
     const body = await res.json().catch(() => ({}));
     if (!res.ok) throw new Error(body?.error?.message || `${res.status} ${res.statusText}`);
-    status.textContent = `Imported ${body.conversation_ids.length} conversations (${body.messages} messages).`;
+    const n = body.conversation_ids.length;
+    status.textContent = `Imported ${n} conversation${n === 1 ? '' : 's'} (${body.messages} messages).`;
     onImported();
   } catch (err) {
     status.textContent = '';

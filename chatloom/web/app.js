@@ -1,6 +1,6 @@
 // The chat app's entry point: holds the state and wires the screens (auth, sidebar, messages,
 // composer) to the API. Rendering lives in messages.js / sidebar.js, streaming in run.js.
-import { setupAccount, setupSso, takeSsoToken } from './account.js';
+import { setupAccount, setupSso, takeSsoResult } from './account.js';
 import { api, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
 import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
@@ -480,10 +480,11 @@ function wire() {
 }
 
 async function main() {
-  takeSsoToken(); // back from single sign-on: the session token is in the address's fragment
+  // Back from single sign-on: the session token, or why it failed, is in the address's fragment.
+  const ssoError = takeSsoResult();
   wire();
   setupSso();
-  if (!session.token) { showAuth(); return; }
+  if (ssoError || !session.token) { showAuth(ssoError); return; }
   try {
     state.user = await api.me();
   } catch (err) {

@@ -61,6 +61,10 @@ class TierOut(TierLimits):
     name: str
     priority: int
     reserved_share: float
+    max_file_bytes: int | None = Field(None, description="The tier's largest document upload (null: the [files] "
+                                                         "setting max_file_bytes, which is also the ceiling).")
+    max_storage_bytes: int | None = Field(None, description="The most bytes of documents a user of the tier keeps "
+                                                            "(null: the [files] setting max_user_bytes).")
 
     @classmethod
     def of(cls, t: Tier) -> "TierOut":

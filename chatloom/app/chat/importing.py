@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.chat.exporting import EXPORT_FORMAT, EXPORT_VERSION
 from chatloom.app.core.errors import ApiError
+from chatloom.app.files.extract import binary_kind
 from chatloom.store import Conversation, Message, new_id
 
 ROLES = ("user", "assistant")
@@ -63,7 +64,10 @@ def parse(raw: bytes, max_messages: int) -> tuple[str, list[Imported]]:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise refuse(f"the file is not JSON ({exc})") from None
+        what = binary_kind(raw)
+        if what == "a ZIP archive":  # most likely ChatGPT's data export as downloaded
+            what += " (ChatGPT's data export is one: import the conversations.json inside it)"
+        raise refuse(f"the file is {what}, not JSON" if what else f"the file is not JSON ({exc})") from None
     if isinstance(data, dict) and data.get("format") == EXPORT_FORMAT:
         found, convs = "chatloom", _ours(data)
     elif isinstance(data, list) and all(isinstance(c, dict) and "mapping" in c for c in data):
@@ -71,6 +75,8 @@ def parse(raw: bytes, max_messages: int) -> tuple[str, list[Imported]]:
     else:
         raise refuse("expected chatloom's export (an object with \"format\": \"chatloom.conversations\") or "
                      "ChatGPT's conversations.json (a list of conversations, each with a \"mapping\")")
+    if not convs:
+        raise refuse("the file holds no conversations")
     total = sum(len(c.nodes) for c in convs)
     if total > max_messages:
         raise ApiError(413, f"the file holds {total} messages; at most {max_messages} are imported at once",

@@ -71,6 +71,20 @@ def _bomb(limits: Limits) -> ApiError:
                     "or a document too large to index)", "file_too_large", "file")
 
 
+def binary_kind(data: bytes) -> str | None:
+    """What a file that cannot be text is ("a PDF", "a ZIP archive", "a program"...); None where it may be text."""
+    if b"%PDF-" in data[:1024]:
+        return "a PDF"
+    if data.startswith(b"PK\x03\x04"):
+        return "a ZIP archive"
+    for magic, what in _MAGIC:
+        if data.startswith(magic):
+            return what
+    if b"\x00" in data[:8192] and not data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "binary data"
+    return None
+
+
 def sniff(data: bytes, filename: str) -> str:
     """The file's kind (one of KINDS), from its bytes; ApiError 415 for anything else."""
     if not data:
@@ -130,7 +144,9 @@ def _pdf(data: bytes, limits: Limits) -> Extracted:
 
     try:
         reader = PdfReader(io.BytesIO(data))
-        if reader.is_encrypted:
+        # Encrypted with an owner password only (an empty user password: every viewer opens it without
+        # asking) is readable; a PDF that needs a password to open is not.
+        if reader.is_encrypted and not reader.decrypt(""):
             raise ApiError(400, "the PDF is encrypted; upload it without a password", "encrypted_file", "file")
         parts: list[str] = []
         starts: list[int] = []

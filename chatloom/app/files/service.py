@@ -23,6 +23,7 @@ from chatloom.app.files.chunking import chunk_spans
 from chatloom.app.files.extract import CONTENT_TYPES, Extracted, Limits, extract
 from chatloom.app.files.search import pack
 from chatloom.app.generation.embedding import Embedder
+from chatloom.app.traffic.tiers import TierTable
 from chatloom.serving import BackendError, BadGenerationRequest
 from chatloom.settings import Settings
 from chatloom.store import Conversation, Database, User
@@ -37,11 +38,25 @@ EMBED_BATCH = 32  # passages per embeddings request while indexing
 
 
 class Files:
-    def __init__(self, db: Database, blobs: BlobStore, embedder: Embedder, settings: Settings) -> None:
+    def __init__(self, db: Database, blobs: BlobStore, embedder: Embedder, settings: Settings,
+                 tiers: TierTable | None = None) -> None:
         self.db = db
         self.blobs = blobs
         self.embedder = embedder
         self.settings = settings
+        self.tiers = tiers
+
+    def max_file_bytes(self, user: User) -> int:
+        """The largest upload this user may make: [files] max_file_bytes, lowered by their tier's own."""
+        tier = self.tiers.for_user(user.tier).max_file_bytes if self.tiers else None
+        limit = self.settings.files.max_file_bytes
+        return limit if tier is None else min(limit, tier)
+
+    def max_storage_bytes(self, user: User) -> int:
+        """The most bytes of files this user may keep: [files] max_user_bytes, lowered by their tier's own."""
+        tier = self.tiers.for_user(user.tier).max_storage_bytes if self.tiers else None
+        limit = self.settings.files.max_user_bytes
+        return limit if tier is None else min(limit, tier)
 
     @property
     def limits(self) -> Limits:
@@ -83,15 +98,16 @@ class Files:
     async def upload(self, user: User, filename: str, data: bytes, conversation: Conversation | None = None,
                      collection: Collection | None = None) -> StoredFile:
         """Store, extract, chunk and index one file, attached where given; ApiError 4xx on bad input."""
-        limit = self.settings.files.max_file_bytes
+        limit = self.max_file_bytes(user)
         if len(data) > limit:
             raise ApiError(413, f"the file is larger than the limit of {limit} bytes", "file_too_large", "file")
         async with self.db.session() as session:
             used = await session.scalar(select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(
                 StoredFile.user_id == user.id))
-        if used + len(data) > self.settings.files.max_user_bytes:
+        quota = self.max_storage_bytes(user)
+        if used + len(data) > quota:
             raise ApiError(413, f"your files would take {used + len(data)} bytes; the storage limit is "
-                           f"{self.settings.files.max_user_bytes}", "storage_quota_exceeded", "file")
+                           f"{quota}", "storage_quota_exceeded", "file")
         extracted = await asyncio.to_thread(extract, data, filename, self.limits)
         spans = chunk_spans(extracted.text, self.settings.files.chunk_chars, self.settings.files.chunk_overlap_chars)
         vectors, model, details = await self._embed(user, [extracted.text[a:b] for a, b in spans])
@@ -189,13 +205,19 @@ class Files:
 
     async def detach(self, session: AsyncSession, conversation_id: str, file_id: str | None = None,
                      collection_id: str | None = None) -> None:
+        """Detach a file or collection from a conversation (of the caller's: the route checks); 404 when it
+        was not attached there, which covers another user's ids (only the owner can attach them)."""
         if file_id is not None:
-            await session.execute(delete(ConversationFile).where(ConversationFile.conversation_id == conversation_id,
-                                                                 ConversationFile.file_id == file_id))
+            done = await session.execute(delete(ConversationFile).where(
+                ConversationFile.conversation_id == conversation_id, ConversationFile.file_id == file_id))
+            if done.rowcount == 0:
+                raise ApiError(404, "no such file is attached to this conversation", "file_not_found")
         if collection_id is not None:
-            await session.execute(delete(ConversationCollection).where(
+            done = await session.execute(delete(ConversationCollection).where(
                 ConversationCollection.conversation_id == conversation_id,
                 ConversationCollection.collection_id == collection_id))
+            if done.rowcount == 0:
+                raise ApiError(404, "no such collection is attached to this conversation", "collection_not_found")
         await session.commit()
 
     async def scope(self, session: AsyncSession, user_id: str, conversation_id: str) -> list[str]:

@@ -29,6 +29,10 @@ class Tier:
     reserved_share: float
     max_tokens: int  # cap on one answer's max_tokens
     models: tuple[str, ...] | None = None  # None: every model
+    # Retrieval uploads: the largest file and the most bytes of files kept. None: the [files] settings,
+    # which stay the ceiling (the edge refuses bigger bodies before a tier is known).
+    max_file_bytes: int | None = None
+    max_storage_bytes: int | None = None
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models

@@ -2,7 +2,9 @@
 conversations.json): trees, roles and timestamps survive; bad files are refused whole."""
 from __future__ import annotations
 
+import io
 import json
+import zipfile
 
 from sqlalchemy import func, select
 
@@ -121,8 +123,16 @@ async def test_bad_files_are_refused_and_store_nothing(app, client, alice):
     bad_role = json.loads(json.dumps(ours))
     bad_role["conversations"][0]["messages"] = [{"id": "m1", "parent_id": None, "role": "wizard", "text": "a",
                                                  "created": "2024-01-01T00:00:00Z"}]
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:  # ChatGPT's data export as downloaded, not the file inside it
+        z.writestr("conversations.json", json.dumps(chatgpt_export()))
     cases = {
         b"this is not json": "not JSON",
+        archive.getvalue(): "a ZIP archive (ChatGPT's data export is one: import the conversations.json inside it)",
+        b"%PDF-1.4\n1 0 obj << >> endobj\n": "the file is a PDF, not JSON",
+        b"\x7fELF\x02\x01\x01\x00" + bytes(64): "the file is a program, not JSON",
+        b"[]": "holds no conversations",
+        json.dumps({**ours, "conversations": []}).encode(): "holds no conversations",
         b'{"hello": 1}': "expected chatloom's export",
         json.dumps([good, broken_parent]).encode(): "'missing' of node 'a1' is not in the mapping",
         json.dumps(ours).encode(): "form a cycle",

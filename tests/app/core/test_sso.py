@@ -103,6 +103,11 @@ def test_a_forged_or_replayed_callback_signs_no_one_in(tmp_path, tiny_backend):
         r = httpx.get(gateway.url + "/auth/sso/callback", params={"error": "access_denied"})
         assert r.status_code == 400 and "access_denied" in r.json()["error"]["message"]
         assert httpx.get(gateway.url + "/auth/sso/callback").status_code == 400
+        # A browser's page load goes back to the login screen with the reason instead of a page of JSON.
+        page = httpx.get(gateway.url + "/auth/sso/callback", params={"error": "access_denied"},
+                         headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+        assert page.status_code == 302
+        assert page.headers["location"] == "/#sso_error=single+sign-on+failed%3A+the+provider+said+access_denied"
 
 
 @pytest.mark.parametrize("create_users", [False])
@@ -118,3 +123,14 @@ async def test_sso_is_404_when_not_set_up(client):
     r = await client.get("/auth/sso/login")
     assert r.status_code == 404 and r.json()["error"]["code"] == "sso_disabled"
     assert (await client.get("/auth/sso/callback", params={"code": "c", "state": "s"})).status_code == 404
+
+
+def test_a_provider_out_of_reach_is_502_or_the_login_screen_with_the_reason(tmp_path, tiny_backend):
+    from app_testing import free_port
+
+    with servers(tmp_path, tiny_backend, issuer=f"http://127.0.0.1:{free_port()}") as (provider, gateway, app):
+        r = httpx.get(gateway.url + "/auth/sso/login")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "sso_provider_error", r.text
+        page = httpx.get(gateway.url + "/auth/sso/login", headers={"Accept": "text/html"})
+        assert page.status_code == 302 and page.headers["location"].startswith("/#sso_error=")
+        assert "chatloom_sso" not in page.cookies

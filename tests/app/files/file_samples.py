@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import zipfile
 
 
@@ -33,11 +34,13 @@ def make_pdf(pages: list[str]) -> bytes:
     return out.getvalue()
 
 
-def make_encrypted_pdf() -> bytes:
+def make_encrypted_pdf(user_password: str = "user-password", pages: tuple[str, ...] = ("a secret page",),
+                       algorithm: str = "RC4-128") -> bytes:
+    """Encrypted; with user_password "" it has an owner password only, and opens without asking."""
     from pypdf import PdfReader, PdfWriter
 
-    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(make_pdf(["a secret page"]))))
-    writer.encrypt("user-password", algorithm="RC4-128")
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(make_pdf(list(pages)))))
+    writer.encrypt(user_password, owner_password="owner-password", algorithm=algorithm)
     out = io.BytesIO()
     writer.write(out)
     return out.getvalue()
@@ -63,4 +66,20 @@ def make_docx_bomb(unpacked: int = 60_000_000) -> bytes:
     return out.getvalue()
 
 
+def understate_sizes(data: bytes, size: int) -> bytes:
+    """The ZIP with every member's uncompressed size written as at most `size`, in the local headers and
+    the central directory alike: a bomb that lies about what it unpacks to."""
+    out = bytearray(data)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for info in z.infolist():
+            struct.pack_into("<I", out, info.header_offset + 22, min(size, info.file_size))
+    at = out.find(b"PK\x01\x02")
+    while at >= 0:
+        struct.pack_into("<I", out, at + 24, min(size, struct.unpack_from("<I", out, at + 24)[0]))
+        at = out.find(b"PK\x01\x02", at + 4)
+    return bytes(out)
+
+
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64
+# The start of a 64-bit little-endian ELF executable: its header, then padding of printable-looking bytes.
+ELF = b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 8 + b"\x02\x00\x3e\x00\x01\x00\x00\x00" + b"notes " * 40

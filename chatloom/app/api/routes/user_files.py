@@ -38,7 +38,7 @@ async def upload_file(ctx: Ctx, user: CurrentUser, session: SessionDep, file: Up
             raise not_found("conversation")
     if collection_id is not None:
         coll = await ctx.files.collection(session, user.id, collection_id)
-    limit = ctx.settings.files.max_file_bytes
+    limit = ctx.files.max_file_bytes(user)
     data = await file.read(limit + 1)
     if len(data) > limit:
         raise ApiError(413, f"the file is larger than the limit of {limit} bytes", "file_too_large", "file")
