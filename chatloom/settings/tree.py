@@ -187,6 +187,12 @@ class ToolsSettings(Group):
                                                       "HTTP URLs, held to the fetch rules: no private addresses "
                                                       "unless fetch_allow names them).")
     mcp_user_max_servers: int = Field(5, ge=0, description="MCP servers one user may add.")
+    api_tools: list[Literal["web_search", "file_search", "code_interpreter", "mcp"]] = Field(
+        ["web_search", "file_search", "code_interpreter", "mcp"],
+        description="Built-in tool types the Responses API (and, for web_search, Chat Completions' "
+                    "web_search_options) runs on the server; a request naming one left out is a 400. Each also "
+                    "needs what it runs on: web_search a search_url, code_interpreter a working bubblewrap, "
+                    "mcp mcp_user_servers.")
     mcp_timeout_s: float = Field(30.0, gt=0, description="Time an MCP tool call (or a listing of a server's "
                                                          "tools) may take before it is a tool error.")
     mcp_list_ttl_s: float = Field(60.0, ge=0, description="How long a server's tool list is reused before it is "

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatloom.app.core.errors import ApiError
 from chatloom.app.generation.tool_calls import ToolCall
+from chatloom.app.responses.hosted_calls import hosted_turns
 from chatloom.store import new_id
 
 LENIENT = ConfigDict(extra="ignore")
@@ -159,6 +160,8 @@ def chat_turns(items: list[dict], max_output_chars: int) -> list[dict]:
     calls_made: set[str] = set()
     for item in items:
         kind = item["type"]
+        if hosted_turns(item, turns):  # a built-in tool's call and result, kept with the stored response
+            continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             turns.append({"role": role, "content": "".join(p.get("text", "") for p in item["content"])})

@@ -42,9 +42,11 @@ class FileSearch:
         self.retriever = retriever
         self.settings = retriever.settings
 
-    def tool(self, collection_ids: list[str] | None = None, collections: list[str] | None = None) -> Tool:
+    def tool(self, collection_ids: list[str] | None = None, collections: list[str] | None = None,
+             limit: int | None = None) -> Tool:
         """The tool; `collection_ids`: search only these (the caller checked they are the user's own);
-        `collections`: the user's collection names, offered to the model as a choice (chat only)."""
+        `collections`: the user's collection names, offered to the model as a choice (chat only);
+        `limit`: passages at most (default: files.top_k)."""
         props: dict = {"query": {"type": "string", "description": "What to look for, in a few words."}}
         description = DESCRIPTION
         if collection_ids is None:
@@ -57,12 +59,13 @@ class FileSearch:
                                             "additionalProperties": False})
 
         async def run(args: dict, ctx: ToolContext) -> ToolOutput:
-            return await self.run(args, ctx, collection_ids)
+            return await self.run(args, ctx, collection_ids, limit)
 
         # The passages are fitted to files.prompt_tokens; characters are bounded by that, not by the default.
         return Tool(spec, run, timeout_s=30.0, max_output_chars=max(16_000, 8 * self.settings.files.prompt_tokens))
 
-    async def run(self, args: dict, ctx: ToolContext, collection_ids: list[str] | None) -> ToolOutput:
+    async def run(self, args: dict, ctx: ToolContext, collection_ids: list[str] | None,
+                  limit: int | None = None) -> ToolOutput:
         query = args["query"].strip()
         if not query:
             raise ToolFailure("the query is empty")
@@ -70,7 +73,8 @@ class FileSearch:
             raise ToolFailure(f"the query is too long (at most {MAX_QUERY_CHARS} characters)")
         async with ctx.db.session() as session:
             file_ids = await self._scope(session, ctx, collection_ids, args.get("collection"))
-            ids = await self.retriever.search(ctx.user, file_ids, query, session=session) if file_ids else []
+            ids = await self.retriever.search(ctx.user, file_ids, query, limit=limit, session=session) \
+                if file_ids else []
             passages = await self._passages(session, ctx, ids)
         if not file_ids:
             raise ToolFailure("there are no files to search")
