@@ -6,6 +6,7 @@ the calls (tool_backend.py); a built-in that is off or not configured is a 400 n
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from chatloom.app.main import create_app
+from chatloom.serving import Delta
 from chatloom.app.tools.code_interpreter import CodeInterpreter
 from chatloom.settings.tree import ToolsSettings
 
@@ -34,9 +36,9 @@ ADD = {"type": "function", "name": "add", "description": "Add two numbers.",
 
 
 @asynccontextmanager
-async def api(tmp_path, **groups):
+async def api(tmp_path, backend=None, **groups):
     """The app over ASGI with the scripted model; yields (http, SDK client for alice, alice's headers, backend)."""
-    backend = ToolCallingBackend()
+    backend = backend or ToolCallingBackend()
     settings = make_settings(tmp_path, sampling={"max_tokens": 2000}, moderation={"mode": "off"}, **groups)
     app = create_app(settings, backend)
     async with app.router.lifespan_context(app):
@@ -232,3 +234,39 @@ async def test_a_builtin_off_or_not_configured_is_a_400_naming_it(tmp_path):
         with pytest.raises(openai.APIStatusError) as e:  # loopback, not allow-listed: it cannot be listed
             await client.responses.create(model="scripted", input="hi", tools=[{**mcp, "require_approval": "never"}])
         assert e.value.status_code == 424 and "cannot list the tools of the MCP server x" in e.value.message
+
+
+
+class QuotingBackend(ToolCallingBackend):
+    """Answers by quoting the first URL its system message holds (the search results)."""
+
+    async def stream(self, request):
+        self.requests.append(request)
+        url = re.search(r"http://\S+", request.messages[0]["content"]).group(0)
+        yield Delta(f"See {url} for it.")
+        yield Delta("", True, "stop", 10, 4)
+
+
+async def test_chat_completions_web_search_options(tmp_path):
+    with fake_web() as web:
+        async with api(tmp_path, QuotingBackend(), tools={"search_url": web.base}) as (http, client, headers, backend):
+            messages = [{"role": "user", "content": "danube otters"}]
+            done = await client.chat.completions.create(model="scripted", messages=messages, web_search_options={})
+            assert web.searches == ["danube otters"]
+            system = backend.requests[-1].messages[0]["content"]
+            assert "Web search results" in system and f"[1] Otters of the Danube\n{web.base}/article" in system
+            url = f"{web.base}/article"
+            message = done.choices[0].message
+            assert message.content == f"See {url} for it."
+            [note] = message.annotations
+            assert note.type == "url_citation" and note.url_citation.url == url
+            assert (note.url_citation.start_index, note.url_citation.end_index) == (4, 4 + len(url))
+            assert note.url_citation.title == "Otters of the Danube"
+            chunks = [c async for c in await client.chat.completions.create(
+                model="scripted", messages=messages, web_search_options={"search_context_size": "low"}, stream=True)]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+            assert len(web.searches) == 2
+    async with api(tmp_path / "off") as (http, client, headers, backend):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="scripted", messages=messages, web_search_options={})
+        assert "it has no search service (tools.search_url)" in e.value.message
