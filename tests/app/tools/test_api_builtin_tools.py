@@ -5,6 +5,8 @@ with OpenAI's output items and events, beside function tools the client runs. A 
 the calls (tool_backend.py); a built-in that is off or not configured is a 400 naming the problem."""
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import os
 import re
 import shutil
@@ -167,13 +169,13 @@ def mcp_url():
         except OSError:
             assert proc.poll() is None and time.monotonic() < deadline, "the MCP test server did not start"
             time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}/mcp"
+    yield proc, f"http://127.0.0.1:{port}/mcp"
     proc.kill()
     proc.wait()
 
 
 async def test_mcp_tools_of_a_server_the_request_names(tmp_path, mcp_url):
-    import hashlib
+    _, mcp_url = mcp_url
     code = f"vault code for otters: {hashlib.sha256(f'{SECRET}:otters'.encode()).hexdigest()[:12]}"
     tools = {"mcp_user_servers": True, "fetch_allow": ["127.0.0.1"]}
     async with api(tmp_path, tools=tools) as (http, client, headers, backend):
@@ -270,3 +272,29 @@ async def test_chat_completions_web_search_options(tmp_path):
         with pytest.raises(openai.BadRequestError) as e:
             await client.chat.completions.create(model="scripted", messages=messages, web_search_options={})
         assert "it has no search service (tools.search_url)" in e.value.message
+
+
+async def test_an_mcp_server_killed_mid_call_is_a_failed_item_not_a_failed_response(tmp_path, mcp_url):
+    proc, url = mcp_url
+    pid_file = tmp_path / "pid"
+    tools = {"mcp_user_servers": True, "fetch_allow": ["127.0.0.1"]}
+    async with api(tmp_path, tools=tools) as (http, client, headers, backend):
+        mcp = {"type": "mcp", "server_label": "vault", "server_url": url, "require_approval": "never"}
+        stream = await client.responses.create(model="scripted", tools=[mcp], stream=True,
+                                               input=call_text("vault__hang", pid_file=str(pid_file)))
+        reading = asyncio.ensure_future(_collect(stream))
+        while not (pid_file.exists() and pid_file.read_text()):  # the call is inside the server
+            assert not reading.done()
+            await asyncio.sleep(0.05)
+        proc.kill()
+        events = await asyncio.wait_for(reading, 60)
+        response = events[-1].response
+        assert events[-1].type == "response.completed" and "response.mcp_call.failed" in types(events)
+        call = response.output[1]
+        assert call.type == "mcp_call" and call.status == "failed" and call.output is None
+        assert call.error.startswith("the MCP server vault failed")
+        assert response.output_text.startswith("Result: error: the MCP server vault failed")
+
+
+async def _collect(stream) -> list:
+    return [e async for e in stream]
