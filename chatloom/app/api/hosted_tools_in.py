@@ -120,6 +120,7 @@ async def hosted_tools(tools: list[dict], toolbox: HostedToolbox | None, session
             headers = dict(body.headers or {})
             if body.authorization:
                 headers["Authorization"] = f"Bearer {body.authorization}"
+            await session.close()  # no database connection held while the server is listed
             listing, found = await toolbox.mcp(body.server_label, body.server_url, headers, body.allowed(), param)
             out.listings.append(listing)
             for tool in found:

@@ -32,7 +32,8 @@ from datetime import datetime, timezone
 from typing import AsyncIterator, Iterator
 
 from chatloom.app.core.errors import ApiError
-from chatloom.app.generation.pipeline import AnswerText, BudgetSpent, ChatPrompt, Piece, Run, Thinking, ToolCall
+from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, Piece, Run, Thinking,
+                                              ToolCall)
 from chatloom.app.generation.tool_calls import render_messages
 from chatloom.app.responses import hosted_calls as hc
 from chatloom.app.responses.hosted_calls import HostedRun, shown
@@ -120,6 +121,8 @@ class ResponseWriter:
                     elif isinstance(piece, Thinking):
                         for event in self._text("reasoning", piece.text):
                             yield event
+                    elif isinstance(piece, Finished) and round_no > 0:  # what resuming after the tools cost
+                        self.run.traffic.metrics.observe_resume(piece.usage, piece.timings)
                     elif isinstance(piece, ToolCall):
                         calls.append(piece)
                         if self._hosted_tool(piece) is None:  # the client's function: its item now
@@ -253,7 +256,10 @@ class ResponseWriter:
                 result = ToolResult(call, error=f"the limit of {hosted.max_calls} tool calls per response is reached")
             else:
                 hosted.calls += 1
+                started = time.monotonic()
                 result = await registry.run(call, hosted.ctx)
+                self.run.traffic.metrics.observe_tool("mcp" if tool.kind == "mcp" else call.name,
+                                                      time.monotonic() - started, result.error is not None)
             item = hc.finished_item(pending, tool, call, args, result, hosted)
             for name, extra in hc.after_events(tool, item):
                 yield self._event(name, **where, **extra)

@@ -119,6 +119,8 @@ async def test_web_search_asks_the_search_service(tmp_path):
             key = client.api_key
             stored = (await http.get(f"/v1/responses/{whole.id}", headers={"Authorization": f"Bearer {key}"})).json()
             assert stored["output"][0] == whole.output[0].model_dump(exclude_unset=True)  # no hidden keys
+            metrics = (await http.get("/metrics")).text
+            assert 'chatloom:tool_calls_total{outcome="ok",tool="web_search"} 2.0' in metrics
             assert "'_call'" not in str(stored) and "'_call'" not in str([e.model_dump() for e in events])
             assert types(events)[3:6] == ["response.web_search_call.in_progress",
                                           "response.web_search_call.searching", "response.web_search_call.completed"]
