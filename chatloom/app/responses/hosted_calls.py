@@ -13,11 +13,15 @@ file_search_call.results, web_search_call.action.sources, code_interpreter_call.
 
 A stored item keeps, under `_call`, the call as the model made it and the text it read back, so a thread
 continued with previous_response_id shows the model its earlier tool results; `shown()` drops it from
-everything a client sees.
+everything a client sees. The same items sent back as `input` are read from what they show.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from chatloom.app.generation.tool_calls import ToolCall
 from chatloom.app.tools.hosted import HostedTool, HostedTools, McpListing
@@ -122,16 +126,57 @@ def after_events(tool: HostedTool, item: dict) -> list[tuple[str, dict]]:
     return [(f"response.{kind}.completed", {})]
 
 
+class HostedItemIn(BaseModel):
+    """A built-in call item sent back as input (a client that keeps the thread itself): kept as given."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["web_search_call", "file_search_call", "code_interpreter_call", "mcp_call", "mcp_list_tools"]
+    id: str = Field(min_length=1, max_length=64)
+
+
+def input_item(item: HostedItemIn) -> dict:
+    return {k: v for k, v in item.model_dump().items() if k != HIDDEN}
+
+
 def hosted_turns(item: dict, turns: list[dict]) -> bool:
-    """Add a stored built-in call to a thread's turns (the call, then what the model read); False when the
-    item is not one."""
-    hidden = item.get(HIDDEN)
-    if item.get("type") not in ITEM_TYPES.values() or not isinstance(hidden, dict):
+    """Add a built-in call to a thread's turns (the call, then what the model read); False when the item is
+    not one. A stored item keeps what the model read; one sent back as input is read from what it shows."""
+    kind = item.get("type")
+    if kind == "mcp_list_tools":
+        return True  # the tools themselves are in the request's tools
+    if kind not in ITEM_TYPES.values():
         return False
-    call = ToolCall(hidden["call_id"], hidden["name"], hidden["arguments"])
+    hidden = item.get(HIDDEN)
+    if isinstance(hidden, dict):
+        call, output = ToolCall(hidden["call_id"], hidden["name"], hidden["arguments"]), hidden["output"]
+    else:
+        call, output = _shown_call(item)
     if turns and turns[-1]["role"] == "assistant":
         turns[-1].setdefault("tool_calls", []).append(call)
     else:
         turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    turns.append({"role": "tool", "content": hidden["output"]})
+    turns.append({"role": "tool", "content": output})
     return True
+
+
+def _shown_call(item: dict) -> tuple[ToolCall, str]:
+    """A built-in call as the model would have made it, and its result as far as the item shows it."""
+    kind, item_id = item["type"], item["id"]
+    failed = f"error: {item.get('error') or 'the call failed'}" if item.get("status") == "failed" else None
+    if kind == "web_search_call":
+        action = item.get("action") if isinstance(item.get("action"), dict) else {}
+        sources = [s.get("url") for s in action.get("sources") or [] if isinstance(s, dict)]
+        output = "sources: " + ", ".join(map(str, sources)) if sources else "(the results are not kept)"
+        return ToolCall(item_id, "web_search", json.dumps({"query": str(action.get("query", ""))})), failed or output
+    if kind == "file_search_call":
+        queries = item.get("queries") or [""]
+        results = [r for r in item.get("results") or [] if isinstance(r, dict)]
+        output = "\n\n".join(f"{r.get('filename')}:\n{r.get('text')}" for r in results) or "(the results are not kept)"
+        return ToolCall(item_id, "file_search", json.dumps({"query": str(queries[0])})), failed or output
+    if kind == "code_interpreter_call":
+        logs = [str(o.get("logs")) for o in item.get("outputs") or [] if isinstance(o, dict) and o.get("logs")]
+        output = "\n".join(logs) or "(the output is not kept)"
+        return ToolCall(item_id, "python", json.dumps({"code": str(item.get("code") or "")})), failed or output
+    name = f"{item.get('server_label')}__{item.get('name')}"
+    output = f"error: {item['error']}" if item.get("error") else str(item.get("output") or "")
+    return ToolCall(item_id, name, str(item.get("arguments") or "{}")), output

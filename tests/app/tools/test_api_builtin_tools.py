@@ -124,6 +124,12 @@ async def test_web_search_asks_the_search_service(tmp_path):
             assert "'_call'" not in str(stored) and "'_call'" not in str([e.model_dump() for e in events])
             assert types(events)[3:6] == ["response.web_search_call.in_progress",
                                           "response.web_search_call.searching", "response.web_search_call.completed"]
+            # A client that keeps the thread itself sends the items back: the model sees the call again.
+            thread = [it.model_dump(exclude_none=True) for it in whole.output] + [{"role": "user", "content": "more"}]
+            await client.responses.create(model="scripted", input=thread, store=False, tools=body["tools"])
+            call_turn, tool_turn = backend.requests[-1].messages[-4:-2]
+            assert '"name": "web_search"' in call_turn["content"] and "danube otters" in call_turn["content"]
+            assert tool_turn == {"role": "tool", "content": f"sources: {web.base}/article, {web.base}/notes.txt"}
             # The preview alias; without include, no sources.
             other = await client.responses.create(model="scripted", input=body["input"],
                                                   tools=[{"type": "web_search_preview"}])
