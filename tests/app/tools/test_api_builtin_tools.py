@@ -94,6 +94,14 @@ async def test_code_interpreter_runs_real_code_in_the_sandbox(tmp_path):
         await client.responses.create(model="scripted", input="and then?", previous_response_id=whole.id)
         turns = backend.requests[-1].messages
         assert any(m["role"] == "tool" and "479001600" in m["content"] for m in turns)
+        # A plot comes back as an image output, its bytes the caller's file.
+        plot = await client.responses.create(
+            model="scripted", tools=body["tools"], include=body["include"],
+            input=call_text("python", code="import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nprint('ok')"))
+        logs, image = plot.output[0].outputs
+        assert (logs.type, logs.logs, image.type) == ("logs", "ok\n", "image")
+        png = await http.get(image.url, headers={"Authorization": f"Bearer {client.api_key}"})
+        assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
         # A failing program: the item fails, the model reads the error and answers.
         failed = await client.responses.create(model="scripted", input=call_text("python", code="1/0"),
                                                tools=body["tools"], include=body["include"])
