@@ -144,8 +144,8 @@ async def test_web_search_asks_the_search_service(tmp_path):
             assert other.output[0].type == "web_search_call" and not getattr(other.output[0].action, "sources", None)
 
 
-async def test_file_search_over_an_uploaded_file(tmp_path):
-    async with api(tmp_path) as (http, client, headers, backend):
+async def test_file_search_over_an_uploaded_file(tmp_path, db_url):
+    async with api(tmp_path, server={"db_url": db_url}) as (http, client, headers, backend):
         coll = (await http.post("/collections", headers=headers, json={"name": "zoo"})).json()["id"]
         r = await http.post("/files", headers=headers, files={"file": ("zoo.md", ZOO)}, data={"collection_id": coll})
         file_id = r.json()["id"]

@@ -27,9 +27,9 @@ def _result(events) -> dict:
     return next(e.data["tool_result"] for e in events if isinstance(e.data, dict) and "tool_result" in e.data)
 
 
-async def test_passages_come_back_numbered_after_the_prompts_and_are_cited(tmp_path):
+async def test_passages_come_back_numbered_after_the_prompts_and_are_cited(tmp_path, db_url):
     backend = ToolCallingBackend()
-    settings = make_settings(tmp_path, sampling={"max_tokens": 2000})
+    settings = make_settings(tmp_path, server={"db_url": db_url}, sampling={"max_tokens": 2000})
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
         zoo = await _collection(client, alice, "zoo")
@@ -58,8 +58,8 @@ async def test_passages_come_back_numbered_after_the_prompts_and_are_cited(tmp_p
         assert [c["n"] for c in done_of(events)["citations"]] == [1]
 
 
-async def test_another_users_collection_is_never_searched(tmp_path):
-    settings = make_settings(tmp_path, sampling={"max_tokens": 2000})
+async def test_another_users_collection_is_never_searched(tmp_path, db_url):
+    settings = make_settings(tmp_path, server={"db_url": db_url}, sampling={"max_tokens": 2000})
     async with app_client(settings, ToolCallingBackend()) as (client, app, alice):
         bob = await signup(client, "bob")
         secret = await _collection(client, bob, "diary")
