@@ -28,6 +28,7 @@ from chatloom.app.api.routes import audio, batches, embeddings, files, user_file
 from chatloom.app.batch.runner import BatchRunner
 from chatloom.app.files.retrieval import Retriever
 from chatloom.app.files.service import Files
+from chatloom.app.tools.hosted import HostedToolbox
 from chatloom.app.api.routes import memory, portability, sharing, sso
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
@@ -90,7 +91,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs, blobs, retriever), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s), blobs=blobs, files=file_service, retriever=retriever,
-        speech=speech, scaler=scaler,
+        speech=speech, scaler=scaler, hosted=HostedToolbox(settings, retriever),
     )
 
     runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,

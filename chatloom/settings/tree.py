@@ -187,6 +187,12 @@ class ToolsSettings(Group):
                                                       "HTTP URLs, held to the fetch rules: no private addresses "
                                                       "unless fetch_allow names them).")
     mcp_user_max_servers: int = Field(5, ge=0, description="MCP servers one user may add.")
+    api_tools: list[Literal["web_search", "file_search", "code_interpreter", "mcp"]] = Field(
+        ["web_search", "file_search", "code_interpreter", "mcp"],
+        description="Built-in tool types the Responses API (and, for web_search, Chat Completions' "
+                    "web_search_options) runs on the server; a request naming one left out is a 400. Each also "
+                    "needs what it runs on: web_search a search_url, code_interpreter a working bubblewrap, "
+                    "mcp mcp_user_servers.")
     mcp_timeout_s: float = Field(30.0, gt=0, description="Time an MCP tool call (or a listing of a server's "
                                                          "tools) may take before it is a tool error.")
     mcp_list_ttl_s: float = Field(60.0, ge=0, description="How long a server's tool list is reused before it is "
@@ -382,6 +388,9 @@ class FilesSettings(Group):
     prompt_tokens: int = Field(1024, ge=0, description="Most prompt tokens the retrieved passages may take; the "
                                                        "conversation's history gets the rest of the budget.")
     rrf_k: int = Field(60, gt=0, description="The constant of reciprocal rank fusion (full-text and vector ranks).")
+    search_tool: bool = Field(True, description="Offer the chat's model the file_search tool (the user's files "
+                                                "and collections searched with a query of its own) once the user "
+                                                "has files; its passages are cited like the automatic ones.")
 
     @model_validator(mode="after")
     def _positive(self) -> "FilesSettings":

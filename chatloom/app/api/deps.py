@@ -19,6 +19,7 @@ from chatloom.app.chat.conversation_service import ConversationService
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.files.retrieval import Retriever
 from chatloom.app.files.service import Files
+from chatloom.app.tools.hosted import HostedToolbox
 from chatloom.app.state.hot_state import HotState
 from chatloom.app.generation.pipeline import Pipeline
 from chatloom.settings import Settings
@@ -49,6 +50,7 @@ class AppContext:
     retriever: Retriever  # their passages for a question
     speech: SpeechBackend | None = None  # speech to text, where a Whisper model is set ([speech] model)
     scaler: LocalFleetScaler | None = None  # the predictive autoscaler, when it is on
+    hosted: HostedToolbox | None = None  # the built-in tools the OpenAI-shaped APIs run on the server
 
 
 def get_context(request: Request) -> AppContext:

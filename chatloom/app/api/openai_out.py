@@ -8,7 +8,7 @@ the dicts against them.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -43,6 +43,7 @@ class AssistantMessageOut(BaseModel):
     refusal: None = None
     tool_calls: list[ToolCallOut] | None = None
     reasoning_content: str | None = None  # the thinking, as vLLM sends it, when reasoning_effort was set
+    annotations: list[dict[str, Any]] | None = None  # url_citation, with web_search_options
 
 
 FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]

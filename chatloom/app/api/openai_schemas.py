@@ -175,6 +175,8 @@ class ChatCompletionIn(SamplingIn):
     response_format: ResponseFormatIn | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The server searches the web for the last user message first (api/web_search_options.py).
+    web_search_options: dict[str, Any] | None = None
 
     def tool_use(self) -> ToolUse | None:
         """The request's tools and tool_choice, checked: 400 for an unknown name or a bad schema."""

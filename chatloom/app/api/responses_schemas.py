@@ -2,9 +2,11 @@
 tool_choice, text.format (text, json_object, json_schema) as the engine's constraint, and reasoning.effort as
 the reasoning class. The items of `input` are read by app/responses/items.py.
 
-Unknown fields (include, prompt_cache_key, service_tier...) are accepted and ignored, as on the other OpenAI
+Built-in tools (web_search, file_search, code_interpreter, mcp) are read by api/hosted_tools_in.py and run on
+the server; their specs join the function tools the model is offered. `include` picks what their items
+show. Unknown fields (prompt_cache_key, service_tier...) are accepted and ignored, as on the other OpenAI
 routes; fields that would change the answer in a way this server cannot honour (`background`, `truncation`
-"auto", tools other than functions) are refused with a 400 naming them.
+"auto", tool types it does not know) are refused with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from chatloom.app.api.hosted_tools_in import is_hosted, shown as shown_tool
 from chatloom.app.api.openai_schemas import checked
 from chatloom.app.core.errors import ApiError
 from chatloom.app.generation.pipeline import Ask
@@ -85,6 +88,7 @@ class ResponseCreateIn(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = Field(default=None, max_length=16)
 
     @field_validator("metadata")
     @classmethod
@@ -110,9 +114,12 @@ class ResponseCreateIn(BaseModel):
         out = []
         for i, raw in enumerate(self.tools or []):
             kind = raw.get("type")
+            if is_hosted(raw):
+                continue
             if kind != "function":
-                raise ApiError(400, f"tools[{i}] is of type {kind!r}; this endpoint takes function tools only",
-                               "unsupported_value", "tools")
+                raise ApiError(400, f"tools[{i}] is of type {kind!r}; this endpoint takes function tools and the "
+                               "built-in web_search, file_search, code_interpreter and mcp", "unsupported_value",
+                               "tools")
             try:
                 out.append(FunctionToolIn.model_validate(raw))
             except ValidationError as exc:
@@ -121,11 +128,12 @@ class ResponseCreateIn(BaseModel):
                 raise ApiError(400, f"tools[{i}].{where}: {err['msg']}", "invalid_value", "tools") from None
         return out
 
-    def tool_use(self) -> ToolUse | None:
-        """The function tools and tool_choice, checked: 400 for an unknown name or a bad schema."""
+    def tool_use(self, hosted: list[ToolSpec] = ()) -> ToolUse | None:
+        """The function tools (and the `hosted` built-ins' specs) and tool_choice, checked: 400 for an
+        unknown name or a bad schema."""
         tools = self.function_tools()
         choice = self.tool_choice or "auto"
-        if not tools:
+        if not tools and not hosted:
             if choice not in ("auto", "none"):
                 raise ApiError(400, "tool_choice needs tools", "invalid_value", "tool_choice")
             return None
@@ -134,14 +142,18 @@ class ResponseCreateIn(BaseModel):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ApiError(400, "tool names must be unique", "invalid_value", "tools")
+        taken = [s.name for s in hosted if s.name in names]
+        if taken:
+            raise ApiError(400, f"the function {taken[0]!r} has the name of a built-in tool of this request; "
+                           "rename it", "invalid_value", "tools")
         if isinstance(choice, FunctionChoice):
             if choice.name not in names:
                 raise ApiError(400, f"tool_choice names the function {choice.name!r}, which is not in tools "
                                f"({', '.join(names)})", "invalid_value", "tool_choice")
             choice = choice.name
-        for spec in specs:
+        for spec in specs:  # the built-ins' own schemas are the server's (or its MCP server's) to check
             checked(Constraint.json_schema(spec.parameters), f"the parameters of tool {spec.name!r}", "tools")
-        return ToolUse(tuple(specs), choice, self.parallel_tool_calls is not False)
+        return ToolUse(tuple(specs) + tuple(hosted), choice, self.parallel_tool_calls is not False)
 
     def constraint(self, tools: ToolUse | None) -> Constraint | None:
         """What the engine must enforce: forced tool calls, or text.format."""
@@ -176,8 +188,14 @@ class ResponseCreateIn(BaseModel):
 
     def shown(self) -> dict:
         """The request's settings as the response object echoes them."""
-        tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-                  "strict": t.strict} for t in self.function_tools()]
+        functions, tools = iter(self.function_tools()), []
+        for raw in self.tools or []:
+            if is_hosted(raw):
+                tools.append(shown_tool(raw))
+            else:
+                t = next(functions)
+                tools.append({"type": "function", "name": t.name, "description": t.description,
+                              "parameters": t.parameters, "strict": t.strict})
         choice = self.tool_choice or "auto"
         fmt = self.text.format if self.text is not None and self.text.format is not None else None
         return {"max_output_tokens": self.max_output_tokens, "metadata": self.metadata or {},

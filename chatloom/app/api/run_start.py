@@ -11,21 +11,21 @@ from chatloom.app.generation.pipeline import Ask, Choice, Piece, Pipeline, Promp
 
 
 async def start_run(pipeline: Pipeline, ask: Ask, prompt: Prompt, moderate: str, session: AsyncSession,
-                    by_choice: bool = False) -> tuple[Run, AsyncIterator, Piece | Choice | None]:
+                    by_choice: bool = False, extra_rounds: int = 0) -> tuple[Run, AsyncIterator, Piece | Choice | None]:
     """The run, its pieces (`by_choice`: as Choice objects, for an ask of several) and the first of them
     (None: the stream ended at once). On any failure the run is closed (its slot and reservation given
-    back) before the exception leaves."""
-    run = await reserve_run(pipeline, ask, prompt, moderate)
+    back) before the exception leaves. `extra_rounds`: rounds after tool results to reserve quota for."""
+    run = await reserve_run(pipeline, ask, prompt, moderate, extra_rounds)
     return await begin_run(run, prompt, session, by_choice)
 
 
-async def reserve_run(pipeline: Pipeline, ask: Ask, prompt: Prompt, moderate: str) -> Run:
+async def reserve_run(pipeline: Pipeline, ask: Ask, prompt: Prompt, moderate: str, extra_rounds: int = 0) -> Run:
     """The run opened (caps, input moderation) with its quota reserved: every refusal that costs nothing
     (too long, over quota, queue full) happens here. On failure the run is closed before the exception leaves."""
     run = await pipeline.open(ask, moderate)
     try:
         await run.measure(prompt)  # tokenizing a large prompt off the event loop
-        await run.reserve(prompt)
+        await run.reserve(prompt, extra_rounds=extra_rounds)
     except BaseException:
         await run.close()
         raise

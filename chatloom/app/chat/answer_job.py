@@ -182,7 +182,8 @@ class AnswerJob:
     async def _run_tools(self, gen: Generation, run: Run, messages: list[dict], text: str, calls: list[ToolCall],
                          out: Outcome) -> list[dict]:
         """Run a round's calls; the prompt for the next round (the round's turn, then one turn per result)."""
-        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id, self.blobs, self.settings)
+        cited = list(gen.citations or [])  # file_search numbers its passages after these, and adds them
+        ctx = ToolContext(run.ask.user, self.db, gen.conversation_id, self.blobs, self.settings, cited)
         budget = self.settings.chat.max_tool_calls_per_answer
         turns = [{"role": "assistant", "content": "\n".join([text] * bool(text) + [c.text() for c in calls])}]
         for call in calls:
@@ -199,6 +200,7 @@ class AnswerJob:
             out.steps.append({"arguments": call.arguments, **result_event})
             await gen.log.append({"tool_result": result_event})
             turns.append({"role": "tool", "content": model_text})
+        gen.citations = cited or None
         if len(out.steps) >= budget:  # no more calls: the next round is read as plain text
             run.ask = replace(run.ask, tools=replace(run.ask.tools, choice="none"))
         return messages + turns

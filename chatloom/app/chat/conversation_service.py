@@ -86,7 +86,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         self.jobs: Jobs = MemoryJobs()  # which gateway runs each conversation's answer (Redis: the fleet)
         self.draining = False  # shutting down: no new answers here
         names = [n.strip() for n in settings.chat.tools.split(",") if n.strip()]
-        self.tools: ToolRegistry = builtin_registry(names, settings, db)
+        self.tools: ToolRegistry = builtin_registry(names, settings, db, retriever)
         self.blobs = blobs  # where tools keep the files they produce
 
     # -- starting generations ----------------------------------------------------------

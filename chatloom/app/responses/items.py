@@ -2,9 +2,10 @@
 its id, in the API's own shape), and a thread of items as the chat turns the prompt is rendered from.
 
 Items: messages (roles user, assistant, system, developer; content as a string or text parts), the
-model's function calls (`function_call`) and their results (`function_call_output`), and the model's
-reasoning (`reasoning`, kept in the thread but not shown to the model again, as chat templates drop
-earlier thinking). A function call's output must answer a call made earlier in the thread.
+model's function calls (`function_call`) and their results (`function_call_output`), the built-in tools'
+calls as an earlier response gave them (hosted_calls.py), and the model's reasoning (`reasoning`, kept in
+the thread but not shown to the model again, as chat templates drop earlier thinking). A function call's
+output must answer a call made earlier in the thread.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatloom.app.core.errors import ApiError
 from chatloom.app.generation.tool_calls import ToolCall
+from chatloom.app.responses.hosted_calls import HostedItemIn, hosted_turns, input_item
 from chatloom.store import new_id
 
 LENIENT = ConfigDict(extra="ignore")
@@ -61,7 +63,9 @@ class ReasoningItemIn(BaseModel):
 
 ITEM_TYPES: dict[str, type[BaseModel]] = {"message": MessageItemIn, "function_call": FunctionCallItemIn,
                                           "function_call_output": FunctionCallOutputItemIn,
-                                          "reasoning": ReasoningItemIn}
+                                          "reasoning": ReasoningItemIn, "web_search_call": HostedItemIn,
+                                          "file_search_call": HostedItemIn, "code_interpreter_call": HostedItemIn,
+                                          "mcp_call": HostedItemIn, "mcp_list_tools": HostedItemIn}
 
 
 def _text_of(parts: str | list[ContentPartIn], where: str) -> str:
@@ -108,6 +112,8 @@ def input_items(value: str | list) -> list[dict]:
             items.append(message_item(item.role, _text_of(item.content, where), item.id))
         elif isinstance(item, FunctionCallItemIn):
             items.append(function_call_item(ToolCall(item.call_id, item.name, item.arguments), item.id))
+        elif isinstance(item, HostedItemIn):
+            items.append(input_item(item))
         elif isinstance(item, FunctionCallOutputItemIn):
             items.append({"type": "function_call_output", "id": item.id or new_id("fco"), "call_id": item.call_id,
                           "output": _text_of(item.output, where), "status": "completed"})
@@ -159,6 +165,8 @@ def chat_turns(items: list[dict], max_output_chars: int) -> list[dict]:
     calls_made: set[str] = set()
     for item in items:
         kind = item["type"]
+        if hosted_turns(item, turns):  # a built-in tool's call and result, kept with the stored response
+            continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             turns.append({"role": role, "content": "".join(p.get("text", "") for p in item["content"])})

@@ -5,7 +5,7 @@ The calculator, the clock and the search over past conversations need nothing; t
 SearXNG URL: where they are missing, the tool is left out with a warning in the log, so the model is
 never offered a tool that cannot run. `fetch_page` needs only the fetch settings. The tools of the
 MCP servers in settings.tools.mcp_servers, and of the user's own where allowed, come on top, listed
-when each answer starts.
+when each answer starts, and so does `file_search` for a user who has files (files.search_tool).
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import logging
 from typing import Callable
 
 from chatloom.app.tools import calculator, clock, remember, search
+from chatloom.app.files.retrieval import Retriever
 from chatloom.app.tools.code_interpreter import CodeInterpreter
+from chatloom.app.tools.file_search import FileSearchSource
 from chatloom.app.tools.mcp_servers import McpTools, UserMcpTools
 from chatloom.app.tools.registry import Tool, ToolRegistry
 from chatloom.app.tools.web import WebTools
@@ -45,8 +47,10 @@ CONFIGURED: dict[str, Callable[[Settings], Tool | None]] = {
     "python": _python, "web_search": _web_search, "fetch_page": lambda s: WebTools(s.tools).fetch_tool()}
 
 
-def builtin_registry(names: list[str], settings: Settings | None = None, db: Database | None = None) -> ToolRegistry:
-    """A registry of the built-ins named; an unknown name is a configuration error (ValueError)."""
+def builtin_registry(names: list[str], settings: Settings | None = None, db: Database | None = None,
+                     retriever: Retriever | None = None) -> ToolRegistry:
+    """A registry of the built-ins named, with file_search over `retriever`'s files; an unknown name is a
+    configuration error (ValueError)."""
     known = [*BUILTINS, *CONFIGURED]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -60,4 +64,6 @@ def builtin_registry(names: list[str], settings: Settings | None = None, db: Dat
     sources = [McpTools(settings.tools)] if settings is not None else []
     if settings is not None and db is not None:
         sources.append(UserMcpTools(settings.tools, db))
+    if retriever is not None:
+        sources.append(FileSearchSource(retriever))
     return ToolRegistry(tools, sources)

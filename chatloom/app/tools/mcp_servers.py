@@ -73,16 +73,26 @@ class McpServer:
             if time.monotonic() - self._listed_at < self._ttl:
                 return self._tools
             try:
-                async with asyncio.timeout(self.list_timeout_s):
-                    async with self._client() as client:
-                        listed = (await client.list_tools()).tools
-                self._tools = [self._tool(t.name, t.description or "", t.input_schema) for t in listed]
+                self._tools = [tool for _, tool in await self.listing()]
                 self._ttl = self.list_ttl_s
-            except Exception as exc:  # down, slow, garbage: its tools are not offered until it answers
-                log.warning("MCP server %s: cannot list its tools: %s", self.name, _reason(exc, self.list_timeout_s))
+            except ToolFailure as exc:  # down, slow, garbage: its tools are not offered until it answers
+                log.warning("MCP server %s: %s", self.name, exc)
                 self._tools, self._ttl = [], self.list_ttl_s / 6
             self._listed_at = time.monotonic()
             return self._tools
+
+    async def listing(self) -> list[tuple[dict, Tool]]:
+        """The server's tools, listed now: each as the server describes it (name, description,
+        input_schema) and as a chat tool; ToolFailure saying why it could not be listed."""
+        try:
+            async with asyncio.timeout(self.list_timeout_s):
+                async with self._client() as client:
+                    listed = (await client.list_tools()).tools
+        except Exception as exc:
+            raise ToolFailure(f"cannot list the tools of the MCP server {self.name}: "
+                              f"{_reason(exc, self.list_timeout_s)}") from None
+        return [({"name": t.name, "description": t.description, "input_schema": t.input_schema},
+                 self._tool(t.name, t.description or "", t.input_schema)) for t in listed]
 
     def _tool(self, name: str, description: str, schema: dict | None) -> Tool:
         exposed = f"{self.name}{SEPARATOR}{_NAME.sub('_', name)}"[:64]

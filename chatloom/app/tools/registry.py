@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse
@@ -52,6 +52,9 @@ class ToolContext:
     conversation_id: str
     blobs: BlobStore | None = None  # where a tool keeps the files it produces (the files table's store)
     settings: Settings | None = None  # for the tools with limits of their own (remember: the memory group)
+    # The passages the answer cites so far, numbered from 1 (files/retrieval.py's shape): file_search adds
+    # the ones it finds, and the answer keeps the list as its `citations`.
+    citations: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from readability import Document
 
 from chatloom.app.core.safe_fetch import FetchPolicy, FetchRefused, display_url, safe_fetch
 from chatloom.app.generation.tool_calls import ToolSpec
-from chatloom.app.tools.registry import Tool, ToolContext, ToolFailure
+from chatloom.app.tools.registry import Tool, ToolContext, ToolFailure, ToolOutput
 from chatloom.settings.tree import ToolsSettings
 
 CITE = "Cite the sources you use by their URLs."
@@ -98,7 +98,7 @@ class WebTools:
                          "additionalProperties": False})
         return Tool(spec, self._fetch, timeout_s=self.timeout_s, max_output_chars=self.text_chars + 1000)
 
-    async def _search(self, args: dict, ctx: ToolContext) -> str:
+    async def _search(self, args: dict, ctx: ToolContext) -> ToolOutput:
         query = " ".join(args["query"].split())[:400]
         if not query:
             raise ToolFailure("the query is empty")
@@ -108,10 +108,11 @@ class WebTools:
             hits = await self.provider.search(query, self.results)
         except FetchRefused as exc:
             raise ToolFailure(f"the search failed: {exc}") from None
+        details = {"query": query, "sources": [{"title": h.title[:150], "url": h.url} for h in hits]}
         if not hits:
-            return f"no results for {query!r}"
+            return ToolOutput(f"no results for {query!r}", details)
         lines = [f"[{n}] {h.title[:150]}\n{h.url}\n{' '.join(h.snippet.split())[:300]}" for n, h in enumerate(hits, 1)]
-        return "\n\n".join(lines) + f"\n\n{CITE}"
+        return ToolOutput("\n\n".join(lines) + f"\n\n{CITE}", details)
 
     async def _fetch(self, args: dict, ctx: ToolContext) -> str:
         try:

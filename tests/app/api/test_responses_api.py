@@ -308,7 +308,7 @@ async def test_a_second_gateway_continues_the_thread(tmp_path, tiny_backend, sha
 
 BAD = [
     ({"input": []}, "input"),
-    ({"input": [{"type": "web_search_call", "id": "x"}]}, "web_search_call"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input_image"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "5"}]}, "call_1"),

@@ -227,9 +227,10 @@ async def test_answers_retrieve_passages_and_cite_them(tmp_path, tiny_model_fp32
     await inner.start()
     backend = RecordingBackend(inner)
     try:
-        # tiny-random tokenizes by character: short passages, a budget for two of them
+        # tiny-random tokenizes by character: short passages, a budget for two of them (and no file_search
+        # tool, whose description would count against the system prompt measured below)
         settings = make_settings(tmp_path, files={"prompt_tokens": 700, "top_k": 2, "chunk_chars": 300,
-                                                  "embeddings": True})
+                                                  "embeddings": True, "search_tool": False})
         async with app_client(settings, backend) as (client, app, alice):
             cid = await new_conversation(client, alice)
             coll = (await client.post("/collections", headers=alice, json={"name": "zoo"})).json()["id"]

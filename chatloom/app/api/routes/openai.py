@@ -23,6 +23,7 @@ from chatloom.app.api.deps import AppContext, Ctx, CurrentUser, SessionDep
 from chatloom.app.core.errors import ApiError, error_body
 from chatloom.app.api.openai_logprobs import CompletionLogprobs, chat_logprobs, join_blocks
 from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
+from chatloom.app.api.web_search_options import searched, url_citations
 from chatloom.app.api.openai_out import CapabilitiesOut, ChatCompletionOut, CompletionOut, ModelList, ModelOut
 from chatloom.app.api.openai_schemas import ChatCompletionIn, CompletionIn, SamplingIn, prompt_text
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, SIGNED_IN, errors, openai_stream
@@ -82,9 +83,10 @@ class _ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, reasoning: bool, logprobs: bool) -> None:
+    def __init__(self, reasoning: bool, logprobs: bool, sources: list[dict] | None = None) -> None:
         self.reasoning = reasoning
         self.want_logprobs = logprobs
+        self.sources = sources  # web_search_options' results: the whole message's url_citation annotations
         self.calls_sent: dict[int, int] = {}  # by choice
 
     def tool_call_chunks(self, index: int, call: ToolCall) -> list[dict]:
@@ -122,6 +124,8 @@ class _ChatFormat:
             message["tool_calls"] = [_call_out(call) for call in c.calls]
         if self.reasoning:
             message["reasoning_content"] = "".join(c.thinking)
+        if self.sources is not None:
+            message["annotations"] = url_citations(message["content"] or "", self.sources)
         return {"message": message, "finish_reason": c.finish_reason,
                 "logprobs": chat_logprobs(c.logprobs) if self.want_logprobs else None}
 
@@ -338,7 +342,12 @@ async def chat_answer(ctx: AppContext, body: ChatCompletionIn, user: User, sessi
         require_vision(ctx.backend, body.model)
     prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
     ask = replace(body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools), batch=batch)
-    fmt = _ChatFormat(ask.reasoning_effort is not None, ask.logprobs is not None)
+    sources = None
+    if body.web_search_options is not None:
+        await session.close()  # no connection held while the search runs
+        prompt, sources = await searched(ctx.hosted, body.web_search_options, prompt, user, ctx.db, ctx.blobs,
+                                         ctx.settings)
+    fmt = _ChatFormat(ask.reasoning_effort is not None, ask.logprobs is not None, sources)
     return await _respond(ctx, body, [(ask, prompt, body.user_text(prompt))], fmt, session)
 
 
