@@ -268,7 +268,7 @@ class AutoscaleSettings(Group):
 
 
 class DegradeSettings(Group):
-    """The ladder of cheaper answers taken before the admission queue refuses (traffic/degrade.py)."""
+    """The ladder of cheaper answers taken before the admission queue refuses (serving/degrade.py)."""
 
     enabled: bool = Field(True, description="Take the degrade steps under load.")
     effort_queue_wait_share: float = Field(0.1, gt=0, lt=1, description="Queue wait, as a share of "

@@ -22,7 +22,12 @@ def slo_batch(spec: ReplicaSpec, traffic: TrafficModel, tpot_s: float) -> int:
     """The largest batch whose decode step meets the TPOT target (at least 1), within what the KV pool
     and the sequence cap allow at the mean context."""
     prompt, answer = mean_request(traffic, spec)
-    ctx = prompt + answer / 2
+    return batch_within(spec, prompt + answer / 2, tpot_s)
+
+
+def batch_within(spec: ReplicaSpec, ctx: float, tpot_s: float) -> int:
+    """The largest batch (at least 1) of streams at context `ctx` whose decode step meets `tpot_s`,
+    within what the KV pool and the sequence cap allow."""
     cap = int(max(1, min(spec.max_num_seqs, spec.pool_tokens // max(ctx, 1))))
     best = 1
     for b in range(1, cap + 1):
@@ -37,14 +42,23 @@ def replica_seconds_per_request(spec: ReplicaSpec, traffic: TrafficModel, batch:
     """Replica time one mean request takes: its share of `batch`-wide decode steps, plus the prefill of
     the part of its prompt the prefix cache does not hold (`prefix_hit`, a share of prompt tokens)."""
     prompt, answer = mean_request(traffic, spec)
+    return replica_seconds(spec, prompt, answer, batch, prefix_hit)
+
+
+def replica_seconds(spec: ReplicaSpec, prompt: float, answer: float, batch: int, prefix_hit: float) -> float:
+    """Replica time of a request of `prompt` and `answer` tokens: decode at `batch` plus its prefill."""
     ctx = prompt + answer / 2
     decode = answer * spec.step_time.step_time(BatchShape(batch, 0, int(batch * ctx), 0, 0)) / batch
+    return decode + prefill_seconds(spec, prompt, prefix_hit)
+
+
+def prefill_seconds(spec: ReplicaSpec, prompt: float, prefix_hit: float) -> float:
+    """The marginal time of prefilling the part of a prompt the prefix cache does not hold."""
     cached = prompt * prefix_hit
     fresh = max(prompt - cached, 1.0)
     # Chunked prefill rides along decode steps, so a prompt adds its marginal time, not a step's overhead.
-    prefill = (spec.step_time.step_time(BatchShape(0, int(fresh), 0, fresh * (cached + (fresh + 1) / 2), 1))
-               - spec.step_time.step_time(BatchShape()))
-    return decode + prefill
+    return (spec.step_time.step_time(BatchShape(0, int(fresh), 0, fresh * (cached + (fresh + 1) / 2), 1))
+            - spec.step_time.step_time(BatchShape()))
 
 
 def cost_report(spec: ReplicaSpec, traffic: TrafficModel, replicas: int, gpu_hour_price: float,

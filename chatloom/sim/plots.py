@@ -71,19 +71,23 @@ def replicas_vs_peak(points: list[dict], path: str | Path, title: str = "") -> P
 
 def autoscale_day(runs: dict, path: str | Path) -> Path:
     """runs: sim.autoscale_day.compare's result; capacity each controller provides against the load,
-    over the measured (second) day."""
+    and the degrade ladder's level, over the measured (second) day."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, (ax, lad) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     trace = runs["oracle"]["trace"]
     day = len(trace) // 2
     hours = [t[0] - 24 for t in trace[day:]]
     ax.plot(hours, [t[1] for t in trace[day:]], color="black", linewidth=1.2, label="arrivals (requests/s)")
     for name, style in (("predictive", "-"), ("reactive", "--"), ("oracle", ":")):
         ax.plot(hours, [t[2] for t in runs[name]["trace"][day:]], linestyle=style,
-                label=f"{name}: capacity of ready replicas")
-    ax.set(xlabel="hour of the day", ylabel="requests/s")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+                label=f"{name}: capacity of ready replicas (undegraded requests/s)")
+        if name != "oracle":
+            lad.step(hours, [t[3] for t in runs[name]["trace"][day:]], linestyle=style, where="post", label=name)
+    ax.set(ylabel="requests/s")
+    lad.set(xlabel="hour of the day", ylabel="ladder level", yticks=[0, 1, 2, 3])
+    for a in (ax, lad):
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,110 +1,17 @@
-"""Degrade before refusing: a ladder of cheaper answers taken one step at a time as load rises.
+"""Degrade before refusing, in the app: the ladder (serving/degrade.py, shared with the fleet simulator)
+and the steps applied to the request being handled.
 
-Two signals say how loaded the service is: how long requests wait in the admission queue (the oldest
-waiting now, or the longest admitted in the last few seconds) and how full the KV cache is. Each step
-has a threshold on each (the wait as a share of traffic.queue_max_wait_s); crossing either takes the
-step (and every step below it):
-
-1. `effort`: reasoning effort is capped (default: low), so thinking answers hold their slots shorter;
-2. `small_model`: the chosen tiers (default: free) are answered by a smaller configured model;
-3. `max_tokens`: the chosen tiers' answers are capped shorter.
-
-Only after these does the admission queue refuse (503, or 529 on the Anthropic API), as it always
-has when its wait would pass traffic.queue_max_wait_s. A step is undone once both signals have stayed
-below its thresholds' clearing levels (a share of the wait threshold, a margin under the KV one) for
-`hold_s`, one step at a time, so the ladder does not flap around a threshold. Which steps applied to
-a request is in its `x-chatloom-degraded` header, and the level is on /metrics.
+Which steps applied to a request is in its `x-chatloom-degraded` header, and the level is on /metrics;
+control.py applies the steps (effort cap, small model, shorter answers) to each request.
 """
 from __future__ import annotations
 
-import time
-from collections import deque
 from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Callable
 
-from chatloom.settings.tree import DegradeSettings
+from chatloom.serving.degrade import STEPS, DegradeLadder, RecentMax, Signals
 
-STEPS = ("effort", "small_model", "max_tokens")
+__all__ = ["APPLIED", "STEPS", "DegradeLadder", "RecentMax", "Signals"]
 
 # The steps applied to the request being handled; the HTTP middleware resets it per request and turns
 # it into the x-chatloom-degraded header.
 APPLIED: ContextVar[tuple[str, ...]] = ContextVar("degraded_steps", default=())
-
-
-@dataclass(frozen=True)
-class Signals:
-    queue_wait_s: float
-    kv_usage: float  # 0..1; 0 where the backend does not tell
-
-
-class RecentMax:
-    """The largest value seen in the last `window_s` seconds."""
-
-    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.window_s = window_s
-        self.clock = clock
-        self._items: deque[tuple[float, float]] = deque()
-
-    def add(self, value: float) -> None:
-        now = self.clock()
-        while self._items and self._items[-1][1] <= value:  # a smaller, older value can never be the max
-            self._items.pop()
-        self._items.append((now, value))
-
-    def value(self) -> float:
-        now = self.clock()
-        while self._items and self._items[0][0] <= now - self.window_s:
-            self._items.popleft()
-        return self._items[0][1] if self._items else 0.0
-
-
-class DegradeLadder:
-    def __init__(self, settings: DegradeSettings, max_wait_s: float, signals: Callable[[], Signals],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.settings = settings
-        self.signals = signals
-        self.clock = clock
-        self.level = 0
-        self._calm_since: float | None = None
-        self._checked = float("-inf")
-        s = settings
-        # Wait thresholds are shares of the queue's own limit, so every step comes before it refuses.
-        self._waits = tuple(max_wait_s * share for share in
-                            (s.effort_queue_wait_share, s.small_model_queue_wait_share, s.max_tokens_queue_wait_share))
-        self._kvs = (s.effort_kv_usage, s.small_model_kv_usage, s.max_tokens_kv_usage)
-
-    def _crossed(self, step: int, sig: Signals) -> bool:
-        return sig.queue_wait_s >= self._waits[step] or sig.kv_usage >= self._kvs[step]
-
-    def _calm(self, step: int, sig: Signals) -> bool:
-        s = self.settings
-        return (sig.queue_wait_s < self._waits[step] * s.clear_queue_wait_share
-                and sig.kv_usage < self._kvs[step] - s.clear_kv_margin)
-
-    def update(self) -> int:
-        """Read the signals (at most every `check_interval_s`) and move the ladder; the level now."""
-        if not self.settings.enabled:
-            return 0
-        now = self.clock()
-        if now - self._checked < self.settings.check_interval_s:
-            return self.level
-        self._checked = now
-        sig = self.signals()
-        target = max((i + 1 for i in range(len(STEPS)) if self._crossed(i, sig)), default=0)
-        if target >= self.level:
-            if target > self.level:
-                self.level = target
-            self._calm_since = None
-        elif self._calm(self.level - 1, sig):
-            if self._calm_since is None:
-                self._calm_since = now
-            elif now - self._calm_since >= self.settings.hold_s:
-                self.level -= 1
-                self._calm_since = now if self.level else None
-        else:
-            self._calm_since = None
-        return self.level
-
-    def active(self, step: str) -> bool:
-        return self.level > STEPS.index(step)
