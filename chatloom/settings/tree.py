@@ -43,6 +43,8 @@ class ModelSettings(Group):
                                                  "faster, slightly less exact.")
     bf16_matmul: bool = Field(False, description="Keep float weights in bfloat16 for the matmuls "
                                                  "(commands with --bf16-matmul).")
+    mmproj: str | None = Field(None, description="A LLaVA image encoder and projector as llama.cpp's `mmproj` "
+                                                 "GGUF file, for a GGUF decoder (docs/vision-and-voice.md).")
 
 
 class EngineSettings(Group):

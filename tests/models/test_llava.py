@@ -127,3 +127,56 @@ def test_capacity_reads_the_decoder_of_a_llava_folder(folder, loaded):
 
     cfg = describe_config(str(folder))
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (2, 2, 8, loaded.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("llava-gguf")
+    return tl.write_gguf_pair(folder, out / "tiny-llava.gguf", out / "mmproj-tiny-llava.gguf")
+
+
+def test_gguf_with_its_mmproj_gives_the_folders_tokens(hf, gguf_pair):
+    from chatloom.models.vision.mmproj import attach_mmproj
+
+    model_path, mmproj_path = gguf_pair
+    loaded = load_model(str(model_path), "fp32")
+    assert loaded.vision is None  # the decoder alone takes text only
+    attach_mmproj(loaded, mmproj_path)
+    assert len(loaded.vision.vision_model.layers) == 2
+    image = tv.test_image(71, 47, seed=3)
+    text = render_chat(loaded.tokenizer.chat_template, MESSAGES, add_generation_prompt=True)
+    want_ids, want = hf_greedy(hf, text, image)
+    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(image)), image)])
+    assert ids == want_ids
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=16))
+    assert generate(engine, ids, placed) == want
+
+
+def test_a_vocabulary_without_an_image_token_gets_placeholders(gguf_pair):
+    from chatloom.models.vision.mmproj import attach_mmproj
+
+    loaded = load_model(str(gguf_pair[0]), "fp32")
+    attach_mmproj(loaded, gguf_pair[1])
+    loaded.vision.image_token_in_vocab = False
+    image = tv.test_image(40, 40)
+    text = "USER: <image>\nhi ASSISTANT:"
+    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(image)), image)])
+    first = loaded.tokenizer.encode("USER: ", add_special=True)
+    assert ids[:len(first)] == first
+    assert placed[0].positions == list(range(len(first), len(first) + 16))
+    assert ids[len(first) + 16:] == loaded.tokenizer.encode("\nhi ASSISTANT:", add_special=False)
+
+
+@pytest.mark.parametrize("problem", ["missing", "text-model", "wrong-width"])
+def test_a_bad_projector_file_is_refused_by_name(gguf_pair, folder, tmp_path, problem):
+    from chatloom.models import ModelError
+    from chatloom.models.vision.mmproj import attach_mmproj
+
+    loaded = load_model(str(gguf_pair[0]), "fp32")
+    path = {"missing": tmp_path / "none.gguf", "text-model": gguf_pair[0], "wrong-width": gguf_pair[1]}[problem]
+    if problem == "wrong-width":
+        loaded.config.hidden_size = 64
+    with pytest.raises(ModelError, match={"missing": "no such projector file", "text-model": "not a vision projector",
+                                          "wrong-width": "does not fit the decoder"}[problem]):
+        attach_mmproj(loaded, path)
+    assert loaded.vision is None
