@@ -322,6 +322,13 @@ class VisionSettings(Group):
     max_image_pixels: int = Field(25_000_000, gt=0, description="Most pixels (width x height) an image may "
                                                                 "have; larger ones, decompression bombs "
                                                                 "among them, are refused before decoding.")
+    fetch_urls: bool = Field(False, description="Fetch http(s) image URLs (otherwise only data URLs and base64 "
+                                                "are taken); private, loopback and link-local addresses are "
+                                                "refused unless fetch_allow names them.")
+    fetch_allow: list[str] = Field(default_factory=list, description="Host names or networks (CIDR) that image "
+                                                                     "URLs may reach although not public.")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="Time limit for fetching one image URL, "
+                                                           "redirects included.")
 
 
 class SpeechSettings(Group):

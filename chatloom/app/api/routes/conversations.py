@@ -120,6 +120,7 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
     if body.images:  # read and checked before anything is saved
         require_vision(ctx.backend, body.model)
         reader = ImageReader(ctx.settings.vision, "images")
+        await reader.fetch(body.images)
         images = await reading_images(True, lambda: [reader.data_url(url) for url in body.images])
     gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images)
     return stream_response(gen)

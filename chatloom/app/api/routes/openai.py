@@ -336,7 +336,10 @@ async def chat_answer(ctx: AppContext, body: ChatCompletionIn, user: User, sessi
     tools = body.tool_use()
     if body.has_images():  # a model that takes none is named before any image is read
         require_vision(ctx.backend, body.model)
-    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
+    reader = ImageReader(ctx.settings.vision, "messages")
+    if body.has_images():
+        await reader.fetch(body.image_urls())
+    prompt = await reading_images(body.has_images(), body.prompt, tools, reader)
     ask = replace(body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools), batch=batch)
     fmt = _ChatFormat(ask.reasoning_effort is not None, ask.logprobs is not None)
     return await _respond(ctx, body, [(ask, prompt, body.user_text(prompt))], fmt, session)
