@@ -384,14 +384,26 @@ def _model(request: Request, ctx: AppContext, model_id: str) -> ModelOut:
         vision=ctx.backend.takes_images(model_id)))
 
 
+def _speech_model(ctx: AppContext) -> ModelOut | None:
+    """The speech-to-text model of [speech] model, listed beside the chat models: it takes audio only."""
+    if ctx.speech is None:
+        return None
+    return ModelOut(id=ctx.speech.model_id, capabilities=CapabilitiesOut(
+        chat=False, completions=False, embeddings=False, tools=False, vision=False, audio=True))
+
+
 @router.get("/models", response_model=ModelList, responses=SIGNED_IN)
 async def list_models(request: Request, ctx: Ctx, user: CurrentUser) -> ModelList:
-    """The served models, each with a `capabilities` extension field."""
-    return ModelList(data=[_model(request, ctx, m) for m in ctx.backend.model_ids])
+    """The served models, each with a `capabilities` extension field (the speech model, if any, last)."""
+    speech = _speech_model(ctx)
+    return ModelList(data=[_model(request, ctx, m) for m in ctx.backend.model_ids] + ([speech] if speech else []))
 
 
 @router.get("/models/{model_id:path}", response_model=ModelOut, responses=errors(401, 404))
 async def get_model(model_id: str, request: Request, ctx: Ctx, user: CurrentUser) -> ModelOut:
+    speech = _speech_model(ctx)
+    if speech is not None and model_id == speech.id and model_id not in ctx.backend.model_ids:
+        return speech
     if model_id not in ctx.backend.model_ids:
         raise ApiError(404, f"the model {model_id!r} does not exist", "model_not_found", "model")
     return _model(request, ctx, model_id)
