@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 from chatloom.app.api.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.api.openai_schemas import MAX_TOOL_OUTPUT_CHARS, ChatCompletionIn
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, errors, event_stream
+from chatloom.app.api.response_images import read_turn_images
 from chatloom.app.api.responses_out import InputItemListOut, ResponseDeletedOut, ResponseOut
 from chatloom.app.api.responses_schemas import ResponseCreateIn
 from chatloom.app.api.run_start import start_run
@@ -48,6 +49,7 @@ async def create_response(body: ResponseCreateIn, ctx: Ctx, user: CurrentUser, s
     store = ResponseStore(ctx.db)
     thread = await store.thread(user.id, body.previous_response_id) if body.previous_response_id else []
     turns = prompt_turns(body.instructions, thread + draft.input_items, MAX_TOOL_OUTPUT_CHARS)
+    turns = await read_turn_images(ctx, user, session, turns, body.model)  # input_image parts
     prompt = ChatPrompt(render_messages(turns, tools))
     run, pieces, first = await start_run(ctx.pipeline, ask, prompt,
                                          ChatCompletionIn.user_text(prompt), session)
