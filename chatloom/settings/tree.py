@@ -314,7 +314,7 @@ class ModerationSettings(Group):
 
 
 class VisionSettings(Group):
-    """Images in chat messages, for models that read them (Idefics3 / SmolVLM)."""
+    """Images in chat messages, for models that read them (Idefics3 / SmolVLM, LLaVA), and fetching image URLs."""
 
     max_images_per_request: int = Field(8, ge=0, description="Most images one request may carry, all its "
                                                              "messages together.")
