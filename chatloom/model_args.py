@@ -28,6 +28,8 @@ def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -
     p.add_argument("--int8-matmul", action="store_true", default=None,
                    help=f"multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
                         f"slightly less exact (see README; default: ${INT8_ENV}, else off)")
+    p.add_argument("--mmproj", default=None, metavar="PATH",
+                   help="a GGUF decoder's image encoder and projector, llama.cpp's mmproj file (LLaVA)")
 
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -61,5 +63,10 @@ def load_from_args(args: argparse.Namespace, kv_cache_bytes=0):
     is the KV pool the caller will allocate, checked with the weights against available memory."""
     from chatloom.models import load_model
 
-    return load_model(args.model, args.dtype, int8_matmul=int8_matmul(args.int8_matmul),
-                      kv_cache_bytes=kv_cache_bytes, bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)))
+    loaded = load_model(args.model, args.dtype, int8_matmul=int8_matmul(args.int8_matmul),
+                        kv_cache_bytes=kv_cache_bytes, bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)))
+    if getattr(args, "mmproj", None):
+        from chatloom.models.vision.mmproj import attach_mmproj
+
+        attach_mmproj(loaded, args.mmproj)
+    return loaded

@@ -59,7 +59,7 @@ def default_backend(settings: Settings) -> Backend:
 def local_backend(settings: Settings, spec: str, pooling: str | None = None) -> Backend:
     return LocalBackend(spec, settings.model.dtype, EngineConfig.from_settings(settings.engine),
                         int8_matmul=settings.model.int8_matmul, bf16_matmul=settings.model.bf16_matmul,
-                        pooling=pooling or settings.embeddings.pooling)
+                        pooling=pooling or settings.embeddings.pooling, mmproj=settings.model.mmproj)
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None,

@@ -144,7 +144,20 @@ def capacity(cfg, memory_bytes: int, context: int, dtype: str) -> dict[str, Any]
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
+    from chatloom.cli import capacity_media as media
+
     spec = _capacity_spec(args.model)
+    raw = media.raw_config(spec)
+    if raw is not None and raw.get("model_type") in media.SPEECH:
+        from chatloom.settings import environment_settings
+
+        s = media.speech_report(raw, environment_settings().speech.max_batch)
+        if args.json:
+            print(json.dumps({"model": Path(spec).stem if spec.endswith(".json") else Path(spec).name,
+                              "speech": s}, indent=2))
+        else:
+            media.print_speech(Path(spec).stem if spec.endswith(".json") else Path(spec).name, s)
+        return 0
     if spec.endswith(".json") and Path(spec).is_file():
         from chatloom.models.hf_config import read_config_file  # a config alone: no need to import torch
 
@@ -153,12 +166,25 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         from chatloom.models import describe_config
 
         cfg = describe_config(spec)
+    vision = None
+    if raw is not None and raw.get("model_type") in media.VISION:
+        from chatloom.settings import environment_settings
+
+        settings = environment_settings()
+        dtype = args.dtype or ("fp16" if args.memory_gb or args.memory_gib else "fp32")
+        vision = media.vision_report(raw, cfg.name, 2 if settings.model.dtype == "bf16" else 4,
+                                     cfg.kv_bytes_per_token(dtype), settings.engine.encoder_cache_mb)
     if args.memory_gb is None and args.memory_gib is None:
-        return _default_pool(cfg, spec, args)
+        code = _default_pool(cfg, spec, args, vision)
+        if vision is not None and not args.json:
+            media.print_vision(vision)
+        return code
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else int(args.memory_gib * 2**30)
     r = capacity(cfg, memory, args.context or 8000, args.dtype or "fp16")
     if args.weights:
         r["weight_bytes"] = _weight_table(cfg, args.weights)
+    if vision is not None:
+        r["vision"] = vision
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -175,6 +201,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     for kind, size in r.get("weight_bytes", {}).items():
         how = "any file, every weight in bfloat16" if kind == "bf16-model" else f"{kind} file, fp32 model"
         print(f"weights as loaded ({how}): {fmt_int(size)} bytes ({fmt_binary(size)})")
+    if vision is not None:
+        media.print_vision(vision)
     return 0
 
 
@@ -209,7 +237,7 @@ def _weight_estimate(spec: str, cfg) -> int:
     return dense_weight_bytes(cfg, 4) if path.is_dir() else 0
 
 
-def _default_pool(cfg, spec: str, args: argparse.Namespace) -> int:
+def _default_pool(cfg, spec: str, args: argparse.Namespace, vision: dict | None = None) -> int:
     """The KV pool `chatloom serve` gives this model with the current settings, and its arithmetic."""
     import torch
 
@@ -231,12 +259,16 @@ def _default_pool(cfg, spec: str, args: argparse.Namespace) -> int:
     dtype = next(k for k, v in KV_CACHE_DTYPES.items() if v == kv_dtype)
     per_token = cfg.kv_bytes_per_token("fp32") * kv_dtype.itemsize // 4
     weights = _weight_estimate(spec, cfg)
+    if vision is not None and weights:  # a vision folder: its encoder and projector load too
+        weights += vision["encoder_weight_bytes"]
     plan = config.plan_kv_pool(per_token, cfg.max_position, uniform_window(cfg.layer_windows), reserved=weights)
     r = {"model": cfg.name, "architecture": cfg.architecture, "dtype": dtype, "kv_bytes_per_token": per_token,
          "weight_bytes_estimate": weights, "contexts_wanted": AUTO_KV_CONTEXTS,
          "memory_share": AUTO_KV_MEMORY_SHARE, "sliding_window": uniform_window(cfg.layer_windows),
          "context": plan.context_tokens, "tokens_held_per_conversation": plan.tokens_per_context,
          "pool": plan.as_dict(), "context_window": min(plan.context_tokens, plan.tokens)}
+    if vision is not None:
+        r["vision"] = vision
     if args.json:
         print(json.dumps(r, indent=2))
         return 0

@@ -22,7 +22,7 @@ def _settings(args: argparse.Namespace):
 # The flags these commands take, and the setting each one sets (over the file and the environment).
 SETTING_FLAGS = {"db": "server.db_url", "redis": "shared_state.redis_url", "host": "server.host",
                  "port": "server.port", "model": "model.name", "dtype": "model.dtype",
-                 "int8_matmul": "model.int8_matmul", "kv_cache_gb": "engine.kv_cache_gb",
+                 "int8_matmul": "model.int8_matmul", "mmproj": "model.mmproj", "kv_cache_gb": "engine.kv_cache_gb",
                  "num_blocks": "engine.num_blocks", "max_num_seqs": "engine.max_num_seqs",
                  "max_num_batched_tokens": "engine.max_num_batched_tokens", "kv_cache_dtype": "engine.kv_cache_dtype",
                  "speculative": "engine.speculative", "num_speculative_tokens": "engine.num_speculative_tokens",

@@ -14,7 +14,13 @@ from typing import Any
 from chatloom.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelError, RopeScaling
 
 _GEMMA = ("gemma2", "gemma3_text")
-VISION_LANGUAGE = ("idefics3", "smolvlm")  # Idefics3 / SmolVLM: a Llama-family text_config
+# Vision-language families with a Llama-family text_config: Idefics3 / SmolVLM, LLaVA.
+VISION_LANGUAGE = ("idefics3", "smolvlm", "llava")
+# transformers' LlamaConfig defaults, which the hub's LLaVA configs lean on (llava-1.5-7b-hf's
+# text_config names little more than its vocabulary).
+_LLAMA_DEFAULTS = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
+                       rms_norm_eps=1e-6)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -91,7 +97,11 @@ def config_from_hf(cfg: dict, name: str = "model") -> ModelConfig:
     if model_type in VISION_LANGUAGE and isinstance(cfg.get("text_config"), dict):
         # A vision-language model's decoder (its image side is models/vision/): what the KV cache,
         # the context window and `chatloom capacity` are about.
-        return config_from_hf({"model_type": "llama", "rms_norm_eps": 1e-5, **cfg["text_config"]}, name)
+        text = cfg["text_config"]
+        base = {"model_type": "llama", "rms_norm_eps": 1e-5}
+        if model_type == "llava" and text.get("model_type", "llama") == "llama":
+            base = _LLAMA_DEFAULTS
+        return config_from_hf({**base, **text}, name)
     if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
         raise ModelError("Gemma 3 vision-language checkpoints are not supported; use a text-only "
                          "(gemma3_text) checkpoint such as Gemma 3 1B")

@@ -9,6 +9,7 @@ import torch
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.hf_config import read_config_file
 from chatloom.models.vision.idefics3 import VISION_ARCHITECTURES, Idefics3Config
+from chatloom.models.vision.llava import LlavaConfig
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -24,8 +25,8 @@ def read_config(folder: Path) -> ModelConfig:
     return cfg
 
 
-def read_vision_config(folder: Path) -> "Idefics3Config | None":
-    """The whole config of a vision-language folder (Idefics3 / SmolVLM), or None for a text model."""
+def read_vision_config(folder: Path) -> "Idefics3Config | LlavaConfig | None":
+    """The whole config of a vision-language folder (Idefics3 / SmolVLM, LLaVA), or None for a text model."""
     path = folder / "config.json"
     if not path.exists():
         return None
@@ -35,6 +36,8 @@ def read_vision_config(folder: Path) -> "Idefics3Config | None":
         raise ModelError(f"cannot read config {path}: {exc}") from None
     if not isinstance(data, dict) or data.get("model_type") not in VISION_ARCHITECTURES:
         return None
+    if data["model_type"] == "llava":
+        return LlavaConfig.from_hf(data, name=folder.name)
     return Idefics3Config.from_hf(data, name=folder.name)
 
 

@@ -13,6 +13,7 @@ from chatloom.engine.kv_sizing import uniform_window
 from chatloom.engine.outputs import TokenLogprob
 from chatloom.engine.thread_pool import then_release
 from chatloom.models import LoadedModel, ModelError, describe_config, load_model
+from chatloom.models.vision.mmproj import attach_mmproj
 from chatloom.models.chat_template import encode_chat
 from chatloom.models.loader import resolve_dtype
 from chatloom.models.token_bytes import TokenBytes
@@ -37,12 +38,13 @@ class LocalBackend(Backend):
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
                  engine_config: EngineConfig | None = None, int8_matmul: bool = False,
-                 bf16_matmul: bool = False, pooling: str = "last") -> None:
+                 bf16_matmul: bool = False, pooling: str = "last", mmproj: str | None = None) -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model
         self._dtype = dtype
         self._int8_matmul = int8_matmul
         self._bf16_matmul = bf16_matmul
+        self._mmproj = mmproj  # a GGUF decoder's image side (models/vision/mmproj.py)
         self._config = engine_config or EngineConfig()
         self.pooling = pooling  # how embed() pools the hidden states: "last" or "mean" (engine/embedding.py)
         self._engine: AsyncEngine | None = None
@@ -63,6 +65,8 @@ class LocalBackend(Backend):
     def check(self) -> None:
         if self._loaded is None:
             describe_config(self._spec)  # the config alone: quick, and the same reader load_model uses
+            if self._mmproj and not Path(self._mmproj).is_file():
+                raise ModelError(f"no such projector file: {self._mmproj}")
 
     async def start(self) -> None:
         async with self._start_lock:
@@ -73,6 +77,8 @@ class LocalBackend(Backend):
                     log.info("loading model %s", self._spec)
                     self._loaded = await asyncio.to_thread(then_release, load_model, self._spec, self._dtype,
                                                            self._int8_matmul, self.kv_cache_bytes, self._bf16_matmul)
+                    if self._mmproj:
+                        await asyncio.to_thread(attach_mmproj, self._loaded, self._mmproj)
                 # Allocating the KV pool takes a moment for big pools; keep the event loop free. The
                 # executor thread keeps living: it gives back its OpenMP pool (engine/thread_pool.py).
                 self._engine = await asyncio.to_thread(then_release, AsyncEngine.from_model, self._loaded,

@@ -43,6 +43,8 @@ class ModelSettings(Group):
                                                  "faster, slightly less exact.")
     bf16_matmul: bool = Field(False, description="Keep float weights in bfloat16 for the matmuls "
                                                  "(commands with --bf16-matmul).")
+    mmproj: str | None = Field(None, description="A LLaVA image encoder and projector as llama.cpp's `mmproj` "
+                                                 "GGUF file, for a GGUF decoder (docs/vision-and-voice.md).")
 
 
 class EngineSettings(Group):
@@ -318,7 +320,7 @@ class ModerationSettings(Group):
 
 
 class VisionSettings(Group):
-    """Images in chat messages, for models that read them (Idefics3 / SmolVLM)."""
+    """Images in chat messages, for models that read them (Idefics3 / SmolVLM, LLaVA), and fetching image URLs."""
 
     max_images_per_request: int = Field(8, ge=0, description="Most images one request may carry, all its "
                                                              "messages together.")
@@ -326,6 +328,13 @@ class VisionSettings(Group):
     max_image_pixels: int = Field(25_000_000, gt=0, description="Most pixels (width x height) an image may "
                                                                 "have; larger ones, decompression bombs "
                                                                 "among them, are refused before decoding.")
+    fetch_urls: bool = Field(False, description="Fetch http(s) image URLs (otherwise only data URLs and base64 "
+                                                "are taken); private, loopback and link-local addresses are "
+                                                "refused unless fetch_allow names them.")
+    fetch_allow: list[str] = Field(default_factory=list, description="Host names or networks (CIDR) that image "
+                                                                     "URLs may reach although not public.")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="Time limit for fetching one image URL, "
+                                                           "redirects included.")
 
 
 class SpeechSettings(Group):

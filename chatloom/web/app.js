@@ -4,6 +4,7 @@ import { setupAccount, setupSso, takeSsoResult } from './account.js';
 import { api, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
 import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
+import { clearImages, pendingImages, setupMicrophone } from './images.js';
 import { renderBranch, streamingMessage, updateStreaming } from './messages.js';
 import { describeError, hideNotice, setupNotice, showNotice } from './notice.js';
 import { Run } from './run.js';
@@ -77,9 +78,12 @@ async function loadModels() {
   const select = $('model');
   try {
     const { data } = await api.models();
+    const chat = data.filter((m) => m.capabilities?.chat !== false); // the speech model takes audio only
+    state.vision = new Set(chat.filter((m) => m.capabilities?.vision).map((m) => m.id));
+    $('mic').hidden = !data.some((m) => m.capabilities?.audio) || !window.MediaRecorder;
     const saved = localStorage.getItem('chatloom.model');
-    select.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
-    if (saved && data.some((m) => m.id === saved)) select.value = saved;
+    select.replaceChildren(...chat.map((m) => new Option(m.id, m.id)));
+    if (saved && chat.some((m) => m.id === saved)) select.value = saved;
   } catch {
     select.replaceChildren(new Option('default model', ''));
   }
@@ -423,14 +427,27 @@ async function sendFromComposer() {
   // Continue the branch on screen (not necessarily the last one written).
   const last = state.branch[state.branch.length - 1];
   const body = { text, ...options() };
+  const images = pendingImages();
+  if (images.length) body.images = images;
   if (last?.role === 'assistant') body.parent_id = last.id;
   const convId = state.convId;
   await generate(() => api.send(convId, body), {
-    onStarted: () => { input.value = ''; autosize(); },
+    onStarted: () => { input.value = ''; autosize(); clearImages(); },
   });
 }
 
 // -- composer, keys, layout -------------------------------------------------------------
+
+// Transcribed speech goes into the box where the cursor is, for the user to read and send.
+function insertSpeech(text) {
+  const input = $('input');
+  const at = input.selectionStart ?? input.value.length;
+  const before = input.value.slice(0, at);
+  const spaced = before && !/\s$/.test(before) && text ? ` ${text}` : text;
+  input.value = before + spaced + input.value.slice(input.selectionEnd ?? at);
+  autosize();
+  input.focus();
+}
 
 function autosize() {
   const input = $('input');
@@ -458,7 +475,9 @@ function wire() {
   });
   $('new-chat').addEventListener('click', () => { newChat(); closeDrawer(); });
   $('search').addEventListener('input', onSearchInput);
-  setupUploads({ ensureConversation, notice: (message) => showNotice(message) });
+  setupUploads({ ensureConversation, notice: (message) => showNotice(message),
+    takesImages: () => state.vision?.has($('model').value) ?? false });
+  setupMicrophone({ notice: (message) => showNotice(message), onText: insertSpeech });
   setupPassageDialog();
   $('search').addEventListener('keydown', (e) => {
     if (e.key === 'Escape' && $('search').value) { e.stopPropagation(); $('search').value = ''; refreshConversations(); }

@@ -4,8 +4,11 @@
 // document text, highlighted.
 import { ApiError, api } from './api.js';
 import { $, el } from './dom.js';
+import { addImages, isImage } from './images.js';
 
-// hooks: { conversationId() -> id|null, ensureConversation() -> Promise<id>, notice(message) }
+// Images among them go to the next message instead (images.js), for a model that reads them.
+// hooks: { conversationId() -> id|null, ensureConversation() -> Promise<id>, notice(message),
+//          takesImages() -> bool }
 export function setupUploads(hooks) {
   const input = $('file-input');
   $('attach').addEventListener('click', () => input.click());
@@ -36,6 +39,12 @@ let pending = Promise.resolve();
 export function uploadsSettled() { return pending; }
 
 function uploadAll(files, hooks) {
+  const images = files.filter(isImage);
+  if (images.length) {
+    if (hooks.takesImages()) addImages(images).catch(() => hooks.notice('An image could not be read.'));
+    else hooks.notice('The selected model does not read images; choose one that does to send pictures.');
+    files = files.filter((f) => !isImage(f));
+  }
   if (!files.length) return pending;
   pending = pending.then(() => uploadEach(files, hooks));
   return pending;

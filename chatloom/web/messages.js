@@ -5,6 +5,7 @@ import { sourcesOf } from './files.js';
 import { icon } from './icons.js';
 import { renderMarkdown } from './markdown.js';
 import { codeStep } from './code_step.js';
+import { messageImages } from './images.js';
 
 const STATUS_TEXT = { stopped: 'Stopped', incomplete: 'Cut off at the length limit', error: 'Failed',
   filtered: 'Withheld by the content filter', interrupted: 'Interrupted' };
@@ -39,7 +40,8 @@ function userMessage(m, actions, busy) {
   const edit = el('button', { type: 'button', class: 'edit', title: 'Edit', 'aria-label': 'Edit', disabled: busy,
     onclick: () => startEdit() }, icon('edit'));
   const toolbar = el('div', { class: 'toolbar' }, siblingNav(m, actions.showSibling, busy), edit);
-  node.append(bubble, toolbar);
+  const images = messageImages(m.images);
+  node.append(...(images ? [images] : []), bubble, toolbar);
 
   // Editing swaps the bubble for a text box; saving sends the new text as a sibling (a new branch).
   function startEdit() {
@@ -55,7 +57,7 @@ function userMessage(m, actions, busy) {
       el('button', { type: 'button', class: 'primary save', onclick: save }, 'Send')));
     node.replaceChildren(form);
     box.focus();
-    function cancel() { node.replaceChildren(bubble, toolbar); }
+    function cancel() { node.replaceChildren(...(images ? [images] : []), bubble, toolbar); }
   }
   return node;
 }

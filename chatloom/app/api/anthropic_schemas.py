@@ -143,6 +143,11 @@ class MessagesBase(BaseModel):
     def has_images(self) -> bool:
         return any(isinstance(b, ImageBlockIn) for m in self.messages for b in m.blocks())
 
+    def image_urls(self) -> list[str]:
+        """Every url-source image block's URL, in order (for fetching ahead of reading)."""
+        return [b.source.url for m in self.messages for b in m.blocks()
+                if isinstance(b, ImageBlockIn) and b.source.type == "url" and b.source.url]
+
     def prompt(self, tools: ToolUse | None = None, images: ImageReader | None = None) -> ChatPrompt:
         """The conversation as chat turns; a last assistant turn is continued, not answered anew. With
         `images`, a user turn's image blocks are read and checked (serving/images.py carries them)."""

@@ -123,6 +123,7 @@ class CapabilitiesOut(BaseModel):
     embeddings: bool  # /v1/embeddings
     tools: bool  # function calling / tool use
     vision: bool  # images in the input
+    audio: bool = False  # speech in: the model behind /v1/audio/transcriptions
 
 
 class ModelOut(BaseModel):

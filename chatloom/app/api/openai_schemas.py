@@ -225,6 +225,17 @@ class ChatCompletionIn(SamplingIn):
         return any(not isinstance(m.content, (str, type(None))) and any(p.type == "image_url" for p in m.content)
                    for m in self.messages)
 
+    def image_urls(self) -> list[str]:
+        """Every image_url part's URL, in order (for fetching the http(s) ones ahead of reading)."""
+        urls = []
+        for m in self.messages:
+            for part in m.content if isinstance(m.content, list) else ():
+                url = getattr(part, "image_url", None) if part.type == "image_url" else None
+                url = url.get("url") if isinstance(url, dict) else url
+                if isinstance(url, str):
+                    urls.append(url)
+        return urls
+
     def prompt(self, tools: ToolUse | None = None, images: ImageReader | None = None) -> ChatPrompt:
         """The chat prompt; with `images`, user messages may carry image_url parts (read and checked)."""
         messages: list[dict] = []

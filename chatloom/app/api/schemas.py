@@ -162,15 +162,18 @@ class MessageOut(BaseModel):
     error: str | None = None
     # status 'interrupted': the server stopped while writing it; it can be continued or regenerated.
     interrupted_reason: str | None = None
+    # The ids of the images a user message carries, in order (their bytes: GET /v1/files/{id}/content).
+    images: list[str] = []
 
     @classmethod
-    def of(cls, m: Message, siblings: list[Message], feedback: str | None = None) -> "MessageOut":
+    def of(cls, m: Message, siblings: list[Message], feedback: str | None = None,
+           images: list[str] | None = None) -> "MessageOut":
         ids = [s.id for s in siblings]
         return cls(id=m.id, parent_id=m.parent_id, role=m.role, text=m.text, reasoning=m.reasoning,
                    tool_steps=m.tool_steps, citations=m.citations,
                    tokens=m.tokens, model=m.model, status=m.status, finish_reason=m.finish_reason,
                    created=iso(m.created), sibling_ids=ids, sibling_index=ids.index(m.id), feedback=feedback,
-                   error=m.error or None, interrupted_reason=m.interrupted_reason)
+                   error=m.error or None, interrupted_reason=m.interrupted_reason, images=images or [])
 
 
 class ConversationDetail(ConversationOut):

@@ -59,6 +59,19 @@ def delete_blobs(blobs: BlobStore, keys: list[str]) -> None:
         blobs.delete(key)
 
 
+async def image_ids(session: AsyncSession, message_ids: list[str]) -> dict[str, list[str]]:
+    """The file ids of each message's images, in order (messages without images are left out)."""
+    if not message_ids:
+        return {}
+    rows = (await session.execute(select(MessageImage.message_id, MessageImage.file_id)
+                                  .where(MessageImage.message_id.in_(message_ids))
+                                  .order_by(MessageImage.message_id, MessageImage.position))).all()
+    found: dict[str, list[str]] = {}
+    for message_id, file_id in rows:
+        found.setdefault(message_id, []).append(file_id)
+    return found
+
+
 async def with_images(session: AsyncSession, blobs: BlobStore, turns: list[Turn], max_pixels: int) -> list[Turn]:
     """The turns with the images their messages carry, read back from the blob store."""
     ids = [t.id for t in turns if t.role == "user" and t.id]

@@ -1,10 +1,13 @@
 """Images at the edge: each API's image input (an OpenAI data URL, an Anthropic base64 block) read,
 checked and decoded once, with a 400 that names the problem.
 
-Refused: more images than `vision.max_images_per_request`, a URL that is not a data URL (http(s)
-images are not fetched), data that is not base64, a file over `vision.max_image_bytes`, data that is
-not an image or is corrupt, and an image over `vision.max_image_pixels` (checked from its header, so
-a decompression bomb is refused before it is decoded).
+Refused: more images than `vision.max_images_per_request`, an http(s) URL unless `vision.fetch_urls`
+is on (then fetched by `ImageReader.fetch` before the body is read, with safe_fetch's protection: no
+private, loopback or link-local address unless `vision.fetch_allow` names it, at most
+`vision.max_image_bytes` within `vision.fetch_timeout_s`), any other URL scheme, data that is not
+base64, a file over `vision.max_image_bytes`, data that is not an image or is corrupt (sniffed from its
+bytes, whatever the server's Content-Type said), and an image over `vision.max_image_pixels` (checked
+from its header, so a decompression bomb is refused before it is decoded).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import binascii
 from typing import Any, Callable, TypeVar
 
 from chatloom.app.core.errors import ApiError
+from chatloom.app.core.safe_fetch import FetchPolicy, FetchRefused, display_url, safe_fetch
 from chatloom.serving import Backend
 from chatloom.serving.images import IMAGE_MARKER, ImageData, ImageError, read_image
 from chatloom.settings.tree import VisionSettings
@@ -48,12 +52,39 @@ class ImageReader:
         self.settings = settings
         self.param = param
         self.images: list[ImageData] = []
+        self.fetched: dict[str, bytes] = {}  # http(s) image URLs' bodies, fetched ahead of reading
+
+    async def fetch(self, urls: list[str]) -> None:
+        """Fetch the request's http(s) image URLs (others are left to data_url), refusing them by name
+        unless vision.fetch_urls is on."""
+        remote = [u for u in dict.fromkeys(urls) if u.startswith(("http://", "https://"))]
+        if not remote:
+            return
+        if not self.settings.fetch_urls:
+            raise self._refuse("image URLs are not fetched by this server (vision.fetch_urls is off); send the "
+                               "image inline as a data URL (data:image/png;base64,...)", "unsupported_image_url")
+        if len(urls) > self.settings.max_images_per_request:
+            raise self._refuse(f"at most {self.settings.max_images_per_request} images per request",
+                               "too_many_images")
+        policy = FetchPolicy(allow=tuple(self.settings.fetch_allow), max_bytes=self.settings.max_image_bytes,
+                             timeout_s=self.settings.fetch_timeout_s)
+        for url in remote:
+            try:
+                got = await safe_fetch(url, policy, headers={"Accept": "image/*"})
+            except FetchRefused as exc:
+                raise self._refuse(f"the image URL was not fetched: {exc}", "image_url_refused") from None
+            if got.status != 200:
+                raise self._refuse(f"the image URL {display_url(url)} answered HTTP {got.status}",
+                                   "image_url_refused")
+            self.fetched[url] = got.body
 
     def _refuse(self, message: str, code: str = "invalid_image") -> ApiError:
         return ApiError(400, message, code, self.param)
 
     def data_url(self, url: str) -> ImageData:
-        """An OpenAI image_url: data:image/...;base64,... only."""
+        """An OpenAI image_url: data:image/...;base64,..., or an http(s) URL already fetched."""
+        if url in self.fetched:
+            return self.raw(self.fetched[url])
         if not url.startswith("data:"):
             scheme = url.split(":", 1)[0] if ":" in url else ""
             raise self._refuse(f"image URLs{f' ({scheme})' if scheme else ''} are not fetched; send the image "

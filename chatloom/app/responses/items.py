@@ -1,7 +1,8 @@
 """Conversation items of the Responses API: what a request's `input` may hold, each item as stored (with
 its id, in the API's own shape), and a thread of items as the chat turns the prompt is rendered from.
 
-Items: messages (roles user, assistant, system, developer; content as a string or text parts), the
+Items: messages (roles user, assistant, system, developer; content as a string or text parts, and in user
+messages `input_image` parts: an image_url, data or http(s), or the file_id of an uploaded image), the
 model's function calls (`function_call`) and their results (`function_call_output`), the built-in tools'
 calls as an earlier response gave them (hosted_calls.py), and the model's reasoning (`reasoning`, kept in
 the thread but not shown to the model again, as chat templates drop earlier thinking). A function call's
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from chatloom.app.core.errors import ApiError
 from chatloom.app.generation.tool_calls import ToolCall
 from chatloom.app.responses.hosted_calls import HostedItemIn, hosted_turns, input_item
+from chatloom.serving.images import IMAGE_MARKER
 from chatloom.store import new_id
 
 LENIENT = ConfigDict(extra="ignore")
@@ -80,6 +82,31 @@ def _text_of(parts: str | list[ContentPartIn], where: str) -> str:
     return "".join(texts)
 
 
+def _image_part(part: ContentPartIn, where: str) -> dict:
+    """An input_image part as stored: its image_url or file_id (read when the prompt is built)."""
+    extra = part.model_extra or {}
+    url, file_id = extra.get("image_url"), extra.get("file_id")
+    url = url.get("url") if isinstance(url, dict) else url
+    if (url is None) == (file_id is None) or not isinstance(url if url is not None else file_id, str):
+        raise ApiError(400, f"{where} is an input_image part; it needs either an image_url (a data URL or an "
+                       "http(s) URL) or the file_id of an uploaded image", "invalid_value", "input")
+    return {"type": "input_image", "image_url": url, "file_id": file_id, "detail": extra.get("detail") or "auto"}
+
+
+def _user_parts(parts: list[ContentPartIn], where: str) -> list[dict]:
+    """A user message's text and image parts, in order."""
+    out = []
+    for j, part in enumerate(parts):
+        if part.type == "input_image":
+            out.append(_image_part(part, f"{where}.content[{j}]"))
+        elif part.type in TEXT_PARTS and part.text is not None:
+            out.append({"type": "input_text", "text": part.text})
+        else:
+            raise ApiError(400, f"{where}.content[{j}] is of type {part.type!r}; a user message takes input_text "
+                           "and input_image parts", "unsupported_content", "input")
+    return out
+
+
 def _validated(raw: Any, i: int) -> BaseModel:
     where = f"input[{i}]"
     if not isinstance(raw, dict):
@@ -109,6 +136,11 @@ def input_items(value: str | list) -> list[dict]:
         item = _validated(raw, i)
         where = f"input[{i}]"
         if isinstance(item, MessageItemIn):
+            if item.role == "user" and not isinstance(item.content, str) and any(
+                    p.type == "input_image" for p in item.content):
+                items.append({"type": "message", "id": item.id or new_id("msg"), "role": "user",
+                              "status": "completed", "content": _user_parts(item.content, where)})
+                continue
             items.append(message_item(item.role, _text_of(item.content, where), item.id))
         elif isinstance(item, FunctionCallItemIn):
             items.append(function_call_item(ToolCall(item.call_id, item.name, item.arguments), item.id))
@@ -169,6 +201,12 @@ def chat_turns(items: list[dict], max_output_chars: int) -> list[dict]:
             continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
+            images = [p for p in item["content"] if p["type"] == "input_image"]
+            if images:  # the API room reads them into the turn's images (api/response_images.py)
+                text = "".join(IMAGE_MARKER if p["type"] == "input_image" else
+                               p.get("text", "").replace(IMAGE_MARKER, "") for p in item["content"])
+                turns.append({"role": role, "content": text, "image_refs": images})
+                continue
             turns.append({"role": role, "content": "".join(p.get("text", "") for p in item["content"])})
         elif kind == "function_call":
             call = ToolCall(item["call_id"], item["name"], item["arguments"])

@@ -44,8 +44,17 @@ class WhisperConfig:
             cfg = json.loads((folder / "config.json").read_text())
             gen_path = folder / "generation_config.json"
             gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read the Whisper config in {folder}: {exc}") from None
+        return cls.from_dict(cfg, gen, str(folder))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, gen: dict | None = None, where: str = "config.json") -> "WhisperConfig":
+        """From config.json's (and generation_config.json's) dictionaries."""
+        gen = gen or {}
+        try:
             if cfg.get("model_type") != "whisper":
-                raise ModelError(f"{folder} is not a Whisper checkpoint (model_type {cfg.get('model_type')!r})")
+                raise ModelError(f"{where} is not a Whisper checkpoint (model_type {cfg.get('model_type')!r})")
             if cfg.get("activation_function", "gelu") != "gelu" or cfg.get("scale_embedding"):
                 raise ModelError("only Whisper's own gelu activation and unscaled embeddings are supported")
             return cls(d_model=int(cfg["d_model"]), encoder_layers=int(cfg["encoder_layers"]),
@@ -62,10 +71,8 @@ class WhisperConfig:
                        suppress_tokens=list(gen.get("suppress_tokens") or cfg.get("suppress_tokens") or []),
                        begin_suppress_tokens=list(gen.get("begin_suppress_tokens")
                                                   or cfg.get("begin_suppress_tokens") or []))
-        except OSError as exc:
-            raise ModelError(f"cannot read the Whisper config in {folder}: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelError(f"the Whisper config in {folder} lacks or has a bad {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ModelError(f"the Whisper config in {where} lacks or has a bad {exc}") from None
 
     def num_parameters(self) -> int:
         d = self.d_model

@@ -104,9 +104,12 @@ class Idefics3Vision(nn.Module):
         return torch.from_numpy(self.processor(image).pixel_values)
 
 
-def build_vision(cfg: Idefics3Config, folder: Path, get: Callable[[str], torch.Tensor | None],
-                 dtype: torch.dtype) -> Idefics3Vision:
-    """The image side with its weights from `get` (checkpoint names)."""
+def build_vision(cfg, folder: Path, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype):
+    """The image side of a vision-language folder with its weights from `get` (checkpoint names):
+    Idefics3Vision for an Idefics3Config, LlavaVision for a LlavaConfig (models/vision/llava.py)."""
+    if not isinstance(cfg, Idefics3Config):
+        from chatloom.models.vision.llava import build_llava_vision
+        return build_llava_vision(cfg, folder, get, dtype)
     vision = Idefics3Vision(cfg, Idefics3ImageProcessor.from_folder(folder))
     names = SiglipVisionTransformer.weight_names(cfg.vision, "model.vision_model.")
     names = {f"vision_model.{k}": v for k, v in names.items()}
@@ -126,7 +129,12 @@ def build_vision(cfg: Idefics3Config, folder: Path, get: Callable[[str], torch.T
 
 
 def text_weight_getter(get: Callable[[str], torch.Tensor | None]) -> Callable[[str], torch.Tensor | None]:
-    """The decoder's weights under the names build_model reads (model.layers..., lm_head)."""
+    """The decoder's weights under the names build_model reads (model.layers..., lm_head), from an
+    Idefics3 checkpoint (model.text_model.*) or a LLaVA one."""
+    if get("model.text_model.embed_tokens.weight") is None:
+        from chatloom.models.vision.llava import llava_text_getter
+        return llava_text_getter(get)
+
     def text_get(name: str) -> torch.Tensor | None:
         if name.startswith("model."):
             return get("model.text_model." + name[len("model."):])

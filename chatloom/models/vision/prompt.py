@@ -13,6 +13,7 @@ from PIL import Image
 
 from chatloom.models.config import ModelError
 from chatloom.models.vision.idefics3 import IMAGE_TOKEN, Idefics3Vision
+from chatloom.models.vision.llava import LlavaVision
 
 
 @dataclass(eq=False)
@@ -30,16 +31,22 @@ class ImageInput:
         return len(self.positions)
 
 
-def expand_images(vision: Idefics3Vision, tokenizer, text: str,
+def expand_images(vision: "Idefics3Vision | LlavaVision", tokenizer, text: str,
                   images: list[tuple[str, Image.Image]]) -> tuple[list[int], list[ImageInput]]:
     """Token ids of `text` with its `<image>` markers expanded for `images` ((hash, image) each, in the
     markers' order), and each image's placement. ModelError if markers and images disagree."""
     parts = text.split(IMAGE_TOKEN)
     if len(parts) - 1 != len(images):
         raise ModelError(f"the prompt has {len(parts) - 1} image markers for {len(images)} images")
-    expanded = parts[0] + "".join(vision.prompt_for(image) + part for (_, image), part in zip(images, parts[1:]))
     bos = tokenizer.bos_token
-    ids = tokenizer.encode(expanded, add_special=not (bos and expanded.startswith(bos)))
+    if getattr(vision, "image_token_in_vocab", True):
+        expanded = parts[0] + "".join(vision.prompt_for(image) + part for (_, image), part in zip(images, parts[1:]))
+        ids = tokenizer.encode(expanded, add_special=not (bos and expanded.startswith(bos)))
+    else:  # no image token to write: each text piece on its own, placeholders between (as llama.cpp does)
+        ids = tokenizer.encode(parts[0], add_special=not (bos and parts[0].startswith(bos)))
+        for (_, image), part in zip(images, parts[1:]):
+            ids += [vision.image_token_id] * vision.num_image_tokens(image.width, image.height)
+            ids += tokenizer.encode(part, add_special=False) if part else []
     slots = [i for i, t in enumerate(ids) if t == vision.image_token_id]
     out, at = [], 0
     for content_hash, image in images:

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from chatloom.models.config import ModelError
 
-_ACTS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+# The encoders' MLP activations by their config names (CLIP's quick_gelu: x * sigmoid(1.702 x)).
+_ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+         "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
 @dataclass
@@ -102,11 +104,11 @@ class SiglipLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.approximate = _ACTS[cfg.hidden_act]
+        self.act = _ACTS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate=self.approximate))
+        return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))
 
 
 class SiglipVisionTransformer(nn.Module):

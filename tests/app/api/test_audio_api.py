@@ -65,7 +65,8 @@ async def test_long_audio_is_cut_into_30_second_windows(tmp_path, tiny_backend, 
 
 async def test_requests_are_batched_together(tmp_path, tiny_backend, whisper):
     speech = SpeechBackend(whisper, max_batch=8)
-    async with app_client(settings(tmp_path), tiny_backend, speech=speech) as (client, _, headers):
+    # A transcription holds one of its user's concurrent slots: a tier with room for all four at once.
+    async with app_client(_tiered(tmp_path, 100_000), tiny_backend, speech=speech) as (client, _, headers):
         clips = [tw.wav_bytes(2.0 + i, seed=i) for i in range(4)]
         alone = [(await post(client, headers, c)).json()["text"] for c in clips]
         assert speech.batches == [1, 1, 1, 1]
@@ -97,3 +98,43 @@ async def test_without_a_speech_model_the_route_is_404(tmp_path, tiny_backend):
     async with app_client(settings(tmp_path), tiny_backend) as (client, _, headers):
         r = await post(client, headers, tw.wav_bytes(1.0))
         assert r.status_code == 404 and r.json()["error"]["code"] == "speech_off"
+
+
+def _tiered(tmp_path, tokens_per_minute: int):
+    from traffic_testing import write_tiers
+
+    tiers = write_tiers(tmp_path, free={"max_concurrent": 10, "requests_per_minute": 1000,
+                                        "tokens_per_minute": tokens_per_minute, "tokens_per_day": 1_000_000})
+    return make_settings(tmp_path, server={"db_url": f"sqlite+aiosqlite:///{tmp_path}/chatloom.db"},
+                         traffic={"tiers_file": tiers})
+
+
+async def test_a_transcription_counts_its_tokens_against_the_quota(tmp_path, tiny_backend, whisper):
+    async with app_client(_tiered(tmp_path, 5000), tiny_backend, speech=SpeechBackend(whisper)) as (client, _, headers):
+        before = (await client.get("/usage", headers=headers)).json()["remaining_tokens_this_minute"]
+        r = await post(client, headers, tw.wav_bytes(3.0, seed=1), response_format="verbose_json")
+        assert r.status_code == 200, r.text
+        written = sum(len(s["tokens"]) for s in r.json()["segments"])
+        assert written > 0
+        after = (await client.get("/usage", headers=headers)).json()["remaining_tokens_this_minute"]
+        assert before - after == written
+        bad = await post(client, headers, b"not audio at all")
+        assert bad.status_code == 400
+        assert (await client.get("/usage", headers=headers)).json()["remaining_tokens_this_minute"] == after
+
+
+async def test_a_transcription_past_the_quota_is_refused(tmp_path, tiny_backend, whisper):
+    speech = SpeechBackend(whisper)
+    async with app_client(_tiered(tmp_path, 100), tiny_backend, speech=speech) as (client, _, headers):
+        r = await post(client, headers, tw.wav_bytes(2.0, seed=2))
+        assert r.status_code == 429, r.text
+        assert speech.batches == []  # the model never ran
+
+
+async def test_models_list_the_speech_model_as_taking_audio(tmp_path, tiny_backend, whisper):
+    async with app_client(settings(tmp_path), tiny_backend, speech=SpeechBackend(whisper)) as (client, _, headers):
+        models = (await client.get("/v1/models", headers=headers)).json()["data"]
+        assert [m["capabilities"]["audio"] for m in models] == [False, True]
+        speech = models[-1]
+        assert speech["capabilities"]["chat"] is False
+        assert (await client.get(f"/v1/models/{speech['id']}", headers=headers)).json() == speech

@@ -29,7 +29,7 @@ def test_models(sdk):
 def test_models_say_what_they_support(sdk, live):
     served = {route.path for route in live.server.config.app.routes if hasattr(route, "path")}
     expected = {"chat": True, "completions": True, "embeddings": "/v1/embeddings" in served, "tools": True,
-                "vision": False}
+                "vision": False, "audio": False}
     assert [m.model_extra["capabilities"] for m in sdk.models.list()] == [expected]
     assert sdk.models.retrieve(MODEL).model_extra["capabilities"] == expected
 

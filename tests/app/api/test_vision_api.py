@@ -200,6 +200,11 @@ async def test_a_conversation_keeps_its_images(tmp_path, vision_backend):
         r = await client.get(f"/conversations/{cid}", headers=headers)
         user_msgs = [m for m in r.json()["messages"] if m["role"] == "user"]
         assert user_msgs[0]["tokens"] > 13 * 4  # the stored count includes the image's tokens
+        # Each message names its images; the browser shows them from the files API.
+        assert user_msgs[0]["images"] == [files[0].id] and user_msgs[1]["images"] == []
+        content = await client.get(f"/v1/files/{files[0].id}/content", headers=headers)
+        assert content.status_code == 200
+        assert content.content == base64.b64decode(data_url(image).split(",", 1)[1])
 
 
 async def test_a_bad_image_in_a_conversation_stores_nothing(tmp_path, vision_backend, tiny_backend):

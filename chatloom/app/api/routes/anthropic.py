@@ -106,7 +106,10 @@ async def create_message(body: MessagesIn, ctx: Ctx, user: CurrentUser, session:
     tools = body.tool_use()
     if body.has_images():  # a model that takes none is named before any image is read
         require_vision(ctx.backend, body.model)
-    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
+    reader = ImageReader(ctx.settings.vision, "messages")
+    if body.has_images():
+        await reader.fetch(body.image_urls())
+    prompt = await reading_images(body.has_images(), body.prompt, tools, reader)
     ask = body.to_ask(user, f"msg_{uuid.uuid4().hex}", tools)
     run, pieces, first = await start_run(ctx.pipeline, ask, prompt, body.user_text(prompt), session)
     message = {"id": run.request_id, "type": "message", "role": "assistant", "model": run.limits.model}
@@ -173,7 +176,10 @@ async def count_tokens(body: CountTokensIn, ctx: Ctx, user: CurrentUser) -> Coun
     tools = body.tool_use()
     if body.has_images():
         require_vision(ctx.backend, body.model)
-    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
+    reader = ImageReader(ctx.settings.vision, "messages")
+    if body.has_images():
+        await reader.fetch(body.image_urls())
+    prompt = await reading_images(body.has_images(), body.prompt, tools, reader)
     backend = ctx.backend
     model = backend.resolve_model(body.model)  # an unknown model is a 404, as on /v1/messages
     ctx.traffic.check_model(ctx.traffic.tier(user), model)

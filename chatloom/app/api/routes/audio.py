@@ -4,6 +4,10 @@ A multipart upload (`file`, `model`, optional `language` and `response_format`):
 text the bare text, verbose_json the text with its language, duration and one segment per 30-second
 window, srt and vtt subtitles of those segments. Audio that cannot be read is a 400 naming the problem;
 without a speech model the route answers 404.
+
+Quotas: a transcription counts the tokens Whisper wrote (its segments' tokens) against the caller's
+token quota. Before it runs, the quota must have room for one window's most tokens (a 429 otherwise);
+it is settled to the tokens really written, and a refused file costs nothing.
 """
 from __future__ import annotations
 
@@ -58,10 +62,15 @@ async def transcribe(ctx: Ctx, user: CurrentUser, file: Annotated[UploadFile, Fi
     data = await file.read(limit + 1)
     if len(data) > limit:
         raise ApiError(400, f"the audio file is larger than {limit} bytes", "audio_too_large", "file")
+    reservation = await ctx.traffic.reserve(user, ctx.traffic.tier(user), speech.max_new_tokens)
+    written = 0
     try:
         result = await speech.transcribe(data, language, ctx.settings.speech.max_audio_seconds)
+        written = sum(len(s.tokens) for s in result.segments)
     except BackendNotReady as exc:
         raise ApiError(503, str(exc), "model_loading", headers={"Retry-After": "5"}) from None
+    finally:
+        await ctx.traffic.quotas.settle(reservation, written)
     if response_format == "text":
         return PlainTextResponse(result.text)
     if response_format in ("srt", "vtt"):

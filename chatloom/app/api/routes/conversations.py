@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy import select
 
+from chatloom.app.chat.message_images import image_ids
 from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_service import UNSET, Generation, GenerationOptions
@@ -76,11 +77,12 @@ async def read_conversation(ctx: Ctx, conv: OwnedConversation, user: CurrentUser
     branch = tree.branch(leaf if leaf is not None else tree.default_leaf(conv.current_leaf_id))
     ratings = await FeedbackRows(session).ratings(user.id, [m.id for m in branch if m.role == "assistant"])
     running = ctx.conversations.running(conv.id)
+    images = await image_ids(session, [m.id for m in branch if m.role == "user"])
     return ConversationDetail(
         **ConversationOut.of(conv).model_dump(), summary=conv.summary, summary_upto=conv.summary_upto,
         generating=running.message_id if running else None,
-        messages=[MessageOut.of(m, tree.siblings(m), ratings[m.id].rating if m.id in ratings else None)
-                  for m in branch])
+        messages=[MessageOut.of(m, tree.siblings(m), ratings[m.id].rating if m.id in ratings else None,
+                                images.get(m.id)) for m in branch])
 
 
 @router.patch("/{conversation_id}", response_model=ConversationOut, responses=OWN_CONVERSATION)
@@ -120,6 +122,7 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
     if body.images:  # read and checked before anything is saved
         require_vision(ctx.backend, body.model)
         reader = ImageReader(ctx.settings.vision, "images")
+        await reader.fetch(body.images)
         images = await reading_images(True, lambda: [reader.data_url(url) for url in body.images])
     gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images)
     return stream_response(gen)

@@ -340,7 +340,10 @@ async def chat_answer(ctx: AppContext, body: ChatCompletionIn, user: User, sessi
     tools = body.tool_use()
     if body.has_images():  # a model that takes none is named before any image is read
         require_vision(ctx.backend, body.model)
-    prompt = await reading_images(body.has_images(), body.prompt, tools, ImageReader(ctx.settings.vision, "messages"))
+    reader = ImageReader(ctx.settings.vision, "messages")
+    if body.has_images():
+        await reader.fetch(body.image_urls())
+    prompt = await reading_images(body.has_images(), body.prompt, tools, reader)
     ask = replace(body.to_ask(user, f"chatcmpl-{uuid.uuid4().hex}", tools), batch=batch)
     sources = None
     if body.web_search_options is not None:
@@ -390,14 +393,26 @@ def _model(request: Request, ctx: AppContext, model_id: str) -> ModelOut:
         vision=ctx.backend.takes_images(model_id)))
 
 
+def _speech_model(ctx: AppContext) -> ModelOut | None:
+    """The speech-to-text model of [speech] model, listed beside the chat models: it takes audio only."""
+    if ctx.speech is None:
+        return None
+    return ModelOut(id=ctx.speech.model_id, capabilities=CapabilitiesOut(
+        chat=False, completions=False, embeddings=False, tools=False, vision=False, audio=True))
+
+
 @router.get("/models", response_model=ModelList, responses=SIGNED_IN)
 async def list_models(request: Request, ctx: Ctx, user: CurrentUser) -> ModelList:
-    """The served models, each with a `capabilities` extension field."""
-    return ModelList(data=[_model(request, ctx, m) for m in ctx.backend.model_ids])
+    """The served models, each with a `capabilities` extension field (the speech model, if any, last)."""
+    speech = _speech_model(ctx)
+    return ModelList(data=[_model(request, ctx, m) for m in ctx.backend.model_ids] + ([speech] if speech else []))
 
 
 @router.get("/models/{model_id:path}", response_model=ModelOut, responses=errors(401, 404))
 async def get_model(model_id: str, request: Request, ctx: Ctx, user: CurrentUser) -> ModelOut:
+    speech = _speech_model(ctx)
+    if speech is not None and model_id == speech.id and model_id not in ctx.backend.model_ids:
+        return speech
     if model_id not in ctx.backend.model_ids:
         raise ApiError(404, f"the model {model_id!r} does not exist", "model_not_found", "model")
     return _model(request, ctx, model_id)

@@ -21,6 +21,7 @@ from chatloom.app.api.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.api.hosted_tools_in import hosted_tools
 from chatloom.app.api.openai_schemas import MAX_TOOL_OUTPUT_CHARS, ChatCompletionIn
 from chatloom.app.api.openapi_responses import OPENAI_ANSWER, errors, event_stream
+from chatloom.app.api.response_images import read_turn_images
 from chatloom.app.api.responses_out import InputItemListOut, ResponseDeletedOut, ResponseOut
 from chatloom.app.api.responses_schemas import ResponseCreateIn
 from chatloom.app.api.run_start import start_run
@@ -58,6 +59,7 @@ async def create_response(body: ResponseCreateIn, ctx: Ctx, user: CurrentUser, s
     hosted = await hosted_tools(body.tools or [], ctx.hosted, session, user.id)
     tools = body.tool_use(hosted.specs())
     ask = body.to_ask(user, draft.id, tools)
+    turns = await read_turn_images(ctx, user, session, turns, body.model)  # input_image parts
     prompt = ChatPrompt(render_messages(turns, tools))
     settings = ctx.settings
     run, pieces, first = await start_run(ctx.pipeline, ask, prompt, ChatCompletionIn.user_text(prompt), session,
