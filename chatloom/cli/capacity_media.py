@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from chatloom.cli.model_info import fmt_binary, fmt_int
+from chatloom.cli.units import fmt_binary, fmt_int
 
 SPEECH = ("whisper",)
 VISION = ("idefics3", "smolvlm", "llava")
