@@ -6,8 +6,9 @@
 # it is and left running. Otherwise, where its package is installed, scripts/services.sh starts one in
 # a fresh scratch folder on a free loopback port (CHATLOOM_SERVICES_DIR, CHATLOOM_PG_PORT and
 # CHATLOOM_REDIS_PORT override them) and stops it when the tests end, passed or failed. Without the
-# package, those tests skip, naming the package to install. Arguments go to pytest; $PY is the Python
-# that runs it (default .venv/bin/python). The exit status is pytest's.
+# package, those tests skip, naming the package to install. First, scripts/dependency_audit.py checks the
+# pinned dependencies for known vulnerabilities. Arguments go to pytest; $PY is the Python that runs it
+# (default .venv/bin/python). The exit status is the audit's if it failed, else pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
@@ -38,4 +39,6 @@ if [ ${#started[@]} -gt 0 ]; then
   eval "$exports"
 fi
 
+# Known vulnerabilities in the pinned dependencies fail the run; without network it only says so.
+"$PY" scripts/dependency_audit.py
 "$PY" -m pytest -q -p no:cacheprovider "$@"

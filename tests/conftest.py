@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -13,6 +14,12 @@ from backing_services import create_database, drop_database, require_postgres
 # One intra-op thread: the tests' models are tiny, and OpenMP threads that spin-wait
 # for a busy second core turn microsecond ops into milliseconds.
 torch.set_num_threads(1)
+
+# Every test signs up and signs in from loopback, many times over: the brute-force limits (accounts.*) are
+# raised for the whole suite, servers it starts included, and tested on their own with their own values.
+os.environ.setdefault("CHATLOOM_ACCOUNTS__SIGNUPS_PER_ADDRESS", "1000000")
+os.environ.setdefault("CHATLOOM_ACCOUNTS__LOGIN_FAILURES_PER_ADDRESS", "1000000")
+os.environ.setdefault("CHATLOOM_ACCOUNTS__LOGIN_FAILURES_PER_ACCOUNT", "1000000")
 
 
 @pytest.fixture(scope="session")

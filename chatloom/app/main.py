@@ -11,7 +11,10 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
+from chatloom.app.core import log_redaction
+from chatloom.app.core.audit import AdminActions, AuditLog
 from chatloom.app.core.auth import Passwords, Tokens
+from chatloom.app.core.security_headers import install_security_headers
 from chatloom.app.core.caller_cache import CallerCache
 from chatloom.app.chat.conversation_service import ConversationService
 from chatloom.app.api.deps import AppContext
@@ -29,7 +32,7 @@ from chatloom.app.batch.runner import BatchRunner
 from chatloom.app.files.retrieval import Retriever
 from chatloom.app.files.service import Files
 from chatloom.app.tools.hosted import HostedToolbox
-from chatloom.app.api.routes import memory, portability, sharing, sso
+from chatloom.app.api.routes import audit, memory, portability, sharing, sso
 from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
@@ -69,6 +72,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     loaded in-process. With `local_replicas` (the processes the backend's router routes over) and
     autoscale.enabled, the autoscaler starts and drains them."""
     settings = settings or Settings()
+    log_redaction.install()  # no secret reaches a log from here on
     owns_backend = backend is None
     backend = backend or default_backend(settings)
     owns_speech = speech is None
@@ -91,7 +95,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         tokens=Tokens(settings.secret(), settings.accounts.token_ttl_s), traffic=traffic, pipeline=pipeline,
         conversations=ConversationService(db, pipeline, settings, hot.logs, blobs, retriever), hot=hot,
         callers=CallerCache(settings.accounts.auth_cache_s), blobs=blobs, files=file_service, retriever=retriever,
-        speech=speech, scaler=scaler, hosted=HostedToolbox(settings, retriever),
+        speech=speech, scaler=scaler, hosted=HostedToolbox(settings, retriever), audit=AuditLog(db),
     )
 
     runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,
@@ -157,7 +161,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
               audio.TRANSCRIPTIONS: settings.speech.max_audio_bytes + audio.FORM_OVERHEAD,
               portability.IMPORT_PATH: settings.portability.import_max_bytes}
     app.add_middleware(EdgeGuard, max_body_bytes=settings.server.max_body_bytes, uploads=uploads, larger_bodies=larger)
-    routes = (health, auth, sso, portability, conversations, sharing, memory, tool_files, mcp_servers, recovery,
+    app.add_middleware(AdminActions, audit=lambda: ctx.audit)
+    install_security_headers(app, settings)  # outermost: every answer gets the headers, refusals included
+    routes = (health, auth, audit, sso, portability, conversations, sharing, memory, tool_files, mcp_servers, recovery,
               usage, admin, openai, responses, anthropic, moderations, embeddings, files, batches, user_files, audio,
               web)  # last: its catch-all serves the browser app
     for module in routes:

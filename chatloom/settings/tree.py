@@ -31,6 +31,20 @@ class ServerSettings(Group):
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="Log level.")
     max_body_bytes: int = Field(1_000_000, gt=0, description="Larger request bodies get 413 before parsing.")
     metrics_public: bool = Field(True, description="Serve GET /metrics without a token (as vLLM does).")
+    cors_origins: list[str] = Field(default_factory=list, description="Web origins (scheme://host[:port]) whose "
+                                                                    "pages may call the API from a browser; "
+                                                                    "empty: none (the app's own pages need none).")
+    hsts_max_age_s: int = Field(31_536_000, ge=0, description="Strict-Transport-Security max-age sent on HTTPS "
+                                                              "responses (0: not sent).")
+
+    @model_validator(mode="after")
+    def _origins(self) -> "ServerSettings":
+        for origin in self.cors_origins:
+            scheme, sep, rest = origin.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest or "/" in rest or "*" in rest:
+                raise ValueError(f"server.cors_origins: {origin!r} is not an origin such as "
+                                 "'https://chat.example.com' (a scheme and a host, no path, no wildcard)")
+        return self
 
 
 class ModelSettings(Group):
@@ -108,6 +122,18 @@ class AccountSettings(Group):
     auth_cache_s: float = Field(5.0, ge=0, description="A caller authenticated this recently is not looked up "
                                                        "again (0: always); a tier change or revoked key reaches "
                                                        "other gateways within this time.")
+    login_failures_per_account: int = Field(5, ge=1, description="Failed sign-ins to one username within "
+                                                                  "login_window_s before further tries get 429.")
+    login_failures_per_address: int = Field(30, ge=1, description="Failed sign-ins from one client address within "
+                                                                  "login_window_s before further tries get 429.")
+    login_window_s: float = Field(900.0, gt=0, description="The window the sign-in failures are counted in, from "
+                                                           "the first failure.")
+    signups_per_address: int = Field(10, ge=1, description="Sign-up attempts from one client address within "
+                                                           "signup_window_s before further ones get 429.")
+    signup_window_s: float = Field(3600.0, gt=0, description="The window sign-up attempts are counted in.")
+    api_key_max_days: int | None = Field(None, gt=0, description="Longest lifetime an API key may be given, in "
+                                                                 "days; also the lifetime of a key asked for "
+                                                                 "without one. Unset: keys may never expire.")
 
 
 class ChatSettings(Group):

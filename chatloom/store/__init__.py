@@ -7,6 +7,7 @@ from chatloom.store.mcp import UserMcpServer  # noqa: F401 - its table joins the
 # Retrieval's tables (their own module): imported here so the metadata, and so migrations, see them.
 from chatloom.store import file_chunks  # noqa: F401
 from chatloom.store import batches  # noqa: F401 (the Batch API's tables)
+from chatloom.store.audit import AuditEvent
 from chatloom.store.accounts_extra import CustomInstructions, Identity, Memory, SharedLink
 from chatloom.store.repositories import AnswerChunks, ApiKeys, Conversations, FeedbackRows, Messages, UsageRows, Users
 

@@ -63,6 +63,8 @@ class User(Base):
     # Lower-cased; set by single sign-on, so a person signing in again by another route finds this account.
     email: Mapped[str | None] = mapped_column(String(255), unique=True)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Carried by every session token; raised to sign the account out everywhere at once.
+    session_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class ApiKey(Base):
@@ -75,6 +77,10 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the whole key
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_used: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # What the key may do, space-separated (read, chat, admin: app/core/scopes.py); keys made before
+    # scopes existed keep every right their owner has.
+    scopes: Mapped[str] = mapped_column(String(64), default="read chat", server_default="read chat admin")
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # None: never
 
 
 class Conversation(Base):

@@ -44,8 +44,10 @@ class ApiKeys:
     def __init__(self, session: AsyncSession) -> None:
         self.s = session
 
-    async def create(self, user_id: str, name: str, prefix: str, key_hash: str) -> ApiKey:
-        key = ApiKey(user_id=user_id, name=name, prefix=prefix, key_hash=key_hash)
+    async def create(self, user_id: str, name: str, prefix: str, key_hash: str, scopes: str = "read chat",
+                     expires_at: datetime | None = None) -> ApiKey:
+        key = ApiKey(user_id=user_id, name=name, prefix=prefix, key_hash=key_hash, scopes=scopes,
+                     expires_at=expires_at)
         self.s.add(key)
         await self.s.flush()
         return key
@@ -60,6 +62,10 @@ class ApiKeys:
     async def delete(self, user_id: str, key_id: str) -> bool:
         result = await self.s.execute(delete(ApiKey).where(ApiKey.id == key_id, ApiKey.user_id == user_id))
         return result.rowcount > 0
+
+    async def delete_all(self, user_id: str) -> int:
+        result = await self.s.execute(delete(ApiKey).where(ApiKey.user_id == user_id))
+        return result.rowcount or 0
 
     async def touch(self, key: ApiKey) -> bool:
         now = utcnow()

@@ -6,6 +6,7 @@ Routes use the `Annotated` shorthands: `SessionDep`, `CurrentUser`, `AdminUser`,
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Annotated, AsyncIterator
 
@@ -14,7 +15,9 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.core.auth import API_KEY_PREFIX, Passwords, Tokens, hash_api_key
-from chatloom.app.core.caller_cache import CallerCache
+from chatloom.app.core.audit import AuditLog
+from chatloom.app.core.caller_cache import CallerCache, Grant
+from chatloom.app.core.scopes import format_scopes, parse_scopes, scope_for
 from chatloom.app.chat.conversation_service import ConversationService
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.files.retrieval import Retriever
@@ -51,6 +54,7 @@ class AppContext:
     speech: SpeechBackend | None = None  # speech to text, where a Whisper model is set ([speech] model)
     scaler: LocalFleetScaler | None = None  # the predictive autoscaler, when it is on
     hosted: HostedToolbox | None = None  # the built-in tools the OpenAI-shaped APIs run on the server
+    audit: AuditLog | None = None  # admin actions and security events (core/audit.py)
 
 
 def get_context(request: Request) -> AppContext:
@@ -128,32 +132,55 @@ async def current_user(request: Request, session: SessionDep,
     if credential.startswith(API_KEY_PREFIX):
         key_hash = hash_api_key(credential)
         cache_key = "key:" + key_hash
-        user = ctx.callers.get(cache_key)
-        if user is None:
+        found = ctx.callers.get_with_grant(cache_key)
+        if found is None:
             keys = ApiKeys(session)
             key = await keys.by_hash(key_hash)
             if key is None:
                 raise _unauthorized("invalid API key", "invalid_api_key")
             if await keys.touch(key):
                 await session.commit()
-            user = await _look_up(ctx, session, cache_key, key.user_id)
+            expires = key.expires_at.timestamp() if key.expires_at is not None else None
+            grant = (parse_scopes(key.scopes), expires)
+            found = (await _look_up(ctx, session, cache_key, key.user_id, grant), grant)
+        user, grant = found
+        _check_grant(request, grant)
     else:
-        user_id = ctx.tokens.subject(credential)  # verified on every request; only the lookup is cached
-        if user_id is None:
+        verified = ctx.tokens.verify(credential)  # verified on every request; only the lookup is cached
+        if verified is None:
             raise _unauthorized("invalid or expired token", "invalid_token")
+        user_id, version = verified
         cache_key = "usr:" + user_id
         user = ctx.callers.get(cache_key) or await _look_up(ctx, session, cache_key, user_id)
+        if version != (user.session_version or 0):
+            raise _unauthorized("this session was signed out; sign in again", "session_revoked")
+        request.state.scopes = None  # a signed-in person holds every right of the account
     request.state.user = user  # for the x-ratelimit-* headers on the response
     return user
 
 
-async def _look_up(ctx: AppContext, session: AsyncSession, cache_key: str, user_id: str) -> User:
+def _check_grant(request: Request, grant: Grant | None) -> None:
+    """An API key works until it expires, and only for what its scopes allow (core/scopes.py)."""
+    if grant is None:
+        return
+    scopes, expires = grant
+    if expires is not None and time.time() >= expires:
+        raise _unauthorized("this API key has expired", "api_key_expired")
+    needed = scope_for(request.method, request.url.path)
+    if needed not in scopes:
+        raise ApiError(403, f"this API key lacks the {needed!r} scope this request needs "
+                            f"(it has: {format_scopes(scopes) or 'none'})", "insufficient_scope")
+    request.state.scopes = scopes
+
+
+async def _look_up(ctx: AppContext, session: AsyncSession, cache_key: str, user_id: str,
+                   grant: Grant | None = None) -> User:
     """The account from the database, remembered for auth_cache_s (from now: a hit does not extend it,
     so changes made elsewhere are seen within that time however often the caller comes back)."""
     user = await Users(session).get(user_id)
     if user is None:
         raise _unauthorized("the account behind this credential no longer exists", "invalid_token")
-    ctx.callers.put(cache_key, user)
+    ctx.callers.put(cache_key, user, grant)
     return user
 
 

@@ -30,6 +30,12 @@ class LoginIn(BaseModel):
 class ApiKeyIn(BaseModel):
     model_config = STRICT
     name: str = Field(default="", max_length=100)
+    scopes: list[Literal["read", "chat", "admin"]] = Field(
+        default=["read", "chat"], min_length=1, description="What the key may do: read (GET requests), chat (every "
+                                                            "other request outside /admin), admin (/admin; admins only).")
+    expires_in_days: int | None = Field(default=None, ge=1, le=3650, description="The key stops working after "
+                                                                                 "this many days; none: never "
+                                                                                 "(unless the server caps it).")
 
 
 class ConversationIn(BaseModel):
@@ -107,10 +113,13 @@ class ApiKeyOut(BaseModel):
     prefix: str
     created: str | None
     last_used: str | None
+    scopes: list[str]
+    expires_at: str | None
 
     @classmethod
     def of(cls, k: ApiKey) -> "ApiKeyOut":
-        return cls(id=k.id, name=k.name, prefix=k.prefix, created=iso(k.created), last_used=iso(k.last_used))
+        return cls(id=k.id, name=k.name, prefix=k.prefix, created=iso(k.created), last_used=iso(k.last_used),
+                   scopes=k.scopes.split(), expires_at=iso(k.expires_at))
 
 
 class ApiKeyCreated(ApiKeyOut):

@@ -17,6 +17,9 @@ from typing import Callable
 
 from chatloom.store import User
 
+# What an API key may do: (scopes, expiry as a POSIX time or None); None for a session token.
+Grant = tuple[frozenset[str], float | None]
+
 _MAX_ENTRIES = 10_000  # a bound on memory; when full, the oldest entries go
 
 
@@ -24,33 +27,38 @@ class CallerCache:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._entries: dict[str, tuple[float, User]] = {}  # credential key -> (expiry, account copy)
+        # credential key -> (expiry, account copy, the key's grant)
+        self._entries: dict[str, tuple[float, User, Grant | None]] = {}
 
     def get(self, key: str) -> User | None:
+        found = self.get_with_grant(key)
+        return found[0] if found else None
+
+    def get_with_grant(self, key: str) -> tuple[User, Grant | None] | None:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        expires, user = entry
+        expires, user, grant = entry
         if self.clock() >= expires:
             del self._entries[key]
             return None
-        return user
+        return user, grant
 
-    def put(self, key: str, user: User) -> None:
+    def put(self, key: str, user: User, grant: Grant | None = None) -> None:
         if self.ttl_s <= 0:
             return
         if len(self._entries) >= _MAX_ENTRIES:
             for old in list(self._entries)[: _MAX_ENTRIES // 10]:  # insertion order: the oldest first
                 del self._entries[old]
-        self._entries[key] = (self.clock() + self.ttl_s, _detached_copy(user))
+        self._entries[key] = (self.clock() + self.ttl_s, _detached_copy(user), grant)
 
     def forget_user(self, user_id: str) -> None:
         """Drop every credential of this account (its tier changed, one of its keys was revoked)."""
-        for key in [k for k, (_, u) in self._entries.items() if u.id == user_id]:
+        for key in [k for k, (_, u, _g) in self._entries.items() if u.id == user_id]:
             del self._entries[key]
 
 
 def _detached_copy(user: User) -> User:
     """A copy no database session owns, safe to hand to many requests at once."""
     return User(id=user.id, username=user.username, password_hash=None, is_admin=user.is_admin, tier=user.tier,
-                created=user.created)
+                created=user.created, session_version=user.session_version or 0)

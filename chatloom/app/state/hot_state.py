@@ -23,6 +23,8 @@ from chatloom.app.state.job_keeper import JobKeeper, settle_taken
 from chatloom.app.state.jobs import JobRecord, Jobs, MemoryJobs, RedisJobs, new_instance_id
 from chatloom.app.state.redis_connection import UNAVAILABLE, RedisHub, unavailable_message
 from chatloom.app.state.redis_events import RedisEventLogStore
+from chatloom.app.core.attempts import AttemptStore, MemoryAttempts
+from chatloom.app.state.redis_attempts import RedisAttempts
 from chatloom.app.state.redis_quotas import RedisQuotaStore
 from chatloom.app.state.stop_relay import RedisStopRelay, StopRelay
 from chatloom.app.traffic.quotas import MemoryQuotaStore, QuotaStore
@@ -44,6 +46,7 @@ class HotState:
     jobs: Jobs
     stops: StopRelay
     fleet: FleetShares | None = None
+    attempts: AttemptStore = field(default_factory=MemoryAttempts)  # sign-in and sign-up attempts
     hub: RedisHub | None = None
     keeper: JobKeeper | None = None
     _started: list = field(default_factory=list)
@@ -138,7 +141,7 @@ def build_hot_state(settings: Settings) -> HotState:
                     logs=RedisEventLogStore(hub.commands, hub.blocking, prefix, settings.chat.event_log_retention_s),
                     jobs=RedisJobs(hub.commands, gateway, prefix, settings.shared_state.job_lease_s, instance),
                     stops=RedisStopRelay(hub.commands, hub.blocking, prefix),
-                    fleet=FleetShares(hub.commands, gateway, prefix))
+                    fleet=FleetShares(hub.commands, gateway, prefix), attempts=RedisAttempts(hub.commands, prefix))
 
 
 def install_redis_errors(app: FastAPI, hot: HotState) -> None:

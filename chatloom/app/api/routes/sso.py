@@ -96,6 +96,10 @@ async def sso_callback(request: Request, ctx: Ctx, session: SessionDep,
             return _back_to_login(failure)
         raise
     ctx.callers.forget_user(user.id)  # a role changed by the claim applies at once
-    response = RedirectResponse(f"/#sso_token={ctx.tokens.issue(user.id)}", status_code=302)
+    if ctx.audit is not None:
+        await ctx.audit.record("auth.sso_login", request=request, actor_id=user.id, actor_name=user.username,
+                               detail={"issuer": who.issuer} if getattr(who, "issuer", None) else {})
+    token = ctx.tokens.issue(user.id, user.session_version or 0)
+    response = RedirectResponse(f"/#sso_token={token}", status_code=302)
     response.delete_cookie(COOKIE, path=COOKIE_PATH)
     return response
