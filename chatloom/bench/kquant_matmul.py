@@ -4,8 +4,9 @@ For each GGUF type the kernels keep quantized, a random weight [n, k] in that ty
 blocks: random codes and scales) is multiplied by x [rows, k] in one process: the float32
 packed kernel on the dequantized weight (the baseline: what dequantizing at load gives), the
 exact quantized kernel in the group-scale layout (the same bits), for Q4_K and Q6_K the exact
-kernel on the file's super-blocks (kquant_panels.py; the same bits again) and the
-int8-activation kernel, called in turn; times are medians, ratios are against the float32
+kernel on the file's super-blocks (kquant_panels.py; the same bits again), the
+int8-activation kernel in the group-scale layout and, for Q4_K and Q6_K with AVX-512 VNNI, on the
+super-blocks (superblock_int8), called in turn; times are medians, ratios are against the float32
 baseline measured alongside. With `layers` > 1 each kernel cycles through that many weights of
 the shape (as a decode step does through its layers), so that they come from memory rather than
 the caches; `gb_per_s` is then each layout's bytes over its time.
@@ -75,7 +76,8 @@ def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds
     from chatloom.models.kernels import load_kernels
     from chatloom.models.kquant_panels import PANEL_KINDS
     from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, int8_matmul_supported,
-                                               kquant_matmul_supported, pack_quantized, pack_weight)
+                                               kquant_int8_supported, kquant_matmul_supported, pack_quantized,
+                                               pack_weight)
 
     kernels = load_kernels()
     if kernels is None:
@@ -100,9 +102,13 @@ def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds
             if int8:
                 modes.setdefault("int8", []).append(QuantizedLinear(codes, scales, n, None, kernels,
                                                                     int8_activations=True))
+            if kind in PANEL_KINDS and kquant_int8_supported(kernels):
+                modes.setdefault("superblock_int8", []).append(
+                    KQuantLinear.from_parts([part], n, None, kernels, int8_activations=True))
         weight_bytes = {"float32": 4 * n * k, "exact": _nbytes(modes["exact"][0])}
-        if "superblock" in modes:
-            weight_bytes["superblock"] = _nbytes(modes["superblock"][0])
+        for mode in ("superblock", "superblock_int8", "int8"):
+            if mode in modes:
+                weight_bytes[mode] = _nbytes(modes[mode][0])
         per_rows = {}
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

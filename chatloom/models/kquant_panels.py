@@ -7,6 +7,9 @@ file's float16 d (and dmin) and its small integer scales, with the codes at 4 bi
 bits (Q6_K): 4.625 and 6.5625 bits a weight. The kernel multiplies the scales back together in
 registers, exactly, so the weights and the results are bit for bit those of gguf's dequantizer
 followed by the float32 kernel. The byte layout is described at the top of kquant_panels.cpp.
+
+With `int8=True` the same super-blocks are packed for the int8-activation kernel (kquant_int8.cpp):
+kinds 2 and 3 instead of 0 and 1, Q6_K's high code bits in that kernel's order.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from chatloom.models.quant_layout import PANEL, SUPER_BLOCK, QuantizedWeight, _k_scales_mins
 
 PANEL_KINDS = {"Q4_K": 0, "Q6_K": 1}
+INT8_KINDS = 2  # added to a kind for the int8-activation kernel
 SUPER_BYTES = {"Q4_K": 2368, "Q6_K": 3360}  # one panel's super-block: must match kquant_panels.cpp
 _CHUNK_ROWS = 4096  # rows packed at a time: bounds the temporaries for a vocabulary-sized head
 
@@ -67,7 +71,28 @@ def _codes(w: QuantizedWeight, raw: np.ndarray) -> np.ndarray:
     return (low.reshape(w.rows, nb, 8, 32) | (high.reshape(w.rows, nb, 8, 32) << 4)).reshape(w.rows, nb, SUPER_BLOCK)
 
 
-def _pack_rows(w: QuantizedWeight) -> np.ndarray:
+def _int8_high_words(high: np.ndarray) -> np.ndarray:
+    """Q6_K's high code bits [P, 16, nb, 256] (values < 4) in the int8 kernel's order -> [P, nb, 16 * 64]
+    bytes: in word h (16 depths), bits 2t..2t+1 of byte b of lane j hold feature j's depth
+    16h + 8 (t // 2) + 2b + t % 2."""
+    panels, _, nb, _ = high.shape
+    q = high.reshape(panels, PANEL, nb, 16, 2, 4, 2)  # [.., h, t // 2, b, t % 2]
+    q = q.transpose(0, 2, 3, 1, 5, 4, 6).reshape(panels, nb, 16, PANEL, 4, 4)  # [.., h, j, b, t]
+    out = q[..., 0].copy()
+    for t in range(1, 4):
+        out |= q[..., t] << (2 * t)
+    return np.ascontiguousarray(out).reshape(panels, nb, -1)
+
+
+def _int8_high_codes(words: np.ndarray, nb: int) -> np.ndarray:
+    """The inverse of _int8_high_words for one panel: [nb, 16 * 64] bytes -> [16, nb * 256]."""
+    b = np.ascontiguousarray(words).reshape(nb, 16, PANEL, 4)  # [nb, h, j, b]
+    q = (b[..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # [nb, h, j, b, t]
+    q = q.reshape(nb, 16, PANEL, 4, 2, 2).transpose(2, 0, 1, 4, 3, 5)  # [j, nb, h, t // 2, b, t % 2]
+    return q.reshape(PANEL, nb * SUPER_BLOCK)
+
+
+def _pack_rows(w: QuantizedWeight, int8: bool = False) -> np.ndarray:
     """One part (rows already a chunk of the matrix) -> [P, nb, SUPER_BYTES] bytes."""
     nb = w.cols // SUPER_BLOCK
     raw = np.ascontiguousarray(w.raw).reshape(w.rows, nb, -1)
@@ -81,15 +106,18 @@ def _pack_rows(w: QuantizedWeight) -> np.ndarray:
                     _words(q, 8, 4)]
     else:
         sections = [_per_panel(raw[..., 208:210].reshape(w.rows, nb, 1, 2), panels),
-                    _per_panel(raw[..., 192:208], panels), _words(q & 0x0F, 8, 4), _words(q >> 4, 16, 2)]
+                    _per_panel(raw[..., 192:208], panels), _words(q & 0x0F, 8, 4),
+                    _int8_high_words(q >> 4) if int8 else _words(q >> 4, 16, 2)]
     out = np.concatenate(sections, axis=-1)
     assert out.shape[-1] == SUPER_BYTES[w.kind]
     return out
 
 
-def pack_kquant_panels(parts: list[QuantizedWeight]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_kquant_panels(parts: list[QuantizedWeight], int8: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of `parts` stacked (a fused QKV or gate/up) as kquant_linear's blob (uint8), the panels'
-    offsets into it (int64 [P + 1]) and kinds (uint8 [P]). Needs kquant_panels_fit(parts)."""
+    offsets into it (int64 [P + 1]) and kinds (uint8 [P]); with `int8`, for the int8-activation
+    kernel. Needs kquant_panels_fit(parts)."""
     if not kquant_panels_fit(parts):
         raise ValueError("super-block panels need Q4_K or Q6_K parts of whole panels")
     blocks, kinds = [], []
@@ -98,9 +126,9 @@ def pack_kquant_panels(parts: list[QuantizedWeight]) -> tuple[torch.Tensor, torc
         for r0 in range(0, part.rows, _CHUNK_ROWS):
             r1 = min(part.rows, r0 + _CHUNK_ROWS)
             chunk = QuantizedWeight(part.kind, raw[r0:r1], r1 - r0, part.cols)
-            packed = _pack_rows(chunk)
+            packed = _pack_rows(chunk, int8)
             blocks.append(packed.reshape(-1))
-            kinds += [PANEL_KINDS[part.kind]] * packed.shape[0]
+            kinds += [PANEL_KINDS[part.kind] + (INT8_KINDS if int8 else 0)] * packed.shape[0]
     sizes = [SUPER_BYTES[k] for p in parts for k in [p.kind] for _ in range(-(-p.rows // PANEL))]
     offsets = np.concatenate([[0], np.cumsum(np.array(sizes, np.int64) * (parts[0].cols // SUPER_BLOCK))])
     blob = np.concatenate(blocks)
@@ -131,7 +159,7 @@ def unpack_kquant_panels(blob: torch.Tensor, offsets: torch.Tensor, kinds: torch
     panels = []
     for p, kind in enumerate(kinds.tolist()):
         b = blob_np[offs[p]:offs[p + 1]].reshape(nb, -1)
-        if kind == PANEL_KINDS["Q4_K"]:
+        if kind % INT8_KINDS == PANEL_KINDS["Q4_K"]:
             d, dmin = _f16_rows(b[:, 0:32]), _f16_rows(b[:, 32:64])
             sc = b[:, 64:192].reshape(nb, 8, PANEL).transpose(2, 0, 1).astype(np.float32)  # [16, nb, 8]
             mn = b[:, 192:320].reshape(nb, 8, PANEL).transpose(2, 0, 1).astype(np.float32)
@@ -141,7 +169,8 @@ def unpack_kquant_panels(blob: torch.Tensor, offsets: torch.Tensor, kinds: torch
         else:
             d = _f16_rows(b[:, 0:32])
             sc = b[:, 32:288].view(np.int8).reshape(nb, 16, PANEL).transpose(2, 0, 1).astype(np.float32)
-            q = (_unwords(b[:, 288:2336], 8, 4) | (_unwords(b[:, 2336:], 16, 2) << 4)).astype(np.float32)
+            high = _int8_high_codes(b[:, 2336:], nb) if kind >= INT8_KINDS else _unwords(b[:, 2336:], 16, 2)
+            q = (_unwords(b[:, 288:2336], 8, 4) | (high << 4)).astype(np.float32)
             w = (d[:, :, None] * sc)[..., None] * (q.reshape(PANEL, nb, 16, 16) - 32)
         panels.append(w.reshape(PANEL, in_features).astype(np.float32))
     return torch.from_numpy(np.concatenate(panels)[:out_features])

@@ -8,7 +8,7 @@ or Q8_0 weights at 4 or 8 bits and expands them inside the kernel, bit-identical
 float32 dequantization but with a fraction of the memory traffic per decode step; with
 int8 activations (opt-in) it multiplies those codes in integers instead. `KQuantLinear`
 keeps Q4_K and Q6_K layers in their super-blocks (kquant_panels.py), the exact mode's
-layout for them where the CPU has AVX-512.
+layout for them where the CPU has AVX-512, and with int8 activations where it has AVX-512 VNNI.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from chatloom.models.kernels import load_kernels
-from chatloom.models.kquant_panels import kquant_panels_fit, pack_kquant_panels, unpack_kquant_panels
+from chatloom.models.kquant_panels import INT8_KINDS, kquant_panels_fit, pack_kquant_panels, unpack_kquant_panels
 # The GGUF layouts live in quant_layout.py; these names are part of this module's interface too.
 from chatloom.models.quant_layout import (GROUP, PANEL, QUANT_BLOCK, QUANTIZED_KINDS,
                                           QuantizedWeight, from_float_kernel_layout, from_int8_layout,
@@ -159,7 +159,7 @@ def int8_matmul_supported(kernels) -> bool:
 
 def uses_int8_matmul(model: nn.Module) -> bool:
     """Whether any layer of `model` multiplies with int8 activations."""
-    return any(isinstance(m, QuantizedLinear) and m.int8_activations for m in model.modules())
+    return any(isinstance(m, (QuantizedLinear, KQuantLinear)) and m.int8_activations for m in model.modules())
 
 
 class QuantizedLinear(KernelLinear):
@@ -259,16 +259,24 @@ def kquant_matmul_supported(kernels) -> bool:
     return kernels is not None and hasattr(kernels, "kquant_linear") and kernels.kquant_linear_supported()
 
 
+def kquant_int8_supported(kernels) -> bool:
+    """Whether this CPU runs the super-block K-quant matmul with int8 activations (AVX-512 VNNI)."""
+    return kquant_matmul_supported(kernels) and hasattr(kernels, "kquant_int8_supported") \
+        and kernels.kquant_int8_supported()
+
+
 class KQuantLinear(KernelLinear):
-    """y = x @ W^T + b with W kept as GGUF Q4_K / Q6_K super-blocks (kquant_panels.py): the exact
-    mode's arithmetic (the bits of gguf's dequantizer followed by the float32 kernel) at about the
-    file's bytes per weight."""
+    """y = x @ W^T + b with W kept as GGUF Q4_K / Q6_K super-blocks (kquant_panels.py), at about the
+    file's bytes per weight: by default the exact mode's arithmetic (the bits of gguf's dequantizer
+    followed by the float32 kernel); with `int8_activations` (panels packed for it) each row of x is
+    quantized to int8 per 32 and multiplied with VNNI integer dot products (kquant_int8.cpp)."""
 
     def __init__(self, blob: torch.Tensor, offsets: torch.Tensor, kinds: torch.Tensor, in_features: int,
                  out_features: int, bias: torch.Tensor | None, kernels) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.int8_activations = bool(kinds.numel()) and int(kinds[0]) >= INT8_KINDS
         self.register_buffer("blob", blob)
         self.register_buffer("offsets", offsets)
         self.register_buffer("kinds", kinds)
@@ -277,8 +285,8 @@ class KQuantLinear(KernelLinear):
 
     @classmethod
     def from_parts(cls, parts: list[QuantizedWeight], out_features: int, bias: torch.Tensor | None,
-                   kernels) -> "KQuantLinear":
-        return cls(*pack_kquant_panels(parts), parts[0].cols, out_features, bias, kernels)
+                   kernels, int8_activations: bool = False) -> "KQuantLinear":
+        return cls(*pack_kquant_panels(parts, int8_activations), parts[0].cols, out_features, bias, kernels)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -293,8 +301,10 @@ class KQuantLinear(KernelLinear):
                        self.out_features)
 
     def extra_repr(self) -> str:
+        int8 = ", int8 activations" if self.int8_activations else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"K-quant super-blocks ({self.blob.numel() * 8 / (self.in_features * self.out_features):.2f} bits a weight)")
+                f"K-quant super-blocks ({self.blob.numel() * 8 / (self.in_features * self.out_features):.2f} bits a weight)"
+                f"{int8}")
 
 
 def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]] | None = None,
@@ -318,6 +328,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     int8_activations = int8_activations and int8_matmul_supported(kernels)
     bf16_weights = bf16_weights and not int8_activations and bf16_matmul_supported(kernels)
     kquant = kquant_matmul_supported(kernels)
+    # Super-blocks with int8 activations read the file's bytes (4.6 and 6.6 bits a weight) where the
+    # group-scale int8 layouts read 6 and 12.
+    kquant_int8 = int8_activations and kquant_int8_supported(kernels)
     linears = [(parent, f"{prefix}.{name}" if prefix else name, name, child)
                for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
@@ -327,9 +340,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
         parts = quantized.get(path)
         if bf16_weights and child.in_features % 2 == 0:
             layer = BF16Linear.from_weight(child.weight, child.bias, kernels)
-        elif (parts and not int8_activations and kquant_panels_fit(parts) and kquant
+        elif (parts and (kquant_int8 or not int8_activations) and kquant_panels_fit(parts) and kquant
               and quantizable(parts, child.in_features, child.out_features)):
-            layer = KQuantLinear.from_parts(parts, child.out_features, child.bias, kernels)
+            layer = KQuantLinear.from_parts(parts, child.out_features, child.bias, kernels, int8_activations)
         elif parts and quantizable(parts, child.in_features, child.out_features):
             codes, scales = pack_quantized(parts)
             if int8_activations and parts[0].kind == "Q4_0" and quantized_layout(parts) == "int8":

@@ -59,6 +59,8 @@ def test_kquant_matmul_bench(capsys):
         assert out["kinds"]["Q4_K"]["superblock_bytes_per_weight"] == round((4.625 / 8 * 8192 + 26) / 8192, 4)
         assert out["kinds"]["Q6_K"]["superblock_bytes_per_weight"] == round((6.5625 / 8 * 8192 + 26) / 8192, 4)
         assert out["kinds"]["Q6_K"]["by_rows"]["1"]["superblock_gb_per_s"] > 0
+    if "superblock_int8_ms" in out["kinds"]["Q4_K"]["by_rows"]["1"]:  # int8 on the super-blocks (VNNI)
+        assert out["kinds"]["Q4_K"]["by_rows"]["3"]["superblock_int8_gb_per_s"] > 0
 
 
 def test_kv_cache_modes_run_through_a_pool_of_their_dtype():

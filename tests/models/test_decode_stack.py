@@ -20,7 +20,7 @@ from chatloom.engine.sequence import Sequence
 from chatloom.models.config import ModelConfig
 from chatloom.models.kernels import load_kernels
 from chatloom.models.packed_linear import (KQuantLinear, QuantizedWeight, bf16_matmul_supported, int8_matmul_supported,
-                                           kquant_matmul_supported, pack_linears)
+                                           kquant_int8_supported, kquant_matmul_supported, pack_linears)
 from chatloom.models.registry import tiny_random_config
 
 import tiny_checkpoints as tc
@@ -415,17 +415,21 @@ def test_the_fused_argmax_ranks_like_torch_argmax():
 
 
 @pytest.mark.skipif(not kquant_matmul_supported(kernels), reason="the super-block K-quant kernel needs AVX-512")
-def test_a_q4_k_m_model_steps_on_the_team_with_its_q6_k_head():
-    """Fused Q4_K + Q6_K layers and a Q6_K head, kept in their super-blocks: decode steps of up to 12
-    queries run on the team with the head as its last phase, wider ones call by call, all with the
-    module path's bits."""
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+def test_a_q4_k_m_model_steps_on_the_team_with_its_q6_k_head(int8):
+    """Fused Q4_K + Q6_K layers and a Q6_K head, kept in their super-blocks (exact, or with int8
+    activations): decode steps of up to 12 queries run on the team with the head as its last phase,
+    wider ones call by call, all with the module path's bits."""
+    if int8 and not kquant_int8_supported(kernels):
+        pytest.skip("the int8 super-block kernel needs AVX-512 VNNI")
     model = _model()
     quantized = _quantized(model, ["Q4_K", "Q6_K"])
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     quantized["lm_head"] = [QuantizedWeight("Q6_K", tc.random_kquant_blocks("Q6_K", vocab, hidden, 99), vocab, hidden)]
-    assert pack_linears(model, quantized)
+    assert pack_linears(model, quantized, int8_activations=int8)
     layer = model.layers[0]
     assert all(isinstance(layer.get_submodule(name), KQuantLinear) for name in LINEARS)
+    assert layer.mlp.down_proj.int8_activations == int8 and model.lm_head.int8_activations == int8
     assert isinstance(model.lm_head, KQuantLinear)
     stack = model.decode_stack()
     assert stack.team_path and stack.has_head

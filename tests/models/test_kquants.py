@@ -15,8 +15,9 @@ import torch
 from chatloom.models import load_model
 from chatloom.models.kernels import load_kernels
 from chatloom.models.kquant_panels import SUPER_BYTES, kquant_panels_fit, pack_kquant_panels
-from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, kquant_matmul_supported,
-                                           pack_linears, pack_quantized, pack_weight, quantized_layout)
+from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, kquant_int8_supported,
+                                           kquant_matmul_supported, pack_linears, pack_quantized, pack_weight,
+                                           quantized_layout)
 
 import tiny_checkpoints as tc
 
@@ -133,7 +134,10 @@ def test_pack_linears_keeps_super_blocks_in_exact_mode_only():
     if kernels.int8_linear_supported():
         fast = model()
         assert pack_linears(fast, quantized, int8_activations=True)
-        assert isinstance(fast[0], QuantizedLinear) and fast[0].int8_activations
+        # With VNNI the super-blocks stay, multiplied with int8 activations; without, the group layouts.
+        kind = KQuantLinear if kquant_int8_supported(kernels) else QuantizedLinear
+        assert isinstance(fast[0], kind) and fast[0].int8_activations
+        assert isinstance(fast[1], QuantizedLinear) and fast[1].int8_activations
 
 
 @needs_super_blocks
@@ -180,6 +184,54 @@ def test_int8_activation_mode_stays_close(case):
     # A row's result does not depend on the rest of the batch.
     x = torch.randn(200, K, generator=torch.Generator().manual_seed(200))
     assert torch.equal(layer(x[5:6])[0], full[5]) and torch.equal(layer(x[:3])[2], full[2])
+
+
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 kernel sees it: per block of 32, round(x * 127 / max|x|) * max|x| / 127 (float32
+    steps as in kquant_int8.cpp), returned in float64."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp(-127, 127)  # round half to even, as the kernel
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+needs_kquant_int8 = pytest.mark.skipif(not kquant_int8_supported(kernels),
+                                       reason="the int8 super-block kernel needs AVX-512 VNNI")
+
+
+@needs_kquant_int8
+@pytest.mark.parametrize("case", list(SUPER_BLOCK_CASES))
+def test_super_block_panels_with_int8_activations(case):
+    """The int8 path on the super-blocks: within float32 rounding of the exact product of the
+    quantized rows with the file's weights, within the documented tolerance (2% relative, about
+    0.6% seen) of the float32 reference on gaussian rows, at 1 to 200 rows; a row's bits do not
+    depend on the batch, and the decode team's tasks give the matmul's bits."""
+    kinds, sizes = SUPER_BLOCK_CASES[case]
+    parts = _parts(kinds, sizes, seed=len(case) + 1)
+    dense = torch.cat([tc.dequantize(p.kind, p.raw) for p in parts])
+    n = dense.shape[0]
+    layer = KQuantLinear.from_parts(parts, n, None, kernels, int8_activations=True)
+    assert layer.int8_activations and int(layer.kinds.min()) >= 2
+    assert torch.equal(layer.weight, dense)  # the int8 order of Q6_K's high bits unpacks to the same codes
+    exact_blob = KQuantLinear.from_parts(parts, n, None, kernels).blob
+    assert layer.blob.numel() == exact_blob.numel()
+    bias = torch.randn(n)
+    full = layer(torch.randn(200, K, generator=torch.Generator().manual_seed(200)))
+    for rows in ROWS + [8, 9, 10, 11]:
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        got = layer(x)
+        reference = _quantized_rows(x) @ dense.double().t()
+        torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+        exact = x @ dense.t()
+        err = (got - exact).norm() / exact.norm()
+        assert err < 0.02, (rows, float(err))
+        layer.bias = bias
+        assert torch.equal(layer(x), got + bias), rows
+        layer.bias = None
+        assert torch.equal(layer(x[-1:])[0], got[-1])  # a row alone: the same bits
+    x = torch.randn(200, K, generator=torch.Generator().manual_seed(200))
+    assert torch.equal(layer(x[7:8])[0], full[7]) and torch.equal(layer(x[:12])[11], full[11])
 
 
 def _kquant_checkpoint(tmp_path, arch: str = "llama", **extra):
@@ -248,7 +300,9 @@ def test_q4_k_m_gguf_in_int8_mode(tmp_path):
     layer = fast.model.layers[1]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj, fast.model.lm_head):
-        assert isinstance(module, QuantizedLinear) and module.int8_activations
+        assert isinstance(module, (QuantizedLinear, KQuantLinear)) and module.int8_activations
+    if kquant_int8_supported(kernels):
+        assert isinstance(layer.mlp.down_proj, KQuantLinear)
     seq = list(range(3, 60))
     a = torch.log_softmax(exact.model.dense_logits([seq])[0].double(), -1)
     b = torch.log_softmax(fast.model.dense_logits([seq])[0].double(), -1)

@@ -1,4 +1,5 @@
 #include "decode_stack.h"
+#include "kquant_int8.h"
 
 #include <pybind11/stl.h>
 
@@ -46,6 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         NoGil(), pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("offsets"), pybind11::arg("kinds"),
         pybind11::arg("out_features"), pybind11::arg("bias") = pybind11::none());
   m.def("kquant_linear_supported", &kquant_linear_supported, "whether this CPU runs kquant_linear (AVX-512)");
+  m.def("kquant_int8_supported", &kquant_int8_supported,
+        "whether this CPU runs kquant_linear's int8-activation kinds 2 and 3 (AVX-512 VNNI)");
   m.def("kquant_super_bytes", &kquant_super_bytes, "bytes of one panel's super-block of a kind (0: Q4_K, 1: Q6_K)");
   m.def("bf16_linear", &bf16_linear, "x [M, K] @ W^T (+ bias) with W in bfloat16 panels [P, K / 2, 32]", NoGil(),
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"),

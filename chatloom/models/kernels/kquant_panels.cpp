@@ -10,6 +10,9 @@
 //   Q4_K, 2368 bytes: d[16] f16 | dmin[16] f16 | sc[8][16] u8 | mn[8][16] u8 | codes, 32 words of 64 bytes
 //   Q6_K, 3360 bytes: d[16] f16 | sc[16][16] i8 | low codes, 32 words of 64 bytes | high codes, 16 words
 //
+// Kinds 2 and 3 are the same super-blocks multiplied with int8 activations (kquant_int8.cpp), Q6_K's
+// high codes then in that path's order; a layer's panels are all of the exact kinds or all int8.
+//
 // [g][j] is group g of feature j. A 64-byte word of low codes is 16 uint32 lanes, lane j holding feature
 // j's 4-bit codes at 8 depths (depth 8w + t in bits 4t..4t+3, as quantized_linear's nibble words); a
 // word of Q6_K high codes holds 16 depths of the codes' top two bits (depth 16h + t in bits 2t..2t+1).
@@ -19,6 +22,7 @@
 // gguf computes d1 * q - m1 and (d * sc) * (q - 32): the same values with the same single rounding
 // (none at all for Q6_K). Each output is one FMA chain over k in increasing order, as in packed_linear.
 #include "kernels.h"
+#include "kquant_int8.h"
 #include "panel_tile.h"
 
 #include <algorithm>
@@ -38,7 +42,9 @@ constexpr int64_t kRowBlock = 96;
 // hardware prefetcher picks up late at every new task.
 constexpr int64_t kAhead = 1024;
 
-int64_t super_bytes(uint8_t kind) { return kind == kQ4K ? kQ4KBytes : kQ6KBytes; }
+constexpr uint8_t kInt8Kinds = 2;  // kinds 2 and 3: Q4_K and Q6_K for the int8 path
+int64_t super_bytes(uint8_t kind) { return (kind & 1) == kQ4K ? kQ4KBytes : kQ6KBytes; }
+bool int8_kind(uint8_t kind) { return kind >= kInt8Kinds; }
 
 struct Panels {
   const uint8_t* blob;
@@ -279,7 +285,8 @@ bool cpu_ok() { return false; }
 bool kquant_linear_supported() { return cpu_ok(); }
 
 int64_t kquant_super_bytes(int64_t kind) {
-  TORCH_CHECK(kind == kQ4K || kind == kQ6K, "unknown super-block kind ", kind, " (0: Q4_K, 1: Q6_K)");
+  TORCH_CHECK(kind >= 0 && kind <= 3, "unknown super-block kind ", kind,
+              " (0: Q4_K, 1: Q6_K; 2, 3: the same for int8 activations)");
   return super_bytes((uint8_t)kind);
 }
 
@@ -302,9 +309,12 @@ Panels checked_panels(const torch::Tensor& blob, const torch::Tensor& offsets, c
   const int64_t* off = offsets.data_ptr<int64_t>();
   const uint8_t* kd = kinds.data_ptr<uint8_t>();
   TORCH_CHECK(off[0] == 0 && off[panels] == blob.numel(), "offsets do not span the blob");
-  for (int64_t p = 0; p < panels; ++p)
-    TORCH_CHECK((kd[p] == kQ4K || kd[p] == kQ6K) && off[p + 1] - off[p] == k_dim / kSuper * super_bytes(kd[p]),
+  for (int64_t p = 0; p < panels; ++p) {
+    TORCH_CHECK(kd[p] <= 3 && off[p + 1] - off[p] == k_dim / kSuper * super_bytes(kd[p]),
                 "panel ", p, " does not hold K = ", k_dim, " weights of its kind");
+    TORCH_CHECK(int8_kind(kd[p]) == int8_kind(kd[0]), "panels mix exact and int8 kinds");
+  }
+  TORCH_CHECK(!int8_kind(kd[0]) || kquant_int8_supported(), "int8 super-block panels need AVX-512 VNNI");
   return Panels{blob.data_ptr<uint8_t>(), off, kd, panels, k_dim, out_features, nullptr};
 }
 
@@ -322,7 +332,7 @@ QuantizedPanels kquant_panels(const torch::Tensor& blob, const torch::Tensor& of
   TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && kinds.scalar_type() == torch::kUInt8 && kinds.numel() >= 1 &&
               offsets.numel() == kinds.numel() + 1, "offsets must be int64 [P + 1] and kinds uint8 [P]");
   const int64_t first = kinds.data_ptr<uint8_t>()[0];
-  TORCH_CHECK(first == kQ4K || first == kQ6K, "unknown super-block kind ", first);
+  TORCH_CHECK(first >= 0 && first <= 3, "unknown super-block kind ", first);
   const int64_t k_dim = offsets.data_ptr<int64_t>()[1] / super_bytes((uint8_t)first) * kSuper;
   const Panels w = checked_panels(blob, offsets, kinds, k_dim, out_features);
   QuantizedPanels q{};
@@ -342,6 +352,11 @@ QuantizedPanels kquant_panels(const torch::Tensor& blob, const torch::Tensor& of
 void run_kquant_task(const QuantizedPanels& q, const float* x, int64_t m_dim, float* out, int64_t task) {
 #ifdef CHATLOOM_HAVE_KQUANT_PANELS
   const Panels w{q.codes, q.kq_offsets, q.kq_kinds, q.panels, q.k_dim, q.out_features, q.bias};
+  if (int8_kind(w.kinds[0])) {
+    const KQuantInt8Weights iw{w.blob, w.offsets, w.kinds, w.panels, w.k_dim, w.out_features, w.bias};
+    kquant_int8_panels(iw, x, m_dim, task * kTaskPanels, std::min(q.panels, (task + 1) * kTaskPanels), out);
+    return;
+  }
   few_rows_task(x, m_dim, w, task * kTaskPanels, std::min(q.panels, (task + 1) * kTaskPanels), out);
 #else
   TORCH_CHECK(false, "kquant tasks need AVX-512");
@@ -365,6 +380,11 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor blob, torch::Tensor o
 #ifdef CHATLOOM_HAVE_KQUANT_PANELS
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  if (int8_kind(w.kinds[0])) {
+    kquant_int8_matmul(KQuantInt8Weights{w.blob, w.offsets, w.kinds, panels, k_dim, out_features, w.bias}, xp, m_dim,
+                       op);
+    return out;
+  }
   if (m_dim <= kFewRows) {
     const int64_t tasks = (panels + kTaskPanels - 1) / kTaskPanels;
     const int64_t grain = std::max<int64_t>(1, 200000 / (2 * m_dim * k_dim * kPanel * kTaskPanels));
