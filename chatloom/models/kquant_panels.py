@@ -92,6 +92,11 @@ def pack_kquant_panels(parts: list[QuantizedWeight]) -> tuple[torch.Tensor, torc
     offsets into it (int64 [P + 1]) and kinds (uint8 [P]). Needs kquant_panels_fit(parts)."""
     if not kquant_panels_fit(parts):
         raise ValueError("super-block panels need Q4_K or Q6_K parts of whole panels")
+    from chatloom.models.weight_repack import pack_panels  # the same bytes, in C++ on all threads
+
+    native = pack_panels(parts, SUPER_BYTES)
+    if native is not None:
+        return native
     blocks, kinds = [], []
     for part in parts:
         raw = np.ascontiguousarray(part.raw).reshape(part.rows, -1)
