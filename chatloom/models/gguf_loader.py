@@ -356,10 +356,11 @@ class GGUFWeights:
             return None
         t, index = found
         data = t.data if index is None else t.data[index]
-        native = weight_repack.dequantize(data, t.tensor_type.name, (*data.shape[:-1], -1))
-        if native is not None:
-            return native.reshape(1, -1) if native.dim() == 1 and name.endswith("shared_expert_gate.weight") else native
         try:
+            native = weight_repack.dequantize(data, t.tensor_type.name, (*data.shape[:-1], -1))
+            if native is not None:
+                gate = native.dim() == 1 and name.endswith("shared_expert_gate.weight")
+                return native.reshape(1, -1) if gate else native
             arr = quants.dequantize(data, t.tensor_type)
         except Exception as exc:
             raise ModelError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
