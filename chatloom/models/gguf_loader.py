@@ -13,6 +13,7 @@ import torch
 
 from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, Keys
 
+from chatloom.models import weight_repack
 from chatloom.models.config import ModelConfig, ModelError, RopeScaling
 from chatloom.models.gguf_names import hf_names
 from chatloom.models.packed_linear import QUANTIZED_KINDS, QuantizedWeight
@@ -354,8 +355,13 @@ class GGUFWeights:
         if found is None:
             return None
         t, index = found
+        data = t.data if index is None else t.data[index]
         try:
-            arr = quants.dequantize(t.data if index is None else t.data[index], t.tensor_type)
+            native = weight_repack.dequantize(data, t.tensor_type.name, (*data.shape[:-1], -1))
+            if native is not None:
+                gate = native.dim() == 1 and name.endswith("shared_expert_gate.weight")
+                return native.reshape(1, -1) if gate else native
+            arr = quants.dequantize(data, t.tensor_type)
         except Exception as exc:
             raise ModelError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
         if arr.ndim == 1 and name.endswith("shared_expert_gate.weight"):

@@ -120,6 +120,11 @@ def pack_kquant_panels(parts: list[QuantizedWeight], int8: bool = False
     kernel. Needs kquant_panels_fit(parts)."""
     if not kquant_panels_fit(parts):
         raise ValueError("super-block panels need Q4_K or Q6_K parts of whole panels")
+    from chatloom.models.weight_repack import pack_panels  # the same bytes, in C++ on all threads
+
+    native = pack_panels(parts, SUPER_BYTES)
+    if native is not None:
+        return native
     blocks, kinds = [], []
     for part in parts:
         raw = np.ascontiguousarray(part.raw).reshape(part.rows, -1)

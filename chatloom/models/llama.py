@@ -19,6 +19,7 @@ from chatloom.models.config import ModelConfig, RopeScaling
 from chatloom.models.kernels import load_kernels
 from chatloom.models.moe import SparseMoE
 from chatloom.models.packed_linear import KernelLinear, QuantizedLinear
+from chatloom.models.quantized_embedding import QuantizedEmbedding
 from chatloom.models.rope import rope_tables
 
 
@@ -246,7 +247,11 @@ class DecoderForCausalLM(nn.Module):
                 stack.set_head(head)
                 # With the embedding too, a plain decode step is one call on the engine's own lists
                 # (decode_tokens).
-                stack.set_embedding(self.embed_tokens.weight.detach())
+                emb = self.embed_tokens
+                if isinstance(emb, QuantizedEmbedding):  # looked up from the file's blocks
+                    stack.set_embedding(emb.blocks, emb.kind)
+                else:
+                    stack.set_embedding(emb.weight.detach())
                 # An exact quantized head can be screened with int8 activations on steps that need
                 # only each row's argmax (kernels/greedy_head.cpp).
                 screen = self.lm_head.greedy_screen() if isinstance(self.lm_head, QuantizedLinear) else None
@@ -323,8 +328,8 @@ class DecoderForCausalLM(nn.Module):
         stack = self.decode_stack()
         if stack is None or not stack.has_head:
             return None
-        # A fresh tensor (the stack updates it in place), without the module call: nn.Embedding's bits.
-        x = F.embedding(input_ids, self.embed_tokens.weight)
+        # A fresh tensor (the stack updates it in place).
+        x = self.embed_tokens(input_ids)
         k_pools, v_pools = [c[0] for c in kv_caches], [c[1] for c in kv_caches]
         if before_native is not None:
             before_native()

@@ -157,7 +157,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         cfg = gguf_loader.read_config(reader, path.stem)
         keeps = torch_dtype == torch.float32 and kernels_can_pack(load_kernels())
         super_blocks = keeps and not int8_matmul and not bf16_matmul and kquant_matmul_supported(load_kernels())
-        check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps, super_blocks))
+        check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps, super_blocks, float_embedding=bf16_matmul))
         tok = from_gguf(reader)
         weights = gguf_loader.read_weights(reader, cfg.architecture)
         quantized = gguf_loader.read_quantized(reader, cfg.architecture)

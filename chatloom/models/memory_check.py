@@ -18,6 +18,9 @@ _KEPT_BYTES_PER_WEIGHT = {"Q4_1": 0.75, "Q4_K": 0.75, "Q4_0": 1.25, "Q8_0": 1.25
 # Q4_K and Q6_K kept in their super-blocks (kquant_panels.py): 4.625 and 6.5625 bits, each part its own.
 _SUPER_BLOCK_BYTES_PER_WEIGHT = {"Q4_K": 4.625 / 8, "Q6_K": 6.5625 / 8}
 _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+# Embeddings looked up from their blocks (quantized_embedding.py; weight_repack.NATIVE_DEQUANT): bytes a weight.
+EMBEDDING_BLOCK_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256,
+                                    "Q5_K": 176 / 256, "Q6_K": 210 / 256}
 
 
 def available_memory_bytes() -> int | None:
@@ -55,9 +58,12 @@ def _fused_key(name: str) -> tuple[str, str] | None:
     return None
 
 
-def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool, super_blocks: bool = False) -> int:
+def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool, super_blocks: bool = False,
+                      float_embedding: bool = False) -> int:
     """Resident bytes of a GGUF file's tensors (gguf_loader.GGUFTensor list) once loaded;
-    `super_blocks`: Q4_K and Q6_K layers are kept in their super-blocks (the exact mode on AVX-512)."""
+    `super_blocks`: Q4_K and Q6_K layers are kept in their super-blocks (the exact mode on AVX-512);
+    a quantized embedding is looked up from its blocks where the matmuls keep blocks too, unless
+    `float_embedding` (the bfloat16 mode, whose tied head is made from the float32 table)."""
     fused: dict[tuple[str, str], set[str]] = {}
     for t in tensors:
         key = _fused_key(t.name)
@@ -70,7 +76,10 @@ def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool, super_bl
         kinds = fused.get(_fused_key(t.name), {kind})
         super_block = super_blocks and kinds <= _SUPER_BLOCK_BYTES_PER_WEIGHT.keys() and len(t.shape) in (2, 3)
         if t.name == "token_embd.weight":
-            total += n * float_bytes  # the embedding table is looked up in floats
+            if keeps_quantized and not float_embedding and kind in EMBEDDING_BLOCK_BYTES_PER_WEIGHT:
+                total += int(n * EMBEDDING_BLOCK_BYTES_PER_WEIGHT[kind])
+            else:
+                total += n * float_bytes  # the embedding table is looked up in floats
             if kind in _KEPT_BYTES_PER_WEIGHT and keeps_quantized and not any(
                     u.name == "output.weight" for u in tensors):  # and packed again as the tied head
                 total += int(n * (_SUPER_BLOCK_BYTES_PER_WEIGHT if super_block else _KEPT_BYTES_PER_WEIGHT)[kind])

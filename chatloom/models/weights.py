@@ -10,6 +10,7 @@ from chatloom.models.kernels import load_kernels
 from chatloom.models.packed_linear import QuantizedWeight, kernels_can_pack, pack_linears, quantizable
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.llama import LlamaForCausalLM
+from chatloom.models.quantized_embedding import QuantizedEmbedding, can_keep
 
 # get(name) returns the tensor for a Hugging Face weight name, or None when absent.
 WeightGetter = Callable[[str], "torch.Tensor | None"]
@@ -91,11 +92,21 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
     def fill(key: str, options: list[list[str]]) -> list[str] | None:
-        names = next((o for o in options if all(get(n) is not None for n in o)), None)
+        # Each weight is read (dequantized) once: a getter may expand blocks on every call.
+        names, parts = None, []
+        for option in options:
+            parts = []
+            for n in option:
+                t = get(n)
+                if t is None:
+                    break
+                parts.append(t)
+            else:
+                names = option
+                break
         if names is None:
             return None
         want = shapes[key]
-        parts = [get(n) for n in names]
         for n, t in zip(names, parts):
             # Checked before fusing: torch.cat would fail with a bare RuntimeError.
             if t.dim() != len(want) or tuple(t.shape[1:]) != want[1:]:
@@ -116,7 +127,11 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
     # weights are never built (the parameter stays uncommitted memory until replaced).
     quantized = (quantized or {}) if dtype == torch.float32 and kernels_can_pack(load_kernels()) else {}
     linear_keys = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    embedding = _kept_embedding(cfg, quantized, bf16_matmul)
     for key, options in _weight_sources(cfg).items():
+        if key == "embed_tokens.weight" and embedding is not None:  # never expanded to a float32 table
+            chosen[key] = [_EMBEDDING]
+            continue
         if key in linear_keys:
             kept = next((o for o in options if all(n in quantized for n in o)), None)
             if kept and quantizable([quantized[n] for n in kept], shapes[key][1], shapes[key][0]):
@@ -138,7 +153,11 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
 
     model = model.to_empty(device="cpu")
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if embedding is not None:
+        model.embed_tokens = QuantizedEmbedding(embedding.raw, embedding.kind, cfg.hidden_size)
+    if cfg.tie_word_embeddings and embedding is not None:  # the head is packed from the same blocks below
+        chosen["lm_head.weight"] = [_EMBEDDING]
+    elif cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         chosen["lm_head.weight"] = ["model.embed_tokens.weight"]
     model.build_rope()  # buffers were left uninitialized: build them for real
@@ -149,6 +168,22 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
                              if key.endswith(".weight") and all(n in quantized for n in names)},
                      int8_activations=int8_matmul, bf16_weights=bf16_matmul)
     return model
+
+
+_EMBEDDING = "model.embed_tokens.weight"
+
+
+def _kept_embedding(cfg: ModelConfig, quantized: Mapping[str, QuantizedWeight],
+                    bf16_matmul: bool) -> QuantizedWeight | None:
+    """The embedding's blocks where lookups can read them as they are: a kind the kernels expand,
+    and a head that does not need the float32 table (its own weight, or a tied head the matmul
+    kernels keep in the same blocks; the bfloat16 mode packs the head from floats)."""
+    emb = quantized.get(_EMBEDDING)
+    if emb is None or not can_keep(emb.kind) or emb.cols != cfg.hidden_size or emb.rows != cfg.vocab_size:
+        return None
+    if cfg.tie_word_embeddings and (bf16_matmul or not quantizable([emb], cfg.hidden_size, cfg.vocab_size)):
+        return None
+    return emb
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0,

@@ -1,5 +1,6 @@
 #include "decode_stack.h"
 #include "kquant_int8.h"
+#include "weight_repack.h"
 
 #include <pybind11/stl.h>
 
@@ -93,8 +94,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the head's int8 screen for argmax-only steps (greedy_head_argmax's codes8, scales8, norms)")
       .def_property_readonly("has_greedy_head", &DecodeStack::has_greedy_head, "whether set_greedy_head took one")
       .def("set_embedding", &DecodeStack::set_embedding,
-           "embed forward_tokens' ids with this [vocab, hidden] float32 table (taken only with a head)",
-           pybind11::arg("weight"))
+           "embed forward_tokens' ids with this [vocab, hidden] float32 table, or these GGUF blocks of `kind` "
+           "(uint8 [vocab, bytes]; taken only with a head)",
+           pybind11::arg("weight"), pybind11::arg("kind") = "")
       .def_property_readonly("has_embedding", &DecodeStack::has_embedding, "whether set_embedding took a table")
       .def("forward_tokens", &DecodeStack::forward_tokens, NoGil(), pybind11::arg("ids"), pybind11::arg("positions"),
            pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("k_pools"), pybind11::arg("v_pools"),
@@ -107,4 +109,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("team_path", &DecodeStack::team_path,
                              "whether decode steps run on one team of threads (every matmul quantized, AVX-512)");
   m.def("rotary", &rotary, "rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions (float32)", NoGil());
+  m.def("dequantize_blocks", &dequantize_blocks, "rows of GGUF blocks (uint8 [rows, bytes]) as float32, as gguf dequantizes",
+        NoGil(), pybind11::arg("raw"), pybind11::arg("kind"));
+  m.def("kquant_pack_panels", &kquant_pack_panels, "Q4_K (0) or Q6_K (1) rows into kquant_linear's panels, in out",
+        NoGil(), pybind11::arg("raw"), pybind11::arg("kind"), pybind11::arg("out"));
 }

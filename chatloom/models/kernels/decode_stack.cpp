@@ -6,6 +6,7 @@
 // build time) and runs the same kernels in the same order as the Python path (llama.py), so the
 // result has the same bits; only the glue between them goes.
 #include "decode_stack.h"
+#include "weight_repack.h"
 
 #include <algorithm>
 
@@ -208,12 +209,17 @@ void DecodeStack::set_greedy_head(torch::Tensor codes8, torch::Tensor scales8, t
   greedy_norms_ = std::move(norms);
 }
 
-void DecodeStack::set_embedding(torch::Tensor weight) {
+void DecodeStack::set_embedding(torch::Tensor weight, const std::string& kind) {
   embedding_ = torch::Tensor();
-  if (!head_.has_value() || weight.dim() != 2 || weight.scalar_type() != torch::kFloat32 || !weight.is_contiguous() ||
-      weight.size(1) != team_[0].qkv.k_dim)
-    return;
+  embedding_kind_.clear();
+  if (!head_.has_value() || weight.dim() != 2 || !weight.is_contiguous()) return;
+  const int64_t hidden = team_[0].qkv.k_dim;
+  const bool floats = kind.empty() && weight.scalar_type() == torch::kFloat32 && weight.size(1) == hidden;
+  const bool blocks = !kind.empty() && weight.scalar_type() == torch::kUInt8 &&
+                      dequantized_width(kind, weight.size(1)) == hidden;
+  if (!floats && !blocks) return;
   embedding_ = std::move(weight);
+  embedding_kind_ = kind;
 }
 
 DecodeStack::Picks DecodeStack::forward_tokens(
@@ -221,20 +227,24 @@ DecodeStack::Picks DecodeStack::forward_tokens(
     const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
     const std::vector<torch::Tensor>& v_pools, bool argmax_only) const {
   TORCH_CHECK(embedding_.defined(), "this stack has no embedding (set_embedding took none)");
-  const int64_t t = (int64_t)ids.size(), vocab = embedding_.size(0), hidden = embedding_.size(1);
+  const int64_t t = (int64_t)ids.size(), vocab = embedding_.size(0), hidden = team_[0].qkv.k_dim;
   TORCH_CHECK(t >= 1 && (int64_t)positions.size() == t && (int64_t)slots.size() == t && (int64_t)tables.size() == t,
               "one position, slot and block table per token id");
   size_t width = 0;
   for (const auto& table : tables) width = std::max(width, table.size());
   TORCH_CHECK(width > 0, "every block table needs a block");
   // The embedded tokens: a fresh tensor, as the stack updates it in place (nn.Embedding's bits).
-  auto x = torch::empty({t, hidden}, embedding_.options());
-  const float* e = embedding_.data_ptr<float>();
+  auto x = torch::empty({t, hidden}, torch::kFloat32);
   float* xp = x.data_ptr<float>();
   std::vector<int32_t> padded(t * width, 0), rows(t), kv_lens(t);
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab, "token id ", ids[i], " is outside the vocabulary (", vocab, ")");
-    std::memcpy(xp + i * hidden, e + ids[i] * hidden, hidden * sizeof(float));
+    if (embedding_kind_.empty()) {
+      std::memcpy(xp + i * hidden, embedding_.data_ptr<float>() + ids[i] * hidden, hidden * sizeof(float));
+    } else {
+      const int64_t row_bytes = embedding_.size(1);
+      dequantize_row(embedding_kind_, embedding_.data_ptr<uint8_t>() + ids[i] * row_bytes, row_bytes, xp + i * hidden);
+    }
     std::copy(tables[i].begin(), tables[i].end(), padded.begin() + i * width);
     rows[i] = (int32_t)i;
     TORCH_CHECK(positions[i] >= 0 && positions[i] < INT32_MAX, "position out of range");

@@ -70,9 +70,11 @@ class DecodeStack {
   void set_greedy_head(torch::Tensor codes8, torch::Tensor scales8, torch::Tensor norms);
   bool has_greedy_head() const { return greedy_norms_.defined(); }
 
-  // The token embedding [vocab, hidden] (float32, contiguous), for forward_tokens; has_embedding()
-  // tells whether it was taken (the head must be set first: forward_tokens needs both).
-  void set_embedding(torch::Tensor weight);
+  // The token embedding for forward_tokens: float32 [vocab, hidden] (kind ""), or GGUF blocks of `kind`
+  // as uint8 [vocab, bytes a row], each looked-up row expanded as dequantize_blocks does (contiguous
+  // either way); has_embedding() tells whether it was taken (the head must be set first:
+  // forward_tokens needs both).
+  void set_embedding(torch::Tensor weight, const std::string& kind = "");
   bool has_embedding() const { return embedding_.defined(); }
   // A plain decode step from the engine's own lists, so that the caller makes no tensor: query i is
   // token ids[i] at positions[i] of the sequence whose block table is tables[i], writes its K/V to
@@ -117,7 +119,8 @@ class DecodeStack {
   // The parts in kTeamParts order, the step count, then the items redone (counted while profiling).
   mutable std::array<int64_t, 11> profile_ns_{};
   int64_t stall_ns_ = 0, stall_every_ = 0;
-  torch::Tensor embedding_;  // set_embedding's [vocab, hidden], or undefined
+  torch::Tensor embedding_;  // set_embedding's table, or undefined
+  std::string embedding_kind_;  // its blocks' kind, or "" for float32 rows
   torch::Tensor greedy_codes_, greedy_scales_, greedy_norms_;  // set_greedy_head's, or undefined
   torch::Tensor final_norm_;
   double eps_;
