@@ -95,6 +95,22 @@ class Scheduler:
             encoding[image.content_hash] = image.num_tokens
         return n
 
+    def _hold_background(self, batch: ScheduledBatch) -> None:
+        """Take background sequences (batch work) out of a step that prefills a foreground one.
+
+        On a compute-bound engine every sequence a step carries lengthens it, and a prompt's first token
+        waits for the steps that prefill it; so those steps carry no background work. Background sequences
+        keep their blocks and their place; they only lose the step. Steps that only decode foreground
+        sequences still carry them, so a batch advances whenever no prompt is being read."""
+        floor = self.config.background_priority
+        if floor is None:
+            return
+        reading = [seq for seq, _ in batch.prefills] + [s for s in batch.decodes if s.num_computed_tokens < s.prompt_len]
+        if not any(seq.priority < floor for seq in reading):
+            return
+        batch.decodes = [seq for seq in batch.decodes if seq.priority < floor]
+        batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]
+
     def schedule(self) -> ScheduledBatch:
         cfg, batch = self.config, ScheduledBatch()
         budget = cfg.max_num_batched_tokens
@@ -158,6 +174,8 @@ class Scheduler:
             else:
                 batch.prefills.append((seq, n))
             budget -= n
+
+        self._hold_background(batch)
 
         # 3. Proposed tokens (speculative decoding) take only what is left: they never delay
         # a prefill nor cause a preemption, and never run past the context window.
