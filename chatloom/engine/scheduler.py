@@ -96,17 +96,21 @@ class Scheduler:
         return n
 
     def _hold_background(self, batch: ScheduledBatch) -> None:
-        """Take background sequences (batch work) out of a step that prefills a foreground one.
+        """Take background sequences (batch work) out of a step that has foreground work to do.
 
-        On a compute-bound engine every sequence a step carries lengthens it, and a prompt's first token
-        waits for the steps that prefill it; so those steps carry no background work. Background sequences
-        keep their blocks and their place; they only lose the step. Steps that only decode foreground
-        sequences still carry them, so a batch advances whenever no prompt is being read."""
+        On a compute-bound engine every sequence a step carries lengthens it. With background_yield
+        "prefill" they sit out the steps that read a foreground prompt (whose first token waits for those
+        steps); with "step" they sit out every step with a foreground sequence in it, so they use only
+        steps that would otherwise be idle. They keep their blocks and their place either way."""
         floor = self.config.background_priority
         if floor is None:
             return
-        reading = [seq for seq, _ in batch.prefills] + [s for s in batch.decodes if s.num_computed_tokens < s.prompt_len]
-        if not any(seq.priority < floor for seq in reading):
+        if self.config.background_yield == "step":
+            pressing = [seq for seq, _ in batch.prefills] + batch.decodes
+        else:
+            pressing = [seq for seq, _ in batch.prefills] + [s for s in batch.decodes
+                                                             if s.num_computed_tokens < s.prompt_len]
+        if not any(seq.priority < floor for seq in pressing):
             return
         batch.decodes = [seq for seq in batch.decodes if seq.priority < floor]
         batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]

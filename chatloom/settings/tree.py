@@ -80,6 +80,11 @@ class EngineSettings(Group):
                                                            "priority one, so a batch never lengthens an "
                                                            "interactive request's time to first token; unset: "
                                                            "they always run.")
+    background_yield: Literal["auto", "prefill", "step"] = Field(
+        "auto", description="Which steps background sequences sit out: prefill (those reading a higher-priority "
+                            "prompt), step (every step carrying a higher-priority sequence: they use only idle "
+                            "steps, for an engine whose step time grows with each sequence, as on a CPU), or auto "
+                            "(step on a CPU, prefill on a GPU).")
 
     @model_validator(mode="after")
     def _draft_needs_a_model(self) -> "EngineSettings":
