@@ -61,6 +61,8 @@ class EngineConfig:
     num_speculative_tokens: int = _E.num_speculative_tokens  # the most tokens proposed per sequence and step
     speculative_model: str | None = _E.speculative_model  # for "draft": a registry id, path, or self-int8 / self-layers:N
     speculative_adaptive: bool = _E.speculative_adaptive  # choose k per step from acceptance and measured step cost
+    background_priority: int | None = _E.background_priority  # at or above: sit out steps with foreground work
+    background_yield: str = _E.background_yield  # "auto", "prefill" or "step": which steps they sit out
 
     @classmethod
     def from_settings(cls, engine: EngineSettings) -> "EngineConfig":
@@ -72,7 +74,8 @@ class EngineConfig:
                    enable_chunked_prefill=engine.enable_chunked_prefill, encoder_cache_mb=engine.encoder_cache_mb,
                    speculative=engine.speculative,
                    num_speculative_tokens=engine.num_speculative_tokens,
-                   speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive)
+                   speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive,
+                   background_priority=engine.background_priority, background_yield=engine.background_yield)
 
     def resolve_max_model_len(self, max_position: int) -> int:
         """The context window for a model that knows `max_position` positions."""
@@ -103,9 +106,20 @@ class SchedulerConfig:
     max_model_len: int
     # Off: a prompt is prefilled in one step however long (for the sake of comparison).
     enable_chunked_prefill: bool
+    # Sequences of this priority or above (batch work) leave a step that carries a prompt chunk of a
+    # higher-priority sequence; None: every sequence runs whenever it fits.
+    background_priority: int | None
+    # "prefill": they sit out steps that read a foreground prompt; "step": every step with foreground work.
+    background_yield: str
 
     @classmethod
-    def from_engine(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
-        """The limits of `config`, with its context window resolved (`EngineConfig.resolve_max_model_len`)."""
+    def from_engine(cls, config: EngineConfig, max_model_len: int, device: str = "cpu") -> "SchedulerConfig":
+        """The limits of `config`, with its context window resolved (`EngineConfig.resolve_max_model_len`)
+        and "auto" choices made for the model's `device` type."""
+        yield_ = config.background_yield
+        if yield_ == "auto":
+            # A CPU step costs in proportion to the sequences it carries; a GPU decode step barely grows.
+            yield_ = "step" if device == "cpu" else "prefill"
         return cls(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                   max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill)
+                   max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+                   background_priority=config.background_priority, background_yield=yield_)

@@ -68,7 +68,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, self.config.block_size, loaded.id,
                                                          self.config.enable_prefix_caching, self.kv_events),
                                                window=uniform_window(cfg.layer_windows))
-        self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config, self.max_model_len),
+        device = loaded.model.embed_tokens.weight.device.type
+        self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config, self.max_model_len, device),
                                    self.kv_cache_manager)
         self.encoder_cache = EncoderCache(int(self.config.encoder_cache_mb * 2**20))
         self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size,

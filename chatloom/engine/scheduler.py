@@ -95,6 +95,26 @@ class Scheduler:
             encoding[image.content_hash] = image.num_tokens
         return n
 
+    def _hold_background(self, batch: ScheduledBatch) -> None:
+        """Take background sequences (batch work) out of a step that has foreground work to do.
+
+        On a compute-bound engine every sequence a step carries lengthens it. With background_yield
+        "prefill" they sit out the steps that read a foreground prompt (whose first token waits for those
+        steps); with "step" they sit out every step with a foreground sequence in it, so they use only
+        steps that would otherwise be idle. They keep their blocks and their place either way."""
+        floor = self.config.background_priority
+        if floor is None:
+            return
+        if self.config.background_yield == "step":
+            pressing = [seq for seq, _ in batch.prefills] + batch.decodes
+        else:
+            pressing = [seq for seq, _ in batch.prefills] + [s for s in batch.decodes
+                                                             if s.num_computed_tokens < s.prompt_len]
+        if not any(seq.priority < floor for seq in pressing):
+            return
+        batch.decodes = [seq for seq in batch.decodes if seq.priority < floor]
+        batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]
+
     def schedule(self) -> ScheduledBatch:
         cfg, batch = self.config, ScheduledBatch()
         budget = cfg.max_num_batched_tokens
@@ -158,6 +178,8 @@ class Scheduler:
             else:
                 batch.prefills.append((seq, n))
             budget -= n
+
+        self._hold_background(batch)
 
         # 3. Proposed tokens (speculative decoding) take only what is left: they never delay
         # a prefill nor cause a preemption, and never run past the context window.

@@ -90,6 +90,17 @@ class EngineSettings(Group):
                                                             "or self-int8 / self-layers:N.")
     speculative_adaptive: bool = Field(True, description="Choose the proposal length per step from acceptance "
                                                          "and measured step cost.")
+    background_priority: int | None = Field(1000, description="Sequences of this engine priority or above (batch "
+                                                           "requests: batch.engine_priority) sit out every "
+                                                           "step that carries a prompt chunk of a higher-"
+                                                           "priority one, so a batch never lengthens an "
+                                                           "interactive request's time to first token; unset: "
+                                                           "they always run.")
+    background_yield: Literal["auto", "prefill", "step"] = Field(
+        "auto", description="Which steps background sequences sit out: prefill (those reading a higher-priority "
+                            "prompt), step (every step carrying a higher-priority sequence: they use only idle "
+                            "steps, for an engine whose step time grows with each sequence, as on a CPU), or auto "
+                            "(step on a CPU, prefill on a GPU).")
 
     @model_validator(mode="after")
     def _draft_needs_a_model(self) -> "EngineSettings":

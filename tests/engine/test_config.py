@@ -17,9 +17,12 @@ def test_the_scheduler_config_has_no_defaults_of_its_own():
 
 
 def test_the_scheduler_config_is_read_from_the_engine_config():
-    config = EngineConfig(max_num_batched_tokens=33, max_num_seqs=7, enable_chunked_prefill=False)
+    config = EngineConfig(max_num_batched_tokens=33, max_num_seqs=7, enable_chunked_prefill=False,
+                          background_priority=50)
     assert SchedulerConfig.from_engine(config, 100) == SchedulerConfig(
-        max_num_batched_tokens=33, max_num_seqs=7, max_model_len=100, enable_chunked_prefill=False)
+        max_num_batched_tokens=33, max_num_seqs=7, max_model_len=100, enable_chunked_prefill=False,
+        background_priority=50, background_yield="step")
+    assert SchedulerConfig.from_engine(config, 100, "cuda").background_yield == "prefill"
     # Every limit the scheduler has is a field of the engine's configuration, under the same name.
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert {f.name for f in dataclasses.fields(SchedulerConfig)} <= engine_fields

@@ -140,6 +140,66 @@ def test_priority_orders_admission_and_preemption_picks_the_lowest(tiny_model):
     assert engine.scheduler.num_preemptions >= 1
 
 
+def test_background_sequences_sit_out_steps_that_read_a_foreground_prompt(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
+                                                max_num_batched_tokens=16, background_priority=1000,
+                                                background_yield="prefill"))
+    prompts = _prompts(tiny_model.config.vocab_size, 3, seed=7)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    engine.add_request(prompts[0][:8], params, "batch-a", priority=1000)
+    engine.add_request(prompts[1][:8], params, "batch-b", priority=1000)
+    engine.step()  # both batch prompts read: no foreground work yet, so they run
+    engine.step()
+    assert {s.request_id for s in engine.scheduler.running} == {"batch-a", "batch-b"}
+    decoded = {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
+    # A 30-odd-token interactive prompt takes several steps of at most 16 tokens; the batch decodes in none.
+    engine.add_request(prompts[2][:40], params, "chat", priority=0)
+    chat, steps = engine.scheduler.waiting[0], 0
+    while chat.num_computed_tokens < chat.prompt_len:
+        engine.step()
+        steps += 1
+        assert {s.request_id: s.num_computed_tokens for s in engine.scheduler.running
+                if s.request_id.startswith("batch")} == decoded
+    assert steps >= 2
+    engine.step()  # a decode-only step carries the batch again
+    assert all(s.num_computed_tokens == decoded[s.request_id] + 1 for s in engine.scheduler.running
+               if s.request_id.startswith("batch"))
+
+
+def test_background_sequences_use_only_idle_steps_where_steps_cost_per_sequence(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
+                                                max_num_batched_tokens=16, background_priority=1000,
+                                                background_yield="auto"))  # a CPU: "step"
+    assert engine.scheduler.config.background_yield == "step"
+    prompts = _prompts(tiny_model.config.vocab_size, 2, seed=9)
+    engine.add_request(prompts[0][:8], SamplingParams(max_tokens=30, ignore_eos=True), "batch", priority=1000)
+    engine.step()
+    engine.step()
+    batch = engine.scheduler.running[0]
+    before = batch.num_computed_tokens
+    engine.add_request(prompts[1][:8], SamplingParams(max_tokens=5, ignore_eos=True), "chat", priority=0)
+    while any(s.request_id == "chat" for s in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()  # the chat's prompt and every one of its decodes
+        assert batch.num_computed_tokens == before
+    engine.step()  # idle again: the batch goes on
+    assert batch.num_computed_tokens == before + 1
+
+
+def test_without_a_background_floor_every_sequence_runs_in_every_step(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
+                                                max_num_batched_tokens=16, background_priority=None))
+    prompts = _prompts(tiny_model.config.vocab_size, 2, seed=7)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    engine.add_request(prompts[0][:8], params, "batch", priority=1000)
+    engine.step()
+    engine.step()
+    before = engine.scheduler.running[0].num_computed_tokens
+    engine.add_request(prompts[1][:40], params, "chat", priority=0)
+    engine.step()
+    batch = next(s for s in engine.scheduler.running if s.request_id == "batch")
+    assert batch.num_computed_tokens == before + 1
+
+
 async def test_async_engine_streams_and_cancelling_aborts(tiny_model_fp32):
     engine = AsyncEngine.from_model(tiny_model_fp32, EngineConfig(num_blocks=256, block_size=4))
     try:
