@@ -9,10 +9,10 @@ if TYPE_CHECKING:
 
 
 def keeps_kv(run: Run) -> bool:
-    """Whether the run's next round keeps its KV cache when it ends: it may call tools, and the policy is
-    not to evict at once."""
+    """Whether the run's next round keeps its KV cache when it ends: it may call tools (under evict too, for
+    the moment until tools_started says so, which counts the eviction)."""
     tools = run.ask.tools
-    return tools is not None and tools.active and run.ask.n == 1 and kv_policy(run) != "evict"
+    return tools is not None and tools.active and run.ask.n == 1
 
 
 def kv_policy(run: Run) -> str:
