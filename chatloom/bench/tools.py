@@ -39,13 +39,13 @@ class Workload:
     tool_answers: int = 8
     stagger_s: float = 0.6  # between the starts of two tool answers
     tool_s: tuple[float, float] = (0.2, 5.0)
-    prompt_words: int = 400
-    tool_result_words: int = 40
-    round_tokens: int = 24
+    prompt_words: int = 150
+    tool_result_words: int = 30
+    round_tokens: int = 16
     resume_tokens: int = 8
     bystanders: int = 2
-    bystander_words: int = 150
-    bystander_tokens: int = 16
+    bystander_words: int = 30
+    bystander_tokens: int = 8
     seed: int = 0
 
 

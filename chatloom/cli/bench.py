@@ -229,7 +229,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=positive_int, default=1, help="passes over the three policies, their order "
                                                                   "rotating (default 1)")
     p.add_argument("--light-blocks", type=positive_int, default=2048, help="KV blocks of the light configuration")
-    p.add_argument("--tight-blocks", type=positive_int, default=96, help="KV blocks of the memory-tight one")
+    p.add_argument("--tight-blocks", type=positive_int, default=128, help="KV blocks of the memory-tight one")
     p.add_argument("--tool-answers", type=positive_int, default=8, help="answers that call a tool, per run")
     p.add_argument("--bystanders", type=positive_int, default=2, help="bystander users chatting meanwhile")
     p.add_argument("--quick", action="store_true", help="a tiny workload (a few seconds; for tests)")

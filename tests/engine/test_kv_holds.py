@@ -14,10 +14,11 @@ def _tokens(vocab: int, n: int, seed: int) -> list[int]:
 
 
 def _run(engine: LLMEngine, request_id: str) -> list[int]:
-    while True:
+    for _ in range(500):  # a request kept out for good fails here instead of hanging
         for out in engine.step():
             if out.request_id == request_id and out.finished:
                 return out.token_ids
+    raise AssertionError(f"{request_id} never finished")
 
 
 def _round_then_resume(engine: LLMEngine, policy: str, prompt: list[int], tool: list[int]):
