@@ -12,12 +12,17 @@ A round asks for this with `SamplingParams.keep_kv`: when it finishes, its block
 grace (KEEP_GRACE_S) until the caller says what it wants (`decide`: hold, evict or auto) or lets go
 (`release`). The resume request names the handle in `SamplingParams.resume_of`.
 
-`auto` holds when the expected tool time, times the blocks held, fits what the pool can spare:
+`auto` holds when the prefix cache would lose the blocks during the call and the pool can afford to
+keep them:
 
-    expected_s * blocks <= (free_blocks - HEADROOM * num_blocks) * HORIZON_S
+    expected_s > SURVIVAL * free_blocks / handout_rate          (evicted, they would be handed out)
+    expected_s * blocks <= (free_blocks - HEADROOM * num_blocks) * HORIZON_S      (affordable)
 
-(free_blocks counted while the round's blocks are held) and nothing is under pressure (no preemption in
-the last PRESSURE_WINDOW_S, no waiting request short of blocks); it evicts otherwise. The expected time is learned per tool name by the engine itself (the time
+and no preemption happened in the last PRESSURE_WINDOW_S; it evicts otherwise. free_blocks is counted
+while the round's blocks are held; evicted, they would join the back of the free list, behind every free
+block, and handout_rate is how many blocks the pool has handed out per second over the last RATE_WINDOW_S.
+Where the cache would keep them anyway, evicting costs nothing and frees the memory; where it would not,
+holding saves the re-prefill. The expected time is learned per tool name by the engine itself (the time
 from the decision to the resume): an exponentially weighted mean (weight EWMA_WEIGHT on the newest)
 starting from PRIOR_S.
 
@@ -42,6 +47,8 @@ EWMA_WEIGHT = 0.3  # weight of the newest observed duration
 HEADROOM = 0.1  # fraction of the pool a hold under auto leaves free for arrivals
 HORIZON_S = 10.0  # seconds of the spare blocks a hold under auto may spend
 PRESSURE_WINDOW_S = 10.0  # a preemption this recent means the pool is under pressure
+RATE_WINDOW_S = 10.0  # the free list's turnover is measured over this long
+SURVIVAL = 0.5  # the share of the free list's turnover time a tool may take with the blocks safe in the cache
 _REMEMBERED = 1024  # evicted rounds whose tokens are remembered, to count what their resume re-prefills
 
 
@@ -58,10 +65,6 @@ class Held:
     tools: tuple[str, ...] = ()
     decided: bool = False  # a policy said hold (else kept only for the grace)
     expected_s: float = 0.0
-
-    @property
-    def num_computed(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class KVHolds:
         self.stats = HoldStats()
         self._evicted: OrderedDict[str, tuple[list[int], float, tuple[str, ...]]] = OrderedDict()
         self._preemptions: deque[float] = deque()
+        self._handouts: deque[tuple[float, int]] = deque()  # (time, blocks handed out by then), recent
 
     # -- a round ends -----------------------------------------------------------------
     def keep(self, seq: Sequence) -> bool:
@@ -139,14 +143,31 @@ class KVHolds:
         return True
 
     def pressure(self, waiting: list[Sequence]) -> bool:
-        """Whether the pool is under pressure now: a recent preemption, or a waiting request short of blocks."""
+        """Whether the pool is under pressure now: a recent preemption, or waiting requests that releasing
+        every hold would not make room for."""
         now = self.clock()
         while self._preemptions and self._preemptions[0] < now - PRESSURE_WINDOW_S:
             self._preemptions.popleft()
         if self._preemptions:
             return True
         need = sum(self.kv.blocks_needed(len(s) - s.num_computed_tokens) for s in waiting)
-        return need > self.kv.num_free_blocks
+        return need > self.kv.num_free_blocks + self.stats.blocks_held
+
+    def handout_rate(self) -> float:
+        """Blocks the pool handed out per second, recently."""
+        now, count = self.clock(), self.kv.pool.handed_out
+        samples = self._handouts
+        if not samples or now - samples[-1][0] >= 0.1:
+            samples.append((now, count))
+        while len(samples) > 1 and samples[0][0] < now - RATE_WINDOW_S:
+            samples.popleft()
+        span = now - samples[0][0]
+        return (count - samples[0][1]) / span if span > 0 else 0.0
+
+    def cache_keeps(self, expected_s: float) -> bool:
+        """Whether blocks freed now would most likely still be in the prefix cache after `expected_s`."""
+        rate = self.handout_rate()
+        return rate <= 0 or expected_s <= SURVIVAL * self.kv.num_free_blocks / rate
 
     def preempted(self) -> None:
         self._preemptions.append(self.clock())
@@ -174,7 +195,7 @@ class KVHolds:
         return "hold"
 
     def _affordable(self, blocks: int, expected_s: float, waiting: list[Sequence]) -> bool:
-        if self.pressure(waiting):
+        if self.pressure(waiting) or self.cache_keeps(expected_s):
             return False
         spare = self.kv.num_free_blocks - HEADROOM * self.kv.num_blocks
         return expected_s * blocks <= spare * HORIZON_S
@@ -219,6 +240,7 @@ class KVHolds:
         return True
 
     def expire(self) -> None:
+        self.handout_rate()  # sampled every step, so the rate is known when a round ends
         now = self.clock()
         for found in [h for h in self.held.values() if h.deadline <= now]:
             if found.decided:
@@ -235,9 +257,6 @@ class KVHolds:
         self.stats.pressure_releases += 1
         self._drop(victim)
         return True
-
-    def reclaimable_blocks(self) -> int:
-        return self.stats.blocks_held
 
     def _drop(self, found: Held, remember: bool = True) -> None:
         del self.held[found.handle]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine
@@ -56,17 +57,32 @@ def test_hold_prefills_only_the_tool_result_and_answers_as_evict_does(tiny_model
     assert tokens_held == tokens_evicted
 
 
-def test_auto_holds_when_the_pool_can_spare_it_and_evicts_when_not(tiny_model):
+def _busy(engine: LLMEngine, blocks_per_s: float) -> None:
+    """As if the pool had handed out `blocks_per_s` blocks a second for the last second."""
+    holds = engine.kv_holds
+    holds._handouts.clear()
+    holds._handouts.append((time.monotonic() - 1.0, engine.kv_cache_manager.pool.handed_out - int(blocks_per_s)))
+
+
+def test_auto_holds_only_where_the_cache_would_lose_the_blocks_and_the_pool_can_spare_them(tiny_model):
     vocab = tiny_model.config.vocab_size
     roomy = LLMEngine(tiny_model, EngineConfig(num_blocks=256, block_size=4))
-    rid = roomy.add_request(_tokens(vocab, 30, 3), SamplingParams(max_tokens=4, ignore_eos=True, keep_kv=True))
-    _run(roomy, rid)
-    assert roomy.hold_kv(rid, ["quick"], "auto", 60.0) == "hold"
+    for handle in ("quiet", "busy"):
+        roomy.add_request(_tokens(vocab, 30, 3), SamplingParams(max_tokens=4, ignore_eos=True, keep_kv=True),
+                          request_id=handle)
+        _run(roomy, handle)
+    # A quiet pool keeps freed blocks in the prefix cache for longer than the tool takes: evicting is free.
+    _busy(roomy, 1.0)
+    assert roomy.hold_kv("quiet", ["quick"], "auto", 60.0) == "evict"
+    # A pool turning over 1000 blocks a second would hand them out: holding them is worth it, and affordable.
+    _busy(roomy, 1000.0)
+    assert roomy.hold_kv("busy", ["quick"], "auto", 60.0) == "hold"
 
     tight = LLMEngine(tiny_model, EngineConfig(num_blocks=14, block_size=4))
     rid = tight.add_request(_tokens(vocab, 30, 3), SamplingParams(max_tokens=4, ignore_eos=True, keep_kv=True))
     _run(tight, rid)
     tight.kv_holds.times.observe(("slow",), 30.0)  # 30 s x 9 blocks is more than 10 s of 3.6 spare blocks
+    _busy(tight, 1000.0)
     assert tight.hold_kv(rid, ["slow"], "auto", 60.0) == "evict"
     assert tight.kv_cache_manager.num_free_blocks == 14
 

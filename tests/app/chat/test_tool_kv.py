@@ -2,11 +2,13 @@
 resumes from it, and lets it go when the answer ends."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 import pytest
 
+from chatloom.app.tools.registry import ToolRegistry
 from chatloom.serving import Backend, Delta, GenerationRequest
 
 from app_testing import app_client, done_of, make_settings, new_conversation, send
@@ -42,7 +44,7 @@ class HoldingBackend(Backend):
         yield Delta("", True, "stop", self.count_prompt_tokens(msgs), len(text.split()))
 
     def abort(self, request_id: str) -> None:
-        pass
+        self.kv.append(("abort", request_id))
 
     def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
         self.kv.append(("hold", request_id, tools, policy, timeout_s))
@@ -83,3 +85,34 @@ def test_the_hold_counters_are_on_metrics():
                  'chatloom:kv_tool_block_seconds_total{model_name="m"} 12.5',
                  'chatloom:kv_tool_blocks_held{model_name="m"} 9.0'):
         assert line in text
+
+
+async def test_stopping_an_answer_mid_tool_lets_its_kv_cache_go_at_once(tmp_path, monkeypatch):
+    backend = HoldingBackend()
+    started, finish = asyncio.Event(), asyncio.Event()
+    run = ToolRegistry.run
+
+    async def slow_run(self, call, ctx):
+        started.set()
+        await finish.wait()
+        return await run(self, call, ctx)
+
+    monkeypatch.setattr(ToolRegistry, "run", slow_run)
+    settings = make_settings(tmp_path, chat={"tools": "calculator"}, sampling={"max_tokens": 200},
+                             tools={"kv_policy": "hold"})
+    async with app_client(settings, backend) as (client, app, alice):
+        cid = await new_conversation(client, alice)
+        answer = asyncio.create_task(send(client, alice, cid, "calculate 6 * 7"))
+        async with asyncio.timeout(30):
+            await started.wait()
+            round_id = backend.requests[0].request_id
+            stop = asyncio.create_task(client.post(f"/conversations/{cid}/stop", headers=alice))
+            # The held round is let go while its tool still runs, not when the tool returns.
+            while ("abort", round_id) not in backend.kv:
+                await asyncio.sleep(0.01)
+            assert backend.kv[0] == ("hold", round_id, ["calculator"], "hold", 60.0)
+            finish.set()
+            await stop
+            _, events = await answer
+        assert done_of(events)["status"] == "stopped"
+        assert len(backend.requests) == 1  # no resume
