@@ -162,7 +162,7 @@ def _merge(runs: list[dict]) -> dict:
         elif key in FIGURES or key == "seconds":
             out[key] = round(statistics.fmean(values), 4)
         else:
-            out[key] = sum(values)
+            out[key] = round(sum(values), 2)
     return out
 
 

@@ -44,11 +44,11 @@ POLICIES = ("hold", "evict", "auto")
 KEEP_GRACE_S = 5.0  # a kept round whose caller never decides is freed after this
 PRIOR_S = 2.0  # expected duration of a tool never seen
 EWMA_WEIGHT = 0.3  # weight of the newest observed duration
-HEADROOM = 0.1  # fraction of the pool a hold under auto leaves free for arrivals
-HORIZON_S = 10.0  # seconds of the spare blocks a hold under auto may spend
+HEADROOM = 0.05  # fraction of the pool a hold under auto leaves free for arrivals
+HORIZON_S = 60.0  # seconds of the spare blocks a hold under auto may spend
 PRESSURE_WINDOW_S = 10.0  # a preemption this recent means the pool is under pressure
 RATE_WINDOW_S = 10.0  # the free list's turnover is measured over this long
-SURVIVAL = 0.5  # the share of the free list's turnover time a tool may take with the blocks safe in the cache
+SURVIVAL = 0.25  # the share of the free list's turnover time a tool may take with the blocks safe in the cache
 _REMEMBERED = 1024  # evicted rounds whose tokens are remembered, to count what their resume re-prefills
 
 

@@ -81,7 +81,7 @@ def test_auto_holds_only_where_the_cache_would_lose_the_blocks_and_the_pool_can_
     tight = LLMEngine(tiny_model, EngineConfig(num_blocks=14, block_size=4))
     rid = tight.add_request(_tokens(vocab, 30, 3), SamplingParams(max_tokens=4, ignore_eos=True, keep_kv=True))
     _run(tight, rid)
-    tight.kv_holds.times.observe(("slow",), 30.0)  # 30 s x 9 blocks is more than 10 s of 3.6 spare blocks
+    tight.kv_holds.times.observe(("slow",), 60.0)  # 60 s x 9 blocks is more than 60 s of 4.3 spare blocks
     _busy(tight, 1000.0)
     assert tight.hold_kv(rid, ["slow"], "auto", 60.0) == "evict"
     assert tight.kv_cache_manager.num_free_blocks == 14
