@@ -223,6 +223,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a table")
     p.set_defaults(func=runs.router)
 
+    p = sub.add_parser("tools", help="the KV cache during a tool call: hold, evict and auto beside bystander "
+                                     "chat, under a light and a memory-tight pool")
+    _common(p)
+    p.add_argument("--rounds", type=positive_int, default=1, help="passes over the three policies, their order "
+                                                                  "rotating (default 1)")
+    p.add_argument("--light-blocks", type=positive_int, default=2048, help="KV blocks of the light configuration")
+    p.add_argument("--tight-blocks", type=positive_int, default=128, help="KV blocks of the memory-tight one")
+    p.add_argument("--tool-answers", type=positive_int, default=8, help="answers that call a tool, per run")
+    p.add_argument("--bystanders", type=positive_int, default=2, help="bystander users chatting meanwhile")
+    p.add_argument("--quick", action="store_true", help="a tiny workload (a few seconds; for tests)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of every figure per policy and configuration")
+    p.set_defaults(func=runs.tools)
+
     p = sub.add_parser("sim-validate", help="the real engine against the simulator at two request rates")
     _common(p)
     p.add_argument("--rates", type=float, nargs=2, default=None, metavar="RPS",

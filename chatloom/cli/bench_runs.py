@@ -322,6 +322,30 @@ def router(args) -> int:
     return 0
 
 
+def tools(args) -> int:
+    import asyncio
+    import dataclasses
+
+    from chatloom.bench.tools import QUICK, Workload, plot, run_tools_bench, table
+    from chatloom.engine import EngineConfig
+
+    loaded = load_from_args(args)
+    w = QUICK if args.quick else Workload()
+    w = dataclasses.replace(w, seed=args.seed, bystanders=args.bystanders,
+                            tool_answers=min(args.tool_answers, w.tool_answers) if args.quick else args.tool_answers)
+    configs = {"light": EngineConfig(num_blocks=args.light_blocks, block_size=16),
+               "tight": EngineConfig(num_blocks=args.tight_blocks, block_size=16)}
+    result = asyncio.run(run_tools_bench(loaded, configs, w, args.rounds))
+    result["model"] = loaded.id
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(table(result), file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
 def retrieval(args) -> int:
     from chatloom.bench.retrieval import run_retrieval
 

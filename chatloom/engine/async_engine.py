@@ -87,6 +87,14 @@ class AsyncEngine:
             elif cmd == "abort":
                 # Frees the blocks now; the final 'abort' output comes out of the next step().
                 self.engine.abort(args)
+            elif cmd == "hold_kv":
+                try:
+                    self.engine.hold_kv(*args)
+                except ValueError as exc:  # an unknown policy: the caller's mistake, the blocks go
+                    log.warning("KV hold refused: %s", exc)
+                    self.engine.release_kv(args[0])
+            elif cmd == "release_kv":
+                self.engine.release_kv(args)
             elif cmd == "reset_prefix_cache":
                 self.engine.kv_cache_manager.reset_prefix_cache()
             elif cmd == "embed":
@@ -146,6 +154,9 @@ class AsyncEngine:
                     continue
             if not self.engine.has_unfinished_requests():
                 self._hand_over()
+                holds = getattr(self.engine, "kv_holds", None)
+                if holds is not None:  # a hold's timeout passes while nothing runs too
+                    holds.expire()
                 if busy:  # going idle: other threads' torch work must not find this pool (thread_pool.py)
                     release_thread_pool()
                     busy = False
@@ -243,6 +254,17 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort_embed", job_id))
                 self._wakeup.set()
+
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
+        """The finished round `request_id` ended in tool calls: hold or evict its kept blocks (at the next
+        step boundary; see LLMEngine.hold_kv)."""
+        self._commands.put(("hold_kv", (request_id, list(tools), policy, timeout_s)))
+        self._wakeup.set()
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the blocks kept for the round `request_id` at the next step boundary."""
+        self._commands.put(("release_kv", request_id))
+        self._wakeup.set()
 
     def reset_prefix_cache(self) -> None:
         """Forget cached blocks no running sequence holds (between benchmark runs), at the next step boundary."""

@@ -52,6 +52,7 @@ class BlockPool:
         # what it names is checked before use.
         self._starts: dict[int, int] = {}
         self.evictions = 0
+        self.handed_out = 0  # blocks taken off the free list, ever: how fast the prefix cache turns over
         self.events = events  # where stored and evicted keys are published (a replica's feed)
 
     # -- counts --------------------------------------------------------------------
@@ -73,6 +74,7 @@ class BlockPool:
         if not self.free:
             raise NoFreeBlocks()
         block_id, _ = self.free.popitem(last=False)
+        self.handed_out += 1
         block = self.blocks[block_id]
         if block.key is not None:
             if self.cached.get(block.key) == block_id:

@@ -19,10 +19,13 @@ only the blocks inside the window (models/attention.py), and masks anything else
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from chatloom.engine.block_pool import BlockPool, NoFreeBlocks
 from chatloom.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from chatloom.engine.kv_holds import Held, KVHolds
 
 
 class KVCacheManager:
@@ -39,6 +42,8 @@ class KVCacheManager:
         self.query_tokens = 0  # prompt tokens that could have come from the cache
         self.hit_tokens = 0  # those that did
         self._free = pool.free  # read on every decode's growth: one lookup less
+        # Rounds kept while their tools run (kv_holds.py): a resume adopts its round's blocks.
+        self.holds: KVHolds | None = None
 
     # -- counts --------------------------------------------------------------------
     @property
@@ -99,6 +104,12 @@ class KVCacheManager:
         return [] if seq.params.prompt_logprobs is not None else self._cached_prefix(seq.cache_token_ids)
 
     def can_allocate(self, seq: Sequence) -> bool:
+        held = self._held_for(seq)
+        if held is not None:
+            _, keep, reuse, _, drop = self._adoption(seq, held)
+            blocks = self.pool.blocks
+            frees = sum(1 for b in drop if blocks[b].ref_count == 1)
+            return self.blocks_needed(len(seq)) - len(keep) - (reuse is not None) <= self.num_free_blocks + frees
         hits = self._hits(seq)
         # Hit blocks sitting on the free list are not free for this purpose: we take them.
         blocks = self.pool.blocks
@@ -107,8 +118,70 @@ class KVCacheManager:
         return need <= self.num_free_blocks - hits_on_free
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its current tokens, reusing cached prefix blocks."""
+        """Give `seq` blocks for all its current tokens: a resume's kept blocks, else cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"
+        holds = self.holds if seq.params.resume_of is not None and not seq.resume_counted else None
+        if holds is not None:
+            seq.resume_counted = True
+            held = holds.take(seq)
+            if held is not None:
+                self._adopt(seq, held)
+                holds.resumed(seq, held.token_ids, seq.num_computed_tokens)
+                return
+            before = holds.forget_evicted(seq.params.resume_of)
+        self._allocate(seq)
+        if holds is not None:
+            holds.resumed(seq, before, seq.num_computed_tokens)
+
+    # -- a resume adopting its round's blocks ------------------------------------------------
+    def _held_for(self, seq: Sequence) -> Held | None:
+        if self.holds is None or seq.params.resume_of is None or seq.resume_counted:
+            return None
+        return self.holds.held.get(seq.params.resume_of)
+
+    def _adoption(self, seq: Sequence, held: Held) -> tuple[int, list[int], int | None, int | None, list[int]]:
+        """How `seq` takes `held`'s blocks: (tokens reused, full blocks kept, a partial block reused in place,
+        a partial block to copy from, blocks given back). A partial block published in the prefix cache is
+        copied, never written into (others may read it)."""
+        from chatloom.engine.kv_holds import common_prefix
+
+        bs, table, blocks = self.block_size, held.block_table, self.pool.blocks
+        reused = min(common_prefix(held.token_ids, seq.cache_token_ids), len(seq) - 1)
+        full, part = divmod(reused, bs)
+        reuse = copy = None
+        if part:
+            block = blocks[table[full]]
+            if block.key is None and block.ref_count == 1:
+                reuse = table[full]
+            elif self.copy_prefix is not None:
+                copy = table[full]
+            else:
+                reused, part = full * bs, 0
+        drop = [b for b in table[full:] if b != reuse]
+        return reused, table[:full], reuse, copy, drop
+
+    def _adopt(self, seq: Sequence, held: Held) -> None:
+        reused, keep, reuse, copy, drop = self._adoption(seq, held)
+        pool = self.pool
+        seq.block_table = keep + ([reuse] if reuse is not None else [])
+        if copy is not None:
+            block = pool.get_new_block()
+            self.copy_prefix(copy, block.block_id, reused % self.block_size)
+            seq.block_table.append(block.block_id)
+        pool.release(reversed(drop))
+        try:
+            for _ in range(self.blocks_needed(len(seq)) - len(seq.block_table)):
+                seq.block_table.append(pool.get_new_block().block_id)
+        except NoFreeBlocks:
+            self.free_sequence(seq)
+            raise
+        self.query_tokens += len(seq) - 1
+        self.hit_tokens += reused
+        seq.num_computed_tokens = reused
+        seq.num_hashed_blocks = min(held.num_hashed, len(keep))
+        seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, reused)
+
+    def _allocate(self, seq: Sequence) -> None:
         pool = self.pool
         keyed = seq.cache_token_ids
         hits = self._hits(seq)

@@ -30,6 +30,7 @@ from chatloom.engine.executor import ModelOutput, StepExecutor
 from chatloom.engine.heap import return_free_heap
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.kv_events import KVEventLog
+from chatloom.engine.kv_holds import KVHolds
 from chatloom.engine.kv_sizing import uniform_window, window_tokens
 from chatloom.engine.model_runner import ModelRunner
 from chatloom.engine.output_processor import OutputProcessor, RequestState, merge_outputs
@@ -71,6 +72,10 @@ class LLMEngine:
         device = loaded.model.embed_tokens.weight.device.type
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config, self.max_model_len, device),
                                    self.kv_cache_manager)
+        # Rounds whose blocks wait for their tools (kv_holds.py); they give way to any request short of blocks.
+        self.kv_holds = KVHolds(self.kv_cache_manager)
+        self.kv_cache_manager.holds = self.kv_holds
+        self.scheduler.reclaim = lambda seq: self.kv_holds.reclaim(keep=seq.params.resume_of)
         self.encoder_cache = EncoderCache(int(self.config.encoder_cache_mb * 2**20))
         self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size,
                                   kv_cache_dtype=self.kv_cache_dtype, vision=loaded.vision,
@@ -172,7 +177,18 @@ class LLMEngine:
         states = [st for i in ids if (st := self.output_processor.requests.get(i)) is not None]
         for state in states:
             self._finish(state, "abort")
-        return bool(states)
+        released = self.kv_holds.release(request_id)  # a round kept while its tools run
+        return bool(states) or released
+
+    # -- the KV cache during a tool call (kv_holds.py) -----------------------------------
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> str:
+        """The finished round `request_id` (asked with keep_kv) ended in calls to `tools`: hold or evict its
+        blocks as `policy` says; "hold", "evict" or "gone" (nothing was kept)."""
+        return self.kv_holds.decide(request_id, tools, policy, timeout_s, self.scheduler.waiting)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks kept for the round `request_id` now (no resume is coming)."""
+        return self.kv_holds.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.output_processor.has_finished_outputs()
@@ -181,9 +197,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute, update. Returns this step's outputs."""
         outputs = self.output_processor.take_finished()
+        self.kv_holds.expire()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if batch.preempted:
+            self.kv_holds.preempted()
         if not batch:
             return outputs
         scheduled = batch.decodes + [s for s, _ in batch.prefills]
@@ -298,6 +317,8 @@ class LLMEngine:
     def _finish(self, state: RequestState, reason: str, emit: bool = True) -> RequestOutput:
         """End a request: free its blocks, matcher and proposer state, and make its final output."""
         seq = state.seq
+        if reason in ("stop", "length") and seq.params.keep_kv and seq.params.n == 1:
+            self.kv_holds.keep(seq)  # its blocks wait for the caller's decision; remove() frees what is left
         self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.forget(seq)
@@ -351,7 +372,7 @@ class LLMEngine:
             prefix_cache_hit_rate=kv.hit_rate, prefix_cache_evictions=kv.evictions,
             num_preemptions=self.scheduler.num_preemptions, steps=st.steps, generated_tokens=st.generated_tokens,
             aborted_requests=st.aborted, generation_tokens_per_s=round(st.tokens_per_s(), 2),
-            failed_requests=st.failed,
+            failed_requests=st.failed, kv_holds=self.kv_holds.snapshot(),
             spec_decode=dataclasses.replace(self.spec.stats) if self.spec is not None else None)
 
     def get_stats(self) -> dict:

@@ -41,6 +41,11 @@ class SamplingParams:
     # token's own only); `prompt_logprobs` the same for the prompt's tokens. None: not computed.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # A round of an answer that may call tools: when it finishes, its blocks are kept under its request id
+    # until the caller decides to hold or evict them (kv_holds.py). `resume_of`: the request id of the round
+    # this request resumes, whose kept blocks it adopts.
+    keep_kv: bool = False
+    resume_of: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -49,6 +49,9 @@ class Scheduler:
         # Whether an image's embeddings are ready (the engine's encoder cache); without it every image
         # of a chunk is charged to the step's encoder budget.
         self.encoder_cached: Callable[[str], bool] = lambda content_hash: False
+        # Frees the blocks of one round held while its tools run (kv_holds.py), not the one this sequence
+        # resumes; False when none is held. Held blocks give way before any preemption or refusal.
+        self.reclaim: Callable[[Sequence], bool] = lambda seq: False
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -136,6 +139,8 @@ class Scheduler:
                     continue
             # Grow the block table; when the pool is full, preempt the lowest-priority, newest.
             while not self.kv.can_grow(seq, seq.num_computed_tokens + n):
+                if self.reclaim(seq):
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -154,7 +159,10 @@ class Scheduler:
         # 2. Waiting sequences, strictly in order, while budget, sequence slots and blocks allow.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            if not self.kv.can_allocate(seq):
+            fits = self.kv.can_allocate(seq)
+            while not fits and self.reclaim(seq):
+                fits = self.kv.can_allocate(seq)
+            if not fits:
                 break
             self.kv.allocate(seq)
             remaining = len(seq) - seq.num_computed_tokens

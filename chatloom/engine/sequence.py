@@ -83,6 +83,8 @@ class Sequence:
         # scheduler trims them to the step's budget and free blocks.
         self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
+        # A resume (params.resume_of) adopts or is counted against its round once, not again after a preemption.
+        self.resume_counted = False
         self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=self.prompt_len)
         # Images whose embeddings replace the prompt's image tokens, and the prompt as the prefix
         # cache keys it (each image token standing for its image's hash).

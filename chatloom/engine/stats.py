@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from chatloom.engine.kv_holds import HoldStats
     from chatloom.engine.spec_decode.decoder import SpecDecodeStats
 
 
@@ -31,11 +32,16 @@ class EngineSnapshot:
     num_waiting_tokens: int = 0  # prompt tokens the waiting requests still need prefilled
     failed_requests: int = 0  # ended by an error attributed to them alone (the rest of their batch went on)
     spec_decode: "SpecDecodeStats | None" = None  # None: speculative decoding is off
+    kv_holds: "HoldStats | None" = None  # rounds kept while their tools run (kv_holds.py)
 
     def as_dict(self) -> dict:
-        """Flat, for printing and JSON: the speculative counters under their spec_decode_* names."""
+        """Flat, for printing and JSON: the speculative counters under their spec_decode_* names, the hold
+        counters under kv_hold_*."""
         flat = asdict(self)
         flat.pop("spec_decode")
+        holds = flat.pop("kv_holds")
+        if holds is not None:
+            flat.update({f"kv_hold_{k}": v for k, v in holds.items()})
         if self.spec_decode is not None:
             flat.update(self.spec_decode.as_dict())
         return flat

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from chatloom.settings import DEFAULTS
 
+from chatloom.engine.kv_holds import HoldStats
 from chatloom.engine.spec_decode.decoder import SpecDecodeStats
 from chatloom.engine.structured.constraint import Constraint
 
@@ -80,6 +81,12 @@ class GenerationRequest:
     # only); `prompt_logprobs` the same for the prompt's tokens (a completion's echo). None: not asked.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+
+    # A round of an answer that may call tools: when it ends, the backend keeps its KV cache until told to
+    # hold or evict it (hold_kv) or let it go (release_kv). `resume_of`: the request id of the round this
+    # request resumes (its prompt repeats that round's and adds the tool results), whose KV it adopts.
+    keep_kv: bool = False
+    resume_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,7 @@ class BackendStats:
     num_preemptions: int | None = None
     generation_tokens_per_s: float | None = None
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, where it is on
+    kv_holds: HoldStats | None = None  # the KV cache of answers waiting for their tools, where it is kept
     # A router's view of its replicas, and a multi-model backend's figures per model.
     policy: str | None = None
     failovers: int | None = None
@@ -309,6 +317,13 @@ class Backend(abc.ABC):
         backend does not serve embeddings, BackendNotReady or BackendError as stream() does."""
         raise BadGenerationRequest(f"model {self.resolve_model(model)!r} does not serve embeddings",
                                    "embeddings_unsupported", "model")
+
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
+        """The round `request_id` (sent with keep_kv) ended in calls to `tools`: hold its KV cache for the
+        resume or evict it, as `policy` (hold | evict | auto) says. A backend that keeps nothing ignores it."""
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the KV cache kept for the round `request_id` (no resume is coming)."""
 
     def stats(self) -> BackendStats:
         """Load figures for health pages and routing (KV usage, queue lengths)."""

@@ -204,7 +204,8 @@ class LocalBackend(Backend):
             params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                                     stop=list(request.stop), constraint=request.constraint, n=request.n,
-                                    logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
+                                    logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs,
+                                    keep_kv=request.keep_kv and request.n == 1, resume_of=request.resume_of)
         except InvalidRequest as exc:
             raise BadGenerationRequest(str(exc)) from None
         return ids, params, images
@@ -309,6 +310,14 @@ class LocalBackend(Backend):
         if self._engine is not None:
             self._engine.abort(request_id)
 
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
+        if self._engine is not None:
+            self._engine.hold_kv(request_id, tools, policy, timeout_s)
+
+    def release_kv(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.release_kv(request_id)
+
     def has_room(self, prompt_tokens: int) -> bool:
         """Room when the free KV blocks hold this prompt and every prompt already queued inside the
         engine, and a sequence slot is free. A non-empty engine queue alone is no reason to wait:
@@ -320,7 +329,9 @@ class LocalBackend(Backend):
         s = self._engine.snapshot()
         if s.num_requests_running + s.num_requests_waiting >= self._engine.engine.config.max_num_seqs:
             return False
-        return s.kv_cache_free_blocks * s.block_size >= prompt_tokens + s.num_waiting_tokens
+        # Blocks held for answers waiting on tools are as good as free: they give way to any request.
+        free = s.kv_cache_free_blocks + (s.kv_holds.blocks_held if s.kv_holds is not None else 0)
+        return free * s.block_size >= prompt_tokens + s.num_waiting_tokens
 
     def stats(self) -> BackendStats:
         if self._engine is None:
@@ -333,7 +344,7 @@ class LocalBackend(Backend):
             kv_cache_free_blocks=s.kv_cache_free_blocks, block_size=s.block_size,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, generation_tokens_per_s=s.generation_tokens_per_s,
-            spec_decode=s.spec_decode)
+            spec_decode=s.spec_decode, kv_holds=s.kv_holds)
 
 
 def _timings(out: RequestOutput) -> Timings | None:

@@ -64,12 +64,19 @@ def sampling_from_body(body: dict, default_max_tokens: int) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadGenerationRequest("seed must be an integer", param="seed")
+    # chatloom's own: keep the KV cache when the answer ends under a handle (kv_handle), or adopt the one
+    # kept under kv_resume_of (the tool loop's hold, engine/kv_holds.py).
+    kv = {name: body.get(name) for name in ("kv_handle", "kv_resume_of")}
+    for name, value in kv.items():
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 200):
+            raise BadGenerationRequest(f"{name} must be a string of 1 to 200 characters", param=name)
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=_number(body, "temperature", float, 1.0),
             top_p=_number(body, "top_p", float, 1.0), top_k=_number(body, "top_k", int, 0), seed=seed,
             min_tokens=_number(body, "min_tokens", int, 0), ignore_eos=bool(body.get("ignore_eos", False)),
-            stop=list(stop), stop_token_ids=list(stop_ids))
+            stop=list(stop), stop_token_ids=list(stop_ids), keep_kv=kv["kv_handle"] is not None,
+            resume_of=kv["kv_resume_of"])
     except InvalidRequest as exc:
         raise BadGenerationRequest(str(exc)) from None
 
@@ -90,6 +97,8 @@ def sampling_to_body(params: SamplingParams) -> dict:
         body["stop"] = list(params.stop)
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.resume_of is not None:
+        body["kv_resume_of"] = params.resume_of
     return body
 
 

@@ -106,6 +106,7 @@ class RemoteBackend(Backend):
         self._info: ServerInfo | None = None
         self._error: str | None = None
         self._responses: dict[str, httpx.Response] = {}
+        self._background: set = set()  # KV instructions on their way
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.base_url!r}, model={self.model!r})"
@@ -256,6 +257,8 @@ class RemoteBackend(Backend):
         log probabilities the server gives for them)."""
         body = {"model": self.model, "prompt": prompt_ids, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}, **sampling_to_body(params)}
+        if params.keep_kv and request_id is not None:  # kept under the request's id when it ends
+            body["kv_handle"] = request_id
         if logprobs is not None:
             body["logprobs"] = logprobs
         finish: TokenChunk | None = None
@@ -304,6 +307,27 @@ class RemoteBackend(Backend):
         tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else \
             self.embedding_tokens(inputs)
         return Embeddings(vectors, tokens)
+
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
+        self._post_soon("/kv/hold", {"handle": request_id, "tools": list(tools), "policy": policy,
+                                     "timeout_s": timeout_s})
+
+    def release_kv(self, request_id: str) -> None:
+        self._post_soon("/kv/release", {"handle": request_id})
+
+    def _post_soon(self, path: str, body: dict) -> None:
+        """A KV instruction, sent in the background: a replica that misses it frees the cache at its timeout."""
+        import asyncio
+
+        async def post() -> None:
+            try:
+                await self._client.post(path, json=body)
+            except httpx.HTTPError as exc:
+                log.info("%s%s: %s", self.base_url, path, _describe(exc))
+
+        task = asyncio.ensure_future(post())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def abort(self, request_id: str) -> None:
         """Close the request's connection; the server aborts it."""
@@ -442,7 +466,8 @@ def sampling_params(request: GenerationRequest) -> SamplingParams:
                                    "unsupported_constraint", "response_format")
     try:
         return SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                              top_k=request.top_k, seed=request.seed, stop=list(request.stop))
+                              top_k=request.top_k, seed=request.seed, stop=list(request.stop),
+                              keep_kv=request.keep_kv, resume_of=request.resume_of)
     except InvalidRequest as exc:
         raise BadGenerationRequest(str(exc)) from None
 

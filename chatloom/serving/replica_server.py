@@ -26,10 +26,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from chatloom.engine.async_engine import EngineDeadError
+from chatloom.engine.kv_holds import POLICIES as KV_POLICIES
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.serving.backend import BackendNotReady, BadGenerationRequest
 from chatloom.serving.local import LocalBackend
-from chatloom.serving.openai_protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, embedding_inputs, error_body,
+from chatloom.serving.openai_protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, _number, embedding_inputs, error_body,
                                               sampling_from_body, sse)
 
 log = logging.getLogger(__name__)
@@ -255,7 +256,9 @@ def create_replica_app(backend: LocalBackend) -> FastAPI:
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
     async def generate(body: dict, ids: list[int], params: SamplingParams, chat: bool):
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}-{next(ids_counter)}"
+        # A round whose KV cache is kept is named by its handle, which hold and resume refer to.
+        request_id = body["kv_handle"] if params.keep_kv else \
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}-{next(ids_counter)}"
         first, stream = await run(ids, params, request_id)
         created = int(time.time())
         model = backend.default_model
@@ -325,6 +328,26 @@ def create_replica_app(backend: LocalBackend) -> FastAPI:
         ids = backend.encode_messages(messages)
         params = sampling_from_body(body, max(1, backend.context_window - len(ids)))
         return await generate(body, ids, params, chat=True)
+
+    @app.post("/kv/hold")
+    async def kv_hold(request: Request) -> dict:
+        """The kept round `handle` ended in calls to `tools`: hold or evict its KV cache (engine/kv_holds.py)."""
+        body = await json_body(request)
+        handle, tools, policy = body.get("handle"), body.get("tools") or [], body.get("policy")
+        if not isinstance(handle, str) or not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+            raise _Rejected(400, "handle must be a string and tools a list of strings", param="handle")
+        if policy not in KV_POLICIES:
+            raise _Rejected(400, f"policy must be one of {', '.join(KV_POLICIES)}", param="policy")
+        backend.hold_kv(handle, tools, policy, _number(body, "timeout_s", float, 60.0))
+        return {"handle": handle}
+
+    @app.post("/kv/release")
+    async def kv_release(request: Request) -> dict:
+        body = await json_body(request)
+        if not isinstance(body.get("handle"), str):
+            raise _Rejected(400, "handle must be a string", param="handle")
+        backend.release_kv(body["handle"])
+        return {"handle": body["handle"]}
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:

@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
 from chatloom.engine.block_hash import prefix_block_keys
@@ -34,6 +34,8 @@ from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMi
 from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
 
 log = logging.getLogger(__name__)
+# Kept tool rounds the router remembers the replica of (the oldest forgotten first).
+MAX_KEPT = 4096
 
 
 @dataclass
@@ -105,6 +107,9 @@ class Router(Backend):
         self._ids = itertools.count()
         self._current: dict[str, tuple[Replica, str]] = {}  # request id -> (replica, sub-request id)
         self._aborted: set[str] = set()
+        # Rounds whose KV cache a replica keeps for the tool loop: request id -> (replica, sub-request id).
+        # Their resume goes to that replica, which adopts the cache (engine/kv_holds.py).
+        self._kept: dict[str, tuple[Replica, str]] = {}
         self.failovers = 0
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -307,7 +312,18 @@ class Router(Backend):
                 r.inflight -= 1
         raise BackendError(f"no replica of {self.model!r} could embed the input: {last or 'none is healthy'}")
 
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
+        kept = self._kept.get(request_id)
+        if kept is not None:
+            kept[0].client.hold_kv(kept[1], tools, policy, timeout_s)
+
+    def release_kv(self, request_id: str) -> None:
+        kept = self._kept.pop(request_id, None)
+        if kept is not None:
+            kept[0].client.release_kv(kept[1])
+
     def abort(self, request_id: str) -> None:
+        self.release_kv(request_id)
         current = self._current.get(request_id)
         if current is not None:
             self._aborted.add(request_id)
@@ -381,12 +397,18 @@ class Router(Backend):
                 if sub is None:  # the dead replica had already produced the whole answer
                     yield answer.finish(answer.natural_finish(), len(ids), cached_tokens, self._metrics(t0, first_token, answer))
                     return
-                try:
-                    replica = self.choose(prompt, tried)
-                except NoReplicaAvailable:
-                    if not tried:
-                        raise BackendError(f"no replica of {self.model!r} is healthy; try again shortly") from None
-                    replica = None
+                kept = self._kept.pop(request.resume_of, None) if request.resume_of and attempt == 0 else None
+                if kept is not None and kept[0].healthy and not kept[0].draining:
+                    replica, sub = kept[0], replace(sub, resume_of=kept[1])
+                else:
+                    try:
+                        replica = self.choose(prompt, tried)
+                    except NoReplicaAvailable:
+                        if not tried:
+                            raise BackendError(f"no replica of {self.model!r} is healthy; try again shortly") \
+                                from None
+                        replica = None
+                    sub = replace(sub, resume_of=None)  # the round's cache is on another replica, or gone
                 if replica is None:
                     break
                 sub_id = f"{rid}-{attempt}"
@@ -407,6 +429,10 @@ class Router(Backend):
                             if attempt == 0 and piece.usage:
                                 cached_tokens = (piece.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                             replica.served += 1
+                            if sub.keep_kv:
+                                self._kept[rid] = (replica, sub_id)
+                                while len(self._kept) > MAX_KEPT:  # never told: the replica's grace frees it
+                                    self._kept.pop(next(iter(self._kept)))
                             final = answer.finish(piece.finish_reason, len(ids), cached_tokens,
                                                   self._metrics(t0, first_token, answer), text)
                             final.token_ids = piece.token_ids

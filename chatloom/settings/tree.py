@@ -236,6 +236,13 @@ class ToolsSettings(Group):
                                                          "tools) may take before it is a tool error.")
     mcp_list_ttl_s: float = Field(60.0, ge=0, description="How long a server's tool list is reused before it is "
                                                           "asked again (a server that failed: a sixth of it).")
+    kv_policy: Literal["hold", "evict", "auto"] = Field(
+        "auto", description="The KV cache of an answer while its tools run: hold (pinned until the resume, "
+                            "which prefills only the tool results), evict (freed; the resume re-prefills "
+                            "through the prefix cache) or auto (hold while the expected tool time times the "
+                            "blocks held fits the spare pool; docs/tools.md).")
+    kv_hold_timeout_s: float = Field(60.0, gt=0, description="Longest a held KV cache waits for its tools "
+                                                             "before it is freed.")
 
 
 class SloTarget(Group):

@@ -21,6 +21,7 @@ from chatloom.app.core.errors import ApiError, error_event
 from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, GenerationStopped,
                                               Pipeline, Run, Thinking, ToolCall)
 from chatloom.app.generation.tool_calls import render_messages
+from chatloom.app.generation.tool_kv import keeps_kv, release_kv, tools_started
 from chatloom.app.state.answer_journal import JournaledLog
 from chatloom.app.state.events import EventLogStore
 from chatloom.app.state.jobs import Jobs
@@ -118,6 +119,7 @@ class AnswerJob:
             await run.admit(first, position)
             for round_no in range(self.settings.chat.max_tool_calls_per_answer + 1):
                 text, calls = ([gen.prefix] if gen.prefix and round_no == 0 else []), []
+                run.keeps_kv = keeps_kv(run)  # a round that may call tools keeps its KV cache for tools_started
                 async for piece in run.stream():
                     await self._write(gen, piece, out)
                     if isinstance(piece, AnswerText):
@@ -128,6 +130,7 @@ class AnswerJob:
                         self.pipeline.traffic.metrics.observe_resume(piece.usage, piece.timings)
                 if out.finish_reason != "tool_calls" or gen.stop_requested:
                     break
+                tools_started(run, [c.name for c in calls])  # hold or evict the round's KV cache meanwhile
                 messages = await self._run_tools(gen, run, messages, "".join(text), calls, out)
                 if gen.stop_requested:
                     raise GenerationStopped
@@ -229,6 +232,7 @@ class AnswerJob:
                 del self._running[gen.conversation_id]
             gen.finished.set()
             return
+        release_kv(gen.run)  # no resume follows: what the last round kept is freed
         try:
             await gen.log.flush()  # every journal write done before the final save replaces them
             await gen.run.close()  # settle, meter, observe: before the client hears 'done'

@@ -140,6 +140,7 @@ class Run:
         self._released = False
         self._closed = False
         self.continuing = False  # taken over from a gateway that died (see adopt)
+        self.resume_of, self.keeps_kv = None, False  # the tool round resumed; keep this one's KV (tool_kv.py)
         self.gave_way = False  # a batch run stopped for interactive work (see give_way)
 
     @property
@@ -320,7 +321,7 @@ class Run:
         assert self._slot is not None, "admit() first"
         self._rounds = self._rounds + self.usage
         self.usage = Usage()
-        self.request_id = request_id
+        self.resume_of, self.keeps_kv, self.request_id = self.request_id, False, request_id
         self.max_tokens = self.limits.max_tokens
         sent, tokens = self._prepare(prompt)
         self._fit(tokens)
@@ -336,7 +337,8 @@ class Run:
                                 priority=self.pipeline.settings.batch.engine_priority if ask.batch
                                 else -limits.tier.priority,
                                 constraint=ask.constraint, n=ask.n, logprobs=ask.logprobs,
-                                prompt_logprobs=ask.prompt_logprobs)
+                                prompt_logprobs=ask.prompt_logprobs, resume_of=self.resume_of,
+                                keep_kv=self.keeps_kv)
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
             req.continue_final = sent.continue_final

@@ -73,6 +73,18 @@ class _EngineCollector:
                 yield counter(f"vllm:spec_decode_{key}", doc, getattr(sd, key))
             yield gauge("chatloom:spec_decode_acceptance_rate", "Accepted over proposed tokens, since start.",
                         sd.acceptance_rate)
+        if s.kv_holds is not None:  # the KV cache of answers waiting for their tools
+            h = s.kv_holds
+            for key, doc in (("holds", "Tool rounds whose KV blocks were held while their tools ran."),
+                             ("evictions", "Tool rounds whose KV blocks were freed when their tools started."),
+                             ("pressure_releases", "Held tool rounds released because another request needed "
+                                                   "the blocks."),
+                             ("timeouts", "Held tool rounds released at their timeout."),
+                             ("reprefilled_tokens", "Tokens resumes after tool calls computed again."),
+                             ("block_seconds", "KV blocks held for tool rounds times seconds held.")):
+                yield counter(f"chatloom:kv_tool_{key}", doc, getattr(h, key))
+            yield gauge("chatloom:kv_tool_blocks_held", "KV blocks held now for answers waiting on tools.",
+                        h.blocks_held)
         if s.generation_tokens_per_s is not None:
             yield gauge("chatloom:generation_tokens_per_s", "Generated tokens per second over the last seconds.",
                         s.generation_tokens_per_s)
