@@ -19,13 +19,11 @@ only the blocks inside the window (models/attention.py), and masks anything else
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from chatloom.engine.block_pool import BlockPool, NoFreeBlocks
+from chatloom.engine.held_rounds import Held, HeldRounds, common_prefix
 from chatloom.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from chatloom.engine.kv_holds import Held, KVHolds
 
 
 class KVCacheManager:
@@ -43,7 +41,7 @@ class KVCacheManager:
         self.hit_tokens = 0  # those that did
         self._free = pool.free  # read on every decode's growth: one lookup less
         # Rounds kept while their tools run (kv_holds.py): a resume adopts its round's blocks.
-        self.holds: KVHolds | None = None
+        self.holds: HeldRounds | None = None
 
     # -- counts --------------------------------------------------------------------
     @property
@@ -143,8 +141,6 @@ class KVCacheManager:
         """How `seq` takes `held`'s blocks: (tokens reused, full blocks kept, a partial block reused in place,
         a partial block to copy from, blocks given back). A partial block published in the prefix cache is
         copied, never written into (others may read it)."""
-        from chatloom.engine.kv_holds import common_prefix
-
         bs, table, blocks = self.block_size, held.block_table, self.pool.blocks
         reused = min(common_prefix(held.token_ids, seq.cache_token_ids), len(seq) - 1)
         full, part = divmod(reused, bs)

@@ -37,6 +37,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from chatloom.engine.held_rounds import Held, common_prefix
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sequence import Sequence
 
@@ -50,21 +51,6 @@ PRESSURE_WINDOW_S = 10.0  # a preemption this recent means the pool is under pre
 RATE_WINDOW_S = 10.0  # the free list's turnover is measured over this long
 SURVIVAL = 0.25  # the share of the free list's turnover time a tool may take with the blocks safe in the cache
 _REMEMBERED = 1024  # evicted rounds whose tokens are remembered, to count what their resume re-prefills
-
-
-@dataclass
-class Held:
-    """One kept round: its blocks and what they hold."""
-
-    handle: str
-    token_ids: list[int]  # the tokens whose K/V the blocks hold (cache keys: images as their hashes)
-    block_table: list[int]
-    num_hashed: int  # leading blocks published in the prefix cache
-    since: float
-    deadline: float
-    tools: tuple[str, ...] = ()
-    decided: bool = False  # a policy said hold (else kept only for the grace)
-    expected_s: float = 0.0
 
 
 @dataclass
@@ -104,14 +90,6 @@ class ToolTimes:
             share = seconds * self.means.get(t, self.prior_s) / total
             old = self.means.get(t)
             self.means[t] = share if old is None else old + self.weight * (share - old)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class KVHolds:
