@@ -187,6 +187,20 @@ def serve(args) -> int:
     return _emit(result, args.table)
 
 
+def streams(args) -> int:
+    from chatloom.bench.streams import StreamsConfig, format_table, run_streams
+
+    if not args.interval_ms > 0:
+        raise ValueError("--interval-ms must be positive")
+    config = StreamsConfig(streams=20 if args.quick else args.streams, tokens=10 if args.quick else args.tokens,
+                           interval_ms=args.interval_ms, direct=not args.no_direct, seed=args.seed)
+    result = run_streams(config)
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
+
+
 def paired(args) -> int:
     import asyncio
     import os
