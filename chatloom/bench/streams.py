@@ -130,7 +130,9 @@ class _Processes:
 
 def _gateway_env(folder: Path, config: StreamsConfig) -> dict[str, str]:
     big = str(10 ** 12)
-    env = {**os.environ, "CHATLOOM_SERVER__DATA_DIR": str(folder / "data"), "CHATLOOM_MODEL__NAME": "scripted",
+    # The caller's own CHATLOOM_ settings (a database URL, Redis, tiers) would change what is measured.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("CHATLOOM_") or k.startswith("CHATLOOM_RUNTIME__")}
+    env = {**inherited, "CHATLOOM_SERVER__DATA_DIR": str(folder / "data"), "CHATLOOM_MODEL__NAME": "scripted",
            "CHATLOOM_SERVER__LOG_LEVEL": "warning", "CHATLOOM_MODERATION__HOLDBACK_TOKENS": "0",
            "CHATLOOM_TRAFFIC__ADMISSION_MAX_RUNNING": str(config.streams + 8),
            "CHATLOOM_ENGINE__MAX_NUM_SEQS": str(config.streams + 8),
