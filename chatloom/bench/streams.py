@@ -50,6 +50,7 @@ class StreamsConfig:
     interval_ms: float = 50.0
     direct: bool = True  # also run the client against the replica itself, for the floor
     seed: int = 0
+    moderation: str = "lexicon"  # the gateway's moderation.mode (off: to see what the output check costs)
     timeout_s: float = 600.0
 
 
@@ -134,6 +135,7 @@ def _gateway_env(folder: Path, config: StreamsConfig) -> dict[str, str]:
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("CHATLOOM_") or k.startswith("CHATLOOM_RUNTIME__")}
     env = {**inherited, "CHATLOOM_SERVER__DATA_DIR": str(folder / "data"), "CHATLOOM_MODEL__NAME": "scripted",
            "CHATLOOM_SERVER__LOG_LEVEL": "warning", "CHATLOOM_MODERATION__HOLDBACK_TOKENS": "0",
+           "CHATLOOM_MODERATION__MODE": config.moderation,
            "CHATLOOM_TRAFFIC__ADMISSION_MAX_RUNNING": str(config.streams + 8),
            "CHATLOOM_ENGINE__MAX_NUM_SEQS": str(config.streams + 8),
            "CHATLOOM_SAMPLING__MAX_TOKENS_LIMIT": str(max(4096, config.tokens)),
@@ -217,6 +219,7 @@ def _run(config: StreamsConfig, folder: Path, procs: _Processes) -> dict:
         raise RuntimeError(f"the gateway's warm-up request answered {warm.status_code}: {warm.text[:300]}")
     result: dict = {"config": {"streams": config.streams, "tokens_per_stream": config.tokens,
                                "interval_ms": config.interval_ms, "seed": config.seed,
+                               "moderation": config.moderation,
                                "path": "POST /v1/chat/completions stream=true (HTTP/1.1, uvicorn)",
                                "cpus": os.cpu_count()}}
     if config.direct:
@@ -227,6 +230,9 @@ def _run(config: StreamsConfig, folder: Path, procs: _Processes) -> dict:
     summary = summarize(raw, config.tokens)
     result["gateway"] = {**summary, **_cpu_figures(spent[gateway.pid], summary["tokens_received"]),
                          "replica": _cpu_figures(spent[replica.pid], summary["tokens_received"])}
+    if summary["errors"]:  # why, from the gateway's own log (the folder goes with the run)
+        lines = (folder / "gateway.log").read_text(errors="replace").splitlines()
+        result["gateway"]["log_errors"] = [line[:300] for line in lines if " ERROR " in line or "Error" in line][-10:]
     p99 = summary["gap_ms"]["p99"]
     result["target"] = {"p99_gap_ms": 20.0, "met": p99 is not None and p99 < 20.0 and summary["errors"] == 0
                         and summary["starved_streams"] == 0}

@@ -185,6 +185,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the scripted replica's time between two tokens of a stream (default %(default)s)")
     p.add_argument("--no-direct", action="store_true",
                    help="skip the round with the client on the replica itself (the floor without a gateway)")
+    p.add_argument("--moderation", choices=("lexicon", "off"), default="lexicon",
+                   help="the gateway's output moderation (default %(default)s; off shows what the check costs)")
     p.add_argument("--quick", action="store_true", help="20 streams of 10 tokens: the run's shape, for tests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a table (stderr)")

@@ -193,7 +193,8 @@ def streams(args) -> int:
     if not args.interval_ms > 0:
         raise ValueError("--interval-ms must be positive")
     config = StreamsConfig(streams=20 if args.quick else args.streams, tokens=10 if args.quick else args.tokens,
-                           interval_ms=args.interval_ms, direct=not args.no_direct, seed=args.seed)
+                           interval_ms=args.interval_ms, direct=not args.no_direct, seed=args.seed,
+                           moderation=args.moderation)
     result = run_streams(config)
     print(json.dumps(result, indent=2))
     if args.table:
