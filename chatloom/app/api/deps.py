@@ -126,23 +126,28 @@ async def current_user(request: Request, session: SessionDep,
     if credential.startswith(API_KEY_PREFIX):
         key_hash = hash_api_key(credential)
         cache_key = "key:" + key_hash
-        user = ctx.callers.get(cache_key)
-        if user is None:
-            keys = ApiKeys(session)
-            key = await keys.by_hash(key_hash)
-            if key is None:
-                raise _unauthorized("invalid API key", "invalid_api_key")
-            if await keys.touch(key):
-                await session.commit()
-            user = await _look_up(ctx, session, cache_key, key.user_id)
+        user = ctx.callers.get(cache_key) or await ctx.callers.load_once(
+            cache_key, lambda: _key_owner(ctx, session, cache_key, key_hash))
     else:
         user_id = ctx.tokens.subject(credential)  # verified on every request; only the lookup is cached
         if user_id is None:
             raise _unauthorized("invalid or expired token", "invalid_token")
         cache_key = "usr:" + user_id
-        user = ctx.callers.get(cache_key) or await _look_up(ctx, session, cache_key, user_id)
+        user = ctx.callers.get(cache_key) or await ctx.callers.load_once(
+            cache_key, lambda: _look_up(ctx, session, cache_key, user_id))
     request.state.user = user  # for the x-ratelimit-* headers on the response
     return user
+
+
+async def _key_owner(ctx: AppContext, session: AsyncSession, cache_key: str, key_hash: str) -> User:
+    """The account behind an API key, its last use noted."""
+    keys = ApiKeys(session)
+    key = await keys.by_hash(key_hash)
+    if key is None:
+        raise _unauthorized("invalid API key", "invalid_api_key")
+    if await keys.touch(key):
+        await session.commit()
+    return await _look_up(ctx, session, cache_key, key.user_id)
 
 
 async def _look_up(ctx: AppContext, session: AsyncSession, cache_key: str, user_id: str) -> User:

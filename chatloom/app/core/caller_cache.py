@@ -9,11 +9,16 @@ credential (the user id a verified session token names, or an API key's hash) to
 the account for `ttl_s` seconds. Session tokens are still verified on every request; only the lookup
 is spared. Changes made through this gateway (a tier set, an API key revoked) drop the user's entries
 at once; other gateways see them within `ttl_s`.
+
+Lookups of one credential that miss at the same time share one trip to the database: a thousand
+streams opened at once with one API key would otherwise take a thousand pooled connections (and on
+SQLite a thousand writes of the key's last use) before the first answer could start.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 from chatloom.store import User
 
@@ -25,6 +30,32 @@ class CallerCache:
         self.ttl_s = ttl_s
         self.clock = clock
         self._entries: dict[str, tuple[float, User]] = {}  # credential key -> (expiry, account copy)
+        self._loading: dict[str, asyncio.Future] = {}  # credential key -> the lookup in flight
+
+    async def load_once(self, key: str, loader: Callable[[], Awaitable[User]]) -> User:
+        """`loader()`'s account, or the result (or error) of the lookup of `key` already in flight."""
+        while (pending := self._loading.get(key)) is not None:
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if not pending.cancelled():  # this request was cancelled, not the one looking up
+                    raise
+        future = asyncio.get_running_loop().create_future()
+        self._loading[key] = future
+        try:
+            user = await loader()
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()  # the waiters look up themselves
+            else:
+                future.set_exception(exc)
+                future.exception()  # retrieved: no warning when nobody was waiting
+            raise
+        finally:
+            if self._loading.get(key) is future:
+                del self._loading[key]
+        future.set_result(user)
+        return user
 
     def get(self, key: str) -> User | None:
         entry = self._entries.get(key)
