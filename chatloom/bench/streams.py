@@ -10,7 +10,7 @@ Three processes, so each one's CPU is its own:
   output moderation check, metering, the router, the OpenAI-compatible SSE framing. Tier quotas and
   the admission limit are raised for the run (environment), and moderation's holdback is 0, so no
   piece is held back on purpose and what is timed is the gateway's own cost;
-- a client (`streams_client.py`) opening all N streams at once on POST /v1/chat/completions with
+- a client (`stream_readers.py`) opening all N streams at once on POST /v1/chat/completions with
   stream=true and reading each token's stamp when its bytes arrive.
 
 Gap = client arrival - replica send, both on the machine's one CLOCK_MONOTONIC, so it is the
@@ -166,7 +166,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, headers: dict, timeout_s: floa
 def _client(procs: _Processes, env: dict, port: int, config: StreamsConfig, api_key: str | None,
             direct: bool, watch: list[int]) -> tuple[dict, dict[int, float]]:
     """Run one client round; its raw records and the CPU seconds each watched process spent meanwhile."""
-    argv = [sys.executable, "-m", "chatloom.bench.streams_client", "--port", str(port), "--streams",
+    argv = [sys.executable, "-m", "chatloom.bench.stream_readers", "--port", str(port), "--streams",
             str(config.streams), "--tokens", str(config.tokens)]
     argv += ["--direct"] if direct else ["--api-key", api_key or ""]
     before = {pid: cpu_seconds(pid) for pid in watch}
