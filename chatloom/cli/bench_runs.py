@@ -190,8 +190,8 @@ def serve(args) -> int:
 def streams(args) -> int:
     from chatloom.bench.streams import StreamsConfig, format_table, run_streams
 
-    if not args.interval_ms > 0:
-        raise ValueError("--interval-ms must be positive")
+    if not 0 < args.interval_ms < 60_000:
+        raise ValueError("--interval-ms must be above 0 and below 60000")
     config = StreamsConfig(streams=20 if args.quick else args.streams, tokens=10 if args.quick else args.tokens,
                            interval_ms=args.interval_ms, direct=not args.no_direct, seed=args.seed,
                            moderation=args.moderation)
