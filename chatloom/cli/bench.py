@@ -177,6 +177,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=runs.serve)
 
+    p = sub.add_parser("streams", help="many concurrent SSE streams through one gateway over a scripted replica: "
+                                       "token gap p50..max, gateway CPU per token, starved streams")
+    p.add_argument("--streams", type=positive_int, default=1000, help="streams at once (default %(default)s)")
+    p.add_argument("--tokens", type=positive_int, default=200, help="tokens per stream (default %(default)s)")
+    p.add_argument("--interval-ms", type=float, default=50.0,
+                   help="the scripted replica's time between two tokens of a stream (default %(default)s)")
+    p.add_argument("--no-direct", action="store_true",
+                   help="skip the round with the client on the replica itself (the floor without a gateway)")
+    p.add_argument("--moderation", choices=("lexicon", "off"), default="lexicon",
+                   help="the gateway's output moderation (default %(default)s; off shows what the check costs)")
+    p.add_argument("--quick", action="store_true", help="20 streams of 10 tokens: the run's shape, for tests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", action="store_true", help="also print a table (stderr)")
+    p.set_defaults(func=runs.streams)
+
     p = sub.add_parser("paired", help="one server against a baseline, requests alternated one at a time: "
                                       "TTFT/TPOT ratios with a bootstrap interval")
     p.add_argument("--url", required=True, help="the server measured, e.g. http://127.0.0.1:8000")

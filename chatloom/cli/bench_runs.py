@@ -187,6 +187,21 @@ def serve(args) -> int:
     return _emit(result, args.table)
 
 
+def streams(args) -> int:
+    from chatloom.bench.streams import StreamsConfig, format_table, run_streams
+
+    if not 0 < args.interval_ms < 60_000:
+        raise ValueError("--interval-ms must be above 0 and below 60000")
+    config = StreamsConfig(streams=20 if args.quick else args.streams, tokens=10 if args.quick else args.tokens,
+                           interval_ms=args.interval_ms, direct=not args.no_direct, seed=args.seed,
+                           moderation=args.moderation)
+    result = run_streams(config)
+    print(json.dumps(result, indent=2))
+    if args.table:
+        print(format_table(result), file=sys.stderr)
+    return 0
+
+
 def paired(args) -> int:
     import asyncio
     import os

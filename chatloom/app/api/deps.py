@@ -132,17 +132,8 @@ async def current_user(request: Request, session: SessionDep,
     if credential.startswith(API_KEY_PREFIX):
         key_hash = hash_api_key(credential)
         cache_key = "key:" + key_hash
-        found = ctx.callers.get_with_grant(cache_key)
-        if found is None:
-            keys = ApiKeys(session)
-            key = await keys.by_hash(key_hash)
-            if key is None:
-                raise _unauthorized("invalid API key", "invalid_api_key")
-            if await keys.touch(key):
-                await session.commit()
-            expires = key.expires_at.timestamp() if key.expires_at is not None else None
-            grant = (parse_scopes(key.scopes), expires)
-            found = (await _look_up(ctx, session, cache_key, key.user_id, grant), grant)
+        found = ctx.callers.get_with_grant(cache_key) or await ctx.callers.load_once(
+            cache_key, lambda: _key_owner(ctx, session, cache_key, key_hash))
         user, grant = found
         _check_grant(request, grant)
     else:
@@ -151,7 +142,8 @@ async def current_user(request: Request, session: SessionDep,
             raise _unauthorized("invalid or expired token", "invalid_token")
         user_id, version = verified
         cache_key = "usr:" + user_id
-        user = ctx.callers.get(cache_key) or await _look_up(ctx, session, cache_key, user_id)
+        user = ctx.callers.get(cache_key) or await ctx.callers.load_once(
+            cache_key, lambda: _look_up(ctx, session, cache_key, user_id))
         if version != (user.session_version or 0):
             raise _unauthorized("this session was signed out; sign in again", "session_revoked")
         request.state.scopes = None  # a signed-in person holds every right of the account
@@ -171,6 +163,20 @@ def _check_grant(request: Request, grant: Grant | None) -> None:
         raise ApiError(403, f"this API key lacks the {needed!r} scope this request needs "
                             f"(it has: {format_scopes(scopes) or 'none'})", "insufficient_scope")
     request.state.scopes = scopes
+
+
+async def _key_owner(ctx: AppContext, session: AsyncSession, cache_key: str,
+                     key_hash: str) -> tuple[User, Grant]:
+    """The account behind an API key and what the key may do, its last use noted."""
+    keys = ApiKeys(session)
+    key = await keys.by_hash(key_hash)
+    if key is None:
+        raise _unauthorized("invalid API key", "invalid_api_key")
+    if await keys.touch(key):
+        await session.commit()
+    expires = key.expires_at.timestamp() if key.expires_at is not None else None
+    grant = (parse_scopes(key.scopes), expires)
+    return await _look_up(ctx, session, cache_key, key.user_id, grant), grant
 
 
 async def _look_up(ctx: AppContext, session: AsyncSession, cache_key: str, user_id: str,

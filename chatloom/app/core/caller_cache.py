@@ -9,13 +9,20 @@ credential (the user id a verified session token names, or an API key's hash) to
 the account for `ttl_s` seconds. Session tokens are still verified on every request; only the lookup
 is spared. Changes made through this gateway (a tier set, an API key revoked) drop the user's entries
 at once; other gateways see them within `ttl_s`.
+
+Lookups of one credential that miss at the same time share one trip to the database: a thousand
+streams opened at once with one API key would otherwise take a thousand pooled connections (and on
+SQLite a thousand writes of the key's last use) before the first answer could start.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 from chatloom.store import User
+
+T = TypeVar("T")
 
 # What an API key may do: (scopes, expiry as a POSIX time or None); None for a session token.
 Grant = tuple[frozenset[str], float | None]
@@ -29,6 +36,33 @@ class CallerCache:
         self.clock = clock
         # credential key -> (expiry, account copy, the key's grant)
         self._entries: dict[str, tuple[float, User, Grant | None]] = {}
+        self._loading: dict[str, asyncio.Future] = {}  # credential key -> the lookup in flight
+
+    async def load_once(self, key: str, loader: Callable[[], Awaitable[T]]) -> T:
+        """`loader()`'s result (an account, or an account and a key's grant), or the result (or error) of
+        the lookup of `key` already in flight."""
+        while (pending := self._loading.get(key)) is not None:
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if not pending.cancelled():  # this request was cancelled, not the one looking up
+                    raise
+        future = asyncio.get_running_loop().create_future()
+        self._loading[key] = future
+        try:
+            user = await loader()
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()  # the waiters look up themselves
+            else:
+                future.set_exception(exc)
+                future.exception()  # retrieved: no warning when nobody was waiting
+            raise
+        finally:
+            if self._loading.get(key) is future:
+                del self._loading[key]
+        future.set_result(user)
+        return user
 
     def get(self, key: str) -> User | None:
         found = self.get_with_grant(key)

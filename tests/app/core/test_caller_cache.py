@@ -3,6 +3,7 @@ a burst must not queue behind the database before it can be refused), and change
 gateway (a tier, a revoked key) apply at once."""
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 import httpx
@@ -121,3 +122,40 @@ async def test_a_caller_who_keeps_coming_back_is_still_looked_up_again_after_the
             assert (await c.get("/auth/me", headers=alice)).status_code == 200
             clock.now += 2.0  # every 2 s, with a 5 s time to live
         assert len([s for s in statements if "FROM users" in s]) == 2, statements
+
+
+async def test_a_burst_with_one_api_key_looks_it_up_once(tmp_path):
+    async with _app(tmp_path) as (app, c):
+        alice = await signup(c, "alice")
+        created = (await c.post("/auth/api-keys", headers=alice, json={"name": "sdk"})).json()
+        key = {"Authorization": f"Bearer {created['key']}"}
+        statements = _count_queries(app)
+        answers = await asyncio.gather(*(c.get("/v1/models", headers=key) for _ in range(20)))
+        assert [a.status_code for a in answers] == [200] * 20
+        assert len([s for s in statements if "FROM api_keys" in s]) == 1, statements
+        # A wrong key in a burst: every request is refused, with one lookup.
+        wrong = {"Authorization": "Bearer " + created["key"][:-3] + "zzz"}
+        statements.clear()
+        answers = await asyncio.gather(*(c.get("/v1/models", headers=wrong) for _ in range(5)))
+        assert [a.status_code for a in answers] == [401] * 5
+        assert len([s for s in statements if "FROM api_keys" in s]) == 1, statements
+
+
+async def test_a_cancelled_lookup_lets_the_waiting_request_look_up_itself():
+    cache = CallerCache(5.0)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> User:
+        started.set()
+        await release.wait()
+        return _user()
+
+    async def fast() -> User:
+        return _user("usr_2")
+
+    leader = asyncio.create_task(cache.load_once("key:k", slow))
+    await started.wait()
+    waiter = asyncio.create_task(cache.load_once("key:k", fast))
+    await asyncio.sleep(0)
+    leader.cancel()
+    assert (await waiter).id == "usr_2"
