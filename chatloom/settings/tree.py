@@ -116,6 +116,13 @@ class ChatSettings(Group):
     summary_max_tokens: int = Field(200, gt=0, description="Length of a summary of older turns.")
     summary_keep_fraction: float = Field(0.5, gt=0, le=1, description="After summarizing, the most of the "
                                                                       "history budget kept as verbatim turns.")
+    older_turns: Literal["summary", "retrieved", "both"] = Field(
+        "both", description="What stands in the prompt for the turns of a long conversation that no longer fit: "
+                            "'summary' (one the model writes and keeps up to date), 'retrieved' (the older turns "
+                            "most relevant to the new message, found by full-text search, verbatim), or 'both'.")
+    retrieved_turns_tokens: int = Field(400, ge=0, description="Most prompt tokens the retrieved older turns may "
+                                                               "take (at most a quarter of the context window); "
+                                                               "their room comes out of the verbatim turns'.")
     event_log_retention_s: float = Field(600.0, gt=0, description="How long a finished answer's stream events "
                                                                   "stay resumable.")
     title_chars: int = Field(60, gt=0, description="Length of a conversation's automatic title.")

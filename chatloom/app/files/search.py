@@ -65,15 +65,25 @@ def fts5_query(query: str) -> str:
     return " OR ".join([f'"{w}"' for w in words] + [f'"{a} {b}"' for a, b in phrases])
 
 
-# PostgreSQL's ts_rank does not see a phrase's word order, so each phrase a passage holds adds its own
-# rank on top of the words' (the role a phrase's BM25 term plays in FTS5).
+def postgres_rank(vector: str) -> str:
+    """A PostgreSQL rank of the tsvector expression `vector` for the `postgres_params` of a question.
+    ts_rank does not see a phrase's word order, so each phrase the text holds adds its own rank on top
+    of the words' (the role a phrase's BM25 term plays in FTS5)."""
+    return (f"ts_rank({vector}, to_tsquery('{TS_CONFIG}', :words)) + coalesce((SELECT sum(ts_rank({vector}, pq)) "
+            f"FROM unnest(CAST(:phrases AS text[])) AS s(p), to_tsquery('{TS_CONFIG}', s.p) AS pq "
+            f"WHERE {vector} @@ pq), 0)")
+
+
+def postgres_params(query: str) -> dict[str, object]:
+    """`:words` (a tsquery OR of the content words) and `:phrases` (tsquery phrases) for `postgres_rank`."""
+    words, phrases = query_terms(query)
+    return {"words": " | ".join(words), "phrases": [f"{a} <-> {b}" for a, b in phrases]}
+
+
 _POSTGRES_FULLTEXT = (
     f"SELECT id FROM (SELECT id, to_tsvector('{TS_CONFIG}', text) AS v FROM file_chunks "
     f"WHERE user_id = :user AND file_id IN :files AND to_tsvector('{TS_CONFIG}', text) @@ "
-    f"to_tsquery('{TS_CONFIG}', :words)) AS m "
-    f"ORDER BY ts_rank(v, to_tsquery('{TS_CONFIG}', :words)) + coalesce((SELECT sum(ts_rank(v, pq)) "
-    f"FROM unnest(CAST(:phrases AS text[])) AS s(p), to_tsquery('{TS_CONFIG}', s.p) AS pq WHERE v @@ pq), 0) "
-    f"DESC, id LIMIT :n")
+    f"to_tsquery('{TS_CONFIG}', :words)) AS m ORDER BY {postgres_rank('v')} DESC, id LIMIT :n")
 _SQLITE_FULLTEXT = (
     "SELECT c.id FROM file_chunks_fts JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
     "WHERE file_chunks_fts MATCH :q AND c.user_id = :user AND c.file_id IN :files "
@@ -82,8 +92,7 @@ _SQLITE_FULLTEXT = (
 
 async def fulltext(session: AsyncSession, user_id: str, file_ids: list[str], query: str, limit: int) -> list[int]:
     """Passage ids of `file_ids` (the user's) matching any content word or phrase of `query`, best first."""
-    words, phrases = query_terms(query)
-    if not words or not file_ids:
+    if not terms(query) or not file_ids:
         return []
     params: dict = {"user": user_id, "files": list(file_ids), "n": limit}
     if session.bind.dialect.name == "sqlite":
@@ -91,7 +100,7 @@ async def fulltext(session: AsyncSession, user_id: str, file_ids: list[str], que
         params["q"] = fts5_query(query)
     else:
         sql = _POSTGRES_FULLTEXT
-        params.update(words=" | ".join(words), phrases=[f"{a} <-> {b}" for a, b in phrases])
+        params.update(postgres_params(query))
     rows = await session.execute(text(sql).bindparams(bindparam("files", expanding=True)), params)
     return [r[0] for r in rows]
 
