@@ -15,7 +15,8 @@ read the passages and fit them to the prompt budget. It is timed over a conversa
 collection of `latency_chunks` passages (the corpus's passages again, with random unit vectors), each
 question once, as the default settings run it (full-text only) and with embeddings on (hybrid, the
 question's embedding included), with the parts beside them: the full-text search alone and the
-question's embedding alone (through quota, admission and metering). The parts are alternated per
+question's embedding alone (through quota, admission and metering), and a bare `SELECT 1` through the
+same pool, the floor any database work has on the machine. The parts are alternated per
 question, so a busy moment of a shared machine lands on each alike.
 """
 from __future__ import annotations
@@ -149,6 +150,8 @@ async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, 
     """What retrieval adds before an answer, per question, over a conversation reading `size` passages of
     the user's own (texts of the corpus, random unit vectors): the chat's retrieval as the default settings
     run it (full-text) and with embeddings on (hybrid), and their parts."""
+    from sqlalchemy import text
+
     from chatloom.app.files.search import pack
     from chatloom.store import Conversations
     from chatloom.store.file_chunks import ConversationFile, FileChunk
@@ -177,7 +180,8 @@ async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, 
         conversation_id = conv.id
     retriever = ctx.retriever
     await retriever.for_conversation(user, conversation_id, "warm up", mode="hybrid")
-    parts: dict[str, list[float]] = {"chat_default": [], "fulltext": []}
+    # The floor: one trivial query through a session of the same pool, what any database work costs here.
+    parts: dict[str, list[float]] = {"chat_default": [], "fulltext": [], "select_1": []}
     if vectors:
         parts.update(chat_hybrid=[], question_embedding=[])
     for q in questions:
@@ -187,6 +191,9 @@ async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, 
                 await ctx.pipeline.embeddings.embed(user, [q["question"]])
             elif part == "fulltext":
                 await retriever.search(user, [file_id], q["question"], "fulltext")
+            elif part == "select_1":
+                async with ctx.db.session() as session:
+                    await session.execute(text("SELECT 1"))
             else:
                 await retriever.for_conversation(user, conversation_id, q["question"],
                                                  mode="fulltext" if part == "chat_default" else "hybrid")

@@ -13,7 +13,8 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.chat.prompt import Turn, transcript
-from chatloom.app.files.search import TS_CONFIG, fts5_query, postgres_params, postgres_rank, terms
+from chatloom.app.files.search import (POSTGRES_PHRASES, TS_CONFIG, fts5_query, postgres_params, postgres_rank,
+                                       terms)
 
 RECALL_HEADER = "\n\nEarlier turns of this conversation that bear on the new message:\n"
 CANDIDATES = 8  # ranked turns read per message; the token budget usually keeps fewer
@@ -22,7 +23,8 @@ _SQLITE = ("SELECT message_id FROM chat_fts WHERE chat_fts MATCH :q AND kind = '
            "AND conversation_id = :conversation AND message_id IN :ids ORDER BY bm25(chat_fts) LIMIT :n")
 _POSTGRES = (f"SELECT id FROM (SELECT id, to_tsvector('{TS_CONFIG}', text) AS v FROM messages "
              f"WHERE conversation_id = :conversation AND id IN :ids AND to_tsvector('{TS_CONFIG}', text) @@ "
-             f"to_tsquery('{TS_CONFIG}', :words)) AS m ORDER BY {postgres_rank('v')} DESC, id LIMIT :n")
+             f"to_tsquery('{TS_CONFIG}', :words)) AS m, {POSTGRES_PHRASES} ORDER BY {postgres_rank('m.v')} DESC, m.id "
+             f"LIMIT :n")
 
 
 async def relevant_turns(session: AsyncSession, conversation_id: str, turns: list[Turn], query: str,

@@ -65,13 +65,17 @@ def fts5_query(query: str) -> str:
     return " OR ".join([f'"{w}"' for w in words] + [f'"{a} {b}"' for a, b in phrases])
 
 
+# The question's phrases as tsqueries, parsed once per query (not once per passage): a FROM item.
+POSTGRES_PHRASES = (f"(SELECT array_agg(to_tsquery('{TS_CONFIG}', s.p)) AS qs "
+                    f"FROM unnest(CAST(:phrases AS text[])) AS s(p)) AS phrase_queries")
+
+
 def postgres_rank(vector: str) -> str:
-    """A PostgreSQL rank of the tsvector expression `vector` for the `postgres_params` of a question.
-    ts_rank does not see a phrase's word order, so each phrase the text holds adds its own rank on top
-    of the words' (the role a phrase's BM25 term plays in FTS5)."""
-    return (f"ts_rank({vector}, to_tsquery('{TS_CONFIG}', :words)) + coalesce((SELECT sum(ts_rank({vector}, pq)) "
-            f"FROM unnest(CAST(:phrases AS text[])) AS s(p), to_tsquery('{TS_CONFIG}', s.p) AS pq "
-            f"WHERE {vector} @@ pq), 0)")
+    """A PostgreSQL rank of the tsvector `vector` for the `postgres_params` of a question, in a query FROM
+    `POSTGRES_PHRASES`. ts_rank does not see a phrase's word order, so each phrase the text holds adds its
+    own rank on top of the words' (the role a phrase's BM25 term plays in FTS5)."""
+    return (f"ts_rank({vector}, to_tsquery('{TS_CONFIG}', :words)) + coalesce((SELECT sum(ts_rank({vector}, q)) "
+            f"FROM unnest(phrase_queries.qs) AS q WHERE {vector} @@ q), 0)")
 
 
 def postgres_params(query: str) -> dict[str, object]:
@@ -80,10 +84,10 @@ def postgres_params(query: str) -> dict[str, object]:
     return {"words": " | ".join(words), "phrases": [f"{a} <-> {b}" for a, b in phrases]}
 
 
+# file_chunks.text_fts: the passage's stored tsvector (migration 0014), GIN-indexed.
 _POSTGRES_FULLTEXT = (
-    f"SELECT id FROM (SELECT id, to_tsvector('{TS_CONFIG}', text) AS v FROM file_chunks "
-    f"WHERE user_id = :user AND file_id IN :files AND to_tsvector('{TS_CONFIG}', text) @@ "
-    f"to_tsquery('{TS_CONFIG}', :words)) AS m ORDER BY {postgres_rank('v')} DESC, id LIMIT :n")
+    f"SELECT id FROM file_chunks, {POSTGRES_PHRASES} WHERE user_id = :user AND file_id IN :files "
+    f"AND text_fts @@ to_tsquery('{TS_CONFIG}', :words) ORDER BY {postgres_rank('text_fts')} DESC, id LIMIT :n")
 _SQLITE_FULLTEXT = (
     "SELECT c.id FROM file_chunks_fts JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
     "WHERE file_chunks_fts MATCH :q AND c.user_id = :user AND c.file_id IN :files "
