@@ -377,8 +377,7 @@ class FilesSettings(Group):
                                                                   "refused as a decompression bomb (413).")
     max_archive_ratio: float = Field(100.0, gt=1, description="A DOCX whose parts unpack to more than this many "
                                                               "times its size is refused as a decompression bomb.")
-    chunk_chars: int = Field(1000, ge=200, description="Length of one indexed passage, in characters (chosen by "
-                                                       "`chatloom bench retrieval`; docs/files.md).")
+    chunk_chars: int = Field(1000, ge=200, description="Length of one indexed passage, in characters.")
     chunk_overlap_chars: int = Field(100, ge=0, description="Characters a passage repeats from the one before.")
     embeddings: bool = Field(False, description="Index passages with embeddings too and fuse vector search with "
                                                 "full-text search; off: full-text search only. Worth it with an "

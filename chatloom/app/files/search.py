@@ -1,10 +1,10 @@
 """Ranking a user's passages for a question: full-text, vectors, and the two fused by rank.
 
-Full-text search runs in the database: SQLite's FTS5 index (BM25) or PostgreSQL's `to_tsvector` GIN
-index (`ts_rank`), both with English stemming. The query is an OR of the question's content words (its
+Full-text search runs in the database: SQLite's FTS5 index (BM25) or PostgreSQL's GIN-indexed tsvector
+column (`ts_rank`), both with English stemming. The query is an OR of the question's content words (its
 function words dropped, so "what" and "the" neither match every passage nor cost a scan of them) and of
 each pair of adjacent words as a phrase: a passage holding "session token" as the question says it
-outranks one that has both words apart (recall@5 on the bench's questions 0.874 -> 0.942). Vector search is
+outranks one that has both words apart (docs/files.md has the figures). Vector search is
 exact: the dot product of the question's unit vector with every vector of the passages in scope, which
 are only the user's own (a few thousand at most), so no approximate index is needed. The two rankings
 are fused by reciprocal rank (RRF): a passage scores sum(1 / (k + rank)) over the rankings it is in,
