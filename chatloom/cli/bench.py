@@ -276,9 +276,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=positive_int, default=5, help="passages retrieved per question")
     p.add_argument("--questions", type=positive_int, default=None, help="use only the first N questions")
     p.add_argument("--latency-chunks", type=int, default=1000, help="passages in the latency collection (0: skip)")
-    p.add_argument("--chunk-chars", type=positive_int, default=1200, help="passage length in characters")
-    p.add_argument("--overlap", type=int, default=200, help="characters a passage repeats from the one before")
+    p.add_argument("--chunk-chars", type=positive_int, default=None,
+                   help="passage length in characters (default: files.chunk_chars)")
+    p.add_argument("--overlap", type=int, default=None,
+                   help="characters a passage repeats from the one before (default: files.chunk_overlap_chars)")
     p.add_argument("--pooling", choices=("last", "mean"), default="last", help="how the model's embeddings pool")
+    p.add_argument("--modes", nargs="+", choices=("fulltext", "vector", "hybrid"),
+                   default=["fulltext", "vector", "hybrid"],
+                   help="rankings to score (fulltext alone indexes no vectors: no model work)")
+    p.add_argument("--db-url", default=None, help="an empty database to index into (default: a fresh SQLite file)")
     p.set_defaults(func=runs.retrieval)
 
     p = sub.add_parser("checkpoints", help="write random-weight checkpoints of real model shapes (Hugging Face "

@@ -365,4 +365,5 @@ def retrieval(args) -> int:
     from chatloom.bench.retrieval import run_retrieval
 
     return _emit(run_retrieval(load_from_args(args), args.k, args.questions, args.latency_chunks,
-                               chunk_chars=args.chunk_chars, overlap=args.overlap, pooling=args.pooling), args.table)
+                               chunk_chars=args.chunk_chars, overlap=args.overlap, pooling=args.pooling,
+                               modes=tuple(args.modes), db_url=args.db_url), args.table)

@@ -155,6 +155,13 @@ class ChatSettings(Group):
     summary_max_tokens: int = Field(200, gt=0, description="Length of a summary of older turns.")
     summary_keep_fraction: float = Field(0.5, gt=0, le=1, description="After summarizing, the most of the "
                                                                       "history budget kept as verbatim turns.")
+    older_turns: Literal["summary", "retrieved", "both"] = Field(
+        "both", description="What stands in the prompt for the turns of a long conversation that no longer fit: "
+                            "'summary' (one the model writes and keeps up to date), 'retrieved' (the older turns "
+                            "most relevant to the new message, found by full-text search, verbatim), or 'both'.")
+    retrieved_turns_tokens: int = Field(400, ge=0, description="Most prompt tokens the retrieved older turns may "
+                                                               "take (at most a quarter of the context window); "
+                                                               "their room comes out of the verbatim turns'.")
     event_log_retention_s: float = Field(600.0, gt=0, description="How long a finished answer's stream events "
                                                                   "stay resumable.")
     title_chars: int = Field(60, gt=0, description="Length of a conversation's automatic title.")
@@ -429,8 +436,8 @@ class FilesSettings(Group):
                                                                   "refused as a decompression bomb (413).")
     max_archive_ratio: float = Field(100.0, gt=1, description="A DOCX whose parts unpack to more than this many "
                                                               "times its size is refused as a decompression bomb.")
-    chunk_chars: int = Field(1200, ge=200, description="Length of one indexed passage, in characters.")
-    chunk_overlap_chars: int = Field(200, ge=0, description="Characters a passage repeats from the one before.")
+    chunk_chars: int = Field(1000, ge=200, description="Length of one indexed passage, in characters.")
+    chunk_overlap_chars: int = Field(100, ge=0, description="Characters a passage repeats from the one before.")
     embeddings: bool = Field(False, description="Index passages with embeddings too and fuse vector search with "
                                                 "full-text search; off: full-text search only. Worth it with an "
                                                 "embedding model (embedding_model), not with a chat model's vectors "

@@ -2,9 +2,9 @@
 
 A file's text is cut into overlapping passages (`FileChunk`), each with its place in the text and, where
 embeddings are on, its vector (float32 bytes). Full-text search runs on the database's own index over
-the passages and over conversations: SQLite FTS5 tables kept in step by triggers, PostgreSQL GIN indexes
-on `to_tsvector` (both made by migration 0010; `is_search_index` names them, so schema comparisons leave
-them be). Files attach to a conversation, or to a named collection that attaches to many.
+the passages and over conversations: SQLite FTS5 tables kept in step by triggers (migration 0011), and on
+PostgreSQL a stored tsvector column of passages, `text_fts` (0014), and GIN indexes on `to_tsvector` of
+messages and titles (0011); `is_search_index` names them, so schema comparisons leave them be. Files attach to a conversation, or to a named collection that attaches to many.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ TS_CONFIG = "english"
 
 
 def is_search_index(name: str | None) -> bool:
-    """Whether a table or index is part of the full-text index (FTS5 tables and their shadow tables,
-    PostgreSQL expression indexes), made by the migration and not described by the models."""
+    """Whether a table, column or index is part of the full-text index (FTS5 tables and their shadow tables,
+    PostgreSQL's tsvector column and GIN indexes), made by the migrations and not described by the models."""
     return bool(name) and ("_fts" in name)
 
 

@@ -30,4 +30,11 @@ def test_bench_reports_recall_per_mode_and_latency(tiny_model_fp32):
     assert recall["fulltext"] >= 0.5 and recall["hybrid"] >= recall["fulltext"] - 0.25
     latency = r["latency"]
     assert latency["passages"] == 60 and latency["searches"] == 12
-    assert all(latency[part]["p50_ms"] > 0 for part in ("hybrid", "question_embedding", "fulltext"))
+    parts = ("chat_default", "chat_hybrid", "fulltext", "question_embedding", "select_1")
+    assert all(0 < latency[part]["p50_ms"] <= latency[part]["p90_ms"] for part in parts)
+
+
+def test_bench_of_fulltext_alone_indexes_no_vectors(tiny_model_fp32):
+    r = run_retrieval(tiny_model_fp32, k=5, limit=8, latency_chunks=40, modes=("fulltext",))
+    assert set(r["recall_at_5"]) == {"fulltext"} and r["recall_at_5"]["fulltext"] >= 0.5
+    assert set(r["latency"]) == {"passages", "searches", "chat_default", "fulltext", "select_1"}

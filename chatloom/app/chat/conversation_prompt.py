@@ -24,6 +24,7 @@ from chatloom.app.chat.message_images import with_images
 from chatloom.store.blobs import BlobStore
 from chatloom.app.chat.prompt import (SUMMARY_HEADER, TemplateCost, Turn, build_messages, chunk_turns, plan_prompt,
                                  summarizer_messages)
+from chatloom.app.chat.recall import RECALL_HEADER, recalled_text
 from chatloom.settings import Settings
 from chatloom.serving import Backend, BadGenerationRequest, GenerationRequest, Usage
 from chatloom.store import Conversations, Database, Message, Messages
@@ -134,24 +135,71 @@ class PromptAssembler:
             return turns
         return await with_images(session, self.blobs, turns, self.settings.vision.max_image_pixels)
 
+    def retrieved_turns_tokens(self) -> int:
+        return min(self.settings.chat.retrieved_turns_tokens, self.context_window // 4)
+
     def plan(self, history: list[Turn], summary: str | None, max_tokens: int, extra_tokens: int = 0,
-             context: str = "", system: str | None = None) -> Draft:
+             context: str = "", system: str | None = None, recall: list[tuple[int, Turn]] | None = None) -> Draft:
         """Which turns go in, from their stored counts. `extra_tokens`: what the prompt as sent adds to the
         system prompt and the turns (tool descriptions, thinking instructions, an answer being continued).
         `context`: retrieved passages for the system message (their tokens come out of the history's room).
-        `system`: the system prompt (system_for); default the server's."""
+        `system`: the system prompt (system_for); default the server's. `recall`: earlier turns of the
+        branch relevant to the new message, best first, each with its place in the branch (recall.py);
+        those that do not stay in the prompt verbatim join the system message, within
+        `chat.retrieved_turns_tokens`."""
         count = self.backend.count_tokens
         system = system if system is not None else self.settings.chat.system_prompt
-        plan = plan_prompt(history, budget=self.context_window - max_tokens, cost=self.template_cost,
-                           system_tokens=count((system or self.settings.chat.system_prompt) + context) + extra_tokens,
-                           summary_tokens=count(SUMMARY_HEADER + summary) if summary else 0,
-                           summary_reserve=self.summary_max_tokens() + count(SUMMARY_HEADER),
-                           keep_fraction=self.settings.chat.summary_keep_fraction)
-        draft = Draft(summary if plan.use_summary else None, list(plan.kept), list(plan.to_summarize),
-                      context=context, system=system)
+        mode = self.settings.chat.older_turns
+        summarize = mode != "retrieved"
+        recall = list(recall or []) if mode != "summary" else []
+        summary = summary if summarize else None
+
+        def planned(reserve: int):
+            return plan_prompt(history, budget=self.context_window - max_tokens, cost=self.template_cost,
+                               system_tokens=count((system or self.settings.chat.system_prompt) + context)
+                               + extra_tokens + reserve,
+                               summary_tokens=count(SUMMARY_HEADER + summary) if summary else 0,
+                               summary_reserve=self.summary_max_tokens() + count(SUMMARY_HEADER) if summarize else 0,
+                               keep_fraction=self.settings.chat.summary_keep_fraction)
+
+        plan = planned(0)
+        if any(t.id not in {k.id for k in plan.kept} for _, t in recall):
+            # Room for the retrieved turns comes out of the verbatim turns'.
+            plan = planned(self.retrieved_turns_tokens())
+        kept_ids = {k.id for k in plan.kept}
+        recalled = self._fit_recalled([(at, t) for at, t in recall if t.id not in kept_ids],
+                                      self.retrieved_turns_tokens())
+        draft = Draft(summary if plan.use_summary else None, list(plan.kept),
+                      list(plan.to_summarize) if summarize else [], context=context + recalled, system=system)
         if draft.pending:
             draft.summary_tokens = self.summary_cost(draft.summary, draft.to_summarize)
         return draft
+
+    def _fit_recalled(self, ranked: list[tuple[int, Turn]], budget: int) -> str:
+        """The best of `ranked` that fit `budget` tokens together, in the branch's order, as the system
+        message's part; a turn taking more than half the room alone is cut to that (its head: where a
+        question or an answer begins)."""
+        count = self.backend.count_tokens
+        chosen: list[tuple[int, Turn]] = []
+        used = count(RECALL_HEADER)
+        half = (budget - used) // 2
+        for at, t in ranked:
+            if t.tokens + 4 > half:
+                keep = max(1, int(len(t.text) * half / max(t.tokens, 1) * 0.8))
+                t = Turn(t.id, t.role, t.text[:keep] + "…", count(t.text[:keep]) + 1)
+            if used + t.tokens + 4 > budget:  # 4: the transcript's "User: " and the line break
+                continue
+            chosen.append((at, t))
+            used += t.tokens + 4
+
+        def text_of(items: list[tuple[int, Turn]]) -> str:
+            return recalled_text([t for _, t in sorted(items, key=lambda item: item[0])])
+
+        text = text_of(chosen)
+        while chosen and count(text) > budget:  # the stored counts were short: drop the least relevant
+            chosen.pop()
+            text = text_of(chosen)
+        return text
 
     def build(self, draft: Draft, summary: str | None, count: Callable[[list[dict]], int], limit: int) -> list[dict]:
         """The messages: system prompt (with `summary`) and the draft's turns, the oldest dropped while the

@@ -33,6 +33,7 @@ from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_prompt import Draft, PromptAssembler, branch_turns
 from chatloom.app.chat.message_images import delete_blobs, image_tokens, save_images
 from chatloom.app.chat.prompt import Turn
+from chatloom.app.chat.recall import relevant_turns
 from chatloom.app.chat.stopping import Stopping
 from chatloom.app.chat.takeover import TakeOver
 from chatloom.app.tools.builtins import builtin_registry
@@ -141,9 +142,12 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             history, summary = branch_turns(tree.path_to(parent) if parent is not None else [], conv.summary,
                                             conv.summary_upto)
             passages = await self._passages(session, options.user, conv.id, text)
+            recall = await self._older_turns(session, conv.id, tree.path_to(parent) if parent is not None else [],
+                                             text)
             history = await self.prompts.with_images(session, history)
             planned = await self.reserve_answer(run, history + [Turn("", "user", text, text_tokens, tuple(images))],
-                                                summary, context=context_text(passages), session=session)
+                                                summary, context=context_text(passages), session=session,
+                                                recall=recall)
             messages = Messages(session)
             user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
             if images:
@@ -172,6 +176,15 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         if self.retriever is None:
             return []
         return await self.retriever.for_conversation(user, conversation_id, text, session=session)
+
+    async def _older_turns(self, session: AsyncSession, conversation_id: str, path: list,
+                           text: str) -> list[tuple[int, Turn]]:
+        """The earlier turns of the branch (`path`, root first) most relevant to the new message `text`,
+        best first with their places (chat.older_turns: none when only the summary stands for them)."""
+        if self.settings.chat.older_turns == "summary" or self.settings.chat.retrieved_turns_tokens <= 0:
+            return []
+        return await relevant_turns(session, conversation_id, [Turn(m.id, m.role, m.text, m.tokens) for m in path],
+                                    text)
 
     async def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
         if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
@@ -212,10 +225,12 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             if question_id is None:
                 raise ApiError(400, "this message has no user message to answer", "invalid_message")
             tree = Tree(await Messages(session).all_in(conv.id))
-            passages = await self._passages(session, options.user, conv.id, tree.by_id[question_id].text)
+            question = tree.by_id[question_id].text
+            passages = await self._passages(session, options.user, conv.id, question)
+            recall = await self._older_turns(session, conv.id, tree.path_to(question_id)[:-1], question)
             planned = await self.reserve_answer(run, *branch_turns(tree.path_to(question_id), conv.summary,
                                                                     conv.summary_upto), context=context_text(passages),
-                                                session=session)
+                                                session=session, recall=recall)
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
                                                  status="incomplete", writer=self.jobs.instance)
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
@@ -235,15 +250,15 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             await run.close()
 
     async def reserve_answer(self, run: Run, history: list[Turn], summary: str | None, prefix: str = "",
-                              context: str = "", session: AsyncSession | None = None
-                              ) -> tuple[ChatPrompt | None, Draft, int]:
+                              context: str = "", session: AsyncSession | None = None,
+                              recall: list[tuple[int, Turn]] | None = None) -> tuple[ChatPrompt | None, Draft, int]:
         """Plan the answer's prompt (no model work) and reserve its quota, before any response: the prompt
         exactly as it will be sent when no summary has to be written first, else an upper bound of it plus
         an allowance for the summary; and, with tools, the rounds after the first. Raises the 400, 429 or
         503 of `Run.reserve`. Returns (the prompt or None, the draft, the tokens reserved for the prompt)
         for `_start`. `prefix`: the answer's text so far, which the prompt continues; `context`: retrieved
         passages for the system message; `session`: the caller's, to read the user's instructions and
-        memories in."""
+        memories in; `recall`: earlier turns relevant to the new message (PromptAssembler.plan)."""
         limit = self.prompts.context_window - run.max_tokens
 
         def count(messages: list[dict]) -> int:
@@ -254,7 +269,8 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         def plan() -> tuple[ChatPrompt | None, Draft, int]:
             bare = [{"role": "system", "content": system}]
             extra = count(bare) - self.backend.count_prompt_tokens(bare)  # tools, thinking, the prefix
-            draft = self.prompts.plan(history, summary, run.max_tokens, extra, context=context, system=system)
+            draft = self.prompts.plan(history, summary, run.max_tokens, extra, context=context, system=system,
+                                      recall=recall)
             if draft.pending:
                 return None, draft, self.prompts.bound(draft, count, limit)
             prompt = self._final_prompt(run, self.prompts.build(draft, draft.summary, count, limit), prefix)

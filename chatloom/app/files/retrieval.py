@@ -103,9 +103,9 @@ class Retriever:
         return model, result.vectors[0]
 
     async def for_conversation(self, user: User, conversation_id: str, query: str,
-                               session: AsyncSession | None = None) -> list[Passage]:
+                               session: AsyncSession | None = None, mode: str = "hybrid") -> list[Passage]:
         """The passages for a new message in a conversation, within the prompt budget; [] without files.
-        `session`: the caller's, used instead of a connection of its own."""
+        `session`: the caller's, used instead of a connection of its own; `mode`: as for `search`."""
         budget = self.settings.files.prompt_tokens
         if budget <= 0 or not query.strip():
             return []
@@ -113,7 +113,7 @@ class Retriever:
             file_ids = await self.files.scope(s, user.id, conversation_id)
         if not file_ids:
             return []
-        ids = await self.search(user, file_ids, query, session=session)
+        ids = await self.search(user, file_ids, query, mode, session=session)
         if not ids:
             return []
         async with self._session(session) as s:

@@ -1,7 +1,7 @@
 """security: API key scopes and expiry, session versions, the audit log
 
 Revision ID: 0019
-Revises: 0013
+Revises: 0014
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0019"
-down_revision = "0013"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,41 @@
+"""The full-text query of a question: content words and adjacent pairs as phrases, ranked alike by
+SQLite's FTS5 and PostgreSQL's tsvector."""
+from __future__ import annotations
+
+import pytest
+
+from app_testing import make_settings
+from chatloom.app.files.search import fts5_query, query_terms
+
+FILLER = "Unrelated filler about gardens and weather. " * 30
+
+
+@pytest.fixture
+def settings(tmp_path, db_url):
+    return make_settings(tmp_path, server={"db_url": db_url}, files={"chunk_chars": 400, "chunk_overlap_chars": 0})
+
+
+def test_function_words_leave_the_terms_but_join_the_phrases():
+    words, phrases = query_terms("How long does a session token stay valid?")
+    assert words == ["long", "session", "token", "stay", "valid"]
+    assert ("session", "token") in phrases and ("how", "long") in phrases
+    assert fts5_query("What is it?") == '"what" OR "is" OR "it" OR "what is" OR "is it"'  # nothing but function words
+    assert fts5_query("?!") == ""
+
+
+async def test_a_passage_with_the_phrase_outranks_one_with_the_words_apart(client, alice):
+    # More of each word apart than together: without the phrase, this passage would rank first.
+    apart = ("Every session begins at login and each session ends at logout. Every token is counted and each "
+             "token is metered.")
+    together = "The session token is kept in the browser's storage until it expires."
+    doc = f"{apart}\n\n{FILLER}\n\n{together}\n\n{FILLER}\n"
+    r = await client.post("/files", headers=alice, files={"file": ("notes.txt", doc.encode())})
+    assert r.status_code == 201, r.text
+    found = (await client.get("/files/search", headers=alice, params={"q": "what is a session token?",
+                                                                     "mode": "fulltext"})).json()
+    assert [("session token is kept" in p["text"], "session begins" in p["text"]) for p in found[:2]] == [
+        (True, False), (False, True)], found
+    # Function words alone match nothing of substance: "the" and "is" are in every passage.
+    only_filler = (await client.get("/files/search", headers=alice, params={"q": "what about the weather",
+                                                                           "mode": "fulltext"})).json()
+    assert only_filler and all("weather" in p["text"] for p in only_filler)
