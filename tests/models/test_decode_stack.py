@@ -7,7 +7,6 @@ models it cannot run must keep the module path.
 """
 from __future__ import annotations
 
-
 import dataclasses
 import time
 
