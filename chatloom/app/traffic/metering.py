@@ -67,7 +67,9 @@ class Meter:
                                                          usage.cached_tokens)})
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(done)
-        if self._task is None or self._task.done():
+        task = self._task
+        # A new writer where none runs in this event loop (an app served by several loops in turn).
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._task = asyncio.create_task(self._run(), name="metering-writer")
         try:
             await asyncio.wait_for(asyncio.shield(done), self.wait_s)
@@ -77,8 +79,11 @@ class Meter:
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (at shutdown, before the database closes). Records still unwritten after
         `timeout_s` are logged as lost."""
+        loop = asyncio.get_running_loop()
         task = self._task
-        if task is not None and not task.done():
+        if self._pending and (task is None or task.done() or task.get_loop() is not loop):
+            task = self._task = asyncio.create_task(self._run(), name="metering-writer")
+        if task is not None and not task.done() and task.get_loop() is loop:
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout_s)
             except asyncio.TimeoutError:
@@ -103,7 +108,7 @@ class Meter:
     @staticmethod
     def _wake(waiters: list[asyncio.Future[None]]) -> None:
         for w in waiters:
-            if not w.done():
+            if not w.done() and not w.get_loop().is_closed():
                 w.set_result(None)
 
     async def _run(self) -> None:
