@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 
+import httpx
 import pytest
 from sqlalchemy import event, func, select
 
+from chatloom.app.main import create_app
 from chatloom.app.traffic.metering import Meter
 from chatloom.serving import Usage
 from chatloom.store import Database
 from chatloom.store.models import DailyUsage, User
+
+from app_testing import signup
 
 
 @pytest.fixture
@@ -109,3 +113,40 @@ async def test_a_row_that_cannot_be_written_does_not_hold_up_the_others(db, capl
     await meter.close()
     assert await totals(db) == (1, 7, 2)
     assert "could not meter usage for usr_gone" in caplog.text
+
+
+async def test_the_app_flushes_queued_usage_at_shutdown(settings, tiny_backend):
+    app = create_app(settings, tiny_backend)
+    gate = asyncio.Event()
+    async with app.router.lifespan_context(app):
+        ctx = app.state.ctx
+        meter, moderator = ctx.traffic.meter, ctx.traffic.moderator
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            me = (await client.get("/auth/me", headers=await signup(client, "dave"))).json()
+        write, close = meter._write, moderator.close
+
+        async def gated_write(batch):  # the write can start only once shutdown has begun
+            await gate.wait()
+            await write(batch)
+
+        async def close_then_open_gate():
+            await close()
+            gate.set()
+
+        writing_at_db_close: list[bool] = []
+        db_close = ctx.db.close
+
+        async def note_then_close_db():
+            writing_at_db_close.append(not meter._task.done())
+            await db_close()
+
+        meter._write, moderator.close, meter.wait_s = gated_write, close_then_open_gate, 0.0
+        ctx.db.close = note_then_close_db
+        await meter.record(me["id"], "tiny-random", Usage(prompt_tokens=11, completion_tokens=13))
+        assert await totals(ctx.db) == (0, 0, 0)  # still queued behind the gate
+    assert writing_at_db_close == [False]  # the queue was flushed before the database closed
+    db = Database(settings.server.db_url)
+    try:
+        assert await totals(db) == (1, 11, 13)
+    finally:
+        await db.close()
