@@ -143,6 +143,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
             if speech is not None and owns_speech:
                 await speech.close()
             await traffic.moderator.close()
+            await traffic.meter.close()  # answers have ended: flush their usage before the database closes
             await db.close()
 
     # Every route can get the edge's 400/413 (validation.EdgeGuard); the rest is declared per route.

@@ -230,6 +230,8 @@ def _run(config: StreamsConfig, folder: Path, procs: _Processes) -> dict:
     summary = summarize(raw, config.tokens)
     result["gateway"] = {**summary, **_cpu_figures(spent[gateway.pid], summary["tokens_received"]),
                          "replica": _cpu_figures(spent[replica.pid], summary["tokens_received"])}
+    result["gateway"]["metered_requests"] = _metered(f"http://127.0.0.1:{gateway_port}", headers,
+                                                     summary["completed"])
     if summary["errors"]:  # why, from the gateway's own log (the folder goes with the run)
         lines = (folder / "gateway.log").read_text(errors="replace").splitlines()
         result["gateway"]["log_errors"] = [line[:300] for line in lines if " ERROR " in line or "Error" in line][-10:]
@@ -237,6 +239,21 @@ def _run(config: StreamsConfig, folder: Path, procs: _Processes) -> dict:
     result["target"] = {"p99_gap_ms": 20.0, "met": p99 is not None and p99 < 20.0 and summary["errors"] == 0
                         and summary["starved_streams"] == 0}
     return result
+
+
+def _metered(url: str, headers: dict, completed: int, timeout_s: float = 30.0) -> int | None:
+    """Requests the gateway metered for the round (the warm-up left out), read from GET /usage once
+    every completed stream is there or the timeout has passed (metering ends after the stream)."""
+    deadline = time.monotonic() + timeout_s
+    metered = None
+    while True:
+        r = httpx.get(f"{url}/usage", headers=headers, timeout=60)
+        if r.status_code != 200:
+            return None
+        metered = sum(row["requests"] for row in r.json()["data"]) - 1
+        if metered >= completed or time.monotonic() > deadline:
+            return metered
+        time.sleep(0.2)
 
 
 def format_table(result: dict) -> str:

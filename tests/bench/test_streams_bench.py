@@ -20,6 +20,7 @@ def test_quick_run_completes_every_stream_through_the_gateway(capsys):
         assert set(r["gap_ms"]) == {"p50", "p90", "p99", "max"} and r["gap_ms"]["p50"] > 0
         assert isinstance(r["starved_streams"], int)
     assert out["gateway"]["cpu_s"] > 0 and out["gateway"]["cpu_us_per_token"] > 0
+    assert out["gateway"]["metered_requests"] == 20  # every answer in the usage rows
     assert isinstance(out["target"]["met"], bool)
     assert "gateway" in captured.err and "direct" in captured.err
 

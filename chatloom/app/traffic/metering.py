@@ -1,8 +1,16 @@
-"""Metering: tokens per user, UTC day and model, written to the database as generations end."""
+"""Metering: tokens per user, UTC day and model, written to the database as generations end.
+
+One writer task per process owns the writes: records queue in memory, summed per (user, day, model),
+and each flush adds them in one transaction. So metering holds one database connection at a time
+(SQLite gets one metering writer, and a burst of answers ending together cannot empty the pool), and
+a failed flush (database locked, pool timeout, database restarting) keeps its records and retries with
+backoff. close() flushes what is queued before the database is closed."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from sqlalchemy.exc import IntegrityError
@@ -12,28 +20,147 @@ from chatloom.store import Database, UsageRows
 
 log = logging.getLogger(__name__)
 
+Key = tuple[str, str, str]  # (user id, UTC day, model)
+
 
 def utc_day(ts: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if ts is None else ts, timezone.utc).strftime("%Y-%m-%d")
 
 
+@dataclass
+class Tally:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, other: Tally) -> None:
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.cached_tokens += other.cached_tokens
+
+
 class Meter:
-    def __init__(self, db: Database) -> None:
+    """Usage rows, written by one background task. `wait_s`: how long record() waits for its flush
+    (so a caller usually reads its own usage back at once) before it returns and leaves the record
+    queued; `backoff_s`: the first and the longest pause between failed flushes."""
+
+    def __init__(self, db: Database, wait_s: float = 5.0, backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
         self.db = db
+        self.wait_s = wait_s
+        self.backoff_s = backoff_s
+        self._pending: dict[Key, Tally] = {}
+        self._waiters: list[asyncio.Future[None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.failed_flushes = 0  # flushes that raised and were retried (for logs and tests)
+
+    @property
+    def queued(self) -> int:
+        """Requests recorded but not yet in the database."""
+        return sum(t.requests for t in self._pending.values())
 
     async def record(self, user_id: str, model: str, usage: Usage) -> None:
-        """Add one request's tokens. Failures are logged, never raised: metering must not break an answer."""
-        day = utc_day()
-        for attempt in range(3):
+        """Add one request's tokens. Never raises and never waits longer than `wait_s`: metering must
+        not break or hold up an answer; a record not written by then stays queued."""
+        self._merge({(user_id, utc_day(), model): Tally(1, usage.prompt_tokens, usage.completion_tokens,
+                                                         usage.cached_tokens)})
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(done)
+        task = self._task
+        # A new writer where none runs in this event loop (an app served by several loops in turn).
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            self._task = asyncio.create_task(self._run(), name="metering-writer")
+        try:
+            await asyncio.wait_for(asyncio.shield(done), self.wait_s)
+        except asyncio.TimeoutError:
+            pass
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Flush what is queued (at shutdown, before the database closes). Records still unwritten after
+        `timeout_s` are logged as lost."""
+        loop = asyncio.get_running_loop()
+        task = self._task
+        if self._pending and (task is None or task.done() or task.get_loop() is not loop):
+            task = self._task = asyncio.create_task(self._run(), name="metering-writer")
+        if task is not None and not task.done() and task.get_loop() is loop:
             try:
-                async with self.db.session() as session:
-                    await UsageRows(session).add(user_id, day, model, usage.prompt_tokens, usage.completion_tokens,
-                                                 usage.cached_tokens)
-                    await session.commit()
-                return
-            except IntegrityError:  # lost the race to create today's row; the UPDATE will find it now
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            except asyncio.TimeoutError:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        if self._pending:
+            for (user_id, day, model), t in self._pending.items():
+                log.error("could not meter usage for %s (%s, %s) before shutdown: %d requests, %d+%d tokens lost",
+                          user_id, day, model, t.requests, t.prompt_tokens, t.completion_tokens)
+            self._pending.clear()
+        self._wake(self._waiters)
+        self._waiters = []
+
+    # -- the writer ------------------------------------------------------------------
+    def _merge(self, batch: dict[Key, Tally]) -> None:
+        for key, t in batch.items():
+            self._pending.setdefault(key, Tally()).add(t)
+
+    @staticmethod
+    def _wake(waiters: list[asyncio.Future[None]]) -> None:
+        for w in waiters:
+            if not w.done() and not w.get_loop().is_closed():
+                w.set_result(None)
+
+    async def _run(self) -> None:
+        delay = self.backoff_s[0]
+        while self._pending:
+            batch, waiters = self._pending, self._waiters
+            self._pending, self._waiters = {}, []
+            try:
+                left = await self._flush(batch)
+            except asyncio.CancelledError:
+                self._merge(batch)
+                self._waiters += waiters
+                raise
+            if not left:
+                delay = self.backoff_s[0]
+                self._wake(waiters)
                 continue
-            except Exception:
-                log.exception("could not meter usage for %s", user_id)
-                return
-        log.error("could not meter usage for %s after retries", user_id)
+            self._merge(left)
+            self._waiters += waiters
+            self.failed_flushes += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff_s[1])
+
+    async def _flush(self, batch: dict[Key, Tally]) -> dict[Key, Tally]:
+        """Write `batch`; returns what is left to retry."""
+        try:
+            await self._write(batch)
+            return {}
+        except IntegrityError:  # a row created by another process meanwhile, or one that cannot be (user gone)
+            pass
+        except Exception as e:
+            log.warning("metering write failed, %d rows kept for a retry: %s", len(batch), e)
+            return batch
+        left: dict[Key, Tally] = {}
+        for key, t in batch.items():
+            for attempt in range(2):  # after a lost race to create the row, the UPDATE finds it
+                try:
+                    await self._write({key: t})
+                    break
+                except IntegrityError as e:
+                    if attempt:
+                        log.error("could not meter usage for %s: %s", key[0], e)
+                except Exception as e:
+                    log.warning("metering write failed, kept for a retry: %s", e)
+                    left[key] = t
+                    break
+        return left
+
+    async def _write(self, batch: dict[Key, Tally]) -> None:
+        async with self.db.session() as session:
+            rows = UsageRows(session)
+            for (user_id, day, model), t in batch.items():
+                await rows.add(user_id, day, model, t.prompt_tokens, t.completion_tokens, t.cached_tokens,
+                               requests=t.requests)
+            await session.commit()
