@@ -231,8 +231,9 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     operations = [result.ok() for result in schema.get_all_operations()]
     # Deletions last, so the real ids stay valid for the other operations; among them, the deepest paths
     # first (a conversation's attached file before the conversation), then the conversation (deleting it
-    # takes its shared links along), and the account itself at the end.
-    operations.sort(key=lambda op: (op.method.upper() == "DELETE", op.path == "/auth/me",
+    # takes its shared links along), and the account itself at the end. Signing out everywhere ends the
+    # fuzzer's session, so it comes after everything.
+    operations.sort(key=lambda op: (op.path == "/auth/revoke-all", op.method.upper() == "DELETE", op.path == "/auth/me",
                                     op.path == "/conversations/{conversation_id}",
                                     -op.path.count("/") if op.method.upper() == "DELETE" else 0))
     tally = Tally()
