@@ -140,7 +140,7 @@ def slo_capacity(spec: ReplicaSpec, traffic: TrafficModel, tpot_s: float, prefix
 
 
 def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo: SLO, config: SimConfig,
-              probe_replicas: int = 2, max_probes: int = 6, step: float = 0.05,
+              probe_replicas: int = 2, max_probes: int = 6, step: float = 0.05, margin: float = 1.1,
               on_probe: Callable[[Probe], None] | None = None) -> PlanResult:
     """Size analytically, then confirm with short probes of one small cell at the per-replica load the
     answer implies. A probe's cost follows the requests of `probe_replicas` replicas, not the fleet's
@@ -165,7 +165,9 @@ def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo:
 
     first = probe(guess)
     hit = float(first.summary.get("prefix_hit_rate") or 0.0)
-    n = max(1, math.ceil(peak_tokens / slo_capacity(spec, traffic, slo.tpot_s, hit)))
+    # The step model ignores queueing, so start a margin above its answer and walk down: probes of a
+    # fleet that meets the SLO are cheap, an overloaded one piles up requests.
+    n = min(guess, max(1, math.ceil(margin * peak_tokens / slo_capacity(spec, traffic, slo.tpot_s, hit))))
     if probe(n).ok:
         while len(tried) < max_probes:  # walk down while the next size still meets
             smaller = min(n - 1, math.floor(n * (1 - step)))
