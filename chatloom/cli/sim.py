@@ -93,6 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _sim_args(p, duration=300.0)
     p.add_argument("--policy", default="prefix_aware", help="routing policy (serving's name)")
     p.add_argument("--tolerance", type=_efficiency, default=0.03, help="stop bisecting within this share")
+    p.add_argument("--full", action="store_true",
+                   help="bisect with full cell simulations (--cell-size, --duration) instead of sizing from the "
+                        "step model and confirming with short probes of a small cell; slow above ~1e5 tokens/s")
+    p.add_argument("--probe-replicas", type=positive_int, default=2, help="replicas in the fast planner's probe cell")
+    p.add_argument("--probe-duration", type=positive_float, default=30.0,
+                   help="simulated seconds of each fast-planner probe")
     p.add_argument("--plot", default=None, metavar="DIR", help="write replicas_vs_peak.png there")
     p.add_argument("--plot-fractions", type=positive_float, nargs="+", default=[0.25, 0.5, 1.0],
                    help="with --plot: plan also at these fractions of the peak")
@@ -248,7 +254,9 @@ def _run_disagg(spec, pd, args, traffic, cfg, slo, n) -> dict:
 
 def cmd_plan(args) -> int:
     from chatloom.sim.hardware import model_config
-    from chatloom.sim.planner import explain, plan_fleet
+    from dataclasses import replace
+
+    from chatloom.sim.planner import explain, plan_fast, plan_fleet
     from chatloom.sim.seeds import back_of_envelope
 
     spec, traffic, cfg, slo = replica_spec(args), traffic_model(args), sim_config(args), slo_of(args)
@@ -263,6 +271,11 @@ def cmd_plan(args) -> int:
                 print(f"  probe {p.replicas:>7,} replicas: {'meets' if p.ok else 'misses'} the SLO "
                       f"(attainment {s['slo_attainment']}, TTFT p99 {s['ttft_ms']['p99']} ms, "
                       f"TPOT p99 {s['tpot_ms']['p99']} ms, refused {s['refused']})", file=sys.stderr, flush=True)
+        if not args.full:
+            dur = min(args.probe_duration, cfg.duration_s)
+            probe_cfg = replace(cfg, duration_s=dur, warmup_s=min(cfg.warmup_s, dur / 5))
+            return plan_fast(spec, tr, args.policy, slo, probe_cfg, probe_replicas=args.probe_replicas,
+                             on_probe=on_probe)
         return plan_fleet(spec, tr, args.policy, slo, cfg, cell_size=args.cell_size, sample_cells=args.sample_cells,
                           processes=args.processes, tolerance=args.tolerance, on_probe=on_probe)
 
@@ -279,7 +292,10 @@ def cmd_plan(args) -> int:
            "simulated": best.summary if best else None,
            "probes": [{"replicas": p.replicas, "ok": p.ok, "slo_attainment": p.summary["slo_attainment"]}
                       for p in plan.probes],
-           "cell_size": args.cell_size, "sample_cells": args.sample_cells, "duration_s": cfg.duration_s}
+           "method": "full" if args.full else "fast",
+           "cell_size": args.cell_size if args.full else args.probe_replicas,
+           "sample_cells": args.sample_cells if args.full else 1,
+           "duration_s": cfg.duration_s if args.full else min(args.probe_duration, cfg.duration_s)}
     if args.gpu_hour_price is not None and plan.replicas:
         from chatloom.sim.cost import cost_report
 

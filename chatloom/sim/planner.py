@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from chatloom.sim.cost import mean_request
+from chatloom.sim.cost import batch_within, mean_request, replica_seconds
 from chatloom.sim.fleet import PolicySpec, run_fleet
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.report import SLO, summarize
@@ -129,3 +129,56 @@ def explain(seed_rows: list[dict], plan: PlanResult, spec: ReplicaSpec, traffic:
         f"size for 100% of the average (no queueing, no burst x{traffic.burst_factor:g})",
     ]
     return lines
+
+
+def slo_capacity(spec: ReplicaSpec, traffic: TrafficModel, tpot_s: float, prefix_hit: float) -> float:
+    """Output tokens/s one replica serves at the SLO: the widest batch whose decode step meets the TPOT
+    target, its prefill charged at the prefix hit rate (the step-time model the simulator uses)."""
+    prompt, answer = mean_request(traffic, spec)
+    batch = batch_within(spec, prompt + answer / 2, tpot_s)
+    return answer / replica_seconds(spec, prompt, answer, batch, prefix_hit)
+
+
+def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo: SLO, config: SimConfig,
+              probe_replicas: int = 2, max_probes: int = 6, step: float = 0.05, margin: float = 1.1,
+              on_probe: Callable[[Probe], None] | None = None) -> PlanResult:
+    """Size analytically, then confirm with short probes of one small cell at the per-replica load the
+    answer implies. A probe's cost follows the requests of `probe_replicas` replicas, not the fleet's
+    size, so the 2.5 M tokens/s question costs what a small peak does. The first probe measures the
+    prefix hit rate, which re-sizes the fleet; later probes walk by `step` to the smallest size that
+    meets the SLO (at most `max_probes` in all)."""
+    peak_tokens = traffic.max_rate * traffic.mean_answer_tokens
+    est = replica_capacity(spec, traffic)
+    guess = max(1, math.ceil(peak_tokens / slo_capacity(spec, traffic, slo.tpot_s, 0.0)))
+    result = PlanResult(None, estimate={**est, "replicas": guess})
+    tried: dict[int, Probe] = {}
+
+    def probe(n: int) -> Probe:
+        if n not in tried:
+            res = run_fleet(spec, n, policy, traffic, config, cell_size=min(probe_replicas, n), sample_cells=1)
+            s = summarize(res.table, res.replicas, slo, config.warmup_s, config.duration_s, fleet_size=n)
+            tried[n] = Probe(n, meets(s, slo), s)
+            result.probes.append(tried[n])
+            if on_probe:
+                on_probe(tried[n])
+        return tried[n]
+
+    first = probe(guess)
+    hit = float(first.summary.get("prefix_hit_rate") or 0.0)
+    # The step model ignores queueing, so start a margin above its answer and walk down: probes of a
+    # fleet that meets the SLO are cheap, an overloaded one piles up requests.
+    n = min(guess, max(1, math.ceil(margin * peak_tokens / slo_capacity(spec, traffic, slo.tpot_s, hit))))
+    if probe(n).ok:
+        while len(tried) < max_probes:  # walk down while the next size still meets
+            smaller = min(n - 1, math.floor(n * (1 - step)))
+            if smaller < 1 or not probe(smaller).ok:
+                break
+            n = smaller
+        result.replicas = n
+    else:
+        while len(tried) < max_probes:  # walk up to the first size that meets
+            n = max(n + 1, math.ceil(n * (1 + step)))
+            if probe(n).ok:
+                result.replicas = n
+                break
+    return result

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from chatloom.sim.hardware import model_config
-from chatloom.sim.planner import plan_fleet, replica_capacity
+from chatloom.sim.planner import plan_fast, plan_fleet, replica_capacity
 from chatloom.sim.report import SLO
 from chatloom.sim.seeds import back_of_envelope, seed_step_time
 from chatloom.sim.simulator import SimConfig
@@ -51,3 +51,17 @@ def test_seed_step_model_reproduces_the_batching_table():
         assert model.step_time(BatchShape(batch, 0, 0, 0, 0)) == pytest.approx(seconds, rel=0.10)
     # 32 sequences per step of ~32 ms: the seeds' 1,000 tokens/s per server.
     assert 32 / model.step_time(BatchShape(32, 0, 0, 0, 0)) == pytest.approx(1000, rel=0.05)
+
+
+def test_fast_plan_agrees_with_the_full_bisection():
+    # The step-model sizing confirmed by two-replica probes lands on the size the full bisection over one
+    # 64-replica cell finds (one replica is 9% at this size, so "within 5%" means the same answer or one off).
+    spec = small_spec(max_num_seqs=8)
+    slo = SLO(ttft_s=0.5, tpot_s=0.05, attainment=0.95)
+    traffic = small_traffic(rate=60.0)
+    full = plan_fleet(spec, traffic, "prefix_aware", slo, SimConfig(duration_s=60.0, warmup_s=15.0), cell_size=64,
+                      tolerance=0.0)
+    fast = plan_fast(spec, traffic, "prefix_aware", slo, SimConfig(duration_s=30.0, warmup_s=6.0))
+    assert full.replicas is not None and fast.replicas is not None
+    assert abs(fast.replicas - full.replicas) <= max(1, round(0.05 * full.replicas)), (fast.probes, full.probes)
+    assert fast.best.ok and len(fast.probes) <= 6
