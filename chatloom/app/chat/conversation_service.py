@@ -134,7 +134,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             claimed = await self._claim_fleet(conv.id)
             tree = Tree(await Messages(session).all_in(conv.id))
             parent = self._parent(tree, conv, parent_id)
-            run = await self.pipeline.open((await self._with_tools(options)).ask(""), moderate=text)  # before model work
+            run = await self.pipeline.open((await self._with_tools(options, session)).ask(""), moderate=text)  # before model work
             text_tokens = await off_loop(self.backend.count_tokens, text, size=len(text))  # large input
             if images:  # a turn's stored count includes its images' tokens
                 text_tokens += await asyncio.to_thread(image_tokens, self.backend, text, list(images))
@@ -186,10 +186,10 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         return await relevant_turns(session, conversation_id, [Turn(m.id, m.role, m.text, m.tokens) for m in path],
                                     text)
 
-    async def _with_tools(self, options: GenerationOptions) -> GenerationOptions:
+    async def _with_tools(self, options: GenerationOptions, session: AsyncSession) -> GenerationOptions:
         if not self.tools or options.reasoning_effort is not None:  # tools and thinking are not mixed
             return options
-        tools = await self.tools.refresh(options.user)  # the MCP servers' tools as they are now
+        tools = await self.tools.refresh(options.user, session)  # the MCP servers' tools as they are now
         if not tools.tools:
             return options
         return GenerationOptions(options.user, options.model, options.max_tokens, options.temperature,
@@ -217,7 +217,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         claimed = False
         try:
             claimed = await self._claim_fleet(conv.id)
-            run = await self.pipeline.open((await self._with_tools(options)).ask(""))
+            run = await self.pipeline.open((await self._with_tools(options, session)).ask(""))
             target = await Messages(session).get(conv.id, message_id)
             if target is None:
                 raise not_found("message")

@@ -141,7 +141,8 @@ async def _in_collections(session: AsyncSession, user_id: str, collection_ids: l
 
 
 class FileSearchSource:
-    """The chat's `file_search`, offered to a user who has files (a source of the tool registry)."""
+    """The chat's `file_search`, offered to a user who has files (a source of the tool registry). Whether
+    they have files is read in the asking request's session where there is one (registry.ToolSource)."""
 
     def __init__(self, retriever: Retriever) -> None:
         self.search = FileSearch(retriever)
@@ -149,14 +150,19 @@ class FileSearchSource:
     def __bool__(self) -> bool:
         return self.search.settings.files.search_tool
 
-    async def tools(self, user: User | None) -> list[Tool]:
+    async def tools(self, user: User | None, session: AsyncSession | None = None) -> list[Tool]:
         if user is None or not self:
             return []
-        async with self.search.retriever.files.db.session() as session:
-            files = await session.scalar(select(func.count()).select_from(StoredFile).where(
-                StoredFile.user_id == user.id, StoredFile.purpose == PURPOSE))
-            if not files:
-                return []
-            names = (await session.scalars(select(Collection.name).where(Collection.user_id == user.id)
-                                           .order_by(Collection.name).limit(MAX_COLLECTIONS_LISTED))).all()
-        return [self.search.tool(collections=list(names))]
+        names = await self._look_up(user.id, session)
+        return [] if names is None else [self.search.tool(collections=names)]
+
+    async def _look_up(self, user_id: str, session: AsyncSession | None) -> list[str] | None:
+        if session is None:
+            async with self.search.retriever.files.db.session() as own:
+                return await self._look_up(user_id, own)
+        files = await session.scalar(select(func.count()).select_from(StoredFile).where(
+            StoredFile.user_id == user_id, StoredFile.purpose == PURPOSE))
+        if not files:
+            return None
+        return list((await session.scalars(select(Collection.name).where(Collection.user_id == user_id)
+                                           .order_by(Collection.name).limit(MAX_COLLECTIONS_LISTED))).all())

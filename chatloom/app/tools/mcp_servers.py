@@ -26,6 +26,7 @@ import httpx2
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.core.safe_fetch import FetchPolicy, FetchRefused, checked_address
 from chatloom.app.generation.tool_calls import ToolSpec
@@ -176,7 +177,7 @@ class McpTools:
     def __bool__(self) -> bool:
         return bool(self.servers)
 
-    async def tools(self, user: User | None = None) -> list[Tool]:
+    async def tools(self, user: User | None = None, session: AsyncSession | None = None) -> list[Tool]:
         listed = await asyncio.gather(*(s.tools() for s in self.servers))
         return [tool for tools in listed for tool in tools]
 
@@ -193,12 +194,15 @@ class UserMcpTools:
     def __bool__(self) -> bool:
         return self.settings.mcp_user_servers
 
-    async def tools(self, user: User | None) -> list[Tool]:
+    async def tools(self, user: User | None, session: AsyncSession | None = None) -> list[Tool]:
         if user is None or not self.settings.mcp_user_servers:
             return []
-        async with self.db.session() as session:
-            rows = (await session.execute(select(UserMcpServer).where(UserMcpServer.user_id == user.id)
-                                          .order_by(UserMcpServer.name))).scalars().all()
+        query = select(UserMcpServer).where(UserMcpServer.user_id == user.id).order_by(UserMcpServer.name)
+        if session is not None:  # the request's own: no second connection while it holds one
+            rows = (await session.execute(query)).scalars().all()
+        else:
+            async with self.db.session() as own:
+                rows = (await own.execute(query)).scalars().all()
         servers = []
         for row in rows:
             key = (row.id, row.url, tuple(sorted(row.headers.items())))

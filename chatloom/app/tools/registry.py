@@ -15,6 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from chatloom.app.generation.tool_calls import ToolCall, ToolSpec, ToolUse
 from chatloom.settings import Settings
 from chatloom.store import Database, User
@@ -87,9 +89,12 @@ class Tool:
 
 
 class ToolSource(Protocol):
-    """Tools that come and go (MCP servers'): listed again, for the user asking, when an answer starts."""
+    """Tools that come and go (MCP servers'): listed again, for the user asking, when an answer starts.
+    `session` is the asking request's own database session, for a source that reads the database: a
+    request must never wait for a second connection of the pool while it holds one (a burst of such
+    requests would hold every connection and wait out the pool's timeout)."""
 
-    async def tools(self, user: User) -> list[Tool]: ...
+    async def tools(self, user: User, session: AsyncSession | None = None) -> list[Tool]: ...
 
 
 class ToolRegistry:
@@ -108,10 +113,15 @@ class ToolRegistry:
         specs += [t.spec for name, t in listed.items() if name not in self.tools]
         return ToolUse(tuple(specs), "auto", parallel=True)
 
-    async def refresh(self, user: User | None = None) -> ToolUse:
-        """List the sources' tools again for this user (each source reuses a recent listing); all offered."""
+    async def refresh(self, user: User | None = None, session: AsyncSession | None = None) -> ToolUse:
+        """List the sources' tools again for this user (each source reuses a recent listing); all offered.
+        With the request's `session`, the sources read the database in it, one after another (a session
+        runs one statement at a time)."""
         if self.sources:
-            listed = await asyncio.gather(*(s.tools(user) for s in self.sources))
+            if session is None:
+                listed = await asyncio.gather(*(s.tools(user) for s in self.sources))
+            else:
+                listed = [await s.tools(user, session) for s in self.sources]
             found: dict[str, Tool] = {}
             for tool in (t for tools in listed for t in tools):
                 found.setdefault(tool.spec.name, tool)  # the first source wins a name: the deployment's
