@@ -36,12 +36,12 @@ def _serve(model: Path, workdir: Path) -> subprocess.CompletedProcess:
 
 
 def test_serve_exits_with_one_line_for_an_unsupported_architecture(tmp_path):
-    model = _model_folder(tmp_path / "llava-model", {"model_type": "llava"})
+    model = _model_folder(tmp_path / "mamba-model", {"model_type": "mamba"})
     done = _serve(model, tmp_path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("chatloom: error: unsupported architecture 'llava'"), lines[0]
+    assert lines[0].startswith("chatloom: error: unsupported architecture 'mamba'"), lines[0]
 
 
 def test_serve_exits_when_the_model_fails_while_loading(tmp_path):
