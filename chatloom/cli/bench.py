@@ -290,7 +290,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoints", help="write random-weight checkpoints of real model shapes (Hugging Face "
                                            "folder and GGUF F16), offline")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
-                   help="smollm2-1.7b, qwen2.5-1.5b, llama3.2-3b (default: all three)")
+                   help="smollm2-1.7b, qwen2.5-1.5b, llama3.2-3b (default: these three), smolvlm-256m "
+                        "(a vision model: Hugging Face folder only)")
     p.add_argument("--out", required=True, help="the folder to write NAME-hf/ and NAME-f16.gguf into")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=runs.checkpoints)

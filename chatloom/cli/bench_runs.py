@@ -256,15 +256,21 @@ def busy(args) -> int:
 def checkpoints(args) -> int:
     from pathlib import Path
 
+    from chatloom.bench import vision_checkpoint
     from chatloom.bench.checkpoints import SHAPES, make_checkpoint
 
     names = args.shapes or list(SHAPES)
-    unknown = [n for n in names if n not in SHAPES]
+    known = [*SHAPES, vision_checkpoint.NAME]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
-    written = {}
+        raise ValueError(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    written: dict[str, dict] = {}
     for name in names:
         print(f"writing {name} under {args.out}", file=sys.stderr)
+        if name == vision_checkpoint.NAME:  # a Hugging Face folder only: GGUF splits a vision model in two
+            folder, params = vision_checkpoint.make_vision_checkpoint(Path(args.out), args.seed)
+            written[name] = {"hf_folder": str(folder), "parameters": params}
+            continue
         made = make_checkpoint(SHAPES[name], Path(args.out), args.seed)
         written[name] = {"hf_folder": str(made.hf_folder), "gguf_f16": str(made.gguf_file),
                          "parameters": made.parameters, "gguf_bytes": made.gguf_file.stat().st_size}
