@@ -260,4 +260,6 @@ def test_bundled_model_keeps_its_gguf_quantization(smollm2):
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)
     assert model.layers[0].mlp.gate_up_proj.codes.shape[2] == 8  # Q4_1: two rows per byte
     assert isinstance(model.lm_head, QuantizedLinear)  # the tied Q8_0 embedding
-    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+    # The embedding is kept in its Q8_0 blocks too; its rows are the head's, bit for bit.
+    every_row = torch.arange(model.config.vocab_size)
+    assert torch.equal(model.lm_head.weight, model.embed_tokens(every_row))
