@@ -81,10 +81,13 @@ function settingsError(err) {
 
 async function loadSettings() {
   settingsError(null);
+  // Not editable until the saved text is in: typing before it arrives would be overwritten by it.
+  $('instructions').disabled = true;
   try {
     const [instructions, memories, links] = await Promise.all([
       request('GET', '/me/instructions'), request('GET', '/memories'), request('GET', '/shares')]);
     $('instructions').value = instructions.text;
+    $('instructions').disabled = false;
     $('memory-list').replaceChildren(...memories.map((m) => memoryRow(m, loadSettings)));
     $('link-list').replaceChildren(...(links.length ? links.map((s) => linkRow(s, loadSettings))
       : [el('li', { class: 'muted', text: 'No shared links.' })]));
