@@ -27,7 +27,8 @@ def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -
                    help="weights and KV cache dtype (default fp32: the fast choice on most CPUs)")
     p.add_argument("--int8-matmul", action="store_true", default=None,
                    help=f"multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
-                        f"slightly less exact (see README; default: ${INT8_ENV}, else off)")
+                        f"slightly less exact (see README; default: ${INT8_ENV}, else on for K-quant files "
+                        f"where the CPU has AVX-512 VNNI)")
     p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="a GGUF decoder's image encoder and projector, llama.cpp's mmproj file (LLaVA)")
 
@@ -39,8 +40,9 @@ def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "16-bit pool: half the memory per token and faster long-context decoding, not bit-exact")
 
 
-def int8_matmul(choice: bool | None) -> bool:
-    """The int8 switch: an explicit choice, else the settings (CHATLOOM_MODEL__INT8_MATMUL), else off."""
+def int8_matmul(choice: bool | None) -> bool | None:
+    """The int8 switch: an explicit choice, else the settings (CHATLOOM_MODEL__INT8_MATMUL), else None: the
+    loader decides by the file (on for K-quants, models/loader.py)."""
     if choice is not None:
         return choice
     from chatloom.settings import environment_settings

@@ -10,7 +10,7 @@ from chatloom.models.registry import DEFAULT_MODEL
 
 
 @pytest.mark.parametrize("choice,env,expected", [(True, None, True), (False, "1", False), (None, "1", True),
-                                                 (None, "yes", True), (None, "0", False), (None, None, False),
+                                                 (None, "yes", True), (None, "0", False), (None, None, None),
                                                  (None, "off", False)])
 def test_int8_switch_is_the_flag_else_the_environment(monkeypatch, choice, env, expected):
     if env is None:

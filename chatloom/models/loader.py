@@ -16,7 +16,8 @@ from chatloom.models.hf_config import read_config_file
 from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.kernels import load_kernels
 from chatloom.models.memory_check import check_fits, dense_weight_bytes, gguf_weight_bytes, vision_weight_bytes
-from chatloom.models.packed_linear import QUANTIZED_KINDS, kernels_can_pack, kquant_matmul_supported
+from chatloom.models.packed_linear import (QUANTIZED_KINDS, kernels_can_pack, kquant_int8_supported,
+                                          kquant_matmul_supported)
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY, smollm2_path, tiny_random_config
 from chatloom.models.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from chatloom.models.weights import build_model, random_model
@@ -110,14 +111,16 @@ def _unknown(spec: str) -> ModelError:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
-               int8_matmul: bool = False,
+               int8_matmul: bool | None = False,
                kv_cache_bytes: int | Callable[[ModelConfig], int] = 0,
                bf16_matmul: bool = False) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
     quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) with int8 activations (faster, slightly
     less exact; off by default; commands resolve their flag and CHATLOOM_MODEL__INT8_MATMUL once, in
     chatloom/model_args.py). `bf16_matmul` keeps every matmul weight in bfloat16 (AVX-512 BF16 where
-    the CPU has it; off by default, resolved like int8 in chatloom/model_args.py). Before any weight is read, the weights plus `kv_cache_bytes` (or what it
+    the CPU has it; off by default, resolved like int8 in chatloom/model_args.py). `int8_matmul=None` decides by
+    the file: on for a GGUF file whose matmul weights are mostly K-quants, where the CPU runs their int8
+    kernel, as llama.cpp multiplies them; off otherwise. Before any weight is read, the weights plus `kv_cache_bytes` (or what it
     returns for the model's config) are checked against the memory available: ModelError if they do not fit."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
@@ -156,6 +159,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.read_config(reader, path.stem)
         keeps = torch_dtype == torch.float32 and kernels_can_pack(load_kernels())
+        if int8_matmul is None:
+            int8_matmul = keeps and not bf16_matmul and _mostly_kquants(reader) \
+                and kquant_int8_supported(load_kernels())
         super_blocks = keeps and not int8_matmul and not bf16_matmul and kquant_matmul_supported(load_kernels())
         check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps, super_blocks, float_embedding=bf16_matmul))
         tok = from_gguf(reader)
@@ -164,7 +170,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         _log_dequantized(weights.kinds(), torch_dtype)
     else:
         raise _unknown(spec)
-    model = build_model(cfg, weights.get, torch_dtype, quantized, int8_matmul, norm_offset, bf16_matmul=bf16_matmul)
+    model = build_model(cfg, weights.get, torch_dtype, quantized, bool(int8_matmul), norm_offset,
+                        bf16_matmul=bf16_matmul)
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)
 
@@ -180,3 +187,20 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> TextTokenizer:
     if path.is_file() and path.suffix != ".json":
         return from_gguf(gguf_loader.open_gguf(path))
     raise _unknown(spec)
+
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _mostly_kquants(reader) -> bool:
+    """Whether most of a GGUF file's quantized 2-D weights (by bytes) are K-quants."""
+    kquant = other = 0
+    for t in reader.tensors:
+        if len(t.shape) < 2:
+            continue
+        size = t.data.nbytes
+        if t.tensor_type.name in K_QUANTS:
+            kquant += size
+        elif t.tensor_type.name not in ("F32", "F16", "BF16"):
+            other += size
+    return kquant > other

@@ -37,7 +37,7 @@ class LocalBackend(Backend):
     """Wraps an AsyncEngine. Construct with a model spec (loaded by start()) or a LoadedModel."""
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, dtype: str = "fp32",
-                 engine_config: EngineConfig | None = None, int8_matmul: bool = False,
+                 engine_config: EngineConfig | None = None, int8_matmul: bool | None = False,
                  bf16_matmul: bool = False, pooling: str = "last", mmproj: str | None = None) -> None:
         self._loaded = model if isinstance(model, LoadedModel) else None
         self._spec = model.id if isinstance(model, LoadedModel) else model

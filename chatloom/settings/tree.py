@@ -53,8 +53,11 @@ class ModelSettings(Group):
     name: str = Field(DEFAULT_MODEL, description="Registry id (see `chatloom models`), a GGUF file or a "
                                                   "Hugging Face folder.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weights and KV cache dtype.")
-    int8_matmul: bool = Field(False, description="Multiply quantized GGUF weights with int8 activations: "
-                                                 "faster, slightly less exact.")
+    int8_matmul: bool | None = Field(None, description="Multiply quantized GGUF weights with int8 activations: "
+                                                        "faster, slightly less exact. Unset: on for K-quant "
+                                                        "files (Q4_K_M and the like, multiplied the way "
+                                                        "llama.cpp does) where the CPU has AVX-512 VNNI, off "
+                                                        "otherwise; false keeps every file exact.")
     bf16_matmul: bool = Field(False, description="Keep float weights in bfloat16 for the matmuls "
                                                  "(commands with --bf16-matmul).")
     mmproj: str | None = Field(None, description="A LLaVA image encoder and projector as llama.cpp's `mmproj` "

@@ -276,7 +276,7 @@ def test_serve_int8_flag_reaches_the_settings(tmp_path, monkeypatch):
     register(parser.add_subparsers())
     monkeypatch.delenv("CHATLOOM_MODEL__INT8_MATMUL", raising=False)
     assert _settings(parser.parse_args(["serve", "--int8-matmul"])).model.int8_matmul is True
-    assert _settings(parser.parse_args(["serve"])).model.int8_matmul is False
+    assert _settings(parser.parse_args(["serve"])).model.int8_matmul is None  # the loader decides by the file
     monkeypatch.setenv("CHATLOOM_MODEL__INT8_MATMUL", "1")
     assert _settings(parser.parse_args(["serve"])).model.int8_matmul is True
     monkeypatch.delenv("CHATLOOM_MODEL__INT8_MATMUL")
