@@ -123,9 +123,11 @@ def test_pasted_dropped_and_chosen_images_go_with_the_message_and_stay(vpage, se
     send_and_wait(page, "And now?")
     assert backend.shown[-1] == 2
     page.reload()
-    wait_js(page, "document.querySelectorAll('#messages .message.user .message-image').length === 2")
+    # Each image is fetched from the server after the message is drawn: wait until both are in.
+    wait_js(page, "[...document.querySelectorAll('#messages .message.user .message-image')]"
+                  ".filter((img) => img.src.startsWith('blob:') && img.complete).length === 2")
     sources = page.evaluate("[...document.querySelectorAll('.message-image')].map((i) => i.src)")
-    assert all(s.startswith("blob:") for s in sources)
+    assert len(sources) == 2 and all(s.startswith("blob:") for s in sources)
     assert page.console_errors == []
 
 
