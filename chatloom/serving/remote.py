@@ -64,7 +64,7 @@ class ServerInfo:
 @dataclass
 class Timeouts:
     connect: float = 3.0  # probes; a server this slow to accept is as good as down
-    probe: float = 5.0  # /health, /v1/models, /metrics, /tokenize
+    probe: float = 5.0  # /health, /v1/models, /metrics
     stream_connect: float = 15.0  # a busy server's event loop may be slow to accept; do not give up early
     between_chunks: float = 60.0  # a stream silent this long is a dead replica
 
@@ -202,7 +202,9 @@ class RemoteBackend(Backend):
         else:
             body["prompt"] = prompt or ""
         try:
-            r = await self._client.post("/tokenize", json=body)
+            # On the request's path: a saturated replica is slow to accept, not gone.
+            r = await self._client.post("/tokenize", json=body, timeout=httpx.Timeout(
+                self.timeouts.between_chunks, connect=self.timeouts.stream_connect))
         except httpx.HTTPError as exc:
             raise ReplicaError(f"{self.base_url}/tokenize: {_describe(exc)}") from None
         tokens = _json_or_error(r, f"{self.base_url}/tokenize").get("tokens")

@@ -167,3 +167,33 @@ async def test_bad_servers_give_clear_errors_fast(fleet, garbage_server, silent_
     with pytest.raises(ValueError, match="http://"):
         RemoteBackend("localhost:8000")
     assert issubclass(ReplicaModelMismatch, ReplicaError)
+
+
+class _SlowTokenizer(BaseHTTPRequestHandler):
+    """A saturated replica: /tokenize answers, but later than a health probe may take."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        time.sleep(0.8)
+        body = b'{"tokens": [1, 2, 3], "count": 3}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+async def test_a_slow_tokenize_on_a_busy_replica_is_waited_for():
+    from http.server import ThreadingHTTPServer
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _SlowTokenizer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    client = RemoteBackend(f"http://127.0.0.1:{srv.server_address[1]}", "tiny-random",
+                           timeouts=Timeouts(connect=1.0, probe=0.2))
+    try:
+        assert await client.tokenize(prompt="hello") == [1, 2, 3]
+    finally:
+        await client.close()
+        srv.shutdown()
