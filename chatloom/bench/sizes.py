@@ -184,7 +184,7 @@ class Target:
 
 
 def _argv(name: str, target: Target, plan: SizesPlan, port: int, threads: int | None,
-          llama_server: Path | None) -> list[str] | str:
+          llama_server: Path | None, vllm_python: Path | None = None) -> list[str] | str:
     """The command that starts `name` on `target`, or a note saying why it is skipped."""
     if name == "chatloom":
         argv = [sys.executable, "-m", "chatloom.cli", "replica", "--model", str(target.gguf), "--port", str(port)]
@@ -197,21 +197,25 @@ def _argv(name: str, target: Target, plan: SizesPlan, port: int, threads: int | 
         argv = [str(llama_server), "-m", str(target.gguf), "--host", "127.0.0.1", "--port", str(port),
                 "-c", str(plan.context_tokens()), "-np", str(plan.in_flight), "-kvu"]
         return argv + (["--threads", str(threads), "--threads-batch", str(threads)] if threads else [])
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not importable in this Python"
+    if vllm_python is not None:
+        if not (vllm_python.is_file() and os.access(vllm_python, os.X_OK)):
+            return f"no Python at {vllm_python}"
+    elif importlib.util.find_spec("vllm") is None:
+        return "vLLM is not importable in this Python (give --vllm-python)"
     if target.hf_folder is None:
         return "no Hugging Face folder of the same weights given (--hf-folder)"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.hf_folder),
+    argv = [str(vllm_python or sys.executable), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.hf_folder),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--max-model-len", str(plan.context_tokens())]
     return argv
 
 
 def run_server(name: str, target: Target, plan: SizesPlan, texts: Texts, threads: int | None = None,
-               llama_server: Path | None = None, log_dir: Path | None = None) -> dict:
+               llama_server: Path | None = None, log_dir: Path | None = None,
+               vllm_python: Path | None = None) -> dict:
     """Start `name`, measure it, stop it: its figures, or {"skipped": why} / {"error": what went wrong}."""
     port = free_port()
-    argv = _argv(name, target, plan, port, threads, llama_server)
+    argv = _argv(name, target, plan, port, threads, llama_server, vllm_python)
     if isinstance(argv, str):
         return {"skipped": argv}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "all", "OMP_NUM_THREADS": str(threads)} if name == "vllm" and threads else {}
@@ -245,7 +249,7 @@ def weight_bytes_per_step(gguf: Path) -> int:
 
 def run_sizes(targets: list[Target], plan: SizesPlan, servers: tuple[str, ...] = SERVERS,
               llama_server: Path | None = None, threads: int | None = None, log_dir: Path | None = None,
-              seed: int = 0) -> dict:
+              seed: int = 0, vllm_python: Path | None = None) -> dict:
     """Every server on every target, one at a time. JSON-ready."""
     from chatloom.bench.roofline import read_bandwidth_gbps
     from chatloom.models.loader import load_tokenizer
@@ -271,7 +275,8 @@ def run_sizes(targets: list[Target], plan: SizesPlan, servers: tuple[str, ...] =
         tokenizer = load_tokenizer(str(target.gguf))
         for name in servers:
             # The same prompts for every server: the same seed, drawn afresh.
-            figures = run_server(name, target, plan, Texts(tokenizer, seed), threads, llama_server, log_dir)
+            figures = run_server(name, target, plan, Texts(tokenizer, seed), threads, llama_server, log_dir,
+                                 vllm_python)
             tpot = (figures.get("one_in_flight") or {}).get("tpot_p50_ms")
             if tpot:
                 figures["roofline_share"] = round(roofline_s * 1000 / tpot, 3)

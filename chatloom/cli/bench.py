@@ -304,6 +304,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the Hugging Face folder of the same weights, for vLLM (one per --model, in order)")
     p.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary "
                                                                          "(skipped with a note when absent)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="the Python of a virtual environment with vLLM installed (default: this one)")
     p.add_argument("--servers", default=",".join(SIZES_SERVERS),
                    help=f"which servers, comma-separated (default: {','.join(SIZES_SERVERS)})")
     p.add_argument("--quick", action="store_true",

@@ -298,7 +298,8 @@ def sizes(args) -> int:
     plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
     result = run_sizes(targets, plan, servers, Path(args.llama_server) if args.llama_server else None,
-                       args.threads, Path(args.log_dir) if args.log_dir else None, args.seed)
+                       args.threads, Path(args.log_dir) if args.log_dir else None, args.seed,
+                       Path(args.vllm_python) if args.vllm_python else None)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

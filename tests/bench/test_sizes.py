@@ -75,3 +75,14 @@ def test_prompts_have_the_length_asked_and_no_shared_prefix():
     chat = texts.conversation(1000)
     assert chat[-1]["role"] == "user" and {m["role"] for m in chat} == {"user", "assistant"}
     assert 900 <= sum(len(texts.tokenizer.encode(m["content"])) for m in chat) <= 1200
+
+
+def test_vllm_runs_from_the_python_it_is_given(tmp_path):
+    target = sizes.Target(tmp_path / "m.gguf", hf_folder=tmp_path / "hf")
+    python = tmp_path / "bin-python"
+    assert "no Python at" in sizes._argv("vllm", target, sizes.QUICK, 8000, None, None, python)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    argv = sizes._argv("vllm", target, sizes.QUICK, 8000, None, None, python)
+    assert argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "hf")
