@@ -19,6 +19,7 @@ Every piece a chunk reaches is pinned for its sequence until the sequence's comp
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from chatloom.engine.encoder_cache import EncoderCache, PieceKey
@@ -61,6 +62,8 @@ class EncoderPacer:
         any slowdown allowed, the first piece always does: it measures the cost)."""
         if self.max_slowdown <= 0:
             return False
+        if math.isinf(self.max_slowdown):  # not paced: the token budget alone bounds a step's pieces
+            return True
         if self.seconds_per_token is None:
             return True
         return self.credit >= self.seconds_per_token * tokens
