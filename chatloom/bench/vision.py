@@ -129,7 +129,10 @@ def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_token
                          # The encoder work done while the streams ran (all busy rounds together).
                          "image_requests": sum(run["image_requests"] for run in busy),
                          "encoder_pieces": sum(run["encoder_pieces"] for run in busy),
-                         "encoder_share": sum(run["encoder_s"] for run in busy) / wall if wall else None},
+                         "encoder_share": sum(run["encoder_s"] for run in busy) / wall if wall else None,
+                         # Each round's p90, quiet and busy alternately: how far the load moved them.
+                         "itl_p90_quiet_rounds_s": [run["itl_p90_s"] for run in quiet],
+                         "itl_p90_with_images_rounds_s": [run["itl_p90_s"] for run in busy]},
         "encoder_runs": engine.runner.encoder_runs,
         "encoder_pieces": engine.runner.encoder_pieces,
     }

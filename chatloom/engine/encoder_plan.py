@@ -10,8 +10,9 @@ A step encodes a piece only when all of these hold:
 
 - tokens: the step's pieces give at most `token_budget` embeddings (a piece larger than that runs
   alone in its step);
-- time: while other sequences are decoding, the encoder's measured time stays within `max_slowdown`
-  of theirs (`EncoderPacer`), so their time per output token rises by at most that on average;
+- time: while the engine holds other requests (decoding, or with prompts to read), the encoder's
+  measured time stays within `max_slowdown` of the time of the steps they share with it
+  (`EncoderPacer`), so their time per output token rises by at most that on average;
 - memory: the pinned pieces and this one fit the encoder cache's limit (encoder_cache.py).
 
 Every piece a chunk reaches is pinned for its sequence until the sequence's computed tokens are past it.
@@ -42,13 +43,13 @@ class PlannedPiece:
 
 
 class EncoderPacer:
-    """The encoder's share of the time of steps that carry decoding streams.
+    """The encoder's share of the time of steps shared with other requests.
 
-    A credit in seconds: each step with decodes adds `max_slowdown` times its time outside the encoder
-    and takes away what the encoder spent in it; a piece runs in such a step only when the credit pays
-    for its estimated time (seconds per embedding, measured). The credit is capped at one piece's
-    estimate, so a quiet spell buys one piece at once, not a burst. Steps without decodes stall no
-    stream: they encode freely and neither add nor take credit.
+    A credit in seconds: each shared step adds `max_slowdown` times its time outside the encoder and
+    takes away what the encoder spent in it; a piece runs in such a step only when the credit pays for
+    its estimated time (seconds per embedding, measured). The credit is capped at one piece's estimate,
+    so a quiet spell buys one piece at once, not a burst. A step for one request alone delays nobody
+    else: it encodes freely and neither adds nor takes credit.
     """
 
     def __init__(self, max_slowdown: float) -> None:
@@ -58,7 +59,7 @@ class EncoderPacer:
         self.piece_tokens = 0  # the largest piece seen: the credit's cap
 
     def allows(self, tokens: int) -> bool:
-        """Whether encoding `tokens` embeddings in a step with decodes stays within the credit (with
+        """Whether encoding `tokens` embeddings in a shared step stays within the credit (with
         any slowdown allowed, the first piece always does: it measures the cost)."""
         if self.max_slowdown <= 0:
             return False
@@ -68,13 +69,13 @@ class EncoderPacer:
             return True
         return self.credit >= self.seconds_per_token * tokens
 
-    def record(self, streaming: bool, step_s: float, encoder_s: float, encoder_tokens: int) -> None:
+    def record(self, shared: bool, step_s: float, encoder_s: float, encoder_tokens: int) -> None:
         """One step's times: the whole step, and the encoder's part of it for `encoder_tokens` embeddings."""
         if encoder_tokens:
             rate = encoder_s / encoder_tokens
             old = self.seconds_per_token
             self.seconds_per_token = rate if old is None else 0.7 * old + 0.3 * rate
-        if streaming:
+        if shared:
             self.credit += self.max_slowdown * max(step_s - encoder_s, 0.0) - encoder_s
             self.credit = min(self.credit, (self.seconds_per_token or 0.0) * self.piece_tokens)
 
@@ -90,14 +91,16 @@ class EncoderPlanner:
         self.pacer = pacer
         self.plan: dict[PieceKey, PlannedPiece] = {}
         self._planned_tokens = 0
-        self.streaming = False  # whether this step carries decoding sequences
+        self.shared = False  # whether the engine holds more than one request this step
         # Each sequence's pinned pieces, with the last prompt position each one fills.
         self.pins: dict[Sequence, dict[PieceKey, int]] = {}
 
-    def begin_step(self, running: list[Sequence]) -> None:
+    def begin_step(self, num_sequences: int) -> None:
+        """A new plan, for an engine holding `num_sequences` (running and waiting): with more than one,
+        encoder work delays someone and is paced."""
         self.plan = {}
         self._planned_tokens = 0
-        self.streaming = any(s.num_computed_tokens >= s.prompt_len for s in running)
+        self.shared = num_sequences > 1
 
     def take_plan(self) -> list[PlannedPiece]:
         plan, self.plan, self._planned_tokens = list(self.plan.values()), {}, 0
@@ -132,7 +135,7 @@ class EncoderPlanner:
         planned = self._planned_tokens
         if planned and planned + tokens > self.token_budget:
             return False
-        if self.streaming and not self.pacer.allows(planned + tokens):
+        if self.shared and not self.pacer.allows(planned + tokens):
             return False
         held = self.cache.pinned_bytes + planned * self.bytes_per_embedding
         # A piece larger than the whole limit still runs when nothing else is held (and leaves once read).

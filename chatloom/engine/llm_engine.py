@@ -218,7 +218,7 @@ class LLMEngine:
         encoder_s, encoder_tokens, t0 = runner.encoder_seconds, runner.encoder_tokens, time.perf_counter()
         result = self.executor.execute(batch)
         if self.scheduler.encoder is not None:
-            self.encoder_pacer.record(bool(batch.decodes), time.perf_counter() - t0,
+            self.encoder_pacer.record(self.scheduler.encoder.shared, time.perf_counter() - t0,
                                       runner.encoder_seconds - encoder_s, runner.encoder_tokens - encoder_tokens)
         self._update(batch, scheduled, result, outputs)
         return outputs

@@ -110,7 +110,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key)
         if self.encoder is not None:
-            self.encoder.begin_step(self.running)
+            self.encoder.begin_step(len(self.running) + len(self.waiting))
 
         # 1. Running sequences: decodes (one token) and unfinished prefills, in priority order.
         i = 0

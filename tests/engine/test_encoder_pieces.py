@@ -100,6 +100,20 @@ def test_with_no_slowdown_allowed_the_image_waits_for_the_streams(loaded):
     assert engine.runner.encoder_pieces == 17 and out.token_ids == _alone(loaded, ids, placed)
 
 
+def test_another_request_reading_its_prompt_is_waited_for_too(loaded):
+    # A long text prompt arriving with the image: encoding now would delay its first token.
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=16,
+                                            encoder_max_slowdown=0))
+    ids, placed = _placed(loaded, [tv.test_image(20, 20, seed=15)])
+    image = engine.add_request(ids, GREEDY, images=placed)
+    text = engine.add_request(loaded.tokenizer.encode("a long story " * 8), SamplingParams(temperature=0.0,
+                                                                                           max_tokens=2))
+    log = _steps(engine, lambda: text not in engine.requests)
+    assert all(n == 0 for n, _ in log) and engine.runner.encoder_pieces == 0
+    _steps(engine, lambda: image not in engine.requests)
+    assert engine.runner.encoder_pieces == 17
+
+
 @pytest.mark.parametrize("pieces", [6, 0.25])
 def test_the_cache_keeps_to_its_limit_with_pieces_in_flight(loaded, pieces):
     # Room for 6 tiles' embeddings (under the 16-token budget's 4 a step and those pinned), or for
@@ -138,19 +152,19 @@ def test_the_pacer_gives_the_encoder_its_share_of_decoding_steps():
     pacer = EncoderPacer(0.2)
     pacer.piece_tokens = 64
     assert pacer.allows(64)  # nothing measured yet: the first piece measures the cost
-    pacer.record(streaming=True, step_s=1.01, encoder_s=1.0, encoder_tokens=64)  # a piece costs 1 s
+    pacer.record(shared=True, step_s=1.01, encoder_s=1.0, encoder_tokens=64)  # a piece costs 1 s
     assert not pacer.allows(64)
     steps = 0
     while not pacer.allows(64):  # decoding steps of 10 ms: 2 ms of credit each
-        pacer.record(streaming=True, step_s=0.01, encoder_s=0.0, encoder_tokens=0)
+        pacer.record(shared=True, step_s=0.01, encoder_s=0.0, encoder_tokens=0)
         steps += 1
     # The first piece's second went on credit: two seconds to earn, 5 s of decoding per second encoded.
     assert steps == pytest.approx(1000, abs=2)
     for _ in range(100):
-        pacer.record(streaming=True, step_s=0.01, encoder_s=0.0, encoder_tokens=0)
+        pacer.record(shared=True, step_s=0.01, encoder_s=0.0, encoder_tokens=0)
     assert pacer.credit == pytest.approx(1.0) and not pacer.allows(65)  # capped at one piece
-    # Steps without decodes stall nobody: no credit taken or given.
-    pacer.record(streaming=False, step_s=2.0, encoder_s=2.0, encoder_tokens=128)
+    # A step for one request alone delays nobody: no credit taken or given.
+    pacer.record(shared=False, step_s=2.0, encoder_s=2.0, encoder_tokens=128)
     assert pacer.credit == pytest.approx(1.0)
     assert not EncoderPacer(0.0).allows(1)
 
