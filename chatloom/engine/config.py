@@ -55,7 +55,7 @@ class EngineConfig:
     enable_prefix_caching: bool = _E.enable_prefix_caching
     enable_chunked_prefill: bool = _E.enable_chunked_prefill
     encoder_cache_mb: float = _E.encoder_cache_mb  # image embeddings kept by image hash (vision models)
-    # While sequences decode, the encoder's time is at most this fraction of theirs (engine/encoder_plan.py).
+    # While other requests share the engine, the encoder gets at most this fraction of the time (encoder_plan.py).
     encoder_max_slowdown: float = _E.encoder_max_slowdown
     seed: int | None = None  # for unseeded sampled requests
     # Speculative decoding (engine/spec_decode/): "off", "ngram" (prompt lookup) or "draft".

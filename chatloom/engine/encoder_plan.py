@@ -12,7 +12,8 @@ A step encodes a piece only when all of these hold:
   alone in its step);
 - time: while the engine holds other requests (decoding, or with prompts to read), the encoder's
   measured time stays within `max_slowdown` of the time of the steps they share with it
-  (`EncoderPacer`), so their time per output token rises by at most that on average;
+  (`EncoderPacer`), so their time per output token rises by at most that on average. A step that would
+  otherwise run nothing (every request waits for pieces the pacing held back) is not paced;
 - memory: the pinned pieces and this one fit the encoder cache's limit (encoder_cache.py).
 
 Every piece a chunk reaches is pinned for its sequence until the sequence's computed tokens are past it.
@@ -60,13 +61,13 @@ class EncoderPacer:
 
     def allows(self, tokens: int) -> bool:
         """Whether encoding `tokens` embeddings in a shared step stays within the credit (with
-        any slowdown allowed, the first piece always does: it measures the cost)."""
+        any slowdown allowed, a first piece always does: it measures the cost)."""
         if self.max_slowdown <= 0:
             return False
         if math.isinf(self.max_slowdown):  # not paced: the token budget alone bounds a step's pieces
             return True
         if self.seconds_per_token is None:
-            return True
+            return tokens <= self.piece_tokens  # one piece, to measure
         return self.credit >= self.seconds_per_token * tokens
 
     def record(self, shared: bool, step_s: float, encoder_s: float, encoder_tokens: int) -> None:
@@ -91,16 +92,15 @@ class EncoderPlanner:
         self.pacer = pacer
         self.plan: dict[PieceKey, PlannedPiece] = {}
         self._planned_tokens = 0
-        self.shared = False  # whether the engine holds more than one request this step
+        self.shared = False  # whether this step is shared with other requests (paced)
         # Each sequence's pinned pieces, with the last prompt position each one fills.
         self.pins: dict[Sequence, dict[PieceKey, int]] = {}
 
-    def begin_step(self, num_sequences: int) -> None:
-        """A new plan, for an engine holding `num_sequences` (running and waiting): with more than one,
-        encoder work delays someone and is paced."""
+    def begin_step(self, shared: bool) -> None:
+        """A new plan; `shared`: encoder work in this step would delay other requests, so it is paced."""
         self.plan = {}
         self._planned_tokens = 0
-        self.shared = num_sequences > 1
+        self.shared = shared
 
     def take_plan(self) -> list[PlannedPiece]:
         plan, self.plan, self._planned_tokens = list(self.plan.values()), {}, 0

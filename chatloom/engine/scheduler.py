@@ -106,11 +106,20 @@ class Scheduler:
         batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]
 
     def schedule(self) -> ScheduledBatch:
+        shared = len(self.running) + len(self.waiting) > 1
+        batch = self._schedule(shared)
+        if shared and not batch and not batch.preempted and self.encoder is not None and self.running:
+            # Every sequence waits for image pieces the pacing held back: encoding them delays nobody.
+            batch = self._schedule(False)
+        return batch
+
+    def _schedule(self, shared: bool) -> ScheduledBatch:
+        """One step's plan; `shared`: the step is shared with other requests, so encoder work is paced."""
         cfg, batch = self.config, ScheduledBatch()
         budget = cfg.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key)
         if self.encoder is not None:
-            self.encoder.begin_step(len(self.running) + len(self.waiting))
+            self.encoder.begin_step(shared)
 
         # 1. Running sequences: decodes (one token) and unfinished prefills, in priority order.
         i = 0

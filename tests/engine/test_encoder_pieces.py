@@ -114,6 +114,16 @@ def test_another_request_reading_its_prompt_is_waited_for_too(loaded):
     assert engine.runner.encoder_pieces == 17
 
 
+@pytest.mark.parametrize("slowdown", [0.2, 0])
+def test_images_waiting_only_for_each_other_are_encoded(loaded, slowdown):
+    # Two image requests and nothing else: a step the pacing would leave empty encodes unpaced.
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, encoder_max_slowdown=slowdown))
+    first, second = (_placed(loaded, [tv.test_image(20, 20, seed=seed)]) for seed in (16, 17))
+    ids = [engine.add_request(p[0], GREEDY, images=p[1]) for p in (first, second)]
+    _steps(engine, lambda: not engine.has_unfinished_requests())
+    assert engine.runner.encoder_pieces == 34 and not any(i in engine.requests for i in ids)
+
+
 @pytest.mark.parametrize("pieces", [6, 0.25])
 def test_the_cache_keeps_to_its_limit_with_pieces_in_flight(loaded, pieces):
     # Room for 6 tiles' embeddings (under the 16-token budget's 4 a step and those pinned), or for
