@@ -4,8 +4,9 @@ the same image, and what encoding images costs text-only users' streams.
 1. TTFT of a first question about a new image (encoder and the whole prefill) against a second question
    about the same image (its embeddings and KV blocks reused), in alternating rounds, each round with a
    fresh image.
-2. The inter-token latency p90 of `streams` text-only requests decoding together, alone and while
-   requests with new images arrive (one every `image_every` steps), alternating quiet and busy rounds.
+2. The inter-token latency (p90 and mean) of `streams` text-only requests decoding together, alone and
+   while requests with new images arrive (one every `image_every` steps), alternating quiet and busy
+   rounds, with the encoder work done meanwhile (engine/encoder_plan.py paces it).
 
 Run with a real vision checkpoint: `chatloom bench vision --model PATH`.
 """
@@ -47,21 +48,29 @@ def _ttft(engine: LLMEngine, loaded: LoadedModel, text: str, image) -> float:
                 return out.metrics.ttft
 
 
-def _itl_p90(engine: LLMEngine, loaded: LoadedModel, streams: int, max_tokens: int, image_every: int,
-             seed: int) -> float:
+def _text_streams(engine: LLMEngine, loaded: LoadedModel, streams: int, max_tokens: int, image_every: int,
+                  seed: int) -> dict:
+    """`streams` text-only requests decoding together, with a request about a new image arriving every
+    `image_every` steps (0: none): their inter-token gaps' p90 and mean, and the encoder work done while
+    they ran. Image requests still waiting for their encoder when the streams end are aborted: what
+    they would cost after that is no stream's."""
     ids, _ = _prompt(loaded, TEXT)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     # The image requests are made beforehand: a server decodes uploads outside the engine's steps.
     pending = [_prompt(loaded, QUESTIONS[0], _image(512, seed * 1000 + i))
                for i in range(max_tokens // image_every + 1 if image_every else 0)]
     text_ids = {engine.add_request(ids, params) for _ in range(streams)}
+    image_ids: list[str] = []
     last: dict[str, float] = {}
     gaps: list[float] = []
     step = 0
+    runner = engine.runner
+    pieces, encoder_s, started = runner.encoder_pieces, runner.encoder_seconds, time.perf_counter()
     while text_ids:
         if image_every and step % image_every == 0 and pending:
             img_ids, placed = pending.pop()
-            engine.add_request(img_ids, SamplingParams(temperature=0.0, max_tokens=1), images=placed)
+            image_ids.append(engine.add_request(img_ids, SamplingParams(temperature=0.0, max_tokens=1),
+                                                images=placed))
         outs = engine.step()
         now = time.perf_counter()
         step += 1
@@ -72,16 +81,23 @@ def _itl_p90(engine: LLMEngine, loaded: LoadedModel, streams: int, max_tokens: i
                 last[out.request_id] = now
                 if out.finished:
                     text_ids.discard(out.request_id)
+    wall = time.perf_counter() - started
+    pieces, encoder_s = runner.encoder_pieces - pieces, runner.encoder_seconds - encoder_s
+    for rid in image_ids:
+        engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return float(np.percentile(gaps, 90)) if gaps else 0.0
+    return {"itl_p90_s": float(np.percentile(gaps, 90)) if gaps else 0.0,
+            "itl_mean_s": float(np.mean(gaps)) if gaps else 0.0,
+            "image_requests": len(image_ids), "encoder_pieces": pieces, "encoder_s": encoder_s, "wall_s": wall}
 
 
 def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_tokens: int = 32,
-               image_every: int = 4, image_side: int = 512, seed: int = 0) -> dict:
+               image_every: int = 4, image_side: int = 512, seed: int = 0,
+               config: EngineConfig | None = None) -> dict:
     if loaded.vision is None:
         raise ValueError(f"model {loaded.id} does not take images: give a vision checkpoint (Idefics3 / SmolVLM)")
-    engine = LLMEngine(loaded, EngineConfig())
+    engine = LLMEngine(loaded, config or EngineConfig())
     cold, warm = [], []
     for r in range(rounds):
         image = _image(image_side, seed + r)
@@ -89,17 +105,34 @@ def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_token
         warm.append(_ttft(engine, loaded, QUESTIONS[1], image))
     quiet, busy = [], []
     for r in range(rounds):  # alternated: the machine's load changes from minute to minute
-        quiet.append(_itl_p90(engine, loaded, streams, max_tokens, 0, seed))
-        busy.append(_itl_p90(engine, loaded, streams, max_tokens, image_every, seed + 1 + r))
+        quiet.append(_text_streams(engine, loaded, streams, max_tokens, 0, seed))
+        busy.append(_text_streams(engine, loaded, streams, max_tokens, image_every, seed + 1 + r))
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
-    quiet_s, busy_s = statistics.median(quiet), statistics.median(busy)
+
+    def median(runs: list[dict], key: str) -> float:
+        return statistics.median(run[key] for run in runs)
+
+    quiet_s, busy_s = median(quiet, "itl_p90_s"), median(busy, "itl_p90_s")
+    quiet_mean, busy_mean = median(quiet, "itl_mean_s"), median(busy, "itl_mean_s")
+    wall = sum(run["wall_s"] for run in busy)
     return {
         "benchmark": "vision", "model": loaded.id, "rounds": rounds, "image_side": image_side,
         "image_tokens": loaded.vision.num_image_tokens(image_side, image_side),
+        "encoder_max_slowdown": engine.config.encoder_max_slowdown,
         "ttft": {"first_question_s": cold_s, "second_question_s": warm_s,
                  "speedup": cold_s / warm_s if warm_s else None},
         "text_streams": {"streams": streams, "image_every_steps": image_every,
                          "itl_p90_quiet_s": quiet_s, "itl_p90_with_images_s": busy_s,
-                         "rise": busy_s / quiet_s - 1 if quiet_s else None},
+                         "rise": busy_s / quiet_s - 1 if quiet_s else None,
+                         "itl_mean_quiet_s": quiet_mean, "itl_mean_with_images_s": busy_mean,
+                         "mean_rise": busy_mean / quiet_mean - 1 if quiet_mean else None,
+                         # The encoder work done while the streams ran (all busy rounds together).
+                         "image_requests": sum(run["image_requests"] for run in busy),
+                         "encoder_pieces": sum(run["encoder_pieces"] for run in busy),
+                         "encoder_share": sum(run["encoder_s"] for run in busy) / wall if wall else None,
+                         # Each round's p90, quiet and busy alternately: how far the load moved them.
+                         "itl_p90_quiet_rounds_s": [run["itl_p90_s"] for run in quiet],
+                         "itl_p90_with_images_rounds_s": [run["itl_p90_s"] for run in busy]},
         "encoder_runs": engine.runner.encoder_runs,
+        "encoder_pieces": engine.runner.encoder_pieces,
     }

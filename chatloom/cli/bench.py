@@ -17,6 +17,17 @@ SIZES_SERVERS = ("chatloom", "llama-server", "vllm")
 PERPLEXITY_MODES = ("exact", "int8", "bf16", "exact+fp16kv", "exact+bf16kv", "int8+fp32kv", "int8+bf16kv")
 
 
+def _slowdown(text: str) -> float:
+    """A fraction of at least 0, or inf (no pacing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 0 (or inf), got {text}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--bf16-matmul", action="store_true", default=None,
@@ -59,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--streams", type=positive_int, default=4, help="text-only streams decoding together")
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--image-every", type=positive_int, default=4, help="a request with a new image every N steps")
+    p.add_argument("--encoder-max-slowdown", type=_slowdown, default=None, metavar="F",
+                   help="the encoder's share of decoding steps' time (default: [engine] encoder_max_slowdown; "
+                        "inf: the step's token budget alone)")
     p.set_defaults(func=runs.vision)
 
     p = sub.add_parser("memory", help="KV memory holding real tokens: paged vs contiguous")

@@ -105,8 +105,12 @@ def vision(args) -> int:
         print(f"chatloom: error: bench vision: model {loaded.id} does not take images (give a SmolVLM folder)",
               file=sys.stderr)
         return 2
+    from chatloom.engine import EngineConfig
+
+    config = EngineConfig(encoder_max_slowdown=args.encoder_max_slowdown) \
+        if args.encoder_max_slowdown is not None else None
     return _emit(run_vision(loaded, rounds=args.rounds, streams=args.streams, max_tokens=args.max_tokens,
-                            image_every=args.image_every, seed=args.seed), args.table)
+                            image_every=args.image_every, seed=args.seed, config=config), args.table)
 
 
 def memory(args) -> int:

@@ -60,13 +60,7 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
             raise ValueError("--local-replicas replaces --replica and [[fleet.models]]; give one of them")
         from chatloom.serving.local_fleet import LocalReplicas
 
-        extra = ["--max-num-seqs", str(settings.engine.max_num_seqs),
-                 "--max-num-batched-tokens", str(settings.engine.max_num_batched_tokens), "--dtype", settings.model.dtype,
-                 "--kv-cache-dtype", settings.engine.kv_cache_dtype]
-        if settings.engine.kv_cache_gb is not None:
-            extra += ["--kv-cache-gb", str(settings.engine.kv_cache_gb)]
-        if settings.engine.num_blocks:
-            extra += ["--num-blocks", str(settings.engine.num_blocks)]
+        extra = replica_args(settings)
         auto = args.local_replicas == "auto"
         if auto:
             changes["autoscale.enabled"] = True
@@ -91,6 +85,23 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
     finally:
         if local is not None:
             local.stop()
+
+
+def replica_args(settings) -> list[str]:
+    """The `chatloom replica` flags that give each local replica the gateway's own model and engine
+    settings (the model itself is LocalReplicas' first argument)."""
+    from pathlib import Path
+
+    extra = ["--max-num-seqs", str(settings.engine.max_num_seqs),
+             "--max-num-batched-tokens", str(settings.engine.max_num_batched_tokens), "--dtype", settings.model.dtype,
+             "--kv-cache-dtype", settings.engine.kv_cache_dtype]
+    if settings.engine.kv_cache_gb is not None:
+        extra += ["--kv-cache-gb", str(settings.engine.kv_cache_gb)]
+    if settings.engine.num_blocks:
+        extra += ["--num-blocks", str(settings.engine.num_blocks)]
+    if settings.model.mmproj:  # a GGUF decoder's image side: without it a replica would take no images
+        extra += ["--mmproj", str(Path(settings.model.mmproj).expanduser().resolve())]
+    return extra
 
 
 async def _probe(fleet) -> None:

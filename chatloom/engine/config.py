@@ -55,6 +55,8 @@ class EngineConfig:
     enable_prefix_caching: bool = _E.enable_prefix_caching
     enable_chunked_prefill: bool = _E.enable_chunked_prefill
     encoder_cache_mb: float = _E.encoder_cache_mb  # image embeddings kept by image hash (vision models)
+    # While other requests share the engine, the encoder gets at most this fraction of the time (encoder_plan.py).
+    encoder_max_slowdown: float = _E.encoder_max_slowdown
     seed: int | None = None  # for unseeded sampled requests
     # Speculative decoding (engine/spec_decode/): "off", "ngram" (prompt lookup) or "draft".
     speculative: str = _E.speculative
@@ -72,6 +74,7 @@ class EngineConfig:
                    max_model_len=engine.context_window, kv_cache_dtype=engine.kv_cache_dtype,
                    enable_prefix_caching=engine.enable_prefix_caching,
                    enable_chunked_prefill=engine.enable_chunked_prefill, encoder_cache_mb=engine.encoder_cache_mb,
+                   encoder_max_slowdown=engine.encoder_max_slowdown,
                    speculative=engine.speculative,
                    num_speculative_tokens=engine.num_speculative_tokens,
                    speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive,

@@ -26,6 +26,7 @@ from chatloom.engine.choices import plan_forks
 from chatloom.engine.config import EngineConfig, SchedulerConfig, resolve_kv_cache_dtype
 from chatloom.engine.embedding import Embedder
 from chatloom.engine.encoder_cache import EncoderCache
+from chatloom.engine.encoder_plan import EncoderPacer, EncoderPlanner
 from chatloom.engine.executor import ModelOutput, StepExecutor
 from chatloom.engine.heap import return_free_heap
 from chatloom.engine.kv_cache_manager import KVCacheManager
@@ -80,8 +81,12 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, self.config.block_size,
                                   kv_cache_dtype=self.kv_cache_dtype, vision=loaded.vision,
                                   encoder_cache=self.encoder_cache)
-        # An image already encoded costs the step's encoder budget nothing.
-        self.scheduler.encoder_cached = self.encoder_cache.__contains__
+        # A vision model's encoder work runs in pieces inside each step's budget (encoder_plan.py).
+        self.encoder_pacer = EncoderPacer(self.config.encoder_max_slowdown)
+        if loaded.vision is not None:
+            embedding_bytes = cfg.hidden_size * next(loaded.vision.parameters()).element_size()
+            self.scheduler.encoder = EncoderPlanner(self.encoder_cache, embedding_bytes,
+                                                    self.config.max_num_batched_tokens, self.encoder_pacer)
         # A prompt that agrees with part of a cached block takes that part's K/V from it.
         self.kv_cache_manager.copy_prefix = self.runner.copy_block_prefix
         self.sampler = Sampler(self.config.seed)
@@ -209,7 +214,12 @@ class LLMEngine:
         self.output_processor.mark_scheduled(scheduled, time.time())
         for seq in plan_forks(batch):
             self._plan_forks(seq)
+        runner = self.runner
+        encoder_s, encoder_tokens, t0 = runner.encoder_seconds, runner.encoder_tokens, time.perf_counter()
         result = self.executor.execute(batch)
+        if self.scheduler.encoder is not None:
+            self.encoder_pacer.record(self.scheduler.encoder.shared, time.perf_counter() - t0,
+                                      runner.encoder_seconds - encoder_s, runner.encoder_tokens - encoder_tokens)
         self._update(batch, scheduled, result, outputs)
         return outputs
 
@@ -223,6 +233,8 @@ class LLMEngine:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
+            if seq.images and self.scheduler.encoder is not None:
+                self.scheduler.encoder.consumed(seq)  # the image pieces it has read leave their pins
         for seq, found in result.prompt_logprobs.items():
             seq.prompt_logprobs.extend(found)
         for seq in scheduled:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import bisect
 import math
 import mmap
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,6 +21,7 @@ from chatloom.models.memory_check import check_fits
 from chatloom.models.vision.idefics3 import Idefics3Vision
 from chatloom.models.vision.prompt import ImageInput
 from chatloom.engine.encoder_cache import EncoderCache
+from chatloom.engine.encoder_plan import PlannedPiece
 
 
 def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
@@ -66,7 +68,12 @@ class ModelRunner:
         # A vision-language model's image side, and its outputs by image hash.
         self.vision = vision
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
-        self.encoder_runs = 0  # images encoded (not found in the encoder cache)
+        # Encoder work done: pieces, images encoded from their first piece, and the embeddings and
+        # seconds it took (the engine reads the last two per step to pace the encoder).
+        self.encoder_pieces = 0
+        self.encoder_runs = 0
+        self.encoder_tokens = 0
+        self.encoder_seconds = 0.0
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_cache_dtype)
         self._pools = ([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches])
@@ -162,17 +169,39 @@ class ModelRunner:
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 
-    def image_embeddings(self, image: ImageInput) -> torch.Tensor:
-        """An image's decoder embeddings [image tokens, hidden]: from the encoder cache, or encoded now."""
-        found = self.encoder_cache.get(image.content_hash)
-        if found is not None:
-            return found
-        embeddings = self.vision.encode(self.vision.preprocess(image.image))
-        if embeddings.shape[0] != image.num_tokens:
-            raise ValueError(f"the image gives {embeddings.shape[0]} embeddings for {image.num_tokens} image tokens")
-        self.encoder_runs += 1
-        self.encoder_cache.put(image.content_hash, embeddings)
-        return embeddings
+    def encode_pieces(self, pieces: list[PlannedPiece]) -> list[torch.Tensor]:
+        """Encode `pieces` (a step's plan) into the encoder cache, those of one image together, and
+        return their embeddings in order; the time and embeddings count in encoder_seconds / encoder_tokens."""
+        by_image: dict[int, list[PlannedPiece]] = {}
+        for piece in pieces:
+            by_image.setdefault(id(piece.image), []).append(piece)
+        done: dict[PlannedPiece, torch.Tensor] = {}
+        for group in by_image.values():
+            t0 = time.perf_counter()
+            image = group[0].image
+            if image.prepared is None:  # resized once, kept on the image while its pieces are encoded
+                image.prepared = self.vision.prepare(image.image)
+            out = self.vision.encode_pieces(image.prepared, [p.index for p in group])
+            want = sum(p.num_tokens for p in group)
+            if out.shape[0] != want:
+                raise ValueError(f"the image's pieces give {out.shape[0]} embeddings for {want} image tokens")
+            at = 0
+            for piece in group:
+                # A copy of its own: a kept piece must not hold its neighbours' memory once they are evicted.
+                done[piece] = out[at:at + piece.num_tokens].clone() if len(group) > 1 else out
+                self.encoder_cache.put(piece.key, done[piece])
+                at += piece.num_tokens
+                self.encoder_pieces += 1
+                self.encoder_runs += piece.index == 0
+            self.encoder_seconds += time.perf_counter() - t0
+            self.encoder_tokens += want
+        return [done[p] for p in pieces]
+
+    def _piece(self, image: ImageInput, index: int) -> torch.Tensor:
+        """One piece's embeddings: from the cache (the planner pinned it there), else encoded now (a
+        batch run again sequence by sequence after a failure has no plan)."""
+        found = self.encoder_cache.get((image.content_hash, index))
+        return found if found is not None else self.encode_pieces([PlannedPiece(image, index)])[0]
 
     def _image_embeds(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows of this step's queries that are image tokens, and their embeddings (None: no image)."""
@@ -185,9 +214,13 @@ class ModelRunner:
             start = seq.num_computed_tokens
             for image in seq.images:
                 lo, hi = bisect.bisect_left(image.positions, start), bisect.bisect_left(image.positions, start + n)
-                if lo < hi:
-                    rows.extend(q + p - start for p in image.positions[lo:hi])
-                    values.append(self.image_embeddings(image)[lo:hi])
+                if lo >= hi:
+                    continue
+                rows.extend(q + p - start for p in image.positions[lo:hi])
+                size = image.piece_len
+                for index in range(lo // size, (hi - 1) // size + 1):
+                    first = index * size
+                    values.append(self._piece(image, index)[max(lo - first, 0):hi - first])
             q += n
         if not rows:
             return None
@@ -225,6 +258,8 @@ class ModelRunner:
             logits, argmax, tokens, nan_rows = self.model.decode_tokens(*self._decode_inputs(batch), self._pools,
                                                                         self.before_forward, self._argmax_only(batch))
             return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
+        if batch.encode:
+            self.encode_pieces([p for p in batch.encode if p.key not in self.encoder_cache])
         ids, positions, attn, rows = self._prepare(batch)
         embeds = self._image_embeds(batch)
         # Prompt logprobs are asked of text prompts only (/v1/completions' echo takes no images).

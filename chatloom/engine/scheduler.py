@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from chatloom.engine.config import SchedulerConfig
+from chatloom.engine.encoder_plan import EncoderPlanner, PlannedPiece
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sequence import Sequence, SequenceStatus
 
@@ -23,6 +24,8 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Image pieces to encode before the forward (encoder_plan.py), cached as they finish.
+    encode: list[PlannedPiece] = field(default_factory=list)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -46,9 +49,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Whether an image's embeddings are ready (the engine's encoder cache); without it every image
-        # of a chunk is charged to the step's encoder budget.
-        self.encoder_cached: Callable[[str], bool] = lambda content_hash: False
+        # A vision model's encoder work, in pieces inside each step's budget (encoder_plan.py); None: a
+        # text model, whose chunks reach no image.
+        self.encoder: EncoderPlanner | None = None
         # Frees the blocks of one round held while its tools run (kv_holds.py), not the one this sequence
         # resumes; False when none is held. Held blocks give way before any preemption or refusal.
         self.reclaim: Callable[[Sequence], bool] = lambda seq: False
@@ -60,6 +63,8 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if self.encoder is not None:
+            self.encoder.forget(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -71,32 +76,14 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
+        if self.encoder is not None:
+            self.encoder.forget(victim)
         victim.spec_token_ids = []
         self.kv.free_sequence(victim)
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         # Its original arrival order puts it back at the front of its priority class.
         self.add(victim)
-
-    def _fit_encoder(self, seq: Sequence, n: int, encoding: dict[str, int]) -> int:
-        """How many of the next `n` prompt tokens of `seq` can run this step, when the images they
-        reach must be encoded within the step's encoder budget (as many image embeddings as the step
-        has tokens), so a large image never stalls other users' streams. The chunk stops before the
-        first image that does not fit; an image larger than the whole budget runs in a step of its
-        own. `encoding` (hash -> embeddings) holds what this step already encodes, and grows."""
-        start = seq.num_computed_tokens
-        budget = self.config.max_num_batched_tokens
-        for image in seq.images:
-            first, last = image.positions[0], image.positions[-1]
-            if last < start or first >= start + n:
-                continue
-            if image.content_hash in encoding or self.encoder_cached(image.content_hash):
-                continue
-            spent = sum(encoding.values())
-            if spent and spent + image.num_tokens > budget:
-                return max(first - start, 0)
-            encoding[image.content_hash] = image.num_tokens
-        return n
 
     def _hold_background(self, batch: ScheduledBatch) -> None:
         """Take background sequences (batch work) out of a step that has foreground work to do.
@@ -119,10 +106,20 @@ class Scheduler:
         batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]
 
     def schedule(self) -> ScheduledBatch:
+        shared = len(self.running) + len(self.waiting) > 1
+        batch = self._schedule(shared)
+        if shared and not batch and not batch.preempted and self.encoder is not None and self.running:
+            # Every sequence waits for image pieces the pacing held back: encoding them delays nobody.
+            batch = self._schedule(False)
+        return batch
+
+    def _schedule(self, shared: bool) -> ScheduledBatch:
+        """One step's plan; `shared`: the step is shared with other requests, so encoder work is paced."""
         cfg, batch = self.config, ScheduledBatch()
         budget = cfg.max_num_batched_tokens
-        encoding: dict[str, int] = {}  # the images this step encodes, by hash: their embeddings
         self.running.sort(key=lambda s: s.sort_key)
+        if self.encoder is not None:
+            self.encoder.begin_step(shared)
 
         # 1. Running sequences: decodes (one token) and unfinished prefills, in priority order.
         i = 0
@@ -132,9 +129,9 @@ class Scheduler:
             n = min(remaining, budget) if cfg.enable_chunked_prefill or remaining == 1 else remaining
             if n > budget:
                 break
-            if seq.images:
-                n = self._fit_encoder(seq, n, encoding)
-                if n == 0:  # its next image waits for a step with encoder budget left
+            if seq.images and self.encoder is not None:
+                n = self.encoder.fit(seq, n)
+                if n == 0:  # its next image piece waits for a step with encoder budget left
                     i += 1
                     continue
             # Grow the block table; when the pool is full, preempt the lowest-priority, newest.
@@ -173,9 +170,10 @@ class Scheduler:
                 n = remaining
             else:
                 n = min(remaining, budget)
-            if seq.images:
-                n = self._fit_encoder(seq, n, encoding)
+            if seq.images and self.encoder is not None:
+                n = self.encoder.fit(seq, n)
                 if n == 0:
+                    self.encoder.forget(seq)
                     self.kv.free_sequence(seq)
                     break
             self.waiting.pop(0)
@@ -188,6 +186,8 @@ class Scheduler:
             budget -= n
 
         self._hold_background(batch)
+        if self.encoder is not None:
+            batch.encode = self.encoder.take_plan()
 
         # 3. Proposed tokens (speculative decoding) take only what is left: they never delay
         # a prefill nor cause a preemption, and never run past the context window.

@@ -86,6 +86,12 @@ class EngineSettings(Group):
     encoder_cache_mb: float = Field(256.0, ge=0, description="Memory for image embeddings kept by image hash "
                                                              "(vision models), so a second question about the "
                                                              "same image runs no encoder; 0 keeps none.")
+    encoder_max_slowdown: float = Field(0.2, ge=0, description="While other requests share the engine, image "
+                                                               "encoder work gets at most this fraction of the "
+                                                               "time of the steps they share, so their time per "
+                                                               "output token rises by at most that on average "
+                                                               "(0.2: 20%); 0 encodes only in steps with "
+                                                               "nothing else to run.")
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off", description="Speculative decoding: off, ngram (prompt lookup) or draft (speculative_model).")
     num_speculative_tokens: int = Field(4, ge=1, description="Most tokens proposed per sequence and step.")

@@ -1,6 +1,6 @@
 """Images in the engine: the encoder cache (a second question about the same image runs no encoder,
-under a memory limit), prefix-cache keys that include the image, and encoder work inside the step's
-budget."""
+under a memory limit) and prefix-cache keys that include the image. Encoder work in pieces inside the
+step's budget: test_encoder_pieces.py."""
 from __future__ import annotations
 
 import io
@@ -64,8 +64,10 @@ def test_without_the_prefix_cache_the_encoder_cache_answers(loaded):
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, enable_prefix_caching=False))
     image = tv.test_image(71, 47, seed=5)
     first = _run(engine, *_placed(loaded, [image], "What is it?"))
+    assert engine.runner.encoder_pieces == 13  # 3 x 4 tiles and the global view
     again = _run(engine, *_placed(loaded, [image], "What is it?"))
-    assert engine.runner.encoder_runs == 1 and engine.encoder_cache.hits >= 1
+    assert engine.runner.encoder_runs == 1 and engine.runner.encoder_pieces == 13
+    assert engine.encoder_cache.hits >= 13
     assert again.token_ids == first.token_ids and again.num_cached_tokens == 0
 
 
@@ -108,24 +110,6 @@ def test_engine_with_a_small_encoder_cache_encodes_again(loaded):
     first = _run(engine, *_placed(loaded, [image]))
     second = _run(engine, *_placed(loaded, [image]))
     assert engine.runner.encoder_runs == 2 and first.token_ids == second.token_ids
-
-
-def test_encoder_work_stays_inside_the_step_budget(loaded):
-    # Two images of 68 embeddings each; the first step's chunk reaches both, but its budget cannot
-    # pay for both encoders: the chunk stops before the second image.
-    images = [tv.test_image(20, 20, seed=9), tv.test_image(20, 20, seed=10)]
-    ids, placed = _placed(loaded, images)
-    assert [p.num_tokens for p in placed] == [68, 68]
-    budget = placed[1].positions[0] + 4
-    assert budget < 2 * 68
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=budget))
-    engine.add_request(ids, GREEDY, images=placed)
-    per_step = []
-    while engine.has_unfinished_requests():
-        before = engine.runner.encoder_runs
-        engine.step()
-        per_step.append(engine.runner.encoder_runs - before)
-    assert max(per_step) == 1 and sum(per_step) == 2
 
 
 def test_a_text_model_refuses_images(tiny_model_fp32, loaded):

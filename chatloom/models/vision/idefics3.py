@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from PIL import Image
 
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.hf_config import VISION_LANGUAGE, config_from_hf
-from chatloom.models.vision.idefics3_processor import Idefics3ImageProcessor, prompt_text
+from chatloom.models.vision.idefics3_processor import Idefics3ImageProcessor, PreparedImage, prompt_text
 from chatloom.models.vision.siglip import SiglipConfig, SiglipVisionTransformer
 
 VISION_ARCHITECTURES = VISION_LANGUAGE
@@ -102,6 +103,21 @@ class Idefics3Vision(nn.Module):
 
     def preprocess(self, image: Image.Image) -> torch.Tensor:
         return torch.from_numpy(self.processor(image).pixel_values)
+
+    # Encoder work in pieces (the engine schedules them across steps): a piece is one tile, encoded on
+    # its own by SigLIP and the connector, giving that tile's run of image tokens.
+    @property
+    def piece_tokens(self) -> int:
+        """Embeddings one piece gives: a tile's image tokens."""
+        return self.config.image_seq_len
+
+    def prepare(self, image: Image.Image) -> PreparedImage:
+        """What `encode_pieces` reads: the image resized for its tiles, done once per image."""
+        return self.processor.prepare(image)
+
+    def encode_pieces(self, prepared: PreparedImage, indices: list[int]) -> torch.Tensor:
+        """Tiles `indices` of a prepared image, encoded together -> [len(indices) * piece_tokens, hidden]."""
+        return self.encode(torch.from_numpy(np.stack([self.processor.tile_pixels(prepared, i) for i in indices])))
 
 
 def build_vision(cfg, folder: Path, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype):

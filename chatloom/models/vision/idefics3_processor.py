@@ -23,6 +23,19 @@ _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.
 
 
 @dataclass
+class PreparedImage:
+    """An image resized for its tiles (uint8 RGB, far smaller than their float pixels), and its grid."""
+
+    image: Image.Image
+    rows: int  # 0 and 0 when the image is one tile
+    cols: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.rows * self.cols + 1
+
+
+@dataclass
 class ProcessedImage:
     pixel_values: np.ndarray  # [tiles, 3, tile, tile] float32, the global view last
     rows: int  # 0 and 0 when the image is not split
@@ -122,29 +135,40 @@ class Idefics3ImageProcessor:
             width = math.ceil(int(height * aspect) / tile) * tile
         return height, width
 
-    def __call__(self, image: Image.Image) -> ProcessedImage:
+    def prepare(self, image: Image.Image) -> PreparedImage:
+        """The image resized as the tiles are cut from it, before any tile is: what `tile_pixels` reads."""
         image = _to_rgb(image)
         if self.do_resize:
             h, w = _scale_below(*_rescale_to_max_len(image.height, image.width, self.longest_edge), _MAX_IMAGE_SIZE)
             image = self._resize(image, h, w)
-        rows = cols = 0
-        if self.split:
-            image = self._resize(image, *self._vision_size(image.height, image.width))
-            if image.height > self.tile or image.width > self.tile:
-                rows, cols = image.height // self.tile, image.width // self.tile
-                array = np.asarray(image)
-                tiles = [array[r * self.tile:(r + 1) * self.tile, c * self.tile:(c + 1) * self.tile]
-                         for r in range(rows) for c in range(cols)]
-                tiles.append(np.asarray(self._resize(image, self.tile, self.tile)))
-            else:
-                tiles = [np.asarray(image)]
+        if not self.split:
+            return PreparedImage(self._resize(image, self.tile, self.tile), 0, 0)
+        image = self._resize(image, *self._vision_size(image.height, image.width))
+        if image.height > self.tile or image.width > self.tile:
+            return PreparedImage(image, image.height // self.tile, image.width // self.tile)
+        return PreparedImage(image, 0, 0)
+
+    def tile_pixels(self, prepared: PreparedImage, index: int) -> np.ndarray:
+        """Tile `index` [3, tile, tile] of a prepared image, normalized: the rows x cols crops by rows,
+        then the global view (one tile only when the image is not split)."""
+        rows, cols, t = prepared.rows, prepared.cols, self.tile
+        if index < rows * cols:
+            r, c = divmod(index, cols)
+            pixels = np.asarray(prepared.image.crop((c * t, r * t, (c + 1) * t, (r + 1) * t)))
+        elif index == rows * cols:
+            whole = prepared.image
+            pixels = np.asarray(whole if rows == 0 else self._resize(whole, t, t))
         else:
-            tiles = [np.asarray(self._resize(image, self.tile, self.tile))]
-        pixels = np.stack(tiles).transpose(0, 3, 1, 2)  # [tiles, 3, H, W]
-        scaled = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        mean = np.asarray(self.mean, dtype=np.float32)[None, :, None, None]
-        std = np.asarray(self.std, dtype=np.float32)[None, :, None, None]
-        return ProcessedImage(((scaled - mean) / std).astype(np.float32), rows, cols)
+            raise IndexError(f"tile {index} of an image of {rows * cols + 1} tiles")
+        scaled = (pixels.transpose(2, 0, 1).astype(np.float64) * self.rescale_factor).astype(np.float32)
+        mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(self.std, dtype=np.float32)[:, None, None]
+        return ((scaled - mean) / std).astype(np.float32)
+
+    def __call__(self, image: Image.Image) -> ProcessedImage:
+        prepared = self.prepare(image)
+        tiles = [self.tile_pixels(prepared, i) for i in range(prepared.num_tiles)]
+        return ProcessedImage(np.stack(tiles), prepared.rows, prepared.cols)
 
 
 def prompt_text(rows: int, cols: int, seq_len: int, image_token: str = "<image>",

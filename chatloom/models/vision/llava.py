@@ -124,6 +124,20 @@ class LlavaVision(nn.Module):
     def preprocess(self, image: Image.Image) -> torch.Tensor:
         return torch.from_numpy(self.processor(image))
 
+    # Encoder work in pieces, as the engine schedules it: one image is one piece (CLIP attends across
+    # the whole image, so it has no independent parts).
+    @property
+    def piece_tokens(self) -> int:
+        return self.config.image_seq_len
+
+    def prepare(self, image: Image.Image) -> torch.Tensor:
+        return self.preprocess(image)
+
+    def encode_pieces(self, prepared: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        if list(indices) != [0]:
+            raise IndexError(f"a LLaVA image is one piece; asked for {indices}")
+        return self.encode(prepared)
+
     def load(self, names: dict[str, str], get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
              convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> "LlavaVision":
         """Fill the weights: `names` maps ours to the file's, `convert` reshapes a file's tensor."""

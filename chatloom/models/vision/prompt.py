@@ -7,7 +7,7 @@ processor does), and each image is given the positions of its own run of image t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from PIL import Image
 
@@ -25,10 +25,29 @@ class ImageInput:
     content_hash: str
     image: Image.Image
     positions: list[int]
+    # Embeddings per piece of encoder work (vision.piece_tokens: an Idefics3 tile's; 0: the whole image).
+    # Piece i gives the embeddings at positions[i * piece_len:(i + 1) * piece_len].
+    piece_tokens: int = 0
+    # The vision side's prepared image (vision.prepare) while pieces of it are left to encode.
+    prepared: object = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
+
+    @property
+    def piece_len(self) -> int:
+        return self.piece_tokens or self.num_tokens
+
+    @property
+    def num_pieces(self) -> int:
+        return -(-self.num_tokens // self.piece_len)
+
+    def piece_first_position(self, index: int) -> int:
+        return self.positions[index * self.piece_len]
+
+    def piece_last_position(self, index: int) -> int:
+        return self.positions[min((index + 1) * self.piece_len, self.num_tokens) - 1]
 
 
 def expand_images(vision: "Idefics3Vision | LlavaVision", tokenizer, text: str,
@@ -51,7 +70,7 @@ def expand_images(vision: "Idefics3Vision | LlavaVision", tokenizer, text: str,
     out, at = [], 0
     for content_hash, image in images:
         n = vision.num_image_tokens(image.width, image.height)
-        out.append(ImageInput(content_hash, image, slots[at:at + n]))
+        out.append(ImageInput(content_hash, image, slots[at:at + n], vision.piece_tokens))
         at += n
     if at != len(slots):
         raise ModelError(f"the prompt has {len(slots)} image tokens; its images need {at}")
