@@ -39,3 +39,16 @@ async def test_a_passage_with_the_phrase_outranks_one_with_the_words_apart(clien
     only_filler = (await client.get("/files/search", headers=alice, params={"q": "what about the weather",
                                                                            "mode": "fulltext"})).json()
     assert only_filler and all("weather" in p["text"] for p in only_filler)
+
+
+
+async def test_a_word_inside_a_path_is_found(client, alice):
+    # Both databases split text at every character that is not a letter or digit, as the question's words
+    # are split: "/v1/embeddings" holds "embeddings" (PostgreSQL's parser alone keeps it one path token).
+    doc = f"{FILLER}\n\nVectors are made by POST /v1/embeddings on the gateway.\n\n{FILLER}\n"
+    r = await client.post("/files", headers=alice, files={"file": ("ops.txt", doc.encode())})
+    assert r.status_code == 201, r.text
+    found = (await client.get("/files/search", headers=alice, params={"q": "which path serves embeddings?",
+                                                                     "mode": "fulltext"})).json()
+    assert found and "/v1/embeddings" in found[0]["text"], found
+
