@@ -2,7 +2,8 @@
 
 `Retriever.for_conversation` looks only at the files the conversation reads (attached to it, or in an
 attached collection) and only at the asking user's own: full-text and, where the passages have vectors,
-nearest neighbours of the message's embedding (embedded through the pipeline's embed path), fused by
+nearest neighbours of the message's embedding (embedded through the pipeline's embed path, or by the
+remote embedding server of `files.embeddings_url`), fused by
 rank (search.py). The best passages are kept while they fit `files.prompt_tokens`; `context_text` is
 what the prompt's system message gains, and `citations` what the answer message keeps, numbered as the
 prompt numbers them, so an answer's "[2]" opens the second passage.
@@ -98,7 +99,7 @@ class Retriever:
         try:
             model, result = await self.files.embedder.embed(user, [query], self.settings.files.embedding_model)
         except (ApiError, BadGenerationRequest, BackendError) as exc:  # full-text alone still answers
-            log.info("retrieval without vectors: %s", exc)
+            log.warning("retrieval without vectors, full-text search only: %s", exc)
             return None
         return model, result.vectors[0]
 

@@ -3,8 +3,9 @@
 An upload is all or nothing: the bytes go to the blob store and the rows (the file, its text, its
 passages and their vectors, its attachment) are committed together once everything is ready; if
 anything fails, the blob is removed again and no row stays. The passages' vectors are embedded through
-the pipeline's embed path (the user's quota and the admission queue, as any model work): when that is
-refused or fails, the file is kept with full-text search only, and its `status_details` says why.
+the pipeline's embed path (the user's quota and the admission queue, as any model work), or by the
+remote embedding server of `files.embeddings_url`: when that is refused or fails, the file is kept with
+full-text search only, and its `status_details` says why.
 
 Deleting removes the rows and the blob together: a file; the files a deleted conversation alone held;
 the files a deleted collection alone held; all of a deleted account's files.
@@ -22,6 +23,7 @@ from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.files.chunking import chunk_spans
 from chatloom.app.files.extract import CONTENT_TYPES, Extracted, Limits, extract
 from chatloom.app.files.search import pack
+from chatloom.app.files.remote_embeddings import RemoteEmbedder
 from chatloom.app.generation.embedding import Embedder
 from chatloom.app.traffic.tiers import TierTable
 from chatloom.serving import BackendError, BadGenerationRequest
@@ -38,7 +40,7 @@ EMBED_BATCH = 32  # passages per embeddings request while indexing
 
 
 class Files:
-    def __init__(self, db: Database, blobs: BlobStore, embedder: Embedder, settings: Settings,
+    def __init__(self, db: Database, blobs: BlobStore, embedder: Embedder | RemoteEmbedder, settings: Settings,
                  tiers: TierTable | None = None) -> None:
         self.db = db
         self.blobs = blobs
@@ -153,7 +155,7 @@ class Files:
                                                           self.settings.files.embedding_model)
                 vectors += result.vectors
         except (ApiError, BadGenerationRequest, BackendError) as exc:
-            log.info("file passages not embedded: %s", exc)
+            log.warning("file passages not embedded, full-text search only: %s", exc)
             return None, None, f"not embedded ({exc}): full-text search only"
         return vectors, model, None
 
