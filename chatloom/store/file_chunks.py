@@ -14,6 +14,7 @@ from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, LargeBi
 from sqlalchemy.orm import Mapped, mapped_column
 
 from chatloom.store.models import Base, new_id, utcnow
+from chatloom.store.vector_index import PG_COLUMN
 
 # PostgreSQL's text search configuration for conversation search (stemmed English, stop words dropped).
 TS_CONFIG = "english"
@@ -30,9 +31,10 @@ def rank_tsvector(column: str) -> str:
 
 
 def is_search_index(name: str | None) -> bool:
-    """Whether a table, column or index is part of the full-text index (FTS5 tables and their shadow tables,
-    PostgreSQL's tsvector column and GIN indexes), made by the migrations and not described by the models."""
-    return bool(name) and ("_fts" in name)
+    """Whether a table, column or index is part of the full-text or vector index (FTS5 tables and their
+    shadow tables, PostgreSQL's tsvector column and GIN indexes, pgvector's column), made by the migrations
+    and not described by the models."""
+    return bool(name) and ("_fts" in name or name == PG_COLUMN)
 
 
 class FileChunk(Base):

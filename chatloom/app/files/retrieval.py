@@ -82,7 +82,8 @@ class Retriever:
                 rankings.append(await fulltext(s, user.id, file_ids, query, CANDIDATES))
             if found is not None:
                 model, vector = found
-                rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES))
+                rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES,
+                                             self.files.db.vector_search))
         return fuse(rankings, self.settings.files.rrf_k)[:limit]
 
     @contextlib.asynccontextmanager

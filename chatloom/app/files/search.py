@@ -7,8 +7,9 @@ passage nor weigh in the ranking) and of each pair of adjacent words as a phrase
 "session token" as the question says it outranks one that has both words apart (docs/files.md has the
 figures). Vector search is exact: the dot product of the question's unit vector with every vector of the
 passages in scope, which are only the user's own (a few thousand at most), so no approximate index is
-needed. The two rankings are fused by reciprocal rank (RRF): a passage scores sum(1 / (k + rank)) over
-the rankings it is in, so neither score scale has to be calibrated against the other.
+needed; pgvector or sqlite-vec order them in the database where installed, numpy otherwise. The two
+rankings are fused by reciprocal rank (RRF): a passage scores sum(1 / (k + rank)) over the rankings it is
+in, so neither score scale has to be calibrated against the other.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.files.pg_fulltext import question_terms, ranking_params, ranking_sql, score
 from chatloom.app.files.query import STOP_WORDS, fts5_query, query_terms, terms  # noqa: F401 - re-exported
+from chatloom.store.vector_index import PG_COLUMN, PGVECTOR, SQLITE_VEC, pg_literal
 
 _POSTGRES_SCOPE = "SELECT id, text_fts AS v FROM file_chunks WHERE user_id = :user AND file_id IN :files"
 _SQLITE_FULLTEXT = (
@@ -44,14 +46,31 @@ async def fulltext(session: AsyncSession, user_id: str, file_ids: list[str], que
     return score(rows.all(), found, limit)
 
 
+_NEAREST_SCOPE = ("FROM file_chunks WHERE user_id = :user AND file_id IN :files AND embedding IS NOT NULL "
+                  "AND embedding_model = :model")
+# In the database, where it has an extension for vectors (store/vector_index.py): the same exact ranking.
+_NEAREST_SQL = {
+    PGVECTOR: (f"SELECT id {_NEAREST_SCOPE} AND vector_dims({PG_COLUMN}) = :width "
+               f"ORDER BY {PG_COLUMN} <#> CAST(:q AS vector), id LIMIT :n"),
+    SQLITE_VEC: (f"SELECT id {_NEAREST_SCOPE} AND length(embedding) = 4 * :width "
+                 "ORDER BY vec_distance_cosine(embedding, :q), id LIMIT :n"),
+}
+
+
 async def nearest(session: AsyncSession, user_id: str, file_ids: list[str], vector: list[float], model: str,
-                  limit: int) -> list[int]:
-    """Passage ids of `file_ids` (the user's) by cosine similarity to `vector`, best first (exact search)."""
+                  limit: int, extension: str | None = None) -> list[int]:
+    """Passage ids of `file_ids` (the user's) by cosine similarity to `vector`, best first, ties by id: an
+    exact search, in the database with `extension` ("pgvector", "sqlite-vec"), else in numpy."""
     if not file_ids:
         return []
-    sql = text("SELECT id, embedding FROM file_chunks WHERE user_id = :user AND file_id IN :files "
-               "AND embedding IS NOT NULL AND embedding_model = :model").bindparams(bindparam("files", expanding=True))
-    rows = (await session.execute(sql, {"user": user_id, "files": list(file_ids), "model": model})).all()
+    params = {"user": user_id, "files": list(file_ids), "model": model}
+    if extension is not None:
+        q = pg_literal(vector) if extension == PGVECTOR else pack(vector)
+        sql = text(_NEAREST_SQL[extension]).bindparams(bindparam("files", expanding=True))
+        rows = await session.execute(sql, {**params, "q": q, "width": len(vector), "n": limit})
+        return [r[0] for r in rows]
+    sql = text(f"SELECT id, embedding {_NEAREST_SCOPE} ORDER BY id").bindparams(bindparam("files", expanding=True))
+    rows = (await session.execute(sql, params)).all()
     q = np.asarray(vector, dtype=np.float32)
     rows = [(i, e) for i, e in rows if len(e) == 4 * len(q)]
     if not rows:

@@ -33,6 +33,7 @@ from chatloom.store.blobs import BlobStore
 from chatloom.store.file_chunks import (Collection, CollectionFile, ConversationCollection, ConversationFile,
                                         FileChunk, FileText)
 from chatloom.store.models import StoredFile, new_id
+from chatloom.store.vector_index import PGVECTOR, write_pg_vectors
 
 log = logging.getLogger(__name__)
 PURPOSE = "user_data"
@@ -124,7 +125,11 @@ class Files:
                 session.add(row)
                 await session.flush()  # the file row before the rows that refer to it (PostgreSQL checks at once)
                 session.add(FileText(file_id=file_id, kind=extracted.kind, text=extracted.text))
-                session.add_all(self._chunks(user.id, file_id, extracted, spans, vectors, model))
+                chunks = self._chunks(user.id, file_id, extracted, spans, vectors, model)
+                session.add_all(chunks)
+                if vectors and self.db.vector_search == PGVECTOR:
+                    await session.flush()  # their ids
+                    await write_pg_vectors(session, [(c.id, c.embedding) for c in chunks])
                 if conversation is not None:
                     session.add(ConversationFile(conversation_id=conversation.id, file_id=file_id))
                 if collection is not None:

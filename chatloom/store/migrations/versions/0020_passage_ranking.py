@@ -1,4 +1,4 @@
-"""ranking passages on PostgreSQL as FTS5 does: stop words kept for phrases, text split at every non-alphanumeric
+"""ranking passages on PostgreSQL as FTS5 does: stop words kept for phrases, text split at non-alphanumerics
 
 The passages' stored tsvector is remade in a configuration of its own, `chatloom_english` (English stems
 without the stop-word list: the ranking leaves function words out of single terms itself but needs them
@@ -6,12 +6,17 @@ for phrases such as "not exist"), over the text with every run of other characte
 SQLite's unicode61 tokenizer splits it ("/readyz" and "max_tokens" hold the words of a question that
 says "readyz" or "max tokens").
 
+(pgvector's column, where the server offers the extension, is added at start, not here: an extension
+installed later is taken up at the next start; store/vector_index.py. Going down drops it.)
+
 Revision ID: 0020
 Revises: 0019
 """
 from __future__ import annotations
 
 from alembic import op
+
+from chatloom.store.vector_index import PG_COLUMN
 
 revision = "0020"
 down_revision = "0019"
@@ -39,6 +44,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
         return
+    op.execute(f"ALTER TABLE file_chunks DROP COLUMN IF EXISTS {PG_COLUMN}")  # the extension stays
     op.execute("ALTER TABLE file_chunks DROP COLUMN text_fts")
     op.execute("ALTER TABLE file_chunks ADD COLUMN text_fts tsvector "
                "GENERATED ALWAYS AS (to_tsvector('english', text)) STORED")
