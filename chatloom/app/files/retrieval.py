@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
 from sqlalchemy import select
+from sqlalchemy.orm import load_only
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.core.errors import ApiError
@@ -119,7 +120,10 @@ class Retriever:
         if not ids:
             return []
         async with self._session(session) as s:
-            rows = (await s.execute(select(FileChunk, StoredFile.filename).join(
+            # The columns a passage needs, not its vector.
+            rows = (await s.execute(select(FileChunk, StoredFile.filename).options(
+                load_only(FileChunk.id, FileChunk.file_id, FileChunk.ordinal, FileChunk.page, FileChunk.char_start,
+                          FileChunk.char_end, FileChunk.text)).join(
                 StoredFile, StoredFile.id == FileChunk.file_id).where(FileChunk.id.in_(ids),
                                                                       FileChunk.user_id == user.id))).all()
         by_id = {chunk.id: (chunk, name) for chunk, name in rows}
