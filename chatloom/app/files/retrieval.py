@@ -74,7 +74,7 @@ class Retriever:
         `session`: the caller's, used instead of a connection of its own."""
         limit = limit or self.settings.files.top_k
         found = None
-        if mode in ("vector", "hybrid") and self.settings.files.embeddings:
+        if self._embeds(mode):
             # Before any connection is held: the question's embedding may wait in the admission queue.
             found = await self._query_vector(user, query)
         rankings: list[list[int]] = []
@@ -86,6 +86,9 @@ class Retriever:
                 rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES,
                                              self.files.db.vector_search))
         return fuse(rankings, self.settings.files.rrf_k)[:limit]
+
+    def _embeds(self, mode: str) -> bool:
+        return mode in ("vector", "hybrid") and self.settings.files.embeddings
 
     @contextlib.asynccontextmanager
     async def _session(self, session: AsyncSession | None) -> AsyncIterator[AsyncSession]:
@@ -112,6 +115,9 @@ class Retriever:
         budget = self.settings.files.prompt_tokens
         if budget <= 0 or not query.strip():
             return []
+        if session is None and not self._embeds(mode):  # nothing to wait for: one connection throughout
+            async with self.files.db.session() as own:
+                return await self.for_conversation(user, conversation_id, query, own, mode)
         async with self._session(session) as s:
             file_ids = await self.files.scope(s, user.id, conversation_id)
         if not file_ids:
