@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # PostgreSQL and Redis on loopback for the tests (no Docker), from Debian's postgresql and redis-server.
 #
-#   scripts/services.sh install                    # apt-get installs the missing packages (CI does this)
+#   scripts/services.sh install                    # apt-get installs the missing packages, pgvector where
+#                                                  # offered (CI does this)
 #   scripts/services.sh installed postgres|redis   # exit status 0 when that package is installed
 #   eval "$(scripts/services.sh start [postgres] [redis])"   # start them (default both), export their URLs
 #   scripts/services.sh stop [postgres] [redis]
@@ -32,12 +33,25 @@ install_missing() {
   local need=()
   installed postgres || need+=(postgresql)
   installed redis || need+=(redis-server)
-  [ ${#need[@]} -eq 0 ] && return
   local sudo=""
   if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then sudo="sudo"; fi
-  say "installing ${need[*]}"
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q >&2
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >&2
+  if [ ${#need[@]} -gt 0 ]; then
+    say "installing ${need[*]}"
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >&2
+  fi
+  # pgvector, for vector search inside PostgreSQL (docs/files.md); where the distribution has no package
+  # for this PostgreSQL (Debian 12 has none), the tests of it skip and search stays exact in the gateway.
+  if ! ls /usr/share/postgresql/*/extension/vector.control >/dev/null 2>&1; then
+    local pkg; pkg="postgresql-$(basename "$(dirname "$(pg_bin)")")-pgvector"
+    [ ${#need[@]} -gt 0 ] || $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q >&2
+    if apt-cache show "$pkg" >/dev/null 2>&1; then
+      say "installing $pkg"
+      $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-upgrade "$pkg" >&2
+    else
+      say "no $pkg package here: vector search on PostgreSQL stays exact in the gateway"
+    fi
+  fi
 }
 
 pg_bin() { ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1; }

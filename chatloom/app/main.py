@@ -29,6 +29,7 @@ from chatloom.app.api.routes import responses, usage, web
 from chatloom.app.api.routes import mcp_servers, tool_files
 from chatloom.app.api.routes import audio, batches, embeddings, files, user_files
 from chatloom.app.batch.runner import BatchRunner
+from chatloom.app.files.remote_embeddings import RemoteEmbedder
 from chatloom.app.files.retrieval import Retriever
 from chatloom.app.files.service import Files
 from chatloom.app.tools.hosted import HostedToolbox
@@ -87,7 +88,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     pipeline = Pipeline(backend, traffic, settings)
     scaler = build_scaler(settings, traffic, backend, local_replicas)
     blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
-    file_service = Files(db, blobs, pipeline.embeddings, settings, traffic.tiers)
+    # Passages and questions are embedded by the served model, or by a remote embedding server.
+    embedder = RemoteEmbedder.from_settings(settings) if settings.files.embeddings_url else pipeline.embeddings
+    file_service = Files(db, blobs, embedder, settings, traffic.tiers)
     retriever = Retriever(file_service, backend)
     ctx = AppContext(
         settings=settings, db=db, backend=backend,
@@ -143,6 +146,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
             if speech is not None and owns_speech:
                 await speech.close()
             await traffic.moderator.close()
+            if isinstance(embedder, RemoteEmbedder):
+                await embedder.close()
             await traffic.meter.close()  # answers have ended: flush their usage before the database closes
             await db.close()
 

@@ -103,10 +103,12 @@ async def _run(loaded, k: int, questions: list[dict], latency_chunks: int, docs_
             passages = await _passages(ctx)
             recall, misses, stale = await _recall(ctx, reader, files, passages, questions, k, modes)
             latency = await _latency(ctx, other, passages, questions, latency_chunks, loaded, vectors)
+            vector_search = ctx.db.vector_search or "exact"
     finally:
         await backend.close()
     return {"benchmark": "retrieval", "model": loaded.id, "database": "sqlite" if db_url is None else
-            db_url.split(":", 1)[0].split("+", 1)[0], "pooling": pooling, "k": k, "questions": len(questions),
+            db_url.split(":", 1)[0].split("+", 1)[0], "vector_search": vector_search, "pooling": pooling, "k": k,
+            "questions": len(questions),
             "stale_questions": stale, "documents": len(files), "passages": len(passages),
             "chunk_chars": chunk_chars, "chunk_overlap_chars": overlap, "index_s": round(index_s, 2),
             f"recall_at_{k}": recall, "missed": misses, "latency": latency}
@@ -150,12 +152,13 @@ async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, 
     """What retrieval adds before an answer, per question, over a conversation reading `size` passages of
     the user's own (texts of the corpus, random unit vectors): the chat's retrieval as the default settings
     run it (full-text) and with embeddings on (hybrid), and their parts."""
-    from sqlalchemy import text
+    from sqlalchemy import select, text
 
     from chatloom.app.files.search import pack
     from chatloom.store import Conversations
     from chatloom.store.file_chunks import ConversationFile, FileChunk
     from chatloom.store.models import StoredFile, new_id
+    from chatloom.store.vector_index import PGVECTOR, write_pg_vectors
 
     if size <= 0 or not passages:
         return {}
@@ -176,6 +179,10 @@ async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, 
             session.add(FileChunk(file_id=file_id, user_id=user.id, ordinal=i, text=texts[i % len(texts)],
                                   char_start=0, char_end=0, embedding=pack((v / np.linalg.norm(v)).tolist()),
                                   embedding_model=model))
+        await session.flush()
+        if ctx.db.vector_search == PGVECTOR:  # pgvector's column, as an upload writes it
+            rows = await session.execute(select(FileChunk.id, FileChunk.embedding).where(FileChunk.file_id == file_id))
+            await write_pg_vectors(session, [tuple(r) for r in rows])
         await session.commit()
         conversation_id = conv.id
     retriever = ctx.retriever

@@ -452,7 +452,14 @@ class FilesSettings(Group):
                                                 "embedding model (embedding_model), not with a chat model's vectors "
                                                 "(docs/files.md has the figures).")
     embedding_model: str | None = Field(None, description="Model whose embeddings index the passages "
-                                                          "(default: the default model).")
+                                                          "(default: the default model); with embeddings_url, "
+                                                          "the remote server's model name (required).")
+    embeddings_url: str | None = Field(None, description="An OpenAI-compatible embeddings endpoint, the whole URL "
+                                                         "(http://host:8080/v1/embeddings), that embeds passages "
+                                                         "and questions instead of the served model; when it "
+                                                         "fails, retrieval falls back to full-text search.")
+    embeddings_api_key: str | None = Field(None, description="Bearer token for embeddings_url.")
+    embeddings_timeout_s: float = Field(10.0, gt=0, description="How long one request to embeddings_url may take.")
     top_k: int = Field(4, ge=1, description="Passages retrieved for one message.")
     prompt_tokens: int = Field(1024, ge=0, description="Most prompt tokens the retrieved passages may take; the "
                                                        "conversation's history gets the rest of the budget.")
@@ -463,6 +470,8 @@ class FilesSettings(Group):
 
     @model_validator(mode="after")
     def _positive(self) -> "FilesSettings":
+        if self.embeddings_url and not self.embedding_model:
+            raise ValueError("embeddings_url needs embedding_model (the remote server's model name)")
         if "default" not in self.max_bytes:
             raise ValueError("max_bytes needs a 'default' entry")
         if any(v <= 0 for v in self.max_bytes.values()):

@@ -6,9 +6,11 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from chatloom.store.vector_index import PGVECTOR, SQLITE_VEC, ensure_pgvector, load_sqlite_vec
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,12 @@ class Database:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
         self.engine: AsyncEngine = create_async_engine(self.url, echo=echo)
+        # How vector search runs here (vector_index.py): "pgvector", "sqlite-vec", or None (exact, in numpy).
+        self.vector_search: str | None = None
+        self._sqlite_vec_loaded = False
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _tune_sqlite)
+            event.listen(self.engine.sync_engine, "connect", self._load_sqlite_vec)
         # expire_on_commit=False: rows stay readable after commit, outside the session's transaction.
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
 
@@ -79,7 +85,17 @@ class Database:
 
         async with self.engine.begin() as conn:
             await conn.run_sync(upgrade)
+        async with self.engine.begin() as conn:
+            if self.is_sqlite:
+                await conn.execute(text("SELECT 1"))  # a connection has been made: sqlite-vec loaded or not
+                self.vector_search = SQLITE_VEC if self._sqlite_vec_loaded else None
+            else:
+                self.vector_search = PGVECTOR if await conn.run_sync(ensure_pgvector) else None
+        log.info("vector search: %s", self.vector_search or "exact, in the gateway")
         log.info("database schema up to date (%s)", self.engine.url.render_as_string(hide_password=True))
+
+    def _load_sqlite_vec(self, dbapi_connection, _record) -> None:
+        self._sqlite_vec_loaded = load_sqlite_vec(dbapi_connection) or self._sqlite_vec_loaded
 
     async def close(self) -> None:
         await self.engine.dispose()

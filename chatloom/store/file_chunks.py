@@ -3,7 +3,7 @@
 A file's text is cut into overlapping passages (`FileChunk`), each with its place in the text and, where
 embeddings are on, its vector (float32 bytes). Full-text search runs on the database's own index over
 the passages and over conversations: SQLite FTS5 tables kept in step by triggers (migration 0011), and on
-PostgreSQL a stored tsvector column of passages, `text_fts` (0014), and GIN indexes on `to_tsvector` of
+PostgreSQL a stored tsvector column of passages, `text_fts` (0014, 0020), and GIN indexes on `to_tsvector` of
 messages and titles (0011); `is_search_index` names them, so schema comparisons leave them be. Files attach to a conversation, or to a named collection that attaches to many.
 """
 from __future__ import annotations
@@ -14,15 +14,27 @@ from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, LargeBi
 from sqlalchemy.orm import Mapped, mapped_column
 
 from chatloom.store.models import Base, new_id, utcnow
+from chatloom.store.vector_index import PG_COLUMN
 
-# PostgreSQL's text search configuration for passages and conversations (stemmed English).
+# PostgreSQL's text search configuration for conversation search (stemmed English, stop words dropped).
 TS_CONFIG = "english"
+# ... and for ranking passages and older turns (migration 0020): English stems with the stop words kept,
+# so a phrase such as "not exist" can match as FTS5's does; single terms leave them out (files/search.py).
+RANK_TS_CONFIG = "chatloom_english"
+
+
+def rank_tsvector(column: str) -> str:
+    """SQL of the tsvector passages and turns are ranked by: the text's runs of letters and digits (every
+    other character a separator, as FTS5's tokenizer has it, so "/readyz" holds the word "readyz") in
+    `RANK_TS_CONFIG`."""
+    return f"to_tsvector('{RANK_TS_CONFIG}', regexp_replace({column}, '[^[:alnum:]]+', ' ', 'g'))"
 
 
 def is_search_index(name: str | None) -> bool:
-    """Whether a table, column or index is part of the full-text index (FTS5 tables and their shadow tables,
-    PostgreSQL's tsvector column and GIN indexes), made by the migrations and not described by the models."""
-    return bool(name) and ("_fts" in name)
+    """Whether a table, column or index is part of the full-text or vector index (FTS5 tables and their
+    shadow tables, PostgreSQL's tsvector column and GIN indexes, pgvector's column), made by the migrations
+    and not described by the models."""
+    return bool(name) and ("_fts" in name or name == PG_COLUMN)
 
 
 class FileChunk(Base):

@@ -3,8 +3,8 @@
 When a conversation outgrows the context window, its oldest turns leave the prompt; a summary keeps
 their gist (conversation_prompt.py). Retrieval brings back, verbatim, the few older turns that bear on
 the new message ("what was the code name we agreed on?"), ranked by the database's own full-text index
-over messages (SQLite's `chat_fts`, PostgreSQL's GIN index on messages), with the same query as file
-retrieval: content words and adjacent-word phrases (files/search.py). `chat.older_turns` chooses
+over messages (SQLite's `chat_fts`; on PostgreSQL BM25 over the turns' tsvectors, files/pg_fulltext.py), with
+the same query as file retrieval: content words and adjacent-word phrases (files/search.py). `chat.older_turns` chooses
 summary, retrieved turns or both; `chat.retrieved_turns_tokens` bounds what they take.
 """
 from __future__ import annotations
@@ -13,18 +13,17 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.chat.prompt import Turn, transcript
-from chatloom.app.files.search import (POSTGRES_PHRASES, TS_CONFIG, fts5_query, postgres_params, postgres_rank,
-                                       terms)
+from chatloom.app.files.pg_fulltext import question_terms, ranking_params, ranking_sql, score
+from chatloom.app.files.search import fts5_query, query_terms, terms
+from chatloom.store.file_chunks import rank_tsvector
 
 RECALL_HEADER = "\n\nEarlier turns of this conversation that bear on the new message:\n"
 CANDIDATES = 8  # ranked turns read per message; the token budget usually keeps fewer
 
 _SQLITE = ("SELECT message_id FROM chat_fts WHERE chat_fts MATCH :q AND kind = 'message' "
            "AND conversation_id = :conversation AND message_id IN :ids ORDER BY bm25(chat_fts) LIMIT :n")
-_POSTGRES = (f"SELECT id FROM (SELECT id, to_tsvector('{TS_CONFIG}', text) AS v FROM messages "
-             f"WHERE conversation_id = :conversation AND id IN :ids AND to_tsvector('{TS_CONFIG}', text) @@ "
-             f"to_tsquery('{TS_CONFIG}', :words)) AS m, {POSTGRES_PHRASES} ORDER BY {postgres_rank('m.v')} DESC, m.id "
-             f"LIMIT :n")
+_POSTGRES_SCOPE = (f"SELECT id, {rank_tsvector('text')} AS v FROM messages "
+                   "WHERE conversation_id = :conversation AND id IN :ids")
 
 
 async def relevant_turns(session: AsyncSession, conversation_id: str, turns: list[Turn], query: str,
@@ -34,15 +33,18 @@ async def relevant_turns(session: AsyncSession, conversation_id: str, turns: lis
     by_id = {t.id: (i, t) for i, t in enumerate(turns) if t.id}
     if not by_id or not terms(query):
         return []
-    params: dict = {"conversation": conversation_id, "ids": list(by_id), "n": limit}
+    params: dict = {"conversation": conversation_id, "ids": list(by_id)}
     if session.bind.dialect.name == "sqlite":
-        sql = _SQLITE
-        params["q"] = fts5_query(query)
-    else:
-        sql = _POSTGRES
-        params.update(postgres_params(query))
-    rows = await session.execute(text(sql).bindparams(bindparam("ids", expanding=True)), params)
-    return [by_id[r[0]] for r in rows if r[0] in by_id]
+        params.update(q=fts5_query(query), n=limit)
+        rows = await session.execute(text(_SQLITE).bindparams(bindparam("ids", expanding=True)), params)
+        return [by_id[r[0]] for r in rows if r[0] in by_id]
+    found = await question_terms(session, *query_terms(query))
+    if not found.lexemes:
+        return []
+    params.update(ranking_params(found))
+    rows = await session.execute(text(ranking_sql(_POSTGRES_SCOPE)).bindparams(bindparam("ids", expanding=True)),
+                                 params)
+    return [by_id[i] for i in score(rows.all(), found, limit) if i in by_id]
 
 
 def recalled_text(turns: list[Turn]) -> str:

@@ -2,7 +2,8 @@
 
 `Retriever.for_conversation` looks only at the files the conversation reads (attached to it, or in an
 attached collection) and only at the asking user's own: full-text and, where the passages have vectors,
-nearest neighbours of the message's embedding (embedded through the pipeline's embed path), fused by
+nearest neighbours of the message's embedding (embedded through the pipeline's embed path, or by the
+remote embedding server of `files.embeddings_url`), fused by
 rank (search.py). The best passages are kept while they fit `files.prompt_tokens`; `context_text` is
 what the prompt's system message gains, and `citations` what the answer message keeps, numbered as the
 prompt numbers them, so an answer's "[2]" opens the second passage.
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
 from sqlalchemy import select
+from sqlalchemy.orm import load_only
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.core.errors import ApiError
@@ -72,7 +74,7 @@ class Retriever:
         `session`: the caller's, used instead of a connection of its own."""
         limit = limit or self.settings.files.top_k
         found = None
-        if mode in ("vector", "hybrid") and self.settings.files.embeddings:
+        if self._embeds(mode):
             # Before any connection is held: the question's embedding may wait in the admission queue.
             found = await self._query_vector(user, query)
         rankings: list[list[int]] = []
@@ -81,8 +83,12 @@ class Retriever:
                 rankings.append(await fulltext(s, user.id, file_ids, query, CANDIDATES))
             if found is not None:
                 model, vector = found
-                rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES))
+                rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES,
+                                             self.files.db.vector_search))
         return fuse(rankings, self.settings.files.rrf_k)[:limit]
+
+    def _embeds(self, mode: str) -> bool:
+        return mode in ("vector", "hybrid") and self.settings.files.embeddings
 
     @contextlib.asynccontextmanager
     async def _session(self, session: AsyncSession | None) -> AsyncIterator[AsyncSession]:
@@ -98,7 +104,7 @@ class Retriever:
         try:
             model, result = await self.files.embedder.embed(user, [query], self.settings.files.embedding_model)
         except (ApiError, BadGenerationRequest, BackendError) as exc:  # full-text alone still answers
-            log.info("retrieval without vectors: %s", exc)
+            log.warning("retrieval without vectors, full-text search only: %s", exc)
             return None
         return model, result.vectors[0]
 
@@ -109,6 +115,9 @@ class Retriever:
         budget = self.settings.files.prompt_tokens
         if budget <= 0 or not query.strip():
             return []
+        if session is None and not self._embeds(mode):  # nothing to wait for: one connection throughout
+            async with self.files.db.session() as own:
+                return await self.for_conversation(user, conversation_id, query, own, mode)
         async with self._session(session) as s:
             file_ids = await self.files.scope(s, user.id, conversation_id)
         if not file_ids:
@@ -117,7 +126,10 @@ class Retriever:
         if not ids:
             return []
         async with self._session(session) as s:
-            rows = (await s.execute(select(FileChunk, StoredFile.filename).join(
+            # The columns a passage needs, not its vector.
+            rows = (await s.execute(select(FileChunk, StoredFile.filename).options(
+                load_only(FileChunk.id, FileChunk.file_id, FileChunk.ordinal, FileChunk.page, FileChunk.char_start,
+                          FileChunk.char_end, FileChunk.text)).join(
                 StoredFile, StoredFile.id == FileChunk.file_id).where(FileChunk.id.in_(ids),
                                                                       FileChunk.user_id == user.id))).all()
         by_id = {chunk.id: (chunk, name) for chunk, name in rows}

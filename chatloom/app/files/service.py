@@ -3,8 +3,9 @@
 An upload is all or nothing: the bytes go to the blob store and the rows (the file, its text, its
 passages and their vectors, its attachment) are committed together once everything is ready; if
 anything fails, the blob is removed again and no row stays. The passages' vectors are embedded through
-the pipeline's embed path (the user's quota and the admission queue, as any model work): when that is
-refused or fails, the file is kept with full-text search only, and its `status_details` says why.
+the pipeline's embed path (the user's quota and the admission queue, as any model work), or by the
+remote embedding server of `files.embeddings_url`: when that is refused or fails, the file is kept with
+full-text search only, and its `status_details` says why.
 
 Deleting removes the rows and the blob together: a file; the files a deleted conversation alone held;
 the files a deleted collection alone held; all of a deleted account's files.
@@ -22,6 +23,7 @@ from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.files.chunking import chunk_spans
 from chatloom.app.files.extract import CONTENT_TYPES, Extracted, Limits, extract
 from chatloom.app.files.search import pack
+from chatloom.app.files.remote_embeddings import RemoteEmbedder
 from chatloom.app.generation.embedding import Embedder
 from chatloom.app.traffic.tiers import TierTable
 from chatloom.serving import BackendError, BadGenerationRequest
@@ -31,6 +33,7 @@ from chatloom.store.blobs import BlobStore
 from chatloom.store.file_chunks import (Collection, CollectionFile, ConversationCollection, ConversationFile,
                                         FileChunk, FileText)
 from chatloom.store.models import StoredFile, new_id
+from chatloom.store.vector_index import PGVECTOR, write_pg_vectors
 
 log = logging.getLogger(__name__)
 PURPOSE = "user_data"
@@ -38,7 +41,7 @@ EMBED_BATCH = 32  # passages per embeddings request while indexing
 
 
 class Files:
-    def __init__(self, db: Database, blobs: BlobStore, embedder: Embedder, settings: Settings,
+    def __init__(self, db: Database, blobs: BlobStore, embedder: Embedder | RemoteEmbedder, settings: Settings,
                  tiers: TierTable | None = None) -> None:
         self.db = db
         self.blobs = blobs
@@ -122,7 +125,11 @@ class Files:
                 session.add(row)
                 await session.flush()  # the file row before the rows that refer to it (PostgreSQL checks at once)
                 session.add(FileText(file_id=file_id, kind=extracted.kind, text=extracted.text))
-                session.add_all(self._chunks(user.id, file_id, extracted, spans, vectors, model))
+                chunks = self._chunks(user.id, file_id, extracted, spans, vectors, model)
+                session.add_all(chunks)
+                if vectors and self.db.vector_search == PGVECTOR:
+                    await session.flush()  # their ids
+                    await write_pg_vectors(session, [(c.id, c.embedding) for c in chunks])
                 if conversation is not None:
                     session.add(ConversationFile(conversation_id=conversation.id, file_id=file_id))
                 if collection is not None:
@@ -153,7 +160,7 @@ class Files:
                                                           self.settings.files.embedding_model)
                 vectors += result.vectors
         except (ApiError, BadGenerationRequest, BackendError) as exc:
-            log.info("file passages not embedded: %s", exc)
+            log.warning("file passages not embedded, full-text search only: %s", exc)
             return None, None, f"not embedded ({exc}): full-text search only"
         return vectors, model, None
 

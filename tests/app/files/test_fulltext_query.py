@@ -39,3 +39,32 @@ async def test_a_passage_with_the_phrase_outranks_one_with_the_words_apart(clien
     only_filler = (await client.get("/files/search", headers=alice, params={"q": "what about the weather",
                                                                            "mode": "fulltext"})).json()
     assert only_filler and all("weather" in p["text"] for p in only_filler)
+
+
+
+async def test_a_word_inside_a_path_is_found(client, alice):
+    # Both databases split text at every character that is not a letter or digit, as the question's words
+    # are split: "/v1/embeddings" holds "embeddings" (PostgreSQL's parser alone keeps it one path token).
+    doc = f"{FILLER}\n\nVectors are made by POST /v1/embeddings on the gateway.\n\n{FILLER}\n"
+    r = await client.post("/files", headers=alice, files={"file": ("ops.txt", doc.encode())})
+    assert r.status_code == 201, r.text
+    found = (await client.get("/files/search", headers=alice, params={"q": "which path serves embeddings?",
+                                                                     "mode": "fulltext"})).json()
+    assert found and "/v1/embeddings" in found[0]["text"], found
+
+
+
+def test_postgres_bm25_counts_words_and_adjacent_phrases():
+    from chatloom.app.files.pg_fulltext import Terms, score, term_counts
+
+    terms = Terms(singles=("session", "token"), phrases=(("session", "token"), ("not", "exist")))
+    # ts_filter's output: 'session' at 3 and 9, 'token' at 4 and 20, 'not' at 7, 'exist' at 9.
+    hits = "'exist':9A 'not':7A 'session':3A,9A 'token':4A,20A"
+    assert term_counts(hits, terms) == {"session": 2, "token": 2, ("session", "token"): 1}
+    assert term_counts("'exist':8A 'not':7A", terms) == {("not", "exist"): 1}
+    assert term_counts("", terms) == {}
+    # Rows: id, distinct lexemes, hits, scope size, mean length. The rare phrase outweighs a common word
+    # said often; a row with none of the terms scores nothing.
+    rows = [(1, 50, "'token':1A,5A,9A,13A,17A", 10, 50.0), (2, 50, "'session':3A 'token':4A", 10, 50.0),
+            (3, 50, "'token':2A", 10, 50.0), (4, 50, "", 10, 50.0)]
+    assert score(rows, terms, 10) == [2, 1, 3]
