@@ -9,7 +9,7 @@ import torch
 
 from chatloom.models import weight_repack
 from chatloom.models.kernels import load_kernels
-from chatloom.models.kquant_panels import pack_kquant_panels
+from chatloom.models.kquant_panels import SUPER_BYTES, pack_kquant_panels
 from chatloom.models.quant_layout import QuantizedWeight
 from chatloom.models.registry import tiny_random_config
 from chatloom.models import weights
@@ -50,26 +50,28 @@ def test_dequantize_reads_a_stacked_tensor_and_refuses_other_kinds():
         kernels.dequantize_blocks(torch.zeros(2, 100, dtype=torch.uint8), "Q6_K")
 
 
-def _numpy_pack(parts, monkeypatch):
+def _numpy_pack(parts, monkeypatch, int8=False):
     with monkeypatch.context() as m:
         m.setattr(weight_repack, "load_kernels", lambda: None)
-        return pack_kquant_panels(parts)
+        return pack_kquant_panels(parts, int8)
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kinds,sizes", [(["Q4_K"], [40]), (["Q6_K"], [33]),
                                          (["Q4_K", "Q4_K", "Q6_K"], [32, 16, 17]),
                                          (["Q6_K", "Q4_K"], [16, 5])])
-def test_panels_equal_the_numpy_packer_byte_for_byte(kinds, sizes, threads, monkeypatch):
+def test_panels_equal_the_numpy_packer_byte_for_byte(kinds, sizes, threads, int8, monkeypatch):
     parts = [QuantizedWeight(k, tc.random_kquant_blocks(k, n, 512, 7 + i), n, 512)
              for i, (k, n) in enumerate(zip(kinds, sizes))]
-    want = _numpy_pack(parts, monkeypatch)
+    want = _numpy_pack(parts, monkeypatch, int8)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = pack_kquant_panels(parts)
+        got = weight_repack.pack_panels(parts, SUPER_BYTES, int8)  # the C++ packer itself
     finally:
         torch.set_num_threads(before)
+    assert got is not None
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
 
