@@ -27,6 +27,24 @@ def as_bytes(raw: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
+def mapped_alone(raw: np.ndarray) -> np.ndarray | None:
+    """The same bytes as `raw`, a view of a memory-mapped file, through a mapping of their own (read-only),
+    or None where `raw` is not a contiguous view of a mapped file. Nothing is copied: a table kept this
+    way costs no new memory, its pages are the file's in the page cache, and it keeps only its own part
+    of the file mapped (the model file's mapping can go once loading is done)."""
+    if not raw.flags.c_contiguous:
+        return None
+    base = raw.base
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    if base is None or base.filename is None:
+        return None
+    start = raw.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    if start < 0 or start + raw.nbytes > base.nbytes:
+        return None
+    return np.memmap(base.filename, dtype=raw.dtype, mode="r", offset=base.offset + start, shape=raw.shape)
+
+
 def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:
     """float32 weights of `shape` from their GGUF blocks `raw`, or None without the kernels."""
     kernels = load_kernels()
