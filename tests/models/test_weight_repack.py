@@ -101,3 +101,18 @@ def test_build_model_reads_each_weight_once(monkeypatch):
     weights.random_model(tiny_random_config(), torch.float32)
     assert "model.embed_tokens.weight" in calls
     assert max(calls.values()) == 1, {n: c for n, c in calls.items() if c > 1}
+
+
+def test_build_model_computes_the_rope_tables_once(monkeypatch):
+    """The constructor's tables are kept through to_empty, not computed again (1 s of CPU at 128k positions)."""
+    from chatloom.models import llama
+    from chatloom.models.rope import rope_tables
+
+    calls = []
+    monkeypatch.setattr(llama, "rope_tables", lambda *a: calls.append(a) or rope_tables(*a))
+    cfg = tiny_random_config()
+    model = weights.random_model(cfg, torch.float32)
+    assert len(calls) == 1
+    cos, sin = rope_tables(*calls[0])
+    assert torch.equal(model.rope.cos, cos) and torch.equal(model.rope.sin, sin)
+    assert all(r is model.rope for r in model.layer_ropes)
