@@ -210,6 +210,26 @@ def _argv(name: str, target: Target, plan: SizesPlan, port: int, threads: int | 
     return argv
 
 
+def load_rounds(target: Target, plan: SizesPlan, servers: tuple[str, ...], rounds: int,
+                llama_server: Path | None = None, threads: int | None = None, log_dir: Path | None = None) -> dict:
+    """Only the load to ready, each server in turn for `rounds` rounds (load_time.py). JSON-ready."""
+    from chatloom.bench.load_time import run_load_rounds
+
+    commands, skipped = {}, {}
+    for name in servers:
+        argv = _argv(name, target, plan, 0, threads, llama_server)
+        if isinstance(argv, str):
+            skipped[name] = argv
+        else:
+            commands[name] = lambda port, name=name: _argv(name, target, plan, port, threads, llama_server)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    result = run_load_rounds(commands, rounds, plan.ready_timeout_s, IGNORE_EOS, log_dir)
+    return {"benchmark": "sizes-load", "model": str(target.gguf), "file_bytes": target.gguf.stat().st_size,
+            "cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+            "skipped": skipped, **result}
+
+
 def run_server(name: str, target: Target, plan: SizesPlan, texts: Texts, threads: int | None = None,
                llama_server: Path | None = None, log_dir: Path | None = None,
                vllm_python: Path | None = None) -> dict:

@@ -336,4 +336,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a Markdown table per model (stderr)")
+    p.add_argument("--load-rounds", type=positive_int, default=None, metavar="N",
+                   help="measure only the load to ready (and CPU seconds, memory): every server started N "
+                        "times, in turns, on the first --model")
     p.set_defaults(func=runs.sizes)

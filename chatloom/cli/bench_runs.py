@@ -301,6 +301,24 @@ def sizes(args) -> int:
                "history": tuple(args.history) if args.history else None}
     plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
+    if args.load_rounds:
+        from chatloom.bench.load_time import format_load_table
+        from chatloom.bench.sizes import SERVERS, load_rounds
+
+        unknown = [s for s in servers if s not in SERVERS]
+        if unknown or not targets[0].gguf.is_file():
+            raise ValueError(f"unknown server {unknown[0]!r}: use {', '.join(SERVERS)}" if unknown
+                             else f"no GGUF file at {targets[0].gguf}")
+        result = load_rounds(targets[0], plan, servers, args.load_rounds,
+                             Path(args.llama_server) if args.llama_server else None, args.threads,
+                             Path(args.log_dir) if args.log_dir else None)
+        text = json.dumps(result, indent=2)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        print(text)
+        if args.table:
+            print(format_load_table(result), file=sys.stderr)
+        return 0
     result = run_sizes(targets, plan, servers, Path(args.llama_server) if args.llama_server else None,
                        args.threads, Path(args.log_dir) if args.log_dir else None, args.seed,
                        Path(args.vllm_python) if args.vllm_python else None)

@@ -120,11 +120,9 @@ def pack_kquant_panels(parts: list[QuantizedWeight], int8: bool = False
     kernel. Needs kquant_panels_fit(parts)."""
     if not kquant_panels_fit(parts):
         raise ValueError("super-block panels need Q4_K or Q6_K parts of whole panels")
-    from chatloom.models.weight_repack import pack_panels  # the same bytes, in C++ on all threads
+    from chatloom.models.weight_repack import pack_panels  # the same bytes, in C++
 
-    # The C++ packer writes the exact kernel's layout; the int8 kernel's (Q6_K's high bits reordered) is
-    # packed here.
-    native = None if int8 else pack_panels(parts, SUPER_BYTES)
+    native = pack_panels(parts, SUPER_BYTES, int8)
     if native is not None:
         return native
     blocks, kinds = [], []

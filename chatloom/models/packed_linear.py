@@ -12,6 +12,7 @@ layout for them where the CPU has AVX-512, and with int8 activations where it ha
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 import torch
@@ -336,21 +337,41 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     if not linears or any(child.weight.dtype != torch.float32 for *_, child in linears):
         return False
-    for parent, path, name, child in linears:
+
+    def superblocks(parts: list[QuantizedWeight] | None, child: nn.Linear) -> bool:
+        return bool(parts and (kquant_int8 or not int8_activations) and kquant_panels_fit(parts) and kquant
+                    and quantizable(parts, child.in_features, child.out_features))
+
+    def convert(path: str, child: nn.Linear) -> nn.Module:
         parts = quantized.get(path)
         if bf16_weights and child.in_features % 2 == 0:
-            layer = BF16Linear.from_weight(child.weight, child.bias, kernels)
-        elif (parts and (kquant_int8 or not int8_activations) and kquant_panels_fit(parts) and kquant
-              and quantizable(parts, child.in_features, child.out_features)):
-            layer = KQuantLinear.from_parts(parts, child.out_features, child.bias, kernels, int8_activations)
-        elif parts and quantizable(parts, child.in_features, child.out_features):
+            return BF16Linear.from_weight(child.weight, child.bias, kernels)
+        if superblocks(parts, child):
+            return KQuantLinear.from_parts(parts, child.out_features, child.bias, kernels, int8_activations)
+        if parts and quantizable(parts, child.in_features, child.out_features):
             codes, scales = pack_quantized(parts)
             if int8_activations and parts[0].kind == "Q4_0" and quantized_layout(parts) == "int8":
                 codes, scales = q4_0_as_q4_1(codes, scales)
-            layer = QuantizedLinear(codes, scales, child.out_features, child.bias, kernels, int8_activations)
-        else:
-            layer = PackedLinear.from_linear(child, kernels)
-        setattr(parent, name, layer)
+            return QuantizedLinear(codes, scales, child.out_features, child.bias, kernels, int8_activations)
+        return PackedLinear.from_linear(child, kernels)
+
+    # Super-block layers are packed on as many threads as torch uses, largest first: their packer runs in
+    # C++ without the GIL, and a thread the OS takes away holds up only its own layer, never the others
+    # (as a split of one matrix across threads would). The other conversions call torch's own parallel
+    # ops, so they stay on this thread.
+    threaded = [item for item in linears
+                if not (bf16_weights and item[3].in_features % 2 == 0) and superblocks(quantized.get(item[1]), item[3])]
+    threaded.sort(key=lambda item: -item[3].in_features * item[3].out_features)
+    workers = min(torch.get_num_threads(), len(threaded))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="chatloom-pack") as pool:
+            done = list(pool.map(lambda item: convert(item[1], item[3]), threaded))
+        for (parent, _, name, _), layer in zip(threaded, done):
+            setattr(parent, name, layer)
+        threaded_ids = {id(item[3]) for item in threaded}
+        linears = [item for item in linears if id(item[3]) not in threaded_ids]
+    for parent, path, name, child in linears:
+        setattr(parent, name, convert(path, child))
     return True
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from chatloom.models.kernels import load_kernels
-from chatloom.models.weight_repack import NATIVE_DEQUANT
+from chatloom.models.weight_repack import NATIVE_DEQUANT, as_bytes, mapped_alone
 
 
 def can_keep(kind: str) -> bool:
@@ -22,15 +22,18 @@ def can_keep(kind: str) -> bool:
 
 
 class QuantizedEmbedding(nn.Module):
-    """nn.Embedding's lookups from GGUF blocks [vocab, bytes a row] (a copy in memory, not the
-    file's mapping: the file's pages read while loading are not kept resident through it)."""
+    """nn.Embedding's lookups from GGUF blocks [vocab, bytes a row]: a read-only mapping of the table's
+    own bytes in the file where `raw` is a view of a mapped file (no copy, and not the rest of the file),
+    a copy otherwise."""
 
     def __init__(self, raw: np.ndarray, kind: str, hidden: int) -> None:
         super().__init__()
         if not can_keep(kind):
             raise ValueError(f"no lookup from {kind} blocks here")
         self.kind, self.hidden = kind, hidden
-        self.register_buffer("blocks", torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")), persistent=False)
+        mapped = mapped_alone(raw)
+        blocks = as_bytes(mapped) if mapped is not None else torch.from_numpy(np.array(raw, dtype=np.uint8, order="C"))
+        self.register_buffer("blocks", blocks, persistent=False)
         self.num_embeddings = self.blocks.shape[0]
         self.embedding_dim = hidden
 

@@ -14,6 +14,7 @@ from chatloom.models.quant_layout import PANEL, SUPER_BLOCK, QuantizedWeight
 
 NATIVE_DEQUANT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 _PANEL_KINDS = {"Q4_K": 0, "Q6_K": 1}
+_INT8_KINDS = 2  # added to a kind for the int8-activation kernel (kquant_panels.INT8_KINDS)
 
 
 def as_bytes(raw: np.ndarray) -> torch.Tensor:
@@ -26,6 +27,24 @@ def as_bytes(raw: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
+def mapped_alone(raw: np.ndarray) -> np.ndarray | None:
+    """The same bytes as `raw`, a view of a memory-mapped file, through a mapping of their own (read-only),
+    or None where `raw` is not a contiguous view of a mapped file. Nothing is copied: a table kept this
+    way costs no new memory, its pages are the file's in the page cache, and it keeps only its own part
+    of the file mapped (the model file's mapping can go once loading is done)."""
+    if not raw.flags.c_contiguous:
+        return None
+    base = raw.base
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    if base is None or base.filename is None:
+        return None
+    start = raw.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    if start < 0 or start + raw.nbytes > base.nbytes:
+        return None
+    return np.memmap(base.filename, dtype=raw.dtype, mode="r", offset=base.offset + start, shape=raw.shape)
+
+
 def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:
     """float32 weights of `shape` from their GGUF blocks `raw`, or None without the kernels."""
     kernels = load_kernels()
@@ -34,10 +53,10 @@ def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tens
     return kernels.dequantize_blocks(as_bytes(raw), kind).reshape(shape)
 
 
-def pack_panels(parts: list[QuantizedWeight], super_bytes: dict[str, int]
+def pack_panels(parts: list[QuantizedWeight], super_bytes: dict[str, int], int8: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """kquant_panels.pack_kquant_panels on the kernels: (blob, offsets, kinds), or None without them.
-    `parts` must fit (kquant_panels_fit)."""
+    `parts` must fit (kquant_panels_fit); with `int8`, the int8-activation kernel's kinds."""
     kernels = load_kernels()
     if kernels is None or not hasattr(kernels, "kquant_pack_panels"):
         return None
@@ -46,8 +65,9 @@ def pack_panels(parts: list[QuantizedWeight], super_bytes: dict[str, int]
     blob = torch.empty(sum(sizes), dtype=torch.uint8)
     kinds, start = [], 0
     for part, size in zip(parts, sizes):
-        kernels.kquant_pack_panels(as_bytes(part.raw), _PANEL_KINDS[part.kind], blob[start:start + size])
-        kinds += [_PANEL_KINDS[part.kind]] * -(-part.rows // PANEL)
+        kind = _PANEL_KINDS[part.kind] + (_INT8_KINDS if int8 else 0)
+        kernels.kquant_pack_panels(as_bytes(part.raw), kind, blob[start:start + size])
+        kinds += [kind] * -(-part.rows // PANEL)
         start += size
     per_panel = torch.tensor([super_bytes[p.kind] * nb for p in parts for _ in range(-(-p.rows // PANEL))],
                              dtype=torch.int64)

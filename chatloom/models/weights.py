@@ -151,7 +151,13 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
         else:
             chosen["lm_head.weight"] = fill("lm_head.weight", [["lm_head.weight"], ["model.embed_tokens.weight"]])
 
+    # The RoPE tables were built by the constructor (nn.init does not touch them): kept out of to_empty,
+    # which would leave them uninitialized, rather than computed a second time (a 128k-position model's
+    # take about 1 s of CPU).
+    ropes = model.rope, model.rope_local
+    model.rope, model.rope_local = None, None
     model = model.to_empty(device="cpu")
+    model.rope, model.rope_local = ropes
     model.load_state_dict(state, strict=False, assign=True)
     if embedding is not None:
         model.embed_tokens = QuantizedEmbedding(embedding.raw, embedding.kind, cfg.hidden_size)
@@ -160,7 +166,6 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
     elif cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         chosen["lm_head.weight"] = ["model.embed_tokens.weight"]
-    model.build_rope()  # buffers were left uninitialized: build them for real
     model = model.eval().requires_grad_(False)
     if dtype == torch.float32:  # the C++ matmul, where it could be built
         pack_linears(model, {key[: -len(".weight")]: [quantized[n] for n in names]

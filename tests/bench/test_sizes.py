@@ -59,6 +59,24 @@ def test_quick_run_measures_chatloom_and_notes_the_missing_peers(checkpoint, tmp
     assert (tmp_path / "logs" / f"{checkpoint.gguf_file.stem}-chatloom.log").is_file()
 
 
+def test_load_rounds_start_each_server_in_turn_and_report_medians(checkpoint, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert main(["bench", "sizes", "--model", str(checkpoint.gguf_file), "--quick", "--servers", "chatloom,llama-server",
+                 "--llama-server", str(tmp_path / "no-such-binary"), "--load-rounds", "2", "--out", str(out),
+                 "--table"]) == 0
+    printed, table = capsys.readouterr()
+    result = json.loads(printed)
+    assert json.loads(out.read_text()) == result and result["benchmark"] == "sizes-load"
+    assert "no-such-binary" in result["skipped"]["llama-server"]
+    runs = result["starts"]["chatloom"]
+    assert len(runs) == 2 and all("error" not in r for r in runs), runs
+    for r in runs:
+        assert r["load_to_ready_s"] > 0 and r["cpu_s"] > 0 and r["rss_after_load_mib"] > 0
+    med = result["medians"]["chatloom"]
+    assert min(r["load_to_ready_s"] for r in runs) <= med["load_to_ready_s"] <= max(r["load_to_ready_s"] for r in runs)
+    assert "| median |" in table
+
+
 def test_a_missing_model_file_is_one_clear_line(tmp_path, capsys):
     assert main(["bench", "sizes", "--model", str(tmp_path / "nope.gguf"), "--quick"]) != 0
     err = capsys.readouterr().err

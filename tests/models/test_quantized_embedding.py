@@ -3,6 +3,7 @@ float32 table it used to expand at load, in the module path and in the decode st
 at a fraction of the memory."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,30 @@ def test_lookups_equal_the_dequantized_table(kind):
     assert emb.weight.dtype == torch.float32 and emb.blocks.nbytes == raw.nbytes
     with pytest.raises(IndexError):
         emb(torch.tensor([50]))
+
+
+def _mapping_of(address: int) -> str:
+    """The file (or "") of this process's mapping that holds `address`, from /proc/self/maps."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+def test_a_table_in_a_mapped_file_is_mapped_not_copied(tmp_path):
+    raw = tc.random_kquant_blocks("Q6_K", 50, 512, seed=4)
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"x" * 100 + raw.tobytes())  # the table at an offset, as a GGUF file holds it
+    mm = np.memmap(path, mode="r")
+    view = np.frombuffer(mm, dtype=np.uint8, count=raw.nbytes, offset=100).reshape(raw.shape)
+    emb = QuantizedEmbedding(view, "Q6_K", 512)
+    assert _mapping_of(emb.blocks.data_ptr()) == str(path)  # the file's pages: no new memory
+    del mm, view  # its own mapping: the loader's may go
+    ids = torch.tensor([0, 17, 49])
+    assert torch.equal(emb(ids), F.embedding(ids, tc.dequantize("Q6_K", raw)))
 
 
 def _q4_k_m_file(tmp_path, monkeypatch):

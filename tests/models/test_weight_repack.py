@@ -9,7 +9,7 @@ import torch
 
 from chatloom.models import weight_repack
 from chatloom.models.kernels import load_kernels
-from chatloom.models.kquant_panels import pack_kquant_panels
+from chatloom.models.kquant_panels import SUPER_BYTES, pack_kquant_panels
 from chatloom.models.quant_layout import QuantizedWeight
 from chatloom.models.registry import tiny_random_config
 from chatloom.models import weights
@@ -50,26 +50,28 @@ def test_dequantize_reads_a_stacked_tensor_and_refuses_other_kinds():
         kernels.dequantize_blocks(torch.zeros(2, 100, dtype=torch.uint8), "Q6_K")
 
 
-def _numpy_pack(parts, monkeypatch):
+def _numpy_pack(parts, monkeypatch, int8=False):
     with monkeypatch.context() as m:
         m.setattr(weight_repack, "load_kernels", lambda: None)
-        return pack_kquant_panels(parts)
+        return pack_kquant_panels(parts, int8)
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kinds,sizes", [(["Q4_K"], [40]), (["Q6_K"], [33]),
                                          (["Q4_K", "Q4_K", "Q6_K"], [32, 16, 17]),
                                          (["Q6_K", "Q4_K"], [16, 5])])
-def test_panels_equal_the_numpy_packer_byte_for_byte(kinds, sizes, threads, monkeypatch):
+def test_panels_equal_the_numpy_packer_byte_for_byte(kinds, sizes, threads, int8, monkeypatch):
     parts = [QuantizedWeight(k, tc.random_kquant_blocks(k, n, 512, 7 + i), n, 512)
              for i, (k, n) in enumerate(zip(kinds, sizes))]
-    want = _numpy_pack(parts, monkeypatch)
+    want = _numpy_pack(parts, monkeypatch, int8)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = pack_kquant_panels(parts)
+        got = weight_repack.pack_panels(parts, SUPER_BYTES, int8)  # the C++ packer itself
     finally:
         torch.set_num_threads(before)
+    assert got is not None
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
 
@@ -99,3 +101,18 @@ def test_build_model_reads_each_weight_once(monkeypatch):
     weights.random_model(tiny_random_config(), torch.float32)
     assert "model.embed_tokens.weight" in calls
     assert max(calls.values()) == 1, {n: c for n, c in calls.items() if c > 1}
+
+
+def test_build_model_computes_the_rope_tables_once(monkeypatch):
+    """The constructor's tables are kept through to_empty, not computed again (1 s of CPU at 128k positions)."""
+    from chatloom.models import llama
+    from chatloom.models.rope import rope_tables
+
+    calls = []
+    monkeypatch.setattr(llama, "rope_tables", lambda *a: calls.append(a) or rope_tables(*a))
+    cfg = tiny_random_config()
+    model = weights.random_model(cfg, torch.float32)
+    assert len(calls) == 1
+    cos, sin = rope_tables(*calls[0])
+    assert torch.equal(model.rope.cos, cos) and torch.equal(model.rope.sin, sin)
+    assert all(r is model.rope for r in model.layer_ropes)

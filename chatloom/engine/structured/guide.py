@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 
 import llguidance
-import llguidance.torch as llg_torch
+# The numpy helpers, not llguidance.torch: that module applies torch.compile at import, which pulls in
+# torch._dynamo and inductor (about 1.5 s of CPU at every engine start) for a kernel not used here.
+import llguidance.numpy as llg_numpy
 import torch
 
 from chatloom.engine.sampling_params import InvalidRequest
@@ -124,7 +126,8 @@ class GrammarGuide:
         if not rows:
             return False
         t0 = time.perf_counter()
-        bitmask = llg_torch.allocate_token_bitmask(len(rows), self.ll_tokenizer.vocab_size)
+        words = llg_numpy.allocate_token_bitmask(len(rows), self.ll_tokenizer.vocab_size)
+        bitmask = torch.from_numpy(words)  # the same memory: the matcher writes words, torch reads bitmask
         # One row after another in this thread: llguidance's parallel executor keeps worker threads that
         # spin after each batch and, on a small CPU, steal the cores torch's OpenMP threads need
         # (measured: every forward pass slowed 20x). Per row the mask costs tens of microseconds.
@@ -132,7 +135,7 @@ class GrammarGuide:
             budget = self._budgets.get(request_id)
             tokens = budget.allowed(matcher, self._closing, logits[i]) if budget is not None else None
             if tokens is None:
-                llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
+                llg_numpy.fill_next_token_bitmask(matcher, words, j)
             else:  # finishing within the budget: only tokens after which the answer can still close
                 bitmask[j] = _bits(tokens, bitmask.shape[1])
         allowed = bitmask_to_bool(bitmask, logits.shape[-1])

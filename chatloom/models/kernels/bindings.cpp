@@ -111,6 +111,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of q [T, Hq, D] and k [T, Hk, D] at positions (float32)", NoGil());
   m.def("dequantize_blocks", &dequantize_blocks, "rows of GGUF blocks (uint8 [rows, bytes]) as float32, as gguf dequantizes",
         NoGil(), pybind11::arg("raw"), pybind11::arg("kind"));
-  m.def("kquant_pack_panels", &kquant_pack_panels, "Q4_K (0) or Q6_K (1) rows into kquant_linear's panels, in out",
+  m.def("kquant_pack_panels", &kquant_pack_panels, "Q4_K (0) or Q6_K (1) rows into kquant_linear's panels, in out (2, 3: for int8 activations)",
         NoGil(), pybind11::arg("raw"), pybind11::arg("kind"), pybind11::arg("out"));
 }

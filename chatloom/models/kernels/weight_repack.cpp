@@ -4,10 +4,10 @@
 // pass reads each of the file's blocks once and writes its output in place, at about 4 GB/s on one
 // core: a 1 GB file's matrices in a quarter of a second.
 //
-// The loops run on the calling thread alone. On a busy machine a second thread that the OS takes
-// away in the middle of its share holds the call up for a time slice (the work pool's caller waits
-// for a chunk a worker has started): measured under load average 16 on 2 cores, a 9 MB matrix took
-// 6-10 ms on two threads against 2.4 ms on one, and the first call, which starts the pool, 1.6 s.
+// Each call runs on its calling thread alone (bound without the GIL): split across the work pool, a
+// worker the OS takes away in the middle of its share holds the call up for a time slice (measured
+// under load average 16 on 2 cores, a 9 MB matrix took 6-10 ms on two threads against 2.4 ms on one).
+// packed_linear.pack_linears instead packs whole layers side by side on threads of its own.
 //
 // The float32 values are those of gguf's numpy dequantizer bit for bit: its products of a float16
 // scale and small integers are exact in float32, so the only rounding is the final add of an offset
@@ -148,7 +148,10 @@ void pack_q4k(const uint8_t* raw, int64_t row_bytes, int64_t rows, int64_t r0, i
   }
 }
 
-void pack_q6k(const uint8_t* raw, int64_t row_bytes, int64_t rows, int64_t r0, int64_t sb, uint8_t* out) {
+// Q6_K; `int8` puts the high code bits in the int8 kernel's order (kquant_int8.cpp: in word h of 16
+// depths, bits 2t..2t+1 of byte b of lane j hold depth 16h + 8 (t / 2) + 2b + t % 2), else in the exact
+// kernel's (depth 16h + 4b + t).
+void pack_q6k(const uint8_t* raw, int64_t row_bytes, int64_t rows, int64_t r0, int64_t sb, bool int8, uint8_t* out) {
   std::memset(out, 0, kQ6KPanelBytes);
   uint8_t q[kSuper];
   for (int64_t j = 0; j < kPanel && r0 + j < rows; ++j) {
@@ -163,7 +166,10 @@ void pack_q6k(const uint8_t* raw, int64_t row_bytes, int64_t rows, int64_t r0, i
     for (int h = 0; h < 16; ++h)
       for (int b = 0; b < 4; ++b) {
         uint8_t v = 0;
-        for (int t = 0; t < 4; ++t) v |= (q[16 * h + 4 * b + t] >> 4) << (2 * t);
+        for (int t = 0; t < 4; ++t) {
+          const int depth = int8 ? 16 * h + 8 * (t / 2) + 2 * b + t % 2 : 16 * h + 4 * b + t;
+          v |= (q[depth] >> 4) << (2 * t);
+        }
         high[h * 64 + j * 4 + b] = v;
       }
   }
@@ -205,8 +211,9 @@ void dequantize_row(const std::string& kind, const uint8_t* row, int64_t row_byt
 
 void kquant_pack_panels(torch::Tensor raw, int64_t kind, torch::Tensor out) {
   check_raw(raw, "kquant_pack_panels");
-  TORCH_CHECK(kind == 0 || kind == 1, "kquant_pack_panels: kind is 0 (Q4_K) or 1 (Q6_K)");
-  const int64_t block_bytes = kind == 0 ? 144 : 210, panel_bytes = kind == 0 ? kQ4KPanelBytes : kQ6KPanelBytes;
+  TORCH_CHECK(kind >= 0 && kind <= 3, "kquant_pack_panels: kind is 0 (Q4_K) or 1 (Q6_K), 2 or 3 for int8 activations");
+  const bool q4 = kind % 2 == 0, int8 = kind >= 2;
+  const int64_t block_bytes = q4 ? 144 : 210, panel_bytes = q4 ? kQ4KPanelBytes : kQ6KPanelBytes;
   const int64_t rows = raw.size(0), row_bytes = raw.size(1);
   TORCH_CHECK(row_bytes % block_bytes == 0, "kquant_pack_panels: a row is not whole super-blocks");
   const int64_t nb = row_bytes / block_bytes, panels = (rows + kPanel - 1) / kPanel;
@@ -217,9 +224,9 @@ void kquant_pack_panels(torch::Tensor raw, int64_t kind, torch::Tensor out) {
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t sb = 0; sb < nb; ++sb) {
       uint8_t* o = dst + (p * nb + sb) * panel_bytes;
-      if (kind == 0)
+      if (q4)
         pack_q4k(src, row_bytes, rows, p * kPanel, sb, o);
       else
-        pack_q6k(src, row_bytes, rows, p * kPanel, sb, o);
+        pack_q6k(src, row_bytes, rows, p * kPanel, sb, int8, o);
     }
 }

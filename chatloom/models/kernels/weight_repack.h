@@ -9,7 +9,7 @@
 torch::Tensor dequantize_blocks(torch::Tensor raw, const std::string& kind);
 
 // Rows of Q4_K (kind 0) or Q6_K (kind 1) super-blocks, uint8 [rows, bytes], into kquant_linear's
-// panels in `out` (uint8, ceil(rows / 16) * (K / 256) panel super-blocks; rows past the end are zero).
+// panels in `out` (kinds 2 and 3: the same for the int8-activation kernel) (uint8, ceil(rows / 16) * (K / 256) panel super-blocks; rows past the end are zero).
 void kquant_pack_panels(torch::Tensor raw, int64_t kind, torch::Tensor out);
 
 // The width in weights of a row of `row_bytes` bytes of GGUF blocks of `kind`, or 0 where `kind` has no
