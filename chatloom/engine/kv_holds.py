@@ -12,23 +12,26 @@ A round asks for this with `SamplingParams.keep_kv`: when it finishes, its block
 grace (KEEP_GRACE_S) until the caller says what it wants (`decide`: hold, evict or auto) or lets go
 (`release`). The resume request names the handle in `SamplingParams.resume_of`.
 
-`auto` holds when the prefix cache would lose the blocks during the call and the pool can afford to
-keep them:
+`auto` weighs what each choice costs. Evicted, the blocks join the back of the free list; the pool hands
+out blocks from its front, so they are lost (and the resume computes them again) when the pool hands out
+more blocks during the call than are free ahead of them. Held, they cost the others nothing as long as no
+request needs them, because a hold gives way to any request short of blocks (below). So `auto` holds
+when the blocks would be lost:
 
-    expected_s > SURVIVAL * free_blocks / handout_rate          (evicted, they would be handed out)
-    expected_s * blocks <= (free_blocks - HEADROOM * num_blocks) * HORIZON_S      (affordable)
+    expected_s > SURVIVAL * free_blocks / handout_rate
 
-and no preemption happened in the last PRESSURE_WINDOW_S; it evicts otherwise. free_blocks is counted
-while the round's blocks are held; evicted, they would join the back of the free list, behind every free
-block, and handout_rate is how many blocks the pool has handed out per second over the last RATE_WINDOW_S.
-Where the cache would keep them anyway, evicting costs nothing and frees the memory; where it would not,
-holding saves the re-prefill. The expected time is learned per tool name by the engine itself (the time
-from the decision to the resume): an exponentially weighted mean (weight EWMA_WEIGHT on the newest)
-starting from PRIOR_S.
+and evicts when they would survive in the prefix cache anyway (the hold would buy nothing and keep memory
+idle), when the tool is expected to outlast the hold's timeout, or when waiting requests need more blocks
+than releasing every hold would give (they would take the blocks at once). free_blocks is counted while
+the round's blocks are held, and handout_rate is how many blocks the pool has handed out per second over
+the last RATE_WINDOW_S. The expected time is learned per tool name by the engine itself (the time from the
+decision to the resume): an exponentially weighted mean (weight EWMA_WEIGHT on the newest) starting from
+PRIOR_S.
 
 A held sequence never keeps another request out: when a waiting request cannot get blocks, or a running
 one would be preempted, holds are released first (`reclaim`, the one expected to wait longest first),
-whatever the policy; a hold also ends at its timeout, or when its request is aborted.
+whatever the policy; a hold also ends at its timeout, or when its request is aborted. This is how a hold
+under `auto` ends when memory gets tight mid-call: on demand, not by a forecast of the demand.
 """
 from __future__ import annotations
 
@@ -45,9 +48,6 @@ POLICIES = ("hold", "evict", "auto")
 KEEP_GRACE_S = 5.0  # a kept round whose caller never decides is freed after this
 PRIOR_S = 2.0  # expected duration of a tool never seen
 EWMA_WEIGHT = 0.3  # weight of the newest observed duration
-HEADROOM = 0.05  # fraction of the pool a hold under auto leaves free for arrivals
-HORIZON_S = 60.0  # seconds of the spare blocks a hold under auto may spend
-PRESSURE_WINDOW_S = 10.0  # a preemption this recent means the pool is under pressure
 RATE_WINDOW_S = 10.0  # the free list's turnover is measured over this long
 SURVIVAL = 0.25  # the share of the free list's turnover time a tool may take with the blocks safe in the cache
 _REMEMBERED = 1024  # evicted rounds whose tokens are remembered, to count what their resume re-prefills
@@ -102,7 +102,6 @@ class KVHolds:
         self.times = ToolTimes()
         self.stats = HoldStats()
         self._evicted: OrderedDict[str, tuple[list[int], float, tuple[str, ...]]] = OrderedDict()
-        self._preemptions: deque[float] = deque()
         self._handouts: deque[tuple[float, int]] = deque()  # (time, blocks handed out by then), recent
 
     # -- a round ends -----------------------------------------------------------------
@@ -121,13 +120,7 @@ class KVHolds:
         return True
 
     def pressure(self, waiting: list[Sequence]) -> bool:
-        """Whether the pool is under pressure now: a recent preemption, or waiting requests that releasing
-        every hold would not make room for."""
-        now = self.clock()
-        while self._preemptions and self._preemptions[0] < now - PRESSURE_WINDOW_S:
-            self._preemptions.popleft()
-        if self._preemptions:
-            return True
+        """Whether waiting requests need more blocks than releasing every hold would make free."""
         need = sum(self.kv.blocks_needed(len(s) - s.num_computed_tokens) for s in waiting)
         return need > self.kv.num_free_blocks + self.stats.blocks_held
 
@@ -147,9 +140,6 @@ class KVHolds:
         rate = self.handout_rate()
         return rate <= 0 or expected_s <= SURVIVAL * self.kv.num_free_blocks / rate
 
-    def preempted(self) -> None:
-        self._preemptions.append(self.clock())
-
     def decide(self, handle: str, tools: list[str], policy: str, timeout_s: float,
                waiting: list[Sequence]) -> str:
         """The round under `handle` ended in calls to `tools`: hold its blocks (until adopted, released or
@@ -163,7 +153,7 @@ class KVHolds:
             return "gone"
         now = self.clock()
         found.tools, found.expected_s, found.since = names, expected, now
-        hold = policy == "hold" or (policy == "auto" and self._affordable(len(found.block_table), expected, waiting))
+        hold = policy == "hold" or (policy == "auto" and self.worth_holding(expected, timeout_s, waiting))
         if not hold:
             self.stats.evictions += 1
             self._drop(found)
@@ -172,11 +162,12 @@ class KVHolds:
         found.decided, found.deadline = True, now + timeout_s
         return "hold"
 
-    def _affordable(self, blocks: int, expected_s: float, waiting: list[Sequence]) -> bool:
-        if self.pressure(waiting) or self.cache_keeps(expected_s):
-            return False
-        spare = self.kv.num_free_blocks - HEADROOM * self.kv.num_blocks
-        return expected_s * blocks <= spare * HORIZON_S
+    def worth_holding(self, expected_s: float, timeout_s: float, waiting: list[Sequence]) -> bool:
+        """auto's rule: hold what the prefix cache would lose during the call, unless the tool is expected to
+        outlast the hold or waiting requests need the blocks now. A full pool is no reason to evict: a
+        hold gives way to any request short of blocks (reclaim), so until one comes it costs nobody."""
+        return (expected_s < timeout_s and not self.pressure(waiting)
+                and not self.cache_keeps(expected_s))
 
     # -- the resume -------------------------------------------------------------------------
     def take(self, seq: Sequence) -> Held | None:

@@ -201,8 +201,6 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
-        if batch.preempted:
-            self.kv_holds.preempted()
         if not batch:
             return outputs
         scheduled = batch.decodes + [s for s, _ in batch.prefills]
