@@ -182,6 +182,21 @@ def compare(policies: dict[str, dict], margin: float = 0.10) -> dict:
     return out
 
 
+def spread(per_round: dict[str, list[dict]]) -> dict:
+    """For each figure, how far one policy's rounds differ from each other on this machine: the largest
+    (max - min) / mean over the policies, or None with fewer than two rounds. Under the same choices and
+    load this would be 0; a difference between policies smaller than it is noise."""
+    out = {}
+    for figure in FIGURES:
+        spreads = []
+        for rounds in per_round.values():
+            values = [r[figure] for r in rounds if r[figure] is not None]
+            if len(values) > 1 and statistics.fmean(values) > 0:
+                spreads.append((max(values) - min(values)) / statistics.fmean(values))
+        out[figure] = round(max(spreads), 3) if spreads else None
+    return out
+
+
 async def run_tools_bench(loaded: LoadedModel, configs: dict[str, EngineConfig], workload: Workload,
                           rounds: int = 1) -> dict:
     result: dict = {"workload": {**workload.__dict__, "tool_s": list(workload.tool_s)}, "rounds": rounds,
@@ -199,7 +214,8 @@ async def run_tools_bench(loaded: LoadedModel, configs: dict[str, EngineConfig],
         per_round = {p: [{k: v for k, v in figures([run]).items() if k in FIGURES} for run in v]
                      for p, v in runs.items()}
         result["configs"][name] = {"num_blocks": config.num_blocks, "block_size": config.block_size,
-                                   "policies": policies, "auto_vs_best": compare(policies), "per_round": per_round}
+                                   "policies": policies, "auto_vs_best": compare(policies), "per_round": per_round,
+                                   "round_spread": spread(per_round)}
     return result
 
 
@@ -207,12 +223,14 @@ def table(result: dict) -> str:
     lines = []
     for name, c in result["configs"].items():
         lines.append(f"{name} ({c['num_blocks']} blocks of {c['block_size']})")
-        lines.append(f"{'figure':<24}" + "".join(f"{p:>12}" for p in POLICIES) + f"{'auto ok':>10}")
+        lines.append(f"{'figure':<24}" + "".join(f"{p:>12}" for p in POLICIES) + f"{'auto ok':>10}"
+                     + f"{'rounds differ':>15}")
         for figure in FIGURES:
             vals = [c["policies"][p][figure] for p in POLICIES]
-            ok = c["auto_vs_best"][figure]["within"]
+            ok, noise = c["auto_vs_best"][figure]["within"], c["round_spread"][figure]
             lines.append(f"{figure:<24}" + "".join(f"{v:>12.4f}" if v is not None else f"{'-':>12}" for v in vals)
-                         + f"{'yes' if ok else 'no' if ok is not None else '-':>10}")
+                         + f"{'yes' if ok else 'no' if ok is not None else '-':>10}"
+                         + (f"{noise:>14.0%}" if noise is not None else f"{'-':>15}"))
         for counter in ("holds", "evictions", "pressure_releases", "reprefilled_tokens", "block_seconds"):
             lines.append(f"{counter:<24}" + "".join(f"{c['policies'][p][counter]:>12}" for p in POLICIES))
         lines.append("")

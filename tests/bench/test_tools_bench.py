@@ -21,6 +21,7 @@ def test_quick_tools_bench_reports_every_figure_per_policy(capsys, tmp_path):
             assert FIGURES <= set(figures) and figures["resume_ttft_mean_s"] > 0
         assert set(config["auto_vs_best"]) == FIGURES
         assert all(len(runs) == 1 for runs in config["per_round"].values())
+        assert set(config["round_spread"]) == FIGURES
     held = result["configs"]["light"]["policies"]["hold"]
     assert held["holds"] == 2 and held["reprefilled_tokens"] == 0
     assert result["configs"]["light"]["policies"]["evict"]["evictions"] == 2
@@ -38,3 +39,12 @@ def test_figures_pool_every_run_s_samples():
     # The p90 of the 20 resumes pooled (a mean of the two runs' p90s would say 3.0); tokens over all seconds.
     assert out["resume_ttft_p90_s"] == 1.0 and out["resume_ttft_mean_s"] == 1.2
     assert out["bystander_tokens_per_s"] == 10.0 and out["holds"] == 2 and out["seconds"] == 4.0
+
+
+def test_the_spread_between_rounds_is_the_widest_policy_s():
+    from chatloom.bench.tools import FIGURES, spread
+
+    rounds = {"hold": [dict.fromkeys(FIGURES, 1.0), dict.fromkeys(FIGURES, 1.0)],
+              "evict": [dict.fromkeys(FIGURES, 1.0), dict.fromkeys(FIGURES, 3.0)]}
+    assert spread(rounds)["resume_ttft_p90_s"] == 1.0  # (3 - 1) / 2
+    assert spread({"hold": [dict.fromkeys(FIGURES, 1.0)]})["resume_ttft_p90_s"] is None
