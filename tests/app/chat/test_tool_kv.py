@@ -3,59 +3,17 @@ resumes from it, and lets it go when the answer ends."""
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 
 import pytest
 
 from chatloom.app.tools.registry import ToolRegistry
-from chatloom.serving import Backend, Delta, GenerationRequest
 
-from app_testing import app_client, done_of, make_settings, new_conversation, send
-
-
-class HoldingBackend(Backend):
-    """Calls the calculator once for 'calculate X', then answers; records requests and KV instructions."""
-
-    def __init__(self) -> None:
-        self.requests: list[GenerationRequest] = []
-        self.kv: list[tuple] = []
-
-    ready = property(lambda self: True)
-    model_ids = property(lambda self: ["scripted"])
-    context_window = property(lambda self: 8192)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def count_prompt_tokens(self, messages: list[dict]) -> int:
-        return sum(self.count_tokens(m["content"]) + 4 for m in messages)
-
-    async def stream(self, request: GenerationRequest):
-        self.requests.append(request)
-        msgs = request.messages
-        expr = re.search(r"calculate (.+)", msgs[-1]["content"])
-        if expr and "<tools>" in msgs[0]["content"]:
-            call = json.dumps({"name": "calculator", "arguments": {"expression": expr.group(1)}})
-            text = f"<tool_call>\n{call}\n</tool_call>"
-        else:
-            text = f"It is {msgs[-1]['content']}."
-        yield Delta(text)
-        yield Delta("", True, "stop", self.count_prompt_tokens(msgs), len(text.split()))
-
-    def abort(self, request_id: str) -> None:
-        self.kv.append(("abort", request_id))
-
-    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
-        self.kv.append(("hold", request_id, tools, policy, timeout_s))
-
-    def release_kv(self, request_id: str) -> None:
-        self.kv.append(("release", request_id))
+from app_testing import ToolCallingBackend, app_client, done_of, make_settings, new_conversation, send
 
 
 @pytest.mark.parametrize("policy", ["auto", "hold", "evict"])
 async def test_the_tool_loop_holds_or_evicts_and_resumes_from_the_round(tmp_path, policy):
-    backend = HoldingBackend()
+    backend = ToolCallingBackend()
     settings = make_settings(tmp_path, chat={"tools": "calculator"}, sampling={"max_tokens": 200},
                              tools={"kv_policy": policy, "kv_hold_timeout_s": 7})
     async with app_client(settings, backend) as (client, app, alice):
@@ -88,7 +46,7 @@ def test_the_hold_counters_are_on_metrics():
 
 
 async def test_stopping_an_answer_mid_tool_lets_its_kv_cache_go_at_once(tmp_path, monkeypatch):
-    backend = HoldingBackend()
+    backend = ToolCallingBackend()
     started, finish = asyncio.Event(), asyncio.Event()
     run = ToolRegistry.run
 
