@@ -14,9 +14,9 @@ grace (KEEP_GRACE_S) until the caller says what it wants (`decide`: hold, evict 
 
 `auto` weighs what each choice costs. Evicted, the blocks join the back of the free list; the pool hands
 out blocks from its front, so they are lost (and the resume computes them again) when the pool hands out
-more blocks during the call than are free ahead of them. Held, they cost the others nothing as long as no
-request needs them, because a hold gives way to any request short of blocks (below). So `auto` holds
-when the blocks would be lost:
+more blocks during the call than are free ahead of them. Held, they keep no request out, because a hold
+gives way to any request short of blocks (below); what they cost the others is the prefix cache's oldest
+free blocks, handed out that much sooner. So `auto` holds when the blocks would be lost:
 
     expected_s > SURVIVAL * free_blocks / handout_rate
 
@@ -165,7 +165,7 @@ class KVHolds:
     def worth_holding(self, expected_s: float, timeout_s: float, waiting: list[Sequence]) -> bool:
         """auto's rule: hold what the prefix cache would lose during the call, unless the tool is expected to
         outlast the hold or waiting requests need the blocks now. A full pool is no reason to evict: a
-        hold gives way to any request short of blocks (reclaim), so until one comes it costs nobody."""
+        hold gives way to any request short of blocks (reclaim), so until one comes it keeps nobody out."""
         return (expected_s < timeout_s and not self.pressure(waiting)
                 and not self.cache_keeps(expected_s))
 
