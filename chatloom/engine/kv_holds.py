@@ -18,15 +18,16 @@ more blocks during the call than are free ahead of them. Held, they keep no requ
 gives way to any request short of blocks (below); what they cost the others is the prefix cache's oldest
 free blocks, handed out that much sooner. So `auto` holds when the blocks would be lost:
 
-    expected_s > SURVIVAL * free_blocks / handout_rate
+    long_s > SURVIVAL * free_blocks / handout_rate
 
 and evicts when they would survive in the prefix cache anyway (the hold would buy nothing and keep memory
 idle), when the tool is expected to outlast the hold's timeout, or when waiting requests need more blocks
 than releasing every hold would give (they would take the blocks at once). free_blocks is counted while
 the round's blocks are held, and handout_rate is how many blocks the pool has handed out per second over
-the last RATE_WINDOW_S. The expected time is learned per tool name by the engine itself (the time from the
-decision to the resume): an exponentially weighted mean (weight EWMA_WEIGHT on the newest) starting from
-PRIOR_S.
+the last RATE_WINDOW_S. The tools' times are learned per tool name by the engine itself (the time from the
+decision to the resume): expected_s is an exponentially weighted mean (weight EWMA_WEIGHT on the newest)
+starting from PRIOR_S, and long_s adds LONG_DEVIATIONS weighted mean absolute deviations, so a tool whose
+calls take 0.2 s or 5 s is judged by its long calls (a call that outlasts the cache costs a re-prefill).
 
 A held sequence never keeps another request out: when a waiting request cannot get blocks, or a running
 one would be preempted, holds are released first (`reclaim`, the one expected to wait longest first),
@@ -49,6 +50,7 @@ KEEP_GRACE_S = 5.0  # a kept round whose caller never decides is freed after thi
 PRIOR_S = 2.0  # expected duration of a tool never seen
 EWMA_WEIGHT = 0.3  # weight of the newest observed duration
 RATE_WINDOW_S = 10.0  # the free list's turnover is measured over this long
+LONG_DEVIATIONS = 2.0  # a tool's long calls: its mean plus this many mean absolute deviations
 SURVIVAL = 0.25  # the share of the free list's turnover time a tool may take with the blocks safe in the cache
 _REMEMBERED = 1024  # evicted rounds whose tokens are remembered, to count what their resume re-prefills
 
@@ -71,15 +73,24 @@ class HoldStats:
 
 @dataclass
 class ToolTimes:
-    """Expected duration of each tool: an exponentially weighted mean of observed ones, from a prior."""
+    """Expected duration of each tool: an exponentially weighted mean of observed ones, from a prior, and
+    how far they stray from it (an exponentially weighted mean absolute deviation)."""
 
     prior_s: float = PRIOR_S
     weight: float = EWMA_WEIGHT
     means: dict[str, float] = field(default_factory=dict)
+    deviations: dict[str, float] = field(default_factory=dict)
 
     def expected(self, tools: tuple[str, ...]) -> float:
         """A round's calls run one after another: their expected times add up."""
         return sum(self.means.get(t, self.prior_s) for t in tools) if tools else self.prior_s
+
+    def long(self, tools: tuple[str, ...]) -> float:
+        """A duration the round's calls seldom pass: the mean plus LONG_DEVIATIONS deviations. A tool whose
+        durations spread widely (a search that takes 0.2 s or 5 s) is judged by its long calls, since a
+        call that outlasts the cache costs a whole re-prefill."""
+        spread = sum(self.deviations.get(t, 0.0) for t in tools)
+        return self.expected(tools) + LONG_DEVIATIONS * spread
 
     def observe(self, tools: tuple[str, ...], seconds: float) -> None:
         """A round's duration, shared among its tools in proportion to what each was expected to take."""
@@ -89,7 +100,12 @@ class ToolTimes:
         for t in tools:
             share = seconds * self.means.get(t, self.prior_s) / total
             old = self.means.get(t)
-            self.means[t] = share if old is None else old + self.weight * (share - old)
+            if old is None:
+                self.means[t], self.deviations[t] = share, 0.0
+                continue
+            self.means[t] = old + self.weight * (share - old)
+            dev = self.deviations.get(t, 0.0)
+            self.deviations[t] = dev + self.weight * (abs(share - old) - dev)
 
 
 class KVHolds:
@@ -153,7 +169,8 @@ class KVHolds:
             return "gone"
         now = self.clock()
         found.tools, found.expected_s, found.since = names, expected, now
-        hold = policy == "hold" or (policy == "auto" and self.worth_holding(expected, timeout_s, waiting))
+        auto = policy == "auto" and self.worth_holding(expected, self.times.long(names), timeout_s, waiting)
+        hold = policy == "hold" or auto
         if not hold:
             self.stats.evictions += 1
             self._drop(found)
@@ -162,12 +179,13 @@ class KVHolds:
         found.decided, found.deadline = True, now + timeout_s
         return "hold"
 
-    def worth_holding(self, expected_s: float, timeout_s: float, waiting: list[Sequence]) -> bool:
-        """auto's rule: hold what the prefix cache would lose during the call, unless the tool is expected to
+    def worth_holding(self, expected_s: float, long_s: float, timeout_s: float, waiting: list[Sequence]) -> bool:
+        """auto's rule: hold what the prefix cache would lose during a long call (`long_s`; the mean
+        `expected_s` decides whether the hold outlasts its timeout), unless the tool is expected to
         outlast the hold or waiting requests need the blocks now. A full pool is no reason to evict: a
         hold gives way to any request short of blocks (reclaim), so until one comes it keeps nobody out."""
         return (expected_s < timeout_s and not self.pressure(waiting)
-                and not self.cache_keeps(expected_s))
+                and not self.cache_keeps(long_s))
 
     # -- the resume -------------------------------------------------------------------------
     def take(self, seq: Sequence) -> Held | None:

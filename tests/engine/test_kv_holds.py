@@ -7,6 +7,7 @@ import time
 
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine
+from chatloom.engine.kv_holds import ToolTimes
 
 
 def _tokens(vocab: int, n: int, seed: int) -> list[int]:
@@ -81,6 +82,31 @@ def test_auto_holds_only_where_the_cache_would_lose_the_blocks(tiny_model):
     # A pool turning over 1000 blocks a second would hand them out: holding them is worth it.
     _busy(roomy, 1000.0)
     assert roomy.hold_kv("busy", ["quick"], "auto", 60.0) == "hold"
+
+
+def test_a_tool_whose_times_spread_is_judged_by_its_long_calls():
+    times = ToolTimes()
+    for seconds in (2.6, 2.6, 2.6, 2.6):
+        times.observe(("steady",), seconds)
+    for seconds in (0.2, 5.0, 0.2, 5.0):
+        times.observe(("erratic",), seconds)
+    assert times.long(("steady",)) == times.expected(("steady",)) == 2.6
+    assert times.expected(("erratic",)) < 2.6 < 6.0 < times.long(("erratic",))
+
+
+def test_auto_holds_for_the_erratic_tool_and_evicts_for_the_steady_one(tiny_model):
+    # 256 blocks, 9 of them the round's, turning over 50 a second: a freed block lasts about 4.9 s, and
+    # SURVIVAL keeps a quarter of that, 1.2 s. Both tools took 1 s on average (the weighted means: 1.0 and
+    # 0.9 s); only the erratic one has calls of 1.9 s.
+    vocab = tiny_model.config.vocab_size
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=256, block_size=4))
+    for tool, seconds in (("steady", (1.0, 1.0, 1.0, 1.0)), ("erratic", (0.1, 1.9, 0.1, 1.9))):
+        for s in seconds:
+            engine.kv_holds.times.observe((tool,), s)
+    for handle, tool, verdict in (("a", "steady", "evict"), ("b", "erratic", "hold")):
+        _kept_round(engine, vocab, handle)
+        _busy(engine, 50.0)
+        assert engine.hold_kv(handle, [tool], "auto", 60.0) == verdict
 
 
 def test_auto_holds_in_a_full_pool_nobody_waits_for(tiny_model):
