@@ -25,9 +25,10 @@ idle), when the tool is expected to outlast the hold's timeout, or when waiting 
 than releasing every hold would give (they would take the blocks at once). free_blocks is counted while
 the round's blocks are held, and handout_rate is how many blocks the pool has handed out per second over
 the last RATE_WINDOW_S. The tools' times are learned per tool name by the engine itself (the time from the
-decision to the resume): expected_s is an exponentially weighted mean (weight EWMA_WEIGHT on the newest)
-starting from PRIOR_S, and long_s adds LONG_DEVIATIONS weighted mean absolute deviations, so a tool whose
-calls take 0.2 s or 5 s is judged by its long calls (a call that outlasts the cache costs a re-prefill).
+caller's decision to its resume request, both stamped when the caller made them): expected_s is an
+exponentially weighted mean (weight EWMA_WEIGHT on the newest) starting from PRIOR_S, and long_s adds
+LONG_DEVIATIONS weighted mean absolute deviations, so a tool whose calls take 0.2 s or 5 s is judged by
+its long calls (a call that outlasts the cache costs a re-prefill).
 
 A held sequence never keeps another request out: when a waiting request cannot get blocks, or a running
 one would be preempted, holds are released first (`reclaim`, the one expected to wait longest first),
@@ -157,9 +158,10 @@ class KVHolds:
         return rate <= 0 or expected_s <= SURVIVAL * self.kv.num_free_blocks / rate
 
     def decide(self, handle: str, tools: list[str], policy: str, timeout_s: float,
-               waiting: list[Sequence]) -> str:
+               waiting: list[Sequence], asked_at: float | None = None) -> str:
         """The round under `handle` ended in calls to `tools`: hold its blocks (until adopted, released or
-        `timeout_s`) or evict them, as `policy` says. Returns "hold", "evict", or "gone" (nothing kept)."""
+        `timeout_s`) or evict them, as `policy` says. Returns "hold", "evict", or "gone" (nothing kept).
+        `asked_at`: when the caller said so (on this clock), if before now: the tools' time runs from it."""
         if policy not in POLICIES:
             raise ValueError(f"unknown KV policy {policy!r}: use {', '.join(POLICIES)}")
         found = self.held.get(handle)
@@ -169,6 +171,7 @@ class KVHolds:
             return "gone"
         now = self.clock()
         found.tools, found.expected_s, found.since = names, expected, now
+        found.asked = now if asked_at is None else asked_at
         auto = policy == "auto" and self.worth_holding(expected, self.times.long(names), timeout_s, waiting)
         hold = policy == "hold" or auto
         if not hold:
@@ -193,8 +196,6 @@ class KVHolds:
         found = self.held.pop(seq.params.resume_of, None)
         if found is not None:
             self._ended(found)
-            if found.decided and found.tools:
-                self.times.observe(found.tools, self.clock() - found.since)
             self.stats.adopted += 1
         return found
 
@@ -209,12 +210,21 @@ class KVHolds:
     def forget_evicted(self, handle: str) -> list[int] | None:
         """The tokens an evicted round had computed, once (its resume is counted against them)."""
         found = self._evicted.pop(handle, None)
-        if found is None:
-            return None
-        tokens, since, tools = found
+        return None if found is None else found[0]
+
+    def resume_asked(self, handle: str, at: float) -> None:
+        """The resume of the round `handle` was asked for at `at` (on this clock): its tools took from the
+        decision until then. Both times are the caller's, not when the engine got to them between two
+        steps, or a tool shorter than a step would count as taking no time at all."""
+        found = self.held.get(handle)
+        if found is not None and found.decided and found.tools:
+            tools, asked = found.tools, found.asked
+        elif handle in self._evicted:
+            _, asked, tools = self._evicted[handle]
+        else:
+            return
         if tools:
-            self.times.observe(tools, self.clock() - since)
-        return tokens
+            self.times.observe(tools, max(0.0, at - asked))
 
     # -- letting go -----------------------------------------------------------------------
     def release(self, handle: str) -> bool:
@@ -250,8 +260,8 @@ class KVHolds:
         self._ended(found)
         # Full blocks stay in the prefix cache (LRU); the partial last one goes first.
         self.kv.pool.release(reversed(found.block_table))
-        if remember:  # the tools' time runs on from the decision: the resume observes it
-            self._evicted[found.handle] = (found.token_ids, found.since, found.tools)
+        if remember:  # the tools' time runs on from the decision: the resume's request observes it
+            self._evicted[found.handle] = (found.token_ids, found.asked, found.tools)
             while len(self._evicted) > _REMEMBERED:
                 self._evicted.popitem(last=False)
 

@@ -5,6 +5,8 @@ import asyncio
 import random
 import time
 
+import pytest
+
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.engine.async_engine import AsyncEngine
 from chatloom.engine.kv_holds import ToolTimes
@@ -107,6 +109,20 @@ def test_auto_holds_for_the_erratic_tool_and_evicts_for_the_steady_one(tiny_mode
         _kept_round(engine, vocab, handle)
         _busy(engine, 50.0)
         assert engine.hold_kv(handle, [tool], "auto", 60.0) == verdict
+
+
+@pytest.mark.parametrize("policy", ["hold", "evict"])
+def test_a_tool_is_timed_from_the_callers_decision_to_its_resume_request(tiny_model, policy):
+    vocab = tiny_model.config.vocab_size
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=4))
+    engine.kv_holds.clock = lambda: 100.0
+    _kept_round(engine, vocab, "round")
+    # The engine gets to the decision and the resume between the same two steps (at 100.0), but the
+    # caller asked for them 1.5 s apart: the tool took 1.5 s, not nothing.
+    assert engine.hold_kv("round", ["lookup"], policy, 60.0, asked_at=98.0) == policy
+    engine.add_request(_tokens(vocab, 40, 3), SamplingParams(max_tokens=2, ignore_eos=True, resume_of="round"),
+                       asked_at=99.5)
+    assert engine.kv_holds.times.expected(("lookup",)) == 1.5
 
 
 def test_auto_holds_in_a_full_pool_nobody_waits_for(tiny_model):
