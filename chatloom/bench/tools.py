@@ -138,31 +138,33 @@ async def _one_run(loaded: LoadedModel, config: EngineConfig, policy: str, w: Wo
     finally:
         done.set()
         await backend.close()
-    return {
-        "resume_ttft_mean_s": statistics.fmean(resume_ttft) if resume_ttft else None,
-        "resume_ttft_p90_s": _p90(resume_ttft),
+    return {"resume_ttft": resume_ttft, "bystander_ttft": by_ttft, "bystander_tokens": by_tokens,
+            "seconds": elapsed, "kv_samples": samples,
+            "counters": {"holds": holds.holds, "evictions": holds.evictions,
+                         "pressure_releases": holds.pressure_releases, "reprefilled_tokens": holds.reprefilled_tokens,
+                         "block_seconds": holds.block_seconds}}
+
+
+def figures(runs: list[dict]) -> dict:
+    """The figures of one policy over its runs, their samples pooled (the p90 of every resume, not a mean
+    of per-run p90s), with the hold counters summed."""
+    resume = [x for r in runs for x in r["resume_ttft"]]
+    by_ttft = [x for r in runs for x in r["bystander_ttft"]]
+    samples = [x for r in runs for x in r["kv_samples"]]
+    seconds = sum(r["seconds"] for r in runs)
+    out: dict = {
+        "resume_ttft_mean_s": statistics.fmean(resume) if resume else None,
+        "resume_ttft_p90_s": _p90(resume),
         "bystander_ttft_p90_s": _p90(by_ttft),
-        "bystander_tokens_per_s": by_tokens / elapsed if elapsed > 0 else 0.0,
-        "bystander_requests": len(by_ttft),
+        "bystander_tokens_per_s": sum(r["bystander_tokens"] for r in runs) / seconds if seconds > 0 else 0.0,
         "kv_occupancy_mean": statistics.fmean(samples) if samples else 0.0,
         "kv_occupancy_peak": max(samples, default=0.0),
-        "holds": holds.holds, "evictions": holds.evictions, "pressure_releases": holds.pressure_releases,
-        "reprefilled_tokens": holds.reprefilled_tokens, "block_seconds": round(holds.block_seconds, 2),
-        "seconds": round(elapsed, 2),
     }
-
-
-def _merge(runs: list[dict]) -> dict:
-    """Several rounds of one policy: each figure's mean over the rounds, the counters summed."""
-    out: dict = {}
-    for key in runs[0]:
-        values = [r[key] for r in runs if r[key] is not None]
-        if not values:
-            out[key] = None
-        elif key in FIGURES or key == "seconds":
-            out[key] = round(statistics.fmean(values), 4)
-        else:
-            out[key] = round(sum(values), 2)
+    out = {k: None if v is None else round(v, 4) for k, v in out.items()}
+    out["bystander_requests"] = len(by_ttft)
+    for counter in runs[0]["counters"]:
+        out[counter] = round(sum(r["counters"][counter] for r in runs), 2)
+    out["seconds"] = round(seconds, 2)
     return out
 
 
@@ -180,6 +182,21 @@ def compare(policies: dict[str, dict], margin: float = 0.10) -> dict:
     return out
 
 
+def spread(per_round: dict[str, list[dict]]) -> dict:
+    """For each figure, how far one policy's rounds differ from each other on this machine: the largest
+    (max - min) / mean over the policies, or None with fewer than two rounds. Under the same choices and
+    load this would be 0; a difference between policies smaller than it is noise."""
+    out = {}
+    for figure in FIGURES:
+        spreads = []
+        for rounds in per_round.values():
+            values = [r[figure] for r in rounds if r[figure] is not None]
+            if len(values) > 1 and statistics.fmean(values) > 0:
+                spreads.append((max(values) - min(values)) / statistics.fmean(values))
+        out[figure] = round(max(spreads), 3) if spreads else None
+    return out
+
+
 async def run_tools_bench(loaded: LoadedModel, configs: dict[str, EngineConfig], workload: Workload,
                           rounds: int = 1) -> dict:
     result: dict = {"workload": {**workload.__dict__, "tool_s": list(workload.tool_s)}, "rounds": rounds,
@@ -189,13 +206,16 @@ async def run_tools_bench(loaded: LoadedModel, configs: dict[str, EngineConfig],
                                                                           tool_s=(0.01, 0.01)))
     for name, config in configs.items():
         runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
-        for r in range(rounds):  # the order rotates, so no policy always runs first
+        for r in range(rounds):  # every policy once per round, the order rotating: each sees the same load
             order = POLICIES[r % 3:] + POLICIES[:r % 3]
             for policy in order:
                 runs[policy].append(await _one_run(loaded, config, policy, workload))
-        policies = {p: _merge(v) for p, v in runs.items()}
+        policies = {p: figures(v) for p, v in runs.items()}
+        per_round = {p: [{k: v for k, v in figures([run]).items() if k in FIGURES} for run in v]
+                     for p, v in runs.items()}
         result["configs"][name] = {"num_blocks": config.num_blocks, "block_size": config.block_size,
-                                   "policies": policies, "auto_vs_best": compare(policies)}
+                                   "policies": policies, "auto_vs_best": compare(policies), "per_round": per_round,
+                                   "round_spread": spread(per_round)}
     return result
 
 
@@ -203,12 +223,14 @@ def table(result: dict) -> str:
     lines = []
     for name, c in result["configs"].items():
         lines.append(f"{name} ({c['num_blocks']} blocks of {c['block_size']})")
-        lines.append(f"{'figure':<24}" + "".join(f"{p:>12}" for p in POLICIES) + f"{'auto ok':>10}")
+        lines.append(f"{'figure':<24}" + "".join(f"{p:>12}" for p in POLICIES) + f"{'auto ok':>10}"
+                     + f"{'rounds differ':>15}")
         for figure in FIGURES:
             vals = [c["policies"][p][figure] for p in POLICIES]
-            ok = c["auto_vs_best"][figure]["within"]
+            ok, noise = c["auto_vs_best"][figure]["within"], c["round_spread"][figure]
             lines.append(f"{figure:<24}" + "".join(f"{v:>12.4f}" if v is not None else f"{'-':>12}" for v in vals)
-                         + f"{'yes' if ok else 'no' if ok is not None else '-':>10}")
+                         + f"{'yes' if ok else 'no' if ok is not None else '-':>10}"
+                         + (f"{noise:>14.0%}" if noise is not None else f"{'-':>15}"))
         for counter in ("holds", "evictions", "pressure_releases", "reprefilled_tokens", "block_seconds"):
             lines.append(f"{counter:<24}" + "".join(f"{c['policies'][p][counter]:>12}" for p in POLICIES))
         lines.append("")

@@ -79,9 +79,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd == "add":
-                request_id, prompt, params, priority, images = args
+                request_id, prompt, params, priority, images, asked_at = args
                 try:
-                    self.engine.add_request(prompt, params, request_id, priority, images)
+                    self.engine.add_request(prompt, params, request_id, priority, images, asked_at)
                 except Exception as exc:  # invalid request: report it on its stream
                     self._deliver(request_id, exc)
             elif cmd == "abort":
@@ -191,7 +191,9 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", (request_id, prompt, params, priority, images)))
+        # Stamped now, not when the engine thread gets to it: a resume's tools are timed from the caller.
+        asked_at = self.engine.kv_holds.clock()
+        self._commands.put(("add", (request_id, prompt, params, priority, images, asked_at)))
         self._wakeup.set()
         return request_id, q
 
@@ -258,7 +260,8 @@ class AsyncEngine:
     def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
         """The finished round `request_id` ended in tool calls: hold or evict its kept blocks (at the next
         step boundary; see LLMEngine.hold_kv)."""
-        self._commands.put(("hold_kv", (request_id, list(tools), policy, timeout_s)))
+        asked_at = self.engine.kv_holds.clock()
+        self._commands.put(("hold_kv", (request_id, list(tools), policy, timeout_s, asked_at)))
         self._wakeup.set()
 
     def release_kv(self, request_id: str) -> None:

@@ -20,6 +20,7 @@ class Held:
     tools: tuple[str, ...] = ()
     decided: bool = False  # a policy said hold (else kept only for the grace)
     expected_s: float = 0.0
+    asked: float = 0.0  # when the caller decided (its tools started): their time runs from here
 
 
 class HeldRounds(Protocol):

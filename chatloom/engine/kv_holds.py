@@ -12,23 +12,28 @@ A round asks for this with `SamplingParams.keep_kv`: when it finishes, its block
 grace (KEEP_GRACE_S) until the caller says what it wants (`decide`: hold, evict or auto) or lets go
 (`release`). The resume request names the handle in `SamplingParams.resume_of`.
 
-`auto` holds when the prefix cache would lose the blocks during the call and the pool can afford to
-keep them:
+`auto` weighs what each choice costs. Evicted, the blocks join the back of the free list; the pool hands
+out blocks from its front, so they are lost (and the resume computes them again) when the pool hands out
+more blocks during the call than are free ahead of them. Held, they keep no request out, because a hold
+gives way to any request short of blocks (below); what they cost the others is the prefix cache's oldest
+free blocks, handed out that much sooner. So `auto` holds when the blocks would be lost:
 
-    expected_s > SURVIVAL * free_blocks / handout_rate          (evicted, they would be handed out)
-    expected_s * blocks <= (free_blocks - HEADROOM * num_blocks) * HORIZON_S      (affordable)
+    long_s > SURVIVAL * free_blocks / handout_rate
 
-and no preemption happened in the last PRESSURE_WINDOW_S; it evicts otherwise. free_blocks is counted
-while the round's blocks are held; evicted, they would join the back of the free list, behind every free
-block, and handout_rate is how many blocks the pool has handed out per second over the last RATE_WINDOW_S.
-Where the cache would keep them anyway, evicting costs nothing and frees the memory; where it would not,
-holding saves the re-prefill. The expected time is learned per tool name by the engine itself (the time
-from the decision to the resume): an exponentially weighted mean (weight EWMA_WEIGHT on the newest)
-starting from PRIOR_S.
+and evicts when they would survive in the prefix cache anyway (the hold would buy nothing and keep memory
+idle), when the tool is expected to outlast the hold's timeout, or when waiting requests need more blocks
+than releasing every hold would give (they would take the blocks at once). free_blocks is counted while
+the round's blocks are held, and handout_rate is how many blocks the pool has handed out per second over
+the last RATE_WINDOW_S. The tools' times are learned per tool name by the engine itself (the time from the
+caller's decision to its resume request, both stamped when the caller made them): expected_s is an
+exponentially weighted mean (weight EWMA_WEIGHT on the newest) starting from PRIOR_S, and long_s adds
+LONG_DEVIATIONS weighted mean absolute deviations, so a tool whose calls take 0.2 s or 5 s is judged by
+its long calls (a call that outlasts the cache costs a re-prefill).
 
 A held sequence never keeps another request out: when a waiting request cannot get blocks, or a running
 one would be preempted, holds are released first (`reclaim`, the one expected to wait longest first),
-whatever the policy; a hold also ends at its timeout, or when its request is aborted.
+whatever the policy; a hold also ends at its timeout, or when its request is aborted. This is how a hold
+under `auto` ends when memory gets tight mid-call: on demand, not by a forecast of the demand.
 """
 from __future__ import annotations
 
@@ -45,10 +50,8 @@ POLICIES = ("hold", "evict", "auto")
 KEEP_GRACE_S = 5.0  # a kept round whose caller never decides is freed after this
 PRIOR_S = 2.0  # expected duration of a tool never seen
 EWMA_WEIGHT = 0.3  # weight of the newest observed duration
-HEADROOM = 0.05  # fraction of the pool a hold under auto leaves free for arrivals
-HORIZON_S = 60.0  # seconds of the spare blocks a hold under auto may spend
-PRESSURE_WINDOW_S = 10.0  # a preemption this recent means the pool is under pressure
 RATE_WINDOW_S = 10.0  # the free list's turnover is measured over this long
+LONG_DEVIATIONS = 2.0  # a tool's long calls: its mean plus this many mean absolute deviations
 SURVIVAL = 0.25  # the share of the free list's turnover time a tool may take with the blocks safe in the cache
 _REMEMBERED = 1024  # evicted rounds whose tokens are remembered, to count what their resume re-prefills
 
@@ -71,15 +74,24 @@ class HoldStats:
 
 @dataclass
 class ToolTimes:
-    """Expected duration of each tool: an exponentially weighted mean of observed ones, from a prior."""
+    """Expected duration of each tool: an exponentially weighted mean of observed ones, from a prior, and
+    how far they stray from it (an exponentially weighted mean absolute deviation)."""
 
     prior_s: float = PRIOR_S
     weight: float = EWMA_WEIGHT
     means: dict[str, float] = field(default_factory=dict)
+    deviations: dict[str, float] = field(default_factory=dict)
 
     def expected(self, tools: tuple[str, ...]) -> float:
         """A round's calls run one after another: their expected times add up."""
         return sum(self.means.get(t, self.prior_s) for t in tools) if tools else self.prior_s
+
+    def long(self, tools: tuple[str, ...]) -> float:
+        """A duration the round's calls seldom pass: the mean plus LONG_DEVIATIONS deviations. A tool whose
+        durations spread widely (a search that takes 0.2 s or 5 s) is judged by its long calls, since a
+        call that outlasts the cache costs a whole re-prefill."""
+        spread = sum(self.deviations.get(t, 0.0) for t in tools)
+        return self.expected(tools) + LONG_DEVIATIONS * spread
 
     def observe(self, tools: tuple[str, ...], seconds: float) -> None:
         """A round's duration, shared among its tools in proportion to what each was expected to take."""
@@ -89,7 +101,12 @@ class ToolTimes:
         for t in tools:
             share = seconds * self.means.get(t, self.prior_s) / total
             old = self.means.get(t)
-            self.means[t] = share if old is None else old + self.weight * (share - old)
+            if old is None:
+                self.means[t], self.deviations[t] = share, 0.0
+                continue
+            self.means[t] = old + self.weight * (share - old)
+            dev = self.deviations.get(t, 0.0)
+            self.deviations[t] = dev + self.weight * (abs(share - old) - dev)
 
 
 class KVHolds:
@@ -102,7 +119,6 @@ class KVHolds:
         self.times = ToolTimes()
         self.stats = HoldStats()
         self._evicted: OrderedDict[str, tuple[list[int], float, tuple[str, ...]]] = OrderedDict()
-        self._preemptions: deque[float] = deque()
         self._handouts: deque[tuple[float, int]] = deque()  # (time, blocks handed out by then), recent
 
     # -- a round ends -----------------------------------------------------------------
@@ -121,13 +137,7 @@ class KVHolds:
         return True
 
     def pressure(self, waiting: list[Sequence]) -> bool:
-        """Whether the pool is under pressure now: a recent preemption, or waiting requests that releasing
-        every hold would not make room for."""
-        now = self.clock()
-        while self._preemptions and self._preemptions[0] < now - PRESSURE_WINDOW_S:
-            self._preemptions.popleft()
-        if self._preemptions:
-            return True
+        """Whether waiting requests need more blocks than releasing every hold would make free."""
         need = sum(self.kv.blocks_needed(len(s) - s.num_computed_tokens) for s in waiting)
         return need > self.kv.num_free_blocks + self.stats.blocks_held
 
@@ -147,13 +157,11 @@ class KVHolds:
         rate = self.handout_rate()
         return rate <= 0 or expected_s <= SURVIVAL * self.kv.num_free_blocks / rate
 
-    def preempted(self) -> None:
-        self._preemptions.append(self.clock())
-
     def decide(self, handle: str, tools: list[str], policy: str, timeout_s: float,
-               waiting: list[Sequence]) -> str:
+               waiting: list[Sequence], asked_at: float | None = None) -> str:
         """The round under `handle` ended in calls to `tools`: hold its blocks (until adopted, released or
-        `timeout_s`) or evict them, as `policy` says. Returns "hold", "evict", or "gone" (nothing kept)."""
+        `timeout_s`) or evict them, as `policy` says. Returns "hold", "evict", or "gone" (nothing kept).
+        `asked_at`: when the caller said so (on this clock), if before now: the tools' time runs from it."""
         if policy not in POLICIES:
             raise ValueError(f"unknown KV policy {policy!r}: use {', '.join(POLICIES)}")
         found = self.held.get(handle)
@@ -163,7 +171,9 @@ class KVHolds:
             return "gone"
         now = self.clock()
         found.tools, found.expected_s, found.since = names, expected, now
-        hold = policy == "hold" or (policy == "auto" and self._affordable(len(found.block_table), expected, waiting))
+        found.asked = now if asked_at is None else asked_at
+        auto = policy == "auto" and self.worth_holding(expected, self.times.long(names), timeout_s, waiting)
+        hold = policy == "hold" or auto
         if not hold:
             self.stats.evictions += 1
             self._drop(found)
@@ -172,11 +182,13 @@ class KVHolds:
         found.decided, found.deadline = True, now + timeout_s
         return "hold"
 
-    def _affordable(self, blocks: int, expected_s: float, waiting: list[Sequence]) -> bool:
-        if self.pressure(waiting) or self.cache_keeps(expected_s):
-            return False
-        spare = self.kv.num_free_blocks - HEADROOM * self.kv.num_blocks
-        return expected_s * blocks <= spare * HORIZON_S
+    def worth_holding(self, expected_s: float, long_s: float, timeout_s: float, waiting: list[Sequence]) -> bool:
+        """auto's rule: hold what the prefix cache would lose during a long call (`long_s`; the mean
+        `expected_s` decides whether the hold outlasts its timeout), unless the tool is expected to
+        outlast the hold or waiting requests need the blocks now. A full pool is no reason to evict: a
+        hold gives way to any request short of blocks (reclaim), so until one comes it keeps nobody out."""
+        return (expected_s < timeout_s and not self.pressure(waiting)
+                and not self.cache_keeps(long_s))
 
     # -- the resume -------------------------------------------------------------------------
     def take(self, seq: Sequence) -> Held | None:
@@ -184,8 +196,6 @@ class KVHolds:
         found = self.held.pop(seq.params.resume_of, None)
         if found is not None:
             self._ended(found)
-            if found.decided and found.tools:
-                self.times.observe(found.tools, self.clock() - found.since)
             self.stats.adopted += 1
         return found
 
@@ -200,12 +210,21 @@ class KVHolds:
     def forget_evicted(self, handle: str) -> list[int] | None:
         """The tokens an evicted round had computed, once (its resume is counted against them)."""
         found = self._evicted.pop(handle, None)
-        if found is None:
-            return None
-        tokens, since, tools = found
+        return None if found is None else found[0]
+
+    def resume_asked(self, handle: str, at: float) -> None:
+        """The resume of the round `handle` was asked for at `at` (on this clock): its tools took from the
+        decision until then. Both times are the caller's, not when the engine got to them between two
+        steps, or a tool shorter than a step would count as taking no time at all."""
+        found = self.held.get(handle)
+        if found is not None and found.decided and found.tools:
+            tools, asked = found.tools, found.asked
+        elif handle in self._evicted:
+            _, asked, tools = self._evicted[handle]
+        else:
+            return
         if tools:
-            self.times.observe(tools, self.clock() - since)
-        return tokens
+            self.times.observe(tools, max(0.0, at - asked))
 
     # -- letting go -----------------------------------------------------------------------
     def release(self, handle: str) -> bool:
@@ -241,8 +260,8 @@ class KVHolds:
         self._ended(found)
         # Full blocks stay in the prefix cache (LRU); the partial last one goes first.
         self.kv.pool.release(reversed(found.block_table))
-        if remember:  # the tools' time runs on from the decision: the resume observes it
-            self._evicted[found.handle] = (found.token_ids, found.since, found.tools)
+        if remember:  # the tools' time runs on from the decision: the resume's request observes it
+            self._evicted[found.handle] = (found.token_ids, found.asked, found.tools)
             while len(self._evicted) > _REMEMBERED:
                 self._evicted.popitem(last=False)
 

@@ -122,10 +122,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    images: list[ImageInput] | None = None) -> str:
+                    images: list[ImageInput] | None = None, asked_at: float | None = None) -> str:
         """`images`: where a vision model's image embeddings go in the prompt (models/vision/prompt.py
-        places them)."""
+        places them). `asked_at`: when the caller asked, on kv_holds.clock (default now): a resume's
+        round learns its tools' time from it."""
         params = params or SamplingParams()
+        if params.resume_of:
+            self.kv_holds.resume_asked(params.resume_of, self.kv_holds.clock() if asked_at is None else asked_at)
         token_ids = self.encode_prompt(prompt)
         if images:
             self._check_images(token_ids, images)
@@ -186,10 +189,12 @@ class LLMEngine:
         return bool(states) or released
 
     # -- the KV cache during a tool call (kv_holds.py) -----------------------------------
-    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> str:
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float,
+                asked_at: float | None = None) -> str:
         """The finished round `request_id` (asked with keep_kv) ended in calls to `tools`: hold or evict its
-        blocks as `policy` says; "hold", "evict" or "gone" (nothing was kept)."""
-        return self.kv_holds.decide(request_id, tools, policy, timeout_s, self.scheduler.waiting)
+        blocks as `policy` says; "hold", "evict" or "gone" (nothing was kept). `asked_at`: when the caller
+        asked, on kv_holds.clock (default now)."""
+        return self.kv_holds.decide(request_id, tools, policy, timeout_s, self.scheduler.waiting, asked_at)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks kept for the round `request_id` now (no resume is coming)."""
@@ -206,8 +211,6 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
-        if batch.preempted:
-            self.kv_holds.preempted()
         if not batch:
             return outputs
         scheduled = batch.decodes + [s for s, _ in batch.prefills]

@@ -255,8 +255,11 @@ class ToolsSettings(Group):
     kv_policy: Literal["hold", "evict", "auto"] = Field(
         "auto", description="The KV cache of an answer while its tools run: hold (pinned until the resume, "
                             "which prefills only the tool results), evict (freed; the resume re-prefills "
-                            "through the prefix cache) or auto (hold while the expected tool time times the "
-                            "blocks held fits the spare pool; docs/tools.md).")
+                            "through the prefix cache) or auto (hold where the prefix cache would lose the "
+                            "blocks during the tool's call, judged by its long calls; evict otherwise; "
+                            "docs/tools.md). "
+                            "Any hold gives way to a request short of blocks. The Responses API's built-in "
+                            "tools follow it too.")
     kv_hold_timeout_s: float = Field(60.0, gt=0, description="Longest a held KV cache waits for its tools "
                                                              "before it is freed.")
 

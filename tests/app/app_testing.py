@@ -1,10 +1,11 @@
-"""Shared helpers for the app tests: settings, accounts, SSE parsing, a recording backend,
-an app over ASGI, and a live uvicorn server in a thread.
+"""Shared helpers for the app tests: settings, accounts, SSE parsing, a recording backend, a scripted
+model that calls tools, an app over ASGI, and a live uvicorn server in a thread.
 
 (A uniquely named module: pytest puts this folder on sys.path, so test modules import it directly.)"""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ import uvicorn
 from chatloom.app.main import create_app
 from chatloom.app.chat.prompt import SUMMARIZER_SYSTEM
 from chatloom.settings import Settings
-from chatloom.serving import Backend, GenerationRequest
+from chatloom.serving import Backend, Delta, GenerationRequest
 
 
 @dataclass
@@ -178,6 +179,71 @@ class RecordingBackend(Backend):
 
     def answers(self) -> list[GenerationRequest]:
         return [r for r in self.requests if r.messages[0]["content"] != SUMMARIZER_SYSTEM]
+
+
+class ToolCallingBackend(Backend):
+    """A scripted model for the tool loops. The last user message decides, when the prompt lists tools:
+    `call NAME {json arguments}` calls NAME, `calculate X` the calculator, `remember that X` the remember
+    tool, up to `calls_per_answer` times an answer (`preamble` before each call). After a tool turn it answers
+    `Result: <the tool turn>`, otherwise `No tools needed.`. A token is a word; the text streams in pieces of
+    `chunk` characters. Records every request and every KV-cache instruction (`kv`)."""
+
+    def __init__(self, calls_per_answer: int = 1, preamble: str = "", chunk: int = 50) -> None:
+        self.calls_per_answer, self.preamble, self.chunk = calls_per_answer, preamble, chunk
+        self.requests: list[GenerationRequest] = []
+        self.kv: list[tuple] = []
+
+    ready = property(lambda self: True)
+    model_ids = property(lambda self: ["scripted"])
+    context_window = property(lambda self: 32768)
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def count_prompt_tokens(self, messages: list[dict]) -> int:
+        return sum(self.count_tokens(m["content"]) + 4 for m in messages)
+
+    @staticmethod
+    def asked(question: str) -> tuple[str, dict] | None:
+        """The call a user message asks for, if any."""
+        if m := re.match(r"call (\w+) (\{.*\})\s*$", question, re.S):
+            return m.group(1), json.loads(m.group(2))
+        if m := re.search(r"calculate (.+)", question):
+            return "calculator", {"expression": m.group(1)}
+        if m := re.search(r"remember that (.+)", question):
+            return "remember", {"fact": m.group(1)}
+        return None
+
+    async def stream(self, request: GenerationRequest):
+        self.requests.append(request)
+        msgs = request.messages
+        last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+        calls_made = sum(m["role"] == "tool" for m in msgs[last_user:])
+        asked = self.asked(msgs[last_user]["content"])
+        if asked and "<tools>" in msgs[0]["content"] and calls_made < self.calls_per_answer:
+            call = json.dumps({"name": asked[0], "arguments": asked[1]})
+            text = f"{self.preamble}<tool_call>\n{call}\n</tool_call>"
+        elif msgs[-1]["role"] == "tool":
+            text = f"Result: {msgs[-1]['content']}"
+        else:
+            text = "No tools needed."
+        for i in range(0, len(text), self.chunk):
+            yield Delta(text[i:i + self.chunk])
+        yield Delta("", True, "stop", self.count_prompt_tokens(msgs), len(text.split()))
+
+    def abort(self, request_id: str) -> None:
+        self.kv.append(("abort", request_id))
+
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
+        self.kv.append(("hold", request_id, tools, policy, timeout_s))
+
+    def release_kv(self, request_id: str) -> None:
+        self.kv.append(("release", request_id))
+
+
+def call_text(tool: str, **arguments: object) -> str:
+    """The user message that makes ToolCallingBackend call `tool` with `arguments`."""
+    return f"call {tool} {json.dumps(arguments)}"
 
 
 @asynccontextmanager

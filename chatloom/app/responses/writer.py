@@ -20,7 +20,8 @@ With built-in tools (`HostedRun`), the servers' tool listings come first (mcp_li
 that ends in calls of built-in tools runs them on the server, as the chat's answers do (their items and
 events: hosted_calls.py), then resumes the same run with their results, until the model answers or
 calls a function tool of the client's: then the response ends with its function_call items, as without
-built-ins, and the thread keeps the built-in results for the next turn.
+built-ins, and the thread keeps the built-in results for the next turn. While the built-ins run, the
+round's KV cache is held or evicted by the same policy as the chat's tools (generation/tool_kv.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from chatloom.app.core.errors import ApiError
 from chatloom.app.generation.pipeline import (AnswerText, BudgetSpent, ChatPrompt, Finished, Piece, Run, Thinking,
                                               ToolCall)
 from chatloom.app.generation.tool_calls import render_messages
+from chatloom.app.generation.tool_kv import keeps_kv, release_kv, tools_started
 from chatloom.app.responses import hosted_calls as hc
 from chatloom.app.responses.hosted_calls import HostedRun, shown
 from chatloom.app.responses.items import function_call_item, message_item, reasoning_item
@@ -132,6 +134,8 @@ class ResponseWriter:
                     piece = await anext(self.pieces, None)
                 if not any(self._hosted_tool(c) for c in calls):
                     break
+                if not theirs:  # a resume follows: the round's KV cache is held or evicted while they run
+                    tools_started(self.run, [c.name for c in calls])
                 async for event in self._run_hosted("".join(text), calls):
                     yield event
                 if theirs:  # the client runs its functions; the thread keeps the built-ins' results
@@ -140,6 +144,7 @@ class ResponseWriter:
                 await self.pieces.aclose()
                 await self.run.resume(ChatPrompt(render_messages(self.hosted.turns, self.run.ask.tools)),
                                       f"{self.draft.id}-round-{round_no}")
+                self.run.keeps_kv = keeps_kv(self.run)
                 self.pieces = self.run.stream()
                 piece = await anext(self.pieces, None)
         except BudgetSpent:  # the tokens reserved for the response are used up: cut, like max_output_tokens
@@ -149,6 +154,7 @@ class ResponseWriter:
                 raise
             failure = exc
         finally:
+            release_kv(self.run)  # no resume follows: what the last round kept is freed
             if self.hosted is not None and "code_interpreter" in {t.kind for t in self.hosted.tools.tools.values()}:
                 # the response's container lasts as long as the response; the files it kept stay
                 await asyncio.to_thread(remove_scratch, self.run.pipeline.settings.server.data_dir,
@@ -297,8 +303,9 @@ class ResponseWriter:
         return response_object(self.draft, self.run.limits.model, status, output, usage, details)
 
     async def aclose(self) -> None:
-        """Close the current round's stream (aborting it if it still runs)."""
+        """Close the current round's stream (aborting it if it still runs) and free what a round kept."""
         await self.pieces.aclose()
+        release_kv(self.run)
 
     def _usage(self) -> dict:
         u = self.run.used  # every round's

@@ -2,48 +2,14 @@
 the token budget; a memory the model proposes reaches the prompt only once the user confirms it."""
 from __future__ import annotations
 
-import json
-import re
-
 from chatloom.app.core.memory import MEMORIES_HEADER, personal_prompt
-from chatloom.serving import Backend, Delta, GenerationRequest
 
-from app_testing import app_client, make_settings, new_conversation, send
+from app_testing import ToolCallingBackend, app_client, make_settings, new_conversation, send
 
 
-class RememberingBackend(Backend):
-    """Calls `remember` for 'remember that X', else answers 'ok'; records every request."""
-
-    def __init__(self) -> None:
-        self.requests: list[GenerationRequest] = []
-
-    ready = property(lambda self: True)
-    model_ids = property(lambda self: ["scripted"])
-    context_window = property(lambda self: 8192)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def count_prompt_tokens(self, messages: list[dict]) -> int:
-        return sum(self.count_tokens(m["content"]) + 4 for m in messages)
-
-    async def stream(self, request: GenerationRequest):
-        self.requests.append(request)
-        question = next(m["content"] for m in reversed(request.messages) if m["role"] == "user")
-        fact = re.search(r"remember that (.+)", question)
-        if fact and not any(m["role"] == "tool" for m in request.messages):
-            text = "<tool_call>\n" + json.dumps({"name": "remember", "arguments": {"fact": fact.group(1)}}) \
-                + "\n</tool_call>"
-        else:
-            text = "ok"
-        yield Delta(text)
-        yield Delta("", True, "stop", self.count_prompt_tokens(request.messages), 1)
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-    def system(self) -> str:
-        return self.requests[-1].messages[0]["content"]
+def latest_system(backend: ToolCallingBackend) -> str:
+    """The system message of the latest request."""
+    return backend.requests[-1].messages[0]["content"]
 
 
 def count_words(text: str) -> int:
@@ -62,7 +28,7 @@ def test_the_budget_keeps_the_instructions_and_the_newest_memories_that_fit():
 
 
 async def test_instructions_and_memories_reach_the_prompt(tmp_path):
-    backend = RememberingBackend()
+    backend = ToolCallingBackend()
     settings = make_settings(tmp_path, chat={"tools": "remember"}, memory={"prompt_budget_tokens": 60})
     async with app_client(settings, backend) as (client, app, alice):
         r = await client.put("/me/instructions", headers=alice, json={"text": "Call me Captain."})
@@ -76,7 +42,7 @@ async def test_instructions_and_memories_reach_the_prompt(tmp_path):
 
         cid = await new_conversation(client, alice)
         await send(client, alice, cid, "hello")
-        system = backend.system()
+        system = latest_system(backend)
         assert system.startswith("Be brief.") and "Call me Captain." in system and "I keep bees and goats." in system
 
         # The model proposes a memory: stored as proposed, not in the prompt until confirmed.
@@ -84,11 +50,11 @@ async def test_instructions_and_memories_reach_the_prompt(tmp_path):
         [proposed] = (await client.get("/memories", headers=alice, params={"status": "proposed"})).json()
         assert proposed["text"] == "my dog is called Rex" and proposed["source_conversation_id"] == cid
         await send(client, alice, cid, "hello again")
-        assert "Rex" not in backend.system()
+        assert "Rex" not in latest_system(backend)
         r = await client.post(f"/memories/{proposed['id']}/confirm", headers=alice)
         assert r.status_code == 200 and r.json()["status"] == "active"
         await send(client, alice, cid, "and again")
-        assert "my dog is called Rex" in backend.system()
+        assert "my dog is called Rex" in latest_system(backend)
 
         # Deleted: gone from the prompt; another user sees none of it and cannot touch it.
         bob = await signup_bob(client)
@@ -99,10 +65,10 @@ async def test_instructions_and_memories_reach_the_prompt(tmp_path):
         assert (await client.post(f"/memories/{mid}/confirm", headers=bob)).status_code == 404
         assert (await client.delete(f"/memories/{mid}", headers=alice)).status_code == 204
         await send(client, alice, cid, "last one")
-        assert "bees" not in backend.system()
+        assert "bees" not in latest_system(backend)
         cid_bob = await new_conversation(client, bob)
         await send(client, bob, cid_bob, "hi")
-        assert "Captain" not in backend.system() and "Rex" not in backend.system()
+        assert "Captain" not in latest_system(backend) and "Rex" not in latest_system(backend)
 
 
 async def signup_bob(client) -> dict:
@@ -111,7 +77,7 @@ async def signup_bob(client) -> dict:
 
 
 async def test_bad_memory_input_is_refused(tmp_path):
-    backend = RememberingBackend()
+    backend = ToolCallingBackend()
     settings = make_settings(tmp_path, memory={"max_memories": 2, "max_memory_chars": 20,
                                                "max_instructions_chars": 10})
     async with app_client(settings, backend) as (client, app, alice):

@@ -1,61 +1,23 @@
-"""The chat's tool loop keeps a round's KV cache, asks the backend to hold or evict it while the tools run,
-resumes from it, and lets it go when the answer ends."""
+"""The tool loops (the chat's, and the Responses API's built-in tools) keep a round's KV cache, ask the backend
+to hold or evict it while the tools run, resume from it, and let it go when the answer ends."""
 from __future__ import annotations
 
 import asyncio
-import json
-import re
+from dataclasses import replace
 
 import pytest
 
 from chatloom.app.tools.registry import ToolRegistry
-from chatloom.serving import Backend, Delta, GenerationRequest
+from chatloom.engine import EngineConfig
+from chatloom.serving import GenerationRequest, LocalBackend
 
-from app_testing import app_client, done_of, make_settings, new_conversation, send
-
-
-class HoldingBackend(Backend):
-    """Calls the calculator once for 'calculate X', then answers; records requests and KV instructions."""
-
-    def __init__(self) -> None:
-        self.requests: list[GenerationRequest] = []
-        self.kv: list[tuple] = []
-
-    ready = property(lambda self: True)
-    model_ids = property(lambda self: ["scripted"])
-    context_window = property(lambda self: 8192)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def count_prompt_tokens(self, messages: list[dict]) -> int:
-        return sum(self.count_tokens(m["content"]) + 4 for m in messages)
-
-    async def stream(self, request: GenerationRequest):
-        self.requests.append(request)
-        msgs = request.messages
-        expr = re.search(r"calculate (.+)", msgs[-1]["content"])
-        if expr and "<tools>" in msgs[0]["content"]:
-            call = json.dumps({"name": "calculator", "arguments": {"expression": expr.group(1)}})
-            text = f"<tool_call>\n{call}\n</tool_call>"
-        else:
-            text = f"It is {msgs[-1]['content']}."
-        yield Delta(text)
-        yield Delta("", True, "stop", self.count_prompt_tokens(msgs), len(text.split()))
-
-    def abort(self, request_id: str) -> None:
-        self.kv.append(("abort", request_id))
-
-    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
-        self.kv.append(("hold", request_id, tools, policy, timeout_s))
-
-    def release_kv(self, request_id: str) -> None:
-        self.kv.append(("release", request_id))
+from app_testing import ToolCallingBackend, app_client, call_text, done_of, make_settings, new_conversation, send
+from fake_web import fake_web
 
 
 @pytest.mark.parametrize("policy", ["auto", "hold", "evict"])
 async def test_the_tool_loop_holds_or_evicts_and_resumes_from_the_round(tmp_path, policy):
-    backend = HoldingBackend()
+    backend = ToolCallingBackend()
     settings = make_settings(tmp_path, chat={"tools": "calculator"}, sampling={"max_tokens": 200},
                              tools={"kv_policy": policy, "kv_hold_timeout_s": 7})
     async with app_client(settings, backend) as (client, app, alice):
@@ -88,7 +50,7 @@ def test_the_hold_counters_are_on_metrics():
 
 
 async def test_stopping_an_answer_mid_tool_lets_its_kv_cache_go_at_once(tmp_path, monkeypatch):
-    backend = HoldingBackend()
+    backend = ToolCallingBackend()
     started, finish = asyncio.Event(), asyncio.Event()
     run = ToolRegistry.run
 
@@ -116,3 +78,90 @@ async def test_stopping_an_answer_mid_tool_lets_its_kv_cache_go_at_once(tmp_path
             _, events = await answer
         assert done_of(events)["status"] == "stopped"
         assert len(backend.requests) == 1  # no resume
+
+
+@pytest.mark.parametrize("policy", ["auto", "hold", "evict"])
+async def test_the_responses_builtin_tools_hold_or_evict_by_the_same_policy(tmp_path, policy):
+    backend = ToolCallingBackend()
+    with fake_web() as web:
+        settings = make_settings(tmp_path, sampling={"max_tokens": 200}, moderation={"mode": "off"},
+                                 tools={"search_url": web.base, "kv_policy": policy, "kv_hold_timeout_s": 7})
+        async with app_client(settings, backend) as (client, app, alice):
+            body = {"model": "scripted", "input": call_text("web_search", query="otters"),
+                    "tools": [{"type": "web_search"}]}
+            r = await client.post("/v1/responses", headers=alice, json=body)
+            assert r.status_code == 200, r.text
+            assert [it["type"] for it in r.json()["output"]] == ["web_search_call", "message"]
+            first, second = backend.requests
+            assert first.keep_kv and second.keep_kv and second.resume_of == first.request_id
+            # Held or evicted while the search ran; the last round's kept cache freed when the response ended.
+            assert backend.kv == [("hold", first.request_id, ["web_search"], policy, 7.0),
+                                  ("release", second.request_id)]
+
+            # With only the client's functions, nothing resumes on the server: nothing is kept.
+            backend.requests.clear(), backend.kv.clear()
+            function = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+            r = await client.post("/v1/responses", headers=alice,
+                                  json={**body, "input": call_text("lookup"), "tools": [function]})
+            assert r.json()["output"][0]["type"] == "function_call"
+            assert not backend.requests[0].keep_kv and backend.kv == []
+
+
+class EngineBeside(ToolCallingBackend):
+    """The scripted model's text, while a real engine runs every request beside it (a few tokens) under the
+    same KV-cache instructions, so the blocks a hold keeps are real blocks."""
+
+    def __init__(self, real: LocalBackend) -> None:
+        super().__init__()
+        self.real = real
+
+    async def stream(self, request: GenerationRequest):
+        async for _ in self.real.stream(replace(request, model=None, max_tokens=3)):
+            pass
+        async for delta in super().stream(request):
+            yield delta
+
+    def hold_kv(self, request_id: str, tools: list[str], policy: str, timeout_s: float) -> None:
+        super().hold_kv(request_id, tools, policy, timeout_s)
+        self.real.hold_kv(request_id, tools, policy, timeout_s)
+
+    def release_kv(self, request_id: str) -> None:
+        super().release_kv(request_id)
+        self.real.release_kv(request_id)
+
+
+@pytest.mark.parametrize("policy", ["hold", "evict"])
+async def test_a_responses_builtin_tool_runs_beside_the_blocks_its_round_holds(tmp_path, monkeypatch, policy,
+                                                                             tiny_model_fp32):
+    real = LocalBackend(tiny_model_fp32, engine_config=EngineConfig(num_blocks=128, block_size=16))
+    await real.start()
+    backend, seen = EngineBeside(real), []
+    run = ToolRegistry.run
+
+    async def counting_run(self, call, ctx):
+        async with asyncio.timeout(10):  # the decision reaches the engine at its next step
+            while (real.engine.snapshot().kv_holds.holds + real.engine.snapshot().kv_holds.evictions) == 0:
+                await asyncio.sleep(0.01)
+        seen.append(real.engine.snapshot().kv_holds.blocks_held)
+        return await run(self, call, ctx)
+
+    monkeypatch.setattr(ToolRegistry, "run", counting_run)
+    try:
+        with fake_web() as web:
+            settings = make_settings(tmp_path, sampling={"max_tokens": 200}, moderation={"mode": "off"},
+                                     tools={"search_url": web.base, "kv_policy": policy})
+            async with app_client(settings, backend) as (client, app, alice):
+                body = {"model": "scripted", "input": call_text("web_search", query="otters"),
+                        "tools": [{"type": "web_search"}]}
+                r = await client.post("/v1/responses", headers=alice, json=body)
+                assert r.status_code == 200, r.text
+        # While the search ran, the round's blocks were held (or not, evicted); the resume took them.
+        [blocks] = seen
+        assert blocks > 0 if policy == "hold" else blocks == 0
+        async with asyncio.timeout(30):
+            while real.engine.snapshot().kv_holds.held_sequences:
+                await asyncio.sleep(0.01)
+        stats = real.engine.snapshot().kv_holds
+        assert stats.adopted == (1 if policy == "hold" else 0) and stats.resumes == 1
+    finally:
+        await real.close()

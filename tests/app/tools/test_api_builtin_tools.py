@@ -25,9 +25,8 @@ from chatloom.serving import Delta
 from chatloom.app.tools.code_interpreter import CodeInterpreter
 from chatloom.settings.tree import ToolsSettings
 
-from app_testing import free_port, make_settings, signup
+from app_testing import ToolCallingBackend, call_text, free_port, make_settings, signup
 from fake_web import fake_web
-from tool_backend import ToolCallingBackend, call_text
 
 MCP_SERVER = os.path.join(os.path.dirname(__file__), "mcp_test_server.py")
 SECRET = "otter-7c1d"

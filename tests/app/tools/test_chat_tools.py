@@ -3,7 +3,6 @@ driven by a scripted model that calls the calculator when asked to calculate."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -11,48 +10,8 @@ from chatloom.app.generation.tool_calls import ToolCall
 from chatloom.app.tools.calculator import evaluate
 from chatloom.app.tools.builtins import builtin_registry
 from chatloom.app.tools.registry import ToolFailure
-from chatloom.serving import Backend, Delta, GenerationRequest
 
-from app_testing import app_client, done_of, make_settings, new_conversation, send, tokens_of
-
-
-class CallingBackend(Backend):
-    """Calls the calculator for 'calculate X' (as many times as `calls_per_answer`), then answers
-    with the tool's result; records every request."""
-
-    def __init__(self, calls_per_answer: int = 1) -> None:
-        self.requests: list[GenerationRequest] = []
-        self.calls_per_answer = calls_per_answer
-
-    ready = property(lambda self: True)
-    model_ids = property(lambda self: ["scripted"])
-    context_window = property(lambda self: 8192)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def count_prompt_tokens(self, messages: list[dict]) -> int:
-        return sum(self.count_tokens(m["content"]) + 4 for m in messages)
-
-    async def stream(self, request: GenerationRequest):
-        self.requests.append(request)
-        msgs = request.messages
-        question = next(m["content"] for m in reversed(msgs) if m["role"] == "user")
-        tool_turns = [m for m in msgs if m["role"] == "tool"]
-        expr = re.search(r"calculate (.+)", question)
-        if expr and "<tools>" in msgs[0]["content"] and len(tool_turns) < self.calls_per_answer:
-            call = json.dumps({"name": "calculator", "arguments": {"expression": expr.group(1)}})
-            text = f"Let me compute.\n<tool_call>\n{call}\n</tool_call>"
-        elif tool_turns:
-            text = f"The result is {tool_turns[-1]['content']}."
-        else:
-            text = "No tools needed."
-        for i in range(0, len(text), 7):
-            yield Delta(text[i:i + 7])
-        yield Delta("", True, "stop", self.count_prompt_tokens(msgs), len(text.split()))
-
-    def abort(self, request_id: str) -> None:
-        pass
+from app_testing import ToolCallingBackend, app_client, done_of, make_settings, new_conversation, send, tokens_of
 
 
 def test_calculator_is_exact_and_safe():
@@ -84,7 +43,7 @@ async def test_registry_turns_every_failure_into_a_tool_error():
 
 
 async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_path):
-    backend = CallingBackend()
+    backend = ToolCallingBackend(preamble="Let me compute.\n", chunk=7)
     settings = make_settings(tmp_path, chat={"tools": "calculator,time,search"}, sampling={"max_tokens": 200})
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
@@ -94,7 +53,7 @@ async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_pa
         result = next(d["tool_result"] for d in data if "tool_result" in d)
         assert call["name"] == "calculator" and json.loads(call["arguments"]) == {"expression": "17 * 23"}
         assert result == {"id": call["id"], "name": "calculator", "output": "391", "error": None}
-        assert tokens_of(events) == "Let me compute.\nThe result is 391."
+        assert tokens_of(events) == "Let me compute.\nResult: 391"
         assert done_of(events)["status"] == "complete"
         # Two rounds: the second prompt is the first plus the call and the result.
         first, second = backend.requests
@@ -105,7 +64,7 @@ async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_pa
         detail = (await client.get(f"/conversations/{cid}", headers=alice)).json()
         answer = detail["messages"][-1]
         assert answer["tool_steps"] == [{"arguments": call["arguments"], **result}]
-        assert answer["text"] == "Let me compute.\nThe result is 391."
+        assert answer["text"] == "Let me compute.\nResult: 391"
         # The call and the resumed round are on /metrics.
         metrics = (await client.get("/metrics")).text
         assert 'chatloom:tool_calls_total{outcome="ok",tool="calculator"} 1.0' in metrics
@@ -116,7 +75,7 @@ async def test_an_answer_calls_the_calculator_and_resumes_with_the_result(tmp_pa
 
 
 async def test_calls_per_answer_are_capped(tmp_path):
-    backend = CallingBackend(calls_per_answer=10)
+    backend = ToolCallingBackend(calls_per_answer=10)
     settings = make_settings(tmp_path, chat={"tools": "calculator", "max_tool_calls_per_answer": 2}, sampling={"max_tokens": 200})
     async with app_client(settings, backend) as (client, app, alice):
         cid = await new_conversation(client, alice)
@@ -128,7 +87,7 @@ async def test_calls_per_answer_are_capped(tmp_path):
 
 
 async def test_search_finds_only_the_users_own_conversations(tmp_path):
-    backend = CallingBackend()
+    backend = ToolCallingBackend(preamble="Let me compute.\n", chunk=7)
     settings = make_settings(tmp_path, chat={"tools": "search"}, sampling={"max_tokens": 200})
     async with app_client(settings, backend) as (client, app, alice):
         from app_testing import signup

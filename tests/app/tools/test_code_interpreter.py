@@ -17,8 +17,8 @@ from chatloom.app.tools.code_interpreter import CodeInterpreter
 from chatloom.app.tools.registry import ToolContext, ToolRegistry
 from chatloom.settings.tree import ToolsSettings
 
-from app_testing import app_client, done_of, make_settings, new_conversation, send, signup, tokens_of
-from tool_backend import ToolCallingBackend, call_text
+from app_testing import (ToolCallingBackend, app_client, call_text, done_of, make_settings, new_conversation,
+                         send, signup, tokens_of)
 
 LIMITS = {"code_cpu_s": 1, "code_wall_s": 10.0, "code_memory_mb": 256, "code_processes": 16,
           "code_output_chars": 2000}

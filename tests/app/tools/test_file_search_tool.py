@@ -3,8 +3,8 @@ come back numbered after those the prompt already cites, and the answer's citati
 automatic retrieval's shape. Another user's collection is never searched; the setting turns it off."""
 from __future__ import annotations
 
-from app_testing import app_client, done_of, make_settings, new_conversation, send, signup
-from tool_backend import ToolCallingBackend, call_text
+from app_testing import (ToolCallingBackend, app_client, call_text, done_of, make_settings, new_conversation,
+                         send, signup)
 
 ZOO = ("# The zoo\n\nThe zebra quagga lives on the savanna and eats grass all day. " * 3).encode()
 BOATS = ("Notes on boats and the zoo ferry: the ferry leaves at nine and carries bicycles. " * 3).encode()

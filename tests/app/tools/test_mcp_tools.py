@@ -21,9 +21,9 @@ from chatloom.app.tools.mcp_servers import McpServer
 from chatloom.app.tools.registry import ToolFailure
 from chatloom.settings.tree import McpServerSettings
 
-from app_testing import app_client, done_of, free_port, make_settings, new_conversation, send, signup, tokens_of
+from app_testing import (ToolCallingBackend, app_client, call_text, done_of, free_port, make_settings,
+                         new_conversation, send, signup, tokens_of)
 from fake_web import fake_web
-from tool_backend import ToolCallingBackend, call_text
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 SECRET = "otter-7c1d"

@@ -12,9 +12,9 @@ from chatloom.app.tools.builtins import builtin_registry
 from chatloom.app.tools.web import readable_text
 from chatloom.settings import Settings
 
-from app_testing import app_client, done_of, make_settings, new_conversation, send, tokens_of
+from app_testing import (ToolCallingBackend, app_client, call_text, done_of, make_settings, new_conversation,
+                         send, tokens_of)
 from fake_web import ARTICLE, fake_web
-from tool_backend import ToolCallingBackend, call_text
 
 
 @pytest.fixture

@@ -24,10 +24,11 @@ from chatloom.app.api.openapi_responses import OPENAI_ANSWER, errors, event_stre
 from chatloom.app.api.response_images import read_turn_images
 from chatloom.app.api.responses_out import InputItemListOut, ResponseDeletedOut, ResponseOut
 from chatloom.app.api.responses_schemas import ResponseCreateIn
-from chatloom.app.api.run_start import start_run
+from chatloom.app.api.run_start import begin_run, reserve_run
 from chatloom.app.api.sse import SSE_HEADERS, EventStreamResponse, frame
 from chatloom.app.generation.pipeline import ChatPrompt
 from chatloom.app.generation.tool_calls import render_messages
+from chatloom.app.generation.tool_kv import keeps_kv
 from chatloom.app.responses.hosted_calls import HostedRun
 from chatloom.app.responses.items import input_items, prompt_turns
 from chatloom.app.responses.stored import ResponseStore, page
@@ -62,8 +63,10 @@ async def create_response(body: ResponseCreateIn, ctx: Ctx, user: CurrentUser, s
     turns = await read_turn_images(ctx, user, session, turns, body.model)  # input_image parts
     prompt = ChatPrompt(render_messages(turns, tools))
     settings = ctx.settings
-    run, pieces, first = await start_run(ctx.pipeline, ask, prompt, ChatCompletionIn.user_text(prompt), session,
-                                         extra_rounds=settings.chat.tool_rounds_reserved if hosted else 0)
+    run = await reserve_run(ctx.pipeline, ask, prompt, ChatCompletionIn.user_text(prompt),
+                            settings.chat.tool_rounds_reserved if hosted else 0)
+    run.keeps_kv = bool(hosted) and keeps_kv(run)  # built-ins run between rounds: the KV cache policy applies
+    run, pieces, first = await begin_run(run, prompt, session)
     tool_ctx = ToolContext(user, ctx.db, f"{draft.id}-code", ctx.blobs, settings)
     run_tools = HostedRun(hosted, turns, tool_ctx, set(body.include or []),
                           settings.chat.max_tool_calls_per_answer) if hosted else None
