@@ -17,7 +17,7 @@ from typing import Callable
 from chatloom.serving.policies import make_policy as serving_make_policy
 from chatloom.serving.routing import RoutingPolicy
 from chatloom.sim.hardware import ReplicaSpec
-from chatloom.sim.request_table import REFUSED_CODES, RequestTable  # noqa: F401 (re-exported)
+from chatloom.sim.request_table import RequestTable
 from chatloom.sim.simulator import MissBudget, SimConfig, Simulator
 from chatloom.sim.arrivals import TrafficModel
 

@@ -71,7 +71,8 @@ class MissBudget:
         if r.finished is None or r.first_token is None:
             return True
         n = len(r.answer)
-        return r.first_token - r.arrival > self.ttft_s or (n > 1 and (r.finished - r.first_token) / (n - 1) > self.tpot_s)
+        slow_stream = n > 1 and (r.finished - r.first_token) / (n - 1) > self.tpot_s
+        return r.first_token - r.arrival > self.ttft_s or slow_stream
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Simulator:
                 self._push(first, _CONVERSATION, None)
         for req in self.trace:
             self._push(req.arrival, _TRACED, req)
-        events, last_progress = 0, 0.0
+        events, last_progress, last_work = 0, 0.0, self.now
         heap = self._heap
         while heap and not self._stopped:
             t, _, kind, obj, version = heapq.heappop(heap)
@@ -184,6 +185,9 @@ class Simulator:
             elif kind == _ARRIVAL:
                 if t < cfg.duration_s:
                     self._arrive(obj, t)
+                else:  # a message after the end is never sent: the run does not last until then
+                    self.now = last_work
+                    continue
             elif kind == _TRACED:
                 self._admit(obj, t)
             elif kind == _CONVERSATION:
@@ -193,6 +197,7 @@ class Simulator:
                     self._push(nxt, _CONVERSATION, None)
             else:
                 self._dispatch(kind, obj, t)
+            last_work = t
             if self.progress is not None and t - last_progress >= 1.0:
                 self.progress(t - last_progress)
                 last_progress = t
