@@ -21,6 +21,8 @@ import numpy as np
 
 DAY_S = 86400.0
 TOKEN_LO, TOKEN_HI = 1000, 30000
+# One int object per token id, shared by every token list: a list holds 8 bytes a token, not 40.
+_TOKEN_OBJECTS = np.array(range(TOKEN_HI), dtype=object)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,16 @@ class SimTurn:
     reasoning: bool
 
 
+@dataclass
+class InProgress:
+    conversation: SimConversation
+    delay: float | None  # thinking: until its next message; None: it sends no more (or is answering)
+    idle: float          # thinking: since its last answer ended
+    # Answering: (prompt with the answer's tokens so far, the tokens still to come, reasoning, seconds
+    # since the message arrived).
+    answering: tuple[list[int], list[int], bool, float] | None = None
+
+
 class TrafficSource:
     """Draws conversations and turns from a TrafficModel with its own seeded generator."""
 
@@ -140,7 +152,7 @@ class TrafficSource:
         self.max_model_len = max_model_len
         m = model
         self.system_prompt = system_prompt if system_prompt is not None else \
-            self.rng.integers(TOKEN_LO, TOKEN_HI, m.system_prompt_tokens).tolist()
+            self._tokens(m.system_prompt_tokens)
         shares = np.array([t.share for t in m.tiers], dtype=float)
         self._tier_p = shares / shares.sum()
         self._count = 0
@@ -164,32 +176,89 @@ class TrafficSource:
         turns = int(self.rng.geometric(1.0 / m.mean_turns))
         return SimConversation(f"c{self._count}", tier, turns)
 
+    def in_progress(self, t: float, token_s: float) -> list[InProgress]:
+        """The conversations under way at time `t` in the steady state, with their past turns drawn:
+        what a run started from an empty fleet reaches only after several conversation lifetimes.
+        `token_s` is the time an answer takes per token (a loaded replica's decode step), which sets
+        how long a turn lasts.
+
+        Turns are geometric, so both the messages a conversation under way has sent (the current one
+        included: at least one) and those it will still send (possibly none) are geometric too
+        (memoryless). The current turn (answer, then think time) is caught at a uniform point of its
+        length, and longer turns are caught more often (length-biased): either within its answer
+        (`answering`: the tokens made so far join the prompt, the rest is still to come) or thinking,
+        `delay` seconds before its next message (None: it sends no more) and `idle` seconds after its
+        last answer ended (for the caches' eviction order)."""
+        m = self.model
+        p = 1.0 / m.mean_turns
+        turn_s = m.think_time_s + token_s * m.mean_answer_tokens
+        longest = token_s * m.max_answer_tokens + 8 * m.think_time_s
+        out = []
+        for _ in range(int(self.rng.poisson(m.conversation_rate(t) * m.mean_turns * turn_s))):
+            conv = self.new_conversation()
+            past, ahead = int(self.rng.geometric(p)), int(self.rng.geometric(p)) - 1
+            conv.turns_left = past + ahead
+            for _ in range(past - 1):
+                self.next_turn(conv)
+            while True:  # the current turn, length-biased by rejection
+                reasoning = bool(self.rng.random() < m.reasoning_share)
+                tokens, think = self._answer_tokens(reasoning), self.think_time()
+                if self.rng.random() * longest <= tokens * token_s + think:
+                    break
+            turn = self.next_turn(conv, (reasoning, tokens))
+            answer_s = len(turn.answer) * token_s
+            at = self.rng.random() * (answer_s + think)
+            if at < answer_s and len(turn.answer) >= 3:
+                done = min(len(turn.answer) - 2, max(1, int(at / token_s)))
+                out.append(InProgress(conv, None, 0.0, (turn.prompt + turn.answer[:done], turn.answer[done:],
+                                                        turn.reasoning, at)))
+            else:
+                out.append(InProgress(conv, answer_s + think - at if ahead else None, at - answer_s))
+        return out
+
+    def history(self, conv: SimConversation) -> list[int]:
+        """The tokens a replica holds for `conv` after its last answer: its next prompt's prefix."""
+        tokens = list(self.system_prompt)
+        for u, a in conv.turns:
+            tokens += u
+            tokens += a
+        return tokens
+
+    def _answer_tokens(self, reasoning: bool) -> int:
+        m = self.model
+        if reasoning:
+            return self._lognormal(m.reasoning_median_tokens, m.reasoning_sigma, 1, m.max_answer_tokens)
+        return self._lognormal(m.answer_median_tokens, m.answer_sigma, 1, m.max_answer_tokens)
+
+    def _tokens(self, n: int) -> list[int]:
+        return _TOKEN_OBJECTS[self.rng.integers(TOKEN_LO, TOKEN_HI, n)].tolist()
+
     def think_time(self) -> float:
         return float(self.rng.exponential(self.model.think_time_s))
 
     def _lognormal(self, median: float, sigma: float, lo: int, hi: int) -> int:
         return int(min(max(round(median * math.exp(sigma * self.rng.standard_normal())), lo), hi))
 
-    def next_turn(self, conv: SimConversation) -> SimTurn:
+    def next_turn(self, conv: SimConversation, answer: tuple[bool, int] | None = None) -> SimTurn:
         """The conversation's next message: its prompt (system + the newest turns that fit) and the
-        answer the model will give (drawn now; the simulator reveals it token by token)."""
+        answer the model will give (drawn now; the simulator reveals it token by token), or the
+        answer's kind and length given as (reasoning, tokens)."""
         m = self.model
         conv.turns_left -= 1
         if m.single_prompt is not None:
             user = list(m.single_prompt)
         else:
-            user = self.rng.integers(TOKEN_LO, TOKEN_HI,
-                                     self._lognormal(m.user_median_tokens, m.user_sigma, 1, m.max_user_tokens)).tolist()
-        reasoning = bool(self.rng.random() < m.reasoning_share)
-        if reasoning:
-            n_out = self._lognormal(m.reasoning_median_tokens, m.reasoning_sigma, 1, m.max_answer_tokens)
+            user = self._tokens(self._lognormal(m.user_median_tokens, m.user_sigma, 1, m.max_user_tokens))
+        if answer is None:
+            reasoning = bool(self.rng.random() < m.reasoning_share)
+            n_out = self._answer_tokens(reasoning)
         else:
-            n_out = self._lognormal(m.answer_median_tokens, m.answer_sigma, 1, m.max_answer_tokens)
+            reasoning, n_out = answer
         # The answer must fit the context window beside at least the system prompt and this message.
         room = self.max_model_len - len(self.system_prompt) - 1
         user = user[:max(1, room // 2)]
         n_out = max(1, min(n_out, room - len(user)))
-        answer = self.rng.integers(TOKEN_LO, TOKEN_HI, n_out).tolist()
+        answer = self._tokens(n_out)
         # Newest turns that fit, as the product's prompt assembly does.
         budget = self.max_model_len - n_out - len(self.system_prompt) - len(user)
         kept, used = 0, 0

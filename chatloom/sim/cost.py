@@ -6,6 +6,8 @@ model the simulator uses. Cost per million output tokens is that time at the har
 """
 from __future__ import annotations
 
+import math
+
 from chatloom.sim.arrivals import TrafficModel
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.step_time import BatchShape
@@ -16,6 +18,34 @@ def mean_request(traffic: TrafficModel, spec: ReplicaSpec) -> tuple[float, float
     answer = traffic.mean_answer_tokens
     prompt = traffic.system_prompt_tokens + traffic.mean_turns * (traffic.user_median_tokens + answer) / 2
     return min(prompt, spec.max_model_len - answer / 2), answer
+
+
+def decode_step_s(spec: ReplicaSpec, traffic: TrafficModel) -> float:
+    """The decode step of the largest batch the KV pool and the sequence cap allow at the mean context:
+    about the time a loaded replica takes per answer token."""
+    prompt, answer = mean_request(traffic, spec)
+    ctx = prompt + answer / 2
+    batch = int(max(1, min(spec.max_num_seqs, spec.pool_tokens // max(ctx + answer / 2, 1))))
+    return spec.step_time.step_time(BatchShape(batch, 0, int(batch * ctx), 0, 0))
+
+
+def loaded_step_s(spec: ReplicaSpec, traffic: TrafficModel, rate: float) -> float:
+    """The decode step of a replica taking `rate` messages per second, by Little's law: its batch is
+    the rate times an answer's length in steps, each step also prefilling the new messages that
+    arrive meanwhile (their history assumed cached). Solved by iteration; at most the full batch."""
+    prompt, answer = mean_request(traffic, spec)
+    ctx = prompt + answer / 2
+    user = traffic.user_median_tokens * math.exp(traffic.user_sigma ** 2 / 2)
+    full = int(max(1, min(spec.max_num_seqs, spec.pool_tokens // max(ctx + answer / 2, 1))))
+    step, batch = decode_step_s(spec, traffic), 1.0
+    for _ in range(50):
+        step = spec.step_time.step_time(BatchShape(int(round(batch)), int(rate * step * user), int(batch * ctx),
+                                                   0.0, int(math.ceil(rate * step))))
+        nxt = min(full, max(1.0, rate * answer * step))
+        if abs(nxt - batch) < 0.01:
+            break
+        batch = nxt
+    return step
 
 
 def slo_batch(spec: ReplicaSpec, traffic: TrafficModel, tpot_s: float) -> int:

@@ -34,7 +34,8 @@ class DisaggSimulator(Simulator):
         super().__init__(prefill_spec, num_prefill, prefill_policy, traffic, config, progress=progress,
                          name_prefix=f"{name_prefix}p")
         self.prefill = self.replicas
-        self.decode = [SimReplica(f"{name_prefix}d{i}", spec, config.enable_prefix_caching) for i in range(num_decode)]
+        self.decode = [SimReplica(f"{name_prefix}d{i}", spec, config.enable_prefix_caching,
+                                  config.partial_block_hits) for i in range(num_decode)]
         for r in self.prefill:
             r.on_first_token = self._handoff
         for r in self.decode:
@@ -56,6 +57,13 @@ class DisaggSimulator(Simulator):
             return super().states(keys)
         finally:
             self.replicas = saved
+
+    def warm_targets(self) -> list[SimReplica]:
+        # A conversation's next prompt goes to a prefill replica: that is where its history helps.
+        return self.prefill
+
+    def answer_targets(self) -> list[SimReplica]:
+        return self.decode
 
     def _handoff(self, req: SimRequest, now: float) -> bool:
         if len(req.answer) < 2:

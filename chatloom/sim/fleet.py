@@ -14,15 +14,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import numpy as np
-
 from chatloom.serving.policies import make_policy as serving_make_policy
 from chatloom.serving.routing import RoutingPolicy
 from chatloom.sim.hardware import ReplicaSpec
-from chatloom.sim.simulator import SimConfig, Simulator
+from chatloom.sim.request_table import RequestTable
+from chatloom.sim.simulator import MissBudget, SimConfig, Simulator
 from chatloom.sim.arrivals import TrafficModel
 
-REFUSED_CODES = ("", "queue_timeout", "no_replica", "longer_than_kv_pool")
 PolicySpec = str | Callable[[], RoutingPolicy]
 
 
@@ -31,45 +29,6 @@ def make_policy(spec: PolicySpec) -> RoutingPolicy:
     if callable(spec):
         return spec()
     return serving_make_policy(spec)
-
-
-@dataclass
-class RequestTable:
-    """Every request of a run as numpy columns (cheap to send between processes and to summarize).
-    Times in seconds; NaN where the event never happened."""
-
-    arrival: np.ndarray
-    first_scheduled: np.ndarray
-    first_token: np.ndarray
-    finished: np.ndarray
-    prompt_tokens: np.ndarray
-    output_tokens: np.ndarray
-    cached_tokens: np.ndarray
-    preemptions: np.ndarray
-    priority: np.ndarray
-    reasoning: np.ndarray
-    refused: np.ndarray  # index into REFUSED_CODES; 0: not refused
-
-    @classmethod
-    def from_requests(cls, reqs) -> "RequestTable":
-        def col(get, dtype=np.float64):
-            return np.array([get(r) for r in reqs], dtype=dtype)
-        nan = float("nan")
-        return cls(col(lambda r: r.arrival), col(lambda r: nan if r.first_scheduled is None else r.first_scheduled),
-                   col(lambda r: nan if r.first_token is None else r.first_token),
-                   col(lambda r: nan if r.finished is None else r.finished),
-                   col(lambda r: len(r.prompt), np.int64), col(lambda r: len(r.answer), np.int64),
-                   col(lambda r: r.cached_tokens, np.int64), col(lambda r: r.preemptions, np.int64),
-                   col(lambda r: r.priority, np.int64), col(lambda r: r.reasoning, bool),
-                   col(lambda r: REFUSED_CODES.index(r.refused or ""), np.int64))
-
-    @classmethod
-    def concat(cls, tables: list["RequestTable"]) -> "RequestTable":
-        fields = cls.__dataclass_fields__
-        return cls(**{f: np.concatenate([getattr(t, f) for t in tables]) for f in fields})
-
-    def __len__(self) -> int:
-        return len(self.arrival)
 
 
 @dataclass
@@ -95,13 +54,16 @@ class CellResult:
     sim_seconds: float
     wall_seconds: float
     events: int
+    stopped: bool = False  # ended early, its miss budget spent
 
 
 def run_cell(spec: ReplicaSpec, cell_size: int, policy: PolicySpec, traffic: TrafficModel, config: SimConfig,
-             progress: Callable[[float], None] | None = None, name_prefix: str = "r") -> CellResult:
-    sim = Simulator(spec, cell_size, make_policy(policy), traffic, config, progress=progress, name_prefix=name_prefix)
+             progress: Callable[[float], None] | None = None, name_prefix: str = "r",
+             miss_budget: MissBudget | None = None) -> CellResult:
+    sim = Simulator(spec, cell_size, make_policy(policy), traffic, config, progress=progress, name_prefix=name_prefix,
+                    keep_requests=False, miss_budget=miss_budget)
     run = sim.run()
-    return CellResult(RequestTable.from_requests(run.requests), replica_stats(run), run.sim_seconds, run.wall_seconds, run.events)
+    return CellResult(run.table, replica_stats(run), run.sim_seconds, run.wall_seconds, run.events, run.stopped)
 
 
 _progress_queue = None

@@ -9,14 +9,14 @@ target and stream at the TPOT target, none refused.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from chatloom.sim.cost import batch_within, mean_request, replica_seconds
-from chatloom.sim.fleet import PolicySpec, run_fleet
+from chatloom.sim.fleet import PolicySpec, run_cell, run_fleet
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.report import SLO, summarize
-from chatloom.sim.simulator import SimConfig
+from chatloom.sim.simulator import MissBudget, SimConfig
 from chatloom.sim.step_time import BatchShape
 from chatloom.sim.arrivals import TrafficModel
 
@@ -37,6 +37,7 @@ class Probe:
     replicas: int
     ok: bool
     summary: dict
+    stopped_early: bool = False  # its miss budget was spent: it certainly misses
 
 
 @dataclass
@@ -155,9 +156,18 @@ def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo:
 
     def probe(n: int) -> Probe:
         if n not in tried:
-            res = run_fleet(spec, n, policy, traffic, config, cell_size=min(probe_replicas, n), sample_cells=1)
+            cell = min(probe_replicas, n)
+            tr = traffic.scaled(cell / n)
+            # Stop a probe once it has certainly missed: more misses than the attainment allows of the
+            # requests its window should hold, with room for their count's noise.
+            window = config.duration_s - config.warmup_s
+            expected = tr.rate((config.warmup_s + config.duration_s) / 2) * window
+            budget = MissBudget(slo.ttft_s, slo.tpot_s, config.warmup_s, config.duration_s,
+                                math.ceil(1.5 * (1 - slo.attainment) * expected))
+            res = run_cell(spec, cell, policy, tr, replace(config, seed=config.seed * 1000), name_prefix="c0r",
+                           miss_budget=budget)
             s = summarize(res.table, res.replicas, slo, config.warmup_s, config.duration_s, fleet_size=n)
-            tried[n] = Probe(n, meets(s, slo), s)
+            tried[n] = Probe(n, meets(s, slo) and not res.stopped, s, res.stopped)
             result.probes.append(tried[n])
             if on_probe:
                 on_probe(tried[n])

@@ -51,6 +51,8 @@ class SimRequest:
     preemptions: int = 0
     # Disaggregation: the KV arrives from a prefill replica; only the decode remains.
     kv_ready: bool = False
+    # Answering when the run began (a snapshot start): placed in a batch, not routed nor transferred.
+    under_way: bool = False
 
     @property
     def output_tokens(self) -> int:
@@ -61,7 +63,9 @@ class _MemoKeys:
     """block_hash.block_key memoized: the same pure function of (parent, tokens), shared by every
     simulated replica of a process, so a prompt block seen again is not hashed again. Bounded."""
 
-    limit = 2_000_000
+    # Keys are looked up again within a conversation's next turns (seconds to minutes of simulated
+    # time); a block hashed longer ago is rarely asked for again, and hashing it anew is cheap.
+    limit = 300_000
 
     def __init__(self) -> None:
         self.table: dict = {}
@@ -90,14 +94,27 @@ class SimBlockPool(BlockPool):
         return memo_block_key(parent, tokens)
 
 
+class _WholeBlockPool(SimBlockPool):
+    """No index of cached blocks by their first tokens: only whole cached blocks are reused."""
+
+    def _index_starts(self, block) -> None:
+        pass
+
+    def _unindex_starts(self, block) -> None:
+        pass
+
+
 class SimReplica:
-    def __init__(self, name: str, spec: ReplicaSpec, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, name: str, spec: ReplicaSpec, enable_prefix_caching: bool = True,
+                 partial_hits: bool = True) -> None:
         self.name = name
         self.spec = spec
         # No K/V to copy, but the same reuse of part of a cached block as the engine's, so the same
-        # tokens are left to compute.
-        pool = SimBlockPool(spec.num_blocks, spec.block_size, spec.model_key, enable_prefix_caching)
-        self.kv = KVCacheManager(pool, copy_prefix=_no_kv_to_copy)
+        # tokens are left to compute; or none (partial_hits False): indexing every cached block's first
+        # tokens costs more than a third of a run, for hits the conversation traffic hardly has.
+        pool = (SimBlockPool if partial_hits else _WholeBlockPool)(spec.num_blocks, spec.block_size, spec.model_key,
+                                                                   enable_prefix_caching)
+        self.kv = KVCacheManager(pool, copy_prefix=_no_kv_to_copy if partial_hits else None)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
                                                max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
                                                enable_chunked_prefill=True, background_priority=None,
@@ -171,6 +188,20 @@ class SimReplica:
         sched.running.append(seq)
         self.requests[seq] = req
         req.replica = self.name
+        return True
+
+    def warm(self, tokens: list[int]) -> bool:
+        """Leave `tokens` in the prefix cache as if a request over them had run here and ended (the
+        blocks free, most recently used, the last one evicted first). False when the pool cannot hold
+        them beside what running sequences hold."""
+        seq = Sequence("warm", tokens, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        kv = self.kv
+        if not kv.can_allocate(seq):
+            return False
+        kv.allocate(seq)
+        seq.num_computed_tokens = len(tokens)
+        kv.register_full_blocks(seq)
+        kv.free_sequence(seq)
         return True
 
     def abort(self, seq: Sequence) -> SimRequest:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chatloom.sim.fleet import REFUSED_CODES, ReplicaStats, RequestTable
+from chatloom.sim.fleet import ReplicaStats
+from chatloom.sim.request_table import REFUSED_CODES, RequestTable
 from chatloom.sim.replica import SimRequest
 
 

@@ -22,11 +22,14 @@ from typing import Callable
 
 from chatloom.engine import block_hash
 from chatloom.serving.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy
+from chatloom.sim.cost import decode_step_s, loaded_step_s
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.replica import SimReplica, SimRequest, memo_block_key
+from chatloom.sim.request_table import RequestLog, RequestTable
 from chatloom.sim.arrivals import SimConversation, TrafficModel, TrafficSource
 
 _STEP, _ARRIVAL, _CONVERSATION, _TRACED = 0, 1, 2, 3
+SNAPSHOT_ANSWERS = 1  # a snapshot start's warm-up, in mean answers' time
 
 
 @dataclass
@@ -37,15 +40,45 @@ class SimConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     check_invariants: bool = False   # tests: check every replica's KV after every step
-    # Conversations start this long before t=0 (None: two mean conversation lengths), so the mix of
-    # first and later turns, and the message rate, are at their steady state from the start.
+    # Traffic starts this long before t=0 (None: the default of the start below), so that the
+    # replicas' batches, queues and prefix caches are at their steady state by then.
     prewarm_s: float | None = None
+    # Start from the steady state's conversations under way, their histories in the replicas' prefix
+    # caches (TrafficSource.in_progress), a few answers' time before t=0; False: from no
+    # conversation at all, two mean conversation lifetimes before (several times the requests).
+    snapshot: bool = True
+    # Reuse the first tokens of a cached block as the engine does (False: whole blocks only; faster,
+    # and the conversation traffic's prompts rarely part from a cached block within a block).
+    partial_block_hits: bool = True
     # After duration_s no message is sent; what is in flight runs to its end.
+
+
+@dataclass(frozen=True)
+class MissBudget:
+    """Stop a run once more requests arriving in [start_s, end_s) have missed the SLO (refused, or
+    their TTFT or TPOT over the target) than `misses`: the answer to "does it meet?" is known, and an
+    overloaded fleet is the costliest to simulate further."""
+
+    ttft_s: float
+    tpot_s: float
+    start_s: float
+    end_s: float
+    misses: int
+
+    def missed(self, r: SimRequest) -> bool:
+        if not self.start_s <= r.arrival < self.end_s:
+            return False
+        if r.finished is None or r.first_token is None:
+            return True
+        n = len(r.answer)
+        slow_stream = n > 1 and (r.finished - r.first_token) / (n - 1) > self.tpot_s
+        return r.first_token - r.arrival > self.ttft_s or slow_stream
 
 
 @dataclass
 class SimRun:
-    """What one simulation produced: every request, the replicas, and its own cost."""
+    """What one simulation produced: every request (or, run with keep_requests=False, only their
+    figures in `table`), the replicas, and its own cost."""
 
     requests: list[SimRequest]
     replicas: list[SimReplica]
@@ -54,15 +87,25 @@ class SimRun:
     wall_seconds: float
     events: int
     routed: list[tuple[RouteRequest, tuple[ReplicaState, ...], str]] = field(default_factory=list)
+    log: RequestLog | None = None
+    stopped: bool = False  # ended early: the miss budget was spent
+
+    @property
+    def table(self) -> RequestTable:
+        return self.log.table() if self.log is not None else RequestTable.from_requests(self.requests)
 
 
 class Simulator:
     def __init__(self, spec: ReplicaSpec, num_replicas: int, policy: RoutingPolicy | None,
                  traffic: TrafficModel | None, config: SimConfig, record_routes: bool = False,
                  progress: Callable[[float], None] | None = None, name_prefix: str = "r",
-                 trace: list[SimRequest] | None = None) -> None:
+                 trace: list[SimRequest] | None = None, keep_requests: bool = True,
+                 miss_budget: MissBudget | None = None) -> None:
         """`traffic` draws conversations; or `trace` replays given requests (arrival, prompt, answer).
-        `policy` may be None only for a single replica (there is no choice to make)."""
+        `policy` may be None only for a single replica (there is no choice to make). With
+        `keep_requests` False, a request's figures go to a RequestLog when it ends and the request
+        itself (its token lists) is dropped: memory follows the requests in flight, not the run.
+        With a `miss_budget`, the run stops once it is spent (requests still in flight are unfinished)."""
         if num_replicas < 1:
             raise ValueError("a fleet needs at least one replica")
         if policy is None and num_replicas > 1:
@@ -75,7 +118,7 @@ class Simulator:
         self.policy = policy
         self.traffic = traffic
         self.config = config
-        self.replicas = [SimReplica(f"{name_prefix}{i}", spec, config.enable_prefix_caching)
+        self.replicas = [SimReplica(f"{name_prefix}{i}", spec, config.enable_prefix_caching, config.partial_block_hits)
                          for i in range(num_replicas)]
         self.by_name = {r.name: r for r in self.replicas}
         for r in self.replicas:
@@ -84,6 +127,11 @@ class Simulator:
         self.trace = trace or []
         self.root = block_hash.root_key(spec.model_key)
         self.requests: list[SimRequest] = []
+        self.log = None if keep_requests else RequestLog()
+        self._live: dict[str, SimRequest] = {}  # without keep_requests: admitted, not yet ended
+        self.miss_budget = miss_budget
+        self._misses = 0
+        self._stopped = False
         self.record_routes = record_routes
         self.routed: list = []
         self.progress = progress
@@ -113,18 +161,21 @@ class Simulator:
 
     def _run(self) -> SimRun:
         cfg = self.config
+        memo_block_key.table.clear()  # another run's blocks: not this one's (but their memory)
         t0 = time.perf_counter()
         if self.source is not None:
             start = -self.prewarm_s()
             self.now = start
+            if cfg.snapshot:
+                self._snapshot(start)
             first = self.source.next_conversation_time(start, cfg.duration_s)
             if first is not None:
                 self._push(first, _CONVERSATION, None)
         for req in self.trace:
             self._push(req.arrival, _TRACED, req)
-        events, last_progress = 0, 0.0
+        events, last_progress, last_work = 0, 0.0, self.now
         heap = self._heap
-        while heap:
+        while heap and not self._stopped:
             t, _, kind, obj, version = heapq.heappop(heap)
             self.now = t
             events += 1
@@ -134,6 +185,9 @@ class Simulator:
             elif kind == _ARRIVAL:
                 if t < cfg.duration_s:
                     self._arrive(obj, t)
+                else:  # a message after the end is never sent: the run does not last until then
+                    self.now = last_work
+                    continue
             elif kind == _TRACED:
                 self._admit(obj, t)
             elif kind == _CONVERSATION:
@@ -143,11 +197,17 @@ class Simulator:
                     self._push(nxt, _CONVERSATION, None)
             else:
                 self._dispatch(kind, obj, t)
+            last_work = t
             if self.progress is not None and t - last_progress >= 1.0:
                 self.progress(t - last_progress)
                 last_progress = t
         span = self.now + (self.prewarm_s() if self.source is not None else 0.0)
-        return SimRun(self.requests, self.replicas, cfg, span, time.perf_counter() - t0, events, self.routed)
+        if self.log is not None:
+            for req in self._live.values():  # none when every request ran to its end
+                self.log.add(req)
+            self._live.clear()
+        return SimRun(self.requests, self.replicas, cfg, span, time.perf_counter() - t0, events, self.routed,
+                      self.log, self._stopped)
 
     def prewarm_s(self) -> float:
         if self.config.prewarm_s is not None:
@@ -155,9 +215,59 @@ class Simulator:
         if self.source is None:
             return 0.0
         m = self.source.model
+        if self.config.snapshot:
+            # Conversations are under way from the start; what is left to fill is the replicas' batches,
+            # which hold an answer for its whole length: a few mean answers' time, at the decode step.
+            return SNAPSHOT_ANSWERS * m.mean_answer_tokens * decode_step_s(self.spec, m)
         # A turn lasts a think time plus an answer's streaming (at ~30 ms a token); two conversation
         # lifetimes bring the number of conversations in progress close to its steady state.
         return 2 * m.mean_turns * (m.think_time_s + 0.03 * m.mean_answer_tokens)
+
+    def _token_s(self) -> float:
+        """An answer's time per token: the step of a replica at its share of the traffic's rate."""
+        share = self.source.model.rate(-self.prewarm_s()) / max(len(self.answer_targets()), 1)
+        return loaded_step_s(self.spec, self.source.model, share)
+
+    def _snapshot(self, start: float) -> None:
+        """The conversations under way at `start` (TrafficSource.in_progress). A thinking one's history
+        goes into a replica's prefix cache as if that replica had answered it, and its next message is
+        scheduled; an answering one joins a replica's running batch with its answer partly made (its
+        next message follows when it ends, as any other's). Spread evenly, as the load-based policies
+        spread new conversations."""
+        under_way = self.source.in_progress(start, self._token_s())
+        # Longest idle first: the most recently active histories are the last to be evicted.
+        thinking = sorted((c for c in under_way if c.answering is None), key=lambda c: -c.idle)
+        targets = self.warm_targets()
+        for i, c in enumerate(thinking):
+            if c.conversation.turns:
+                targets[i % len(targets)].warm(self.source.history(c.conversation))
+            if c.delay is not None and start + c.delay < self.config.duration_s:
+                self._push(start + c.delay, _ARRIVAL, c.conversation)
+        targets, started = self.answer_targets(), set()
+        for i, c in enumerate(c for c in under_way if c.answering is not None):
+            prompt, rest, reasoning, since = c.answering
+            conv = c.conversation
+            req = SimRequest(f"q{next(self._ids)}", start - since, prompt, rest, conv.tier.priority, conv.tier.name,
+                             reasoning, conv)
+            req.first_scheduled = req.first_token = req.arrival
+            req.under_way = True
+            replica = targets[i % len(targets)]
+            self._track(req)
+            if replica.receive(req, start):
+                started.add(replica)
+            else:  # no room left on that replica: it ended just now
+                req.finished = start
+                self._next_turn(req, start)
+        for replica in started:
+            self._kick(replica, start)
+
+    def warm_targets(self) -> list[SimReplica]:
+        """The replicas a conversation's earlier turns ran on."""
+        return self.replicas
+
+    def answer_targets(self) -> list[SimReplica]:
+        """The replicas that make answers' tokens."""
+        return self.replicas
 
     def _dispatch(self, kind: int, obj, t: float) -> None:
         """Events of kinds a subclass adds (disaggregation's KV transfers)."""
@@ -194,8 +304,14 @@ class Simulator:
                          turn.reasoning, conv, keys)
         self._admit(req, t)
 
+    def _track(self, req: SimRequest) -> None:
+        if self.log is None:
+            self.requests.append(req)
+        else:
+            self._live[req.rid] = req
+
     def _admit(self, req: SimRequest, t: float) -> None:
-        self.requests.append(req)
+        self._track(req)
         if not req.block_keys and self.policy is not None:
             req.block_keys = tuple(block_hash.prefix_block_keys(req.prompt, self.spec.block_size, self.spec.model_key))
         if len(req.prompt) + len(req.answer) > self.spec.pool_tokens:
@@ -255,6 +371,13 @@ class Simulator:
         self._next_turn(req, t)
 
     def _next_turn(self, req: SimRequest, t: float) -> None:
+        """`req` has ended (answered or refused): record it, and send its conversation's next message."""
+        if self.log is not None and self._live.pop(req.rid, None) is not None:
+            self.log.add(req)
+        if self.miss_budget is not None and self.miss_budget.missed(req):
+            self._misses += 1
+            if self._misses > self.miss_budget.misses:
+                self._stopped = True
         conv = req.conversation
         if conv is not None and conv.turns_left > 0:
             self._push(t + self.source.think_time(), _ARRIVAL, conv)
