@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatloom.app.core.errors import ApiError, error_response
 from chatloom.serving import BackendError, BackendNotReady, BadGenerationRequest, UnknownModel
+from chatloom.store.blobs import StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BackendNotReady)
     async def _not_ready(request: Request, exc: BackendNotReady) -> JSONResponse:
         return error_response(503, str(exc), "model_not_ready", headers={"Retry-After": "5"}, path=request.url.path)
+
+    @app.exception_handler(StorageFull)
+    async def _storage_full(request: Request, exc: StorageFull) -> JSONResponse:
+        # The disk fills and empties while the service runs: a dependency down, not a broken request.
+        log.error("upload refused: %s", exc.strerror)
+        return error_response(503, "the server's file storage is full; nothing was stored, retry later",
+                              "storage_full", headers={"Retry-After": "30"}, path=request.url.path)
 
     @app.exception_handler(BackendError)
     async def _backend(request: Request, exc: BackendError) -> JSONResponse:
