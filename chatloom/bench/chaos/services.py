@@ -3,7 +3,8 @@
 Both listen on free loopback ports and can be stopped and started again on the same port, which is
 what the faults do. PostgreSQL runs as the `postgres` user when the run is root (initdb refuses root),
 as scripts/services.sh does; fsync is off, the data being scratch. Redis keeps its dump file in its
-own folder: a restart "with its data" saves and loads it, one "without" deletes it first.
+own folder: a restart "with its data" shuts down with SHUTDOWN SAVE and loads the file back, one
+"without" is a SIGKILL and the file deleted.
 """
 from __future__ import annotations
 
@@ -128,23 +129,33 @@ class Redis:
 
     def restart(self, keep_data: bool) -> None:
         """Stop and start again: with its data saved to the dump file and loaded back, or empty."""
-        import redis as sync_redis
-
-        if keep_data:
-            client = sync_redis.Redis(host="127.0.0.1", port=self.port)
-            try:
-                client.save()
-            finally:
-                client.close()
-        self.stop()
-        if not keep_data:
-            (self.folder / "dump.rdb").unlink(missing_ok=True)
+        self.stop(keep_data)
         self.start()
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)  # the dump file, if any, was written by restart()
+    def stop(self, keep_data: bool = False) -> None:
+        """SHUTDOWN SAVE (the data kept in the dump file, nothing accepted after the save), or SIGKILL
+        and the dump file deleted."""
+        import redis as sync_redis
+
+        if self.proc is None:
+            return
+        if keep_data and self.proc.poll() is None:
+            client = sync_redis.Redis(host="127.0.0.1", port=self.port)
+            try:
+                client.shutdown(save=True)
+            except sync_redis.ConnectionError:
+                pass  # the server closing the connection is its answer
+            finally:
+                client.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
+        if not keep_data:
+            (self.folder / "dump.rdb").unlink(missing_ok=True)
         self.proc = None
 
     def pid(self) -> int | None:
