@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -99,6 +100,19 @@ class Meter:
             self._pending.clear()
         self._wake(self._waiters)
         self._waiters = []
+
+    async def charged_on(self, user_id: str, day: str, discount: float) -> int:
+        """What the user's metered tokens of `day` (written, and queued here) cost the quota, cached prompt
+        tokens at `discount` off: where a shared quota store that lost its counters starts the day again."""
+        async with self.db.session() as session:
+            rows = await UsageRows(session).query(user_id, since=day, until=day)
+        tally = Tally()
+        for row, _name in rows:
+            tally.add(Tally(row.requests, row.prompt_tokens, row.completion_tokens, row.cached_tokens))
+        for (uid, d, _model), t in list(self._pending.items()):
+            if uid == user_id and d == day:
+                tally.add(t)
+        return tally.prompt_tokens + tally.completion_tokens - math.floor(tally.cached_tokens * discount)
 
     # -- the writer ------------------------------------------------------------------
     def _merge(self, batch: dict[Key, Tally]) -> None:
