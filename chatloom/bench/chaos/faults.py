@@ -61,6 +61,7 @@ class Injector:
         self.ledger = ledger
         self.rng = random.Random(seed ^ 0x5EED)
         self.locks = {group: asyncio.Lock() for group in set(GROUP.values())}
+        self.restarting: set[str] = set()  # gateways a fault has down: the others' readiness is what counts
 
     async def run(self, plan: list[Planned], t0: float, stop: asyncio.Event) -> None:
         tasks = []
@@ -91,6 +92,8 @@ class Injector:
             while time.monotonic() < since + READY_WAIT_S:
                 ok = True
                 for g in self.topology.gateways:
+                    if g.name in self.restarting:
+                        continue
                     try:
                         ok = ok and (await client.get(g.url + "/readyz")).status_code == 200
                     except httpx.HTTPError:
@@ -119,15 +122,23 @@ class Injector:
     async def _gateway_kill(self, fault: Fault, target: int) -> None:
         gateway = self.topology.gateways[target]
         fault.target = gateway.name
-        await asyncio.to_thread(gateway.kill)
-        await asyncio.to_thread(lambda: gateway.launch().wait_ready())
+        self.restarting.add(gateway.name)
+        try:
+            await asyncio.to_thread(gateway.kill)
+            await asyncio.to_thread(lambda: gateway.launch().wait_ready())
+        finally:
+            self.restarting.discard(gateway.name)
 
     async def _gateway_term(self, fault: Fault, target: int) -> None:
         gateway = self.topology.gateways[target]
         fault.target = gateway.name
-        status = await asyncio.to_thread(gateway.terminate)
-        fault.note = f"exit status {status}"
-        await asyncio.to_thread(lambda: gateway.launch().wait_ready())
+        self.restarting.add(gateway.name)
+        try:
+            status = await asyncio.to_thread(gateway.terminate)
+            fault.note = f"exit status {status}"
+            await asyncio.to_thread(lambda: gateway.launch().wait_ready())
+        finally:
+            self.restarting.discard(gateway.name)
 
     async def _redis_restart_keep(self, fault: Fault, target: int) -> None:
         fault.target = "redis"

@@ -132,36 +132,45 @@ def quotas_kept(ledger: Ledger, stored: Stored, tiers: dict[str, int], discount:
 
 
 def metering_matches(ledger: Ledger, stored: Stored, chat_users: set[str]) -> Check:
-    """Chat users: metered tokens equal the sum over their stored answers. OpenAI users (nothing
-    stored): metered tokens at least what the clients were told."""
+    """Chat users: metered prompt tokens equal the sum over their stored answers; metered completion
+    tokens equal the sum of the usage their answers' done events reported, where the client saw every
+    answer end, and lie between that sum and it plus the unseen answers' max_tokens otherwise. (Stored
+    answers keep their text's token count, a re-count that differs from the tokens generated.) OpenAI
+    users (nothing stored): metered at least what the clients were told."""
     failures = []
-    figures = {"chat_users": 0, "openai_users": 0}
+    figures = {"chat_users": 0, "exact": 0, "bounded": 0, "openai_users": 0}
     by_id = {u["id"]: name for name, u in stored.users.items()}
-    answers: dict[str, list[int]] = {}
+    prompts: dict[str, int] = {}
     for m in stored.messages.values():
         if m["role"] == "assistant" and by_id.get(m["user_id"]) in chat_users:
-            t = answers.setdefault(by_id[m["user_id"]], [0, 0])
-            t[0] += m["prompt_tokens"] or 0
-            t[1] += m["tokens"] or 0
-    for name in chat_users:
+            prompts[by_id[m["user_id"]]] = prompts.get(by_id[m["user_id"]], 0) + (m["prompt_tokens"] or 0)
+    for name in sorted(chat_users):
         user = stored.users.get(name)
         used = stored.usage.get(user["id"]) if user else None
-        metered = [int(used["prompt_tokens"]), int(used["completion_tokens"])] if used else [0, 0]
+        prompt, completion = (int(used["prompt_tokens"]), int(used["completion_tokens"])) if used else (0, 0)
+        mine = [a for a in ledger.answers if a.user == name]
+        seen = sum(a.end["usage"]["completion_tokens"] for a in mine
+                   if a.end and a.end.get("event") == "done" and a.end.get("usage"))
+        unseen = [a for a in mine if not (a.end and a.end.get("event") == "done" and a.end.get("usage"))]
         figures["chat_users"] += 1
-        if metered != answers.get(name, [0, 0]):
-            failures.append({"user": name, "metered": metered, "stored": answers.get(name, [0, 0])})
-    seen: dict[str, list[int]] = {}
+        figures["exact" if not unseen else "bounded"] += 1
+        ok = prompt == prompts.get(name, 0) and (
+            completion == seen if not unseen else seen <= completion <= seen + sum(a.max_tokens for a in unseen))
+        if not ok:
+            failures.append({"user": name, "metered": [prompt, completion], "stored_prompt": prompts.get(name, 0),
+                             "done_completion": seen, "answers_not_seen_ending": len(unseen)})
+    told: dict[str, list[int]] = {}
     for c in ledger.openai:
-        s = seen.setdefault(c.user, [0, 0])
-        s[0] += c.prompt_tokens
-        s[1] += c.completion_tokens
-    for name, told in seen.items():
+        t = told.setdefault(c.user, [0, 0])
+        t[0] += c.prompt_tokens
+        t[1] += c.completion_tokens
+    for name, (p, c) in told.items():
         user = stored.users.get(name)
         used = stored.usage.get(user["id"]) if user else None
         metered = [int(used["prompt_tokens"]), int(used["completion_tokens"])] if used else [0, 0]
         figures["openai_users"] += 1
-        if metered[0] < told[0] or metered[1] < told[1]:
-            failures.append({"user": name, "metered": metered, "told_clients": told})
+        if metered[0] < p or metered[1] < c:
+            failures.append({"user": name, "metered": metered, "told_clients": [p, c]})
     return Check("metering equals stored answers", not failures, figures, failures)
 
 

@@ -30,6 +30,7 @@ class Answer:
     message_id: str
     user_message_id: str
     text_sent: str
+    max_tokens: int = 0
     events: list[tuple[int, dict]] = field(default_factory=list)
     end: dict | None = None  # the done (or error) event's data
     connections: int = 1

@@ -86,4 +86,13 @@ def growth(samples: Samples) -> dict:
             "rss_first_mib": round(sum(samples.rss[:n]) / n / 2**20, 1),
             "rss_last_mib": round(sum(samples.rss[-n:]) / n / 2**20, 1),
             "rss_growth": ratio(samples.rss), "fds_first": round(sum(samples.fds[:n]) / n, 1),
-            "fds_last": round(sum(samples.fds[-n:]) / n, 1), "fds_growth": ratio(samples.fds)}
+            "fds_last": round(sum(samples.fds[-n:]) / n, 1), "fds_growth": ratio(samples.fds),
+            "series": _series(samples)}
+
+
+def _series(samples: Samples, points: int = 24) -> list[list[float]]:
+    """[seconds since the incarnation's first sample, RSS MiB, fds], at most `points` of them."""
+    step = max(1, len(samples.rss) // points)
+    t0 = samples.times[0] if samples.times else 0.0
+    return [[round(samples.times[i] - t0, 1), round(samples.rss[i] / 2**20, 1), samples.fds[i]]
+            for i in range(0, len(samples.rss), step)]

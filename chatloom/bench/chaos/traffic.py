@@ -161,7 +161,7 @@ class Traffic:
                         return r
                     self.ledger.reply(time.monotonic(), name, "messages", 200)
                     answer = Answer(user.name, conversation, r.headers["x-message-id"],
-                                    r.headers["x-user-message-id"], text)
+                                    r.headers["x-user-message-id"], text, body["max_tokens"])
                     self.ledger.answers.append(answer)
                     await self._read(r, answer, name, user, rng, cut_after, stop_after)
             except httpx.HTTPError:
