@@ -37,8 +37,10 @@ class Planned:
 
 
 def schedule(seed: int, window_s: float, short: bool) -> list[Planned]:
-    """Every kind once per round, in a seeded order, spread over the window. The short run puts the
-    gateway faults first, so their restarted processes live long enough to be sampled."""
+    """Every kind once per round, in a seeded order, spread over the window, the last fifth left for the
+    run to settle. The short run keeps its first quarter quiet (the baseline its processes' memory is
+    compared with) and puts the faults that restart processes first, so they are back and warm before
+    the last quarter."""
     rng = random.Random(seed)
     rounds = 1 if short else max(1, int(window_s // 180))
     kinds: list[str] = []
@@ -46,12 +48,12 @@ def schedule(seed: int, window_s: float, short: bool) -> list[Planned]:
         order = list(KINDS)
         rng.shuffle(order)
         if short:
-            rest = [k for k in order if not k.startswith("gateway")]
-            order = ["gateway_kill", rest[0], "gateway_term", *rest[1:]]
+            slow = ["gateway_kill", "replica_kill", "gateway_term"]
+            order = slow + [k for k in order if k not in slow]
         kinds.extend(order)
-    # The last fault leaves a fifth of the window for the run to settle.
-    span = window_s * 0.8 / len(kinds)
-    return [Planned(round(span * (i + 0.25 + 0.5 * rng.random()), 1), kind,
+    start, end = (0.25, 0.72) if short else (0.0, 0.8)
+    span = window_s * (end - start) / len(kinds)
+    return [Planned(round(window_s * start + span * (i + 0.25 + 0.5 * rng.random()), 1), kind,
                     rng.randrange(3 if kind.startswith("replica") else 2)) for i, kind in enumerate(kinds)]
 
 

@@ -62,6 +62,7 @@ class Child:
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.ready_at: float | None = None  # when the current process first answered its health check
 
     @property
     def url(self) -> str:
@@ -78,6 +79,7 @@ class Child:
             self.proc = subprocess.Popen(self.argv(), env=self.env(), cwd=self.folder, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.starts += 1
+        self.ready_at = None
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "Child":
@@ -89,6 +91,7 @@ class Child:
                     raise RuntimeError(f"{self.name} exited before it was ready:\n{tail}")
                 try:
                     if client.get(self.url + self.health_path).status_code == 200:
+                        self.ready_at = time.monotonic()
                         return self
                 except httpx.HTTPError:
                     pass

@@ -37,8 +37,12 @@ def _by_status(ledger: Ledger) -> dict[str, int]:
 def _short(figures: dict) -> str:
     parts = []
     for k, v in figures.items():
-        if k in ("processes", "not_judged_short_lived", "over_quota_users"):
-            v = len(v) if k != "over_quota_users" else ", ".join(f"{r['metered']:.0f}/{r['quota']}" for r in v)
+        if k == "slots":
+            continue
+        if k == "not_judged":
+            v = ", ".join(v) or "none"
+        elif k == "over_quota_users":
+            v = ", ".join(f"{r['metered']:.0f}/{r['quota']}" for r in v)
         parts.append(f"{k}={v}")
     return "; ".join(parts)
 

@@ -1,68 +1,93 @@
 """Resident memory and open file descriptors of every process of the run, sampled from /proc.
 
-A sample covers a process and its descendants (PostgreSQL's backends, a server's helpers). A slot
-(gateway1, replica2, redis, ...) may be several processes over the run, one per start: growth is
-judged per incarnation, between the first and the last quarter of its samples, for incarnations that
-lived through at least `min_share` of the traffic window (a process restarted near the end has too
-few samples to say anything).
+A slot (gateway1, replica2, redis, postgres) is one role, whichever process fills it: the faults kill
+and restart them. A sample counts once its process has been serving for `warm_s` (a restarted gateway
+climbs from 20 MiB to 480 MiB while it imports and loads, which is start-up, not growth). Growth is
+the median of a slot's counted samples in the last quarter of the traffic window over the median in
+the first quarter: a leak inside a process shows, and so does one that survives restarts.
+
+Gateways and replicas are measured with their children, every descriptor counted (a leaked socket
+is a leak). For Redis and PostgreSQL the main process alone, and no sockets: their backends and
+client connections follow the gateways' connection pools, which fill and empty with the load.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from chatloom.bench.server_process import _children, tree_rss_bytes
+from chatloom.bench.server_process import _children, _status_kib, tree_rss_bytes
+
+
+@dataclass(frozen=True)
+class Slot:
+    pid: Callable[[], int | None]
+    ready_at: Callable[[], float | None]  # when the current process started serving (monotonic)
+    service: bool = False  # Redis, PostgreSQL: main process only, sockets left out
+
+
+@dataclass
+class Sample:
+    t: float
+    pid: int
+    rss: int
+    fds: int
+
+
+@dataclass
+class SlotSamples:
+    slot: str
+    samples: list[Sample] = field(default_factory=list)
+
+
+def _fds(pid: int, sockets: bool) -> int:
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    if sockets:
+        return len(names)
+    count = 0
+    for name in names:
+        try:
+            count += not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:")
+        except OSError:
+            pass
+    return count
 
 
 def tree_fds(pid: int) -> int:
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        try:
-            total += len(os.listdir(f"/proc/{p}/fd"))
-        except OSError:
-            pass
+        total += _fds(p, True)
         todo.extend(_children(p))
     return total
-
-
-@dataclass
-class Samples:
-    slot: str
-    pid: int
-    times: list[float] = field(default_factory=list)
-    rss: list[int] = field(default_factory=list)
-    fds: list[int] = field(default_factory=list)
 
 
 class Sampler:
     """Samples every slot's current process every `every_s` seconds until stopped."""
 
-    def __init__(self, slots: dict[str, Callable[[], int | None]], every_s: float = 2.0) -> None:
+    def __init__(self, slots: dict[str, Slot], every_s: float = 2.0, warm_s: float = 15.0) -> None:
         self.slots = slots
         self.every_s = every_s
-        self.incarnations: list[Samples] = []
-        self._current: dict[str, Samples] = {}
+        self.warm_s = warm_s
+        self.series = {name: SlotSamples(name) for name in slots}
 
     def sample(self) -> None:
         now = time.monotonic()
-        for slot, pid_of in self.slots.items():
-            pid = pid_of()
-            if pid is None or not Path(f"/proc/{pid}").exists():
+        for name, slot in self.slots.items():
+            pid, ready = slot.pid(), slot.ready_at()
+            if pid is None or ready is None or now - ready < self.warm_s or not Path(f"/proc/{pid}").exists():
                 continue
-            s = self._current.get(slot)
-            if s is None or s.pid != pid:
-                s = self._current[slot] = Samples(slot, pid)
-                self.incarnations.append(s)
-            rss = tree_rss_bytes(pid)
+            rss = _status_kib(pid, "VmRSS") * 1024 if slot.service else tree_rss_bytes(pid)
+            fds = _fds(pid, sockets=False) if slot.service else tree_fds(pid)
             if rss:
-                s.times.append(now)
-                s.rss.append(rss)
-                s.fds.append(tree_fds(pid))
+                self.series[name].samples.append(Sample(now, pid, rss, fds))
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -73,26 +98,18 @@ class Sampler:
                 pass
 
 
-def growth(samples: Samples) -> dict:
-    """Mean of the last quarter over the mean of the first quarter, for RSS and fds."""
-    n = max(1, len(samples.rss) // 4)
-
-    def ratio(xs: list[int]) -> float:
-        first, last = sum(xs[:n]) / n, sum(xs[-n:]) / n
-        return round(last / first - 1.0, 4) if first else 0.0
-
-    return {"slot": samples.slot, "pid": samples.pid, "samples": len(samples.rss),
-            "lived_s": round(samples.times[-1] - samples.times[0], 1) if samples.times else 0.0,
-            "rss_first_mib": round(sum(samples.rss[:n]) / n / 2**20, 1),
-            "rss_last_mib": round(sum(samples.rss[-n:]) / n / 2**20, 1),
-            "rss_growth": ratio(samples.rss), "fds_first": round(sum(samples.fds[:n]) / n, 1),
-            "fds_last": round(sum(samples.fds[-n:]) / n, 1), "fds_growth": ratio(samples.fds),
-            "series": _series(samples)}
-
-
-def _series(samples: Samples, points: int = 24) -> list[list[float]]:
-    """[seconds since the incarnation's first sample, RSS MiB, fds], at most `points` of them."""
-    step = max(1, len(samples.rss) // points)
-    t0 = samples.times[0] if samples.times else 0.0
-    return [[round(samples.times[i] - t0, 1), round(samples.rss[i] / 2**20, 1), samples.fds[i]]
-            for i in range(0, len(samples.rss), step)]
+def growth(series: SlotSamples, t0: float, window_s: float, min_samples: int = 3) -> dict:
+    """The slot's medians in the first and last quarter of the window, and the growth between them
+    (None where a quarter has fewer than `min_samples` counted samples)."""
+    q = window_s / 4
+    first = [s for s in series.samples if t0 <= s.t < t0 + q]
+    last = [s for s in series.samples if t0 + window_s - q <= s.t <= t0 + window_s]
+    out = {"slot": series.slot, "processes": len({s.pid for s in series.samples}),
+           "samples_first": len(first), "samples_last": len(last)}
+    if len(first) < min_samples or len(last) < min_samples:
+        return {**out, "rss_growth": None, "fds_growth": None}
+    rss0, rss1 = statistics.median(s.rss for s in first), statistics.median(s.rss for s in last)
+    fds0, fds1 = statistics.median(s.fds for s in first), statistics.median(s.fds for s in last)
+    return {**out, "rss_first_mib": round(rss0 / 2**20, 1), "rss_last_mib": round(rss1 / 2**20, 1),
+            "rss_growth": round(rss1 / rss0 - 1, 4), "fds_first": fds0, "fds_last": fds1,
+            "fds_growth": round(fds1 / fds0 - 1, 4) if fds0 else 0.0}

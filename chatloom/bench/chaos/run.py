@@ -21,7 +21,7 @@ from chatloom.bench.chaos import invariants as inv
 from chatloom.bench.chaos.faults import Injector, schedule
 from chatloom.bench.chaos.ledger import Ledger
 from chatloom.bench.chaos.report import summary
-from chatloom.bench.chaos.resources import Sampler
+from chatloom.bench.chaos.resources import Sampler, Slot
 from chatloom.bench.chaos.topology import MODEL, Topology
 from chatloom.bench.chaos.traffic import Traffic, User
 
@@ -72,10 +72,11 @@ async def _drive(topology: Topology, config: ChaosConfig, progress) -> dict:
     try:
         users = await _users(traffic, ledger)
         await _warm(topology)
-        slots = {g.name: (lambda g=g: g.pid) for g in topology.gateways}
-        slots.update({r.name: (lambda r=r: r.pid) for r in topology.replicas})
-        slots.update({"redis": topology.redis.pid, "postgres": topology.postgres.pid})
-        sampler = Sampler(slots)
+        slots = {c.name: Slot(lambda c=c: c.pid, lambda c=c: c.ready_at) for c in [*topology.gateways,
+                                                                                *topology.replicas]}
+        slots.update({name: Slot(service.pid, lambda service=service: service.ready_at, service=True)
+                      for name, service in (("redis", topology.redis), ("postgres", topology.postgres))})
+        sampler = Sampler(slots, every_s=2.0 if config.short else 5.0)
         plan = schedule(config.seed, config.window_s, config.short)
         injector = Injector(topology, ledger, config.seed)
         t0 = time.monotonic()
@@ -102,7 +103,7 @@ async def _drive(topology: Topology, config: ChaosConfig, progress) -> dict:
     checks = [inv.acknowledged_messages_stored(ledger, stored), inv.answers_finished(stored, run_users),
               inv.streams_exact(ledger, stored), inv.quotas_kept(ledger, stored, tiers),
               inv.metering_matches(ledger, stored, chat_users), inv.no_unexpected_5xx(ledger),
-              inv.recovered_in_time(ledger), inv.resources_flat(sampler, config.window_s),
+              inv.recovered_in_time(ledger), inv.resources_flat(sampler, t0, config.window_s),
               inv.uploads_kept(ledger, stored, topology.data / "blobs")]
     meta = {"config": asdict(config), "window_s": config.window_s, "tmpfs": topology.tmpfs,
             "tmpfs_error": topology.tmpfs_error, "planned_faults": [asdict(p) for p in plan]}

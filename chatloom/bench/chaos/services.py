@@ -52,6 +52,7 @@ class Postgres:
         self.port = free_port()
         self.url = f"postgresql://chatloom@127.0.0.1:{self.port}/chatloom"
         self.data = folder / "data"
+        self.ready_at: float | None = None
 
     def _run(self, *argv: str, timeout: float = START_TIMEOUT_S) -> None:
         subprocess.run(_as_postgres([str(self.bin / argv[0]), *argv[1:]]), check=True, capture_output=True,
@@ -71,6 +72,7 @@ class Postgres:
                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         if fresh:
             self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "chatloom", "chatloom")
+        self.ready_at = time.monotonic()
         return self
 
     def stop(self) -> None:
@@ -99,6 +101,7 @@ class Redis:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
+        self.ready_at: float | None = None
 
     def start(self) -> "Redis":
         import redis as sync_redis
@@ -115,6 +118,7 @@ class Redis:
             while True:
                 try:
                     client.ping()
+                    self.ready_at = time.monotonic()
                     return self
                 except sync_redis.exceptions.BusyLoadingError:
                     pass
