@@ -55,8 +55,11 @@ class Postgres:
         self.ready_at: float | None = None
 
     def _run(self, *argv: str, timeout: float = START_TIMEOUT_S) -> None:
-        subprocess.run(_as_postgres([str(self.bin / argv[0]), *argv[1:]]), check=True, capture_output=True,
-                       timeout=timeout)
+        done = subprocess.run(_as_postgres([str(self.bin / argv[0]), *argv[1:]]), capture_output=True, text=True,
+                              timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"PostgreSQL's {argv[0]} failed ({done.returncode}): "
+                               f"{(done.stderr or done.stdout).strip()[-500:]}")
 
     def start(self) -> "Postgres":
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -79,7 +82,7 @@ class Postgres:
         if (self.data / "postmaster.pid").exists():
             try:
                 self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            except (RuntimeError, subprocess.TimeoutExpired):
                 self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
     def restart(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from chatloom.bench.chaos.processes import Gateway, Replica, make_certificate
@@ -47,7 +48,11 @@ class Topology:
     def __init__(self, folder: Path, tiny_tokens_per_day: int = 1500) -> None:
         self.folder = folder
         self.tiny_tokens_per_day = tiny_tokens_per_day
-        self.postgres = Postgres(folder / "postgres")
+        # PostgreSQL runs as the postgres user when root, which must reach its folder: one of its own
+        # under the temp folder, open to it, wherever the run's folder is.
+        self.pg_folder = Path(tempfile.mkdtemp(prefix="chatloom-chaos-pg-"))
+        self.pg_folder.chmod(0o755)
+        self.postgres = Postgres(self.pg_folder / "postgres")
         self.redis = Redis(folder / "redis")
         self.data = folder / "data"
         self.tmpfs: bool = False
@@ -57,7 +62,6 @@ class Topology:
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.folder.chmod(0o755)  # PostgreSQL, as the postgres user, must reach its folder
         self._mount()
         for r in self.replicas:  # the slow part (importing torch) overlaps with the services' start
             r.launch()
@@ -114,3 +118,4 @@ class Topology:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.pg_folder, ignore_errors=True)
