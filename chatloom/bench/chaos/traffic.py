@@ -62,6 +62,7 @@ class Traffic:
         self.rng = random.Random(seed)
         self.clients = {name: self._client(url) for name, url in gateways.items()}
         self.stop = asyncio.Event()
+        self._side_tasks: set[asyncio.Task] = set()
 
     @staticmethod
     def _client(url: str) -> httpx.AsyncClient:
@@ -69,6 +70,7 @@ class Traffic:
                                  limits=httpx.Limits(max_connections=50, max_keepalive_connections=20))
 
     async def close(self) -> None:
+        await asyncio.gather(*self._side_tasks, return_exceptions=True)
         for client in self.clients.values():
             await client.aclose()
 
@@ -199,7 +201,9 @@ class Traffic:
                 return
             if stop_after is not None and tokens >= stop_after and not answer.stop_sent:
                 answer.stop_sent = True
-                asyncio.get_running_loop().create_task(self._stop(answer, gateway, user, rng))
+                task = asyncio.get_running_loop().create_task(self._stop(answer, gateway, user, rng))
+                self._side_tasks.add(task)  # held, so it is not collected before it runs
+                task.add_done_callback(self._side_tasks.discard)
 
     async def _stop(self, answer: Answer, gateway: str, user: User, rng: random.Random) -> None:
         for name in self._order(rng, avoid=gateway):  # the stop goes to the other gateway first
