@@ -254,12 +254,10 @@ class Traffic:
             self.ledger.openai.append(call)
             if kind == "stream":
                 r = await self._openai_stream(user, rng, messages, call)
+            elif kind == "tool":
+                r = await self._tool_round(user, rng, messages, call)
             else:
-                extra = {"tools": [CALCULATOR], "tool_choice": {"type": "function", "function": {"name": "calculator"}}
-                         } if kind == "tool" else {}
-                r = await self._openai_plain(user, rng, messages, call, extra)
-                if kind == "tool" and r is not None and r.status_code == 200:
-                    r = await self._tool_result(user, rng, messages, r.json(), call)
+                r = await self._openai_plain(user, rng, messages, call, {})
             await self._pause(rng, r, 0.5)
 
     async def _openai_plain(self, user: User, rng: random.Random, messages: list, call: OpenAICall,
@@ -271,26 +269,28 @@ class Traffic:
             usage = r.json()["usage"]
             call.prompt_tokens += usage["prompt_tokens"]
             call.completion_tokens += usage["completion_tokens"]
-            call.complete = not extra
+            call.complete = True
         return r
 
-    async def _tool_result(self, user: User, rng: random.Random, messages: list, reply: dict,
-                           call: OpenAICall) -> httpx.Response | None:
-        """Run the forced calculator call here and send its result back for the final answer."""
-        from chatloom.app.tools.calculator import evaluate
+    async def _tool_round(self, user: User, rng: random.Random, messages: list,
+                          call: OpenAICall) -> httpx.Response | None:
+        """A calculator round trip: the assistant's call (played by the client: a random-weight model
+        never picks a tool, and a forced call needs structured output, which a routed backend refuses),
+        its result from chatloom's calculator, and the model's answer after it."""
+        from chatloom.app.tools.calculator import evaluate, format_number
         from chatloom.app.tools.registry import ToolFailure
 
-        message = reply["choices"][0]["message"]
-        calls = message.get("tool_calls") or []
-        if not calls:
-            return None
+        expression = f"{rng.randint(2, 999)} {rng.choice('+-*/')} {rng.randint(1, 99)}"
         try:
-            output = str(evaluate(json.loads(calls[0]["function"]["arguments"]).get("expression", "")))
-        except (ToolFailure, ValueError, TypeError, AttributeError) as exc:
+            output = format_number(evaluate(expression))
+        except ToolFailure as exc:
             output = f"error: {exc}"
-        follow = messages + [message, {"role": "tool", "tool_call_id": calls[0]["id"], "content": output}]
-        r = await self._openai_plain(user, rng, follow, call, {"tools": [CALCULATOR]})
-        return r
+        call_id = f"call_{rng.getrandbits(48):x}"
+        follow = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
+                "name": "calculator", "arguments": json.dumps({"expression": expression})}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": output}]
+        return await self._openai_plain(user, rng, follow, call, {"tools": [CALCULATOR]})
 
     async def _openai_stream(self, user: User, rng: random.Random, messages: list,
                              call: OpenAICall) -> httpx.Response | None:
