@@ -8,13 +8,16 @@ shared cores can take a minute.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -22,6 +25,30 @@ from chatloom.bench.server_process import free_port
 
 START_TIMEOUT_S = 240.0
 ROOT = Path(__file__).resolve().parents[3]
+
+
+class Stopping(RuntimeError):
+    """The run is stopping: nothing more is started."""
+
+
+class Gate:
+    """Shared by a run's processes. Once closed, nothing more starts: a fault's restart, running in a
+    worker thread, must not start a process after the run's cleanup has stopped the others."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entered by a signal handler that interrupts a start
+        self.closed = False
+
+    @contextlib.contextmanager
+    def starting(self, what: str) -> Iterator[None]:
+        with self.lock:  # held while the process is spawned, so close() waits for it to be known
+            if self.closed:
+                raise Stopping(f"not starting {what}: the run is stopping")
+            yield
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
 
 
 def make_certificate(folder: Path) -> tuple[Path, Path]:
@@ -56,9 +83,10 @@ class Child:
     health_path = "/health"
     scheme = "http"
 
-    def __init__(self, name: str, folder: Path) -> None:
+    def __init__(self, name: str, folder: Path, gate: Gate) -> None:
         self.name = name
         self.folder = folder
+        self.gate = gate
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -75,7 +103,7 @@ class Child:
         return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CHATLOOM_RUNTIME__KERNELS": "0"}
 
     def launch(self) -> "Child":
-        with open(self.folder / f"{self.name}.log", "ab") as log:
+        with self.gate.starting(self.name), open(self.folder / f"{self.name}.log", "ab") as log:
             self.proc = subprocess.Popen(self.argv(), env=self.env(), cwd=self.folder, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.starts += 1
@@ -86,6 +114,8 @@ class Child:
         deadline = time.monotonic() + timeout_s
         with httpx.Client(verify=False, timeout=5.0) as client:
             while time.monotonic() < deadline:
+                if self.gate.closed:
+                    raise Stopping(f"{self.name}: the run is stopping")
                 if self.proc is None or self.proc.poll() is not None:
                     tail = (self.folder / f"{self.name}.log").read_text(errors="replace")[-2000:]
                     raise RuntimeError(f"{self.name} exited before it was ready:\n{tail}")
@@ -130,8 +160,8 @@ class Child:
 class Replica(Child):
     """`chatloom replica` of the tiny random-weight model."""
 
-    def __init__(self, name: str, folder: Path, model: str, num_blocks: int = 1024) -> None:
-        super().__init__(name, folder)
+    def __init__(self, name: str, folder: Path, gate: Gate, model: str, num_blocks: int = 1024) -> None:
+        super().__init__(name, folder, gate)
         self.model = model
         self.num_blocks = num_blocks
 
@@ -146,8 +176,9 @@ class Gateway(Child):
     health_path = "/readyz"
     scheme = "https"
 
-    def __init__(self, name: str, folder: Path, config: Path, cert: tuple[Path, Path], replicas: list[str]) -> None:
-        super().__init__(name, folder)
+    def __init__(self, name: str, folder: Path, gate: Gate, config: Path, cert: tuple[Path, Path],
+                 replicas: list[str]) -> None:
+        super().__init__(name, folder, gate)
         self.config = config
         self.cert = cert
         self.replicas = replicas

@@ -4,11 +4,13 @@ The run: start the topology, sign the users up (the first account is the admin t
 tiers), warm every replica, then drive traffic for the window while the faults fire and the processes
 are sampled; stop the traffic, let every answer end, and check. Whatever happens (an invariant
 failing, an exception, Ctrl-C or SIGTERM), every process the run started is stopped and the tmpfs
-unmounted before it returns.
+unmounted before it returns; the signal handler stops the fleet itself before it unwinds, and no
+restart still running in a worker thread starts anything after that.
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import signal
 import tempfile
 import time
@@ -46,12 +48,16 @@ class ChaosConfig:
 def run_chaos(config: ChaosConfig, progress=print) -> dict:
     folder = Path(config.workdir or tempfile.mkdtemp(prefix="chatloom-chaos-"))
     topology = Topology(folder)
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def interrupted(signum, frame):
+        # Stop the fleet here and now, whatever the main thread was doing, then unwind.
+        topology.stop()
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, interrupted)  # a SIGTERM cleans up as Ctrl-C does
+    for sig in previous:
+        signal.signal(sig, interrupted)
+    atexit.register(topology.stop)  # a last resort, should the interpreter leave another way
     try:
         started = time.monotonic()
         progress(f"chaos: starting PostgreSQL, Redis, 3 replicas and 2 gateways in {folder}")
@@ -61,7 +67,9 @@ def run_chaos(config: ChaosConfig, progress=print) -> dict:
         return asyncio.run(_drive(topology, config, progress))
     finally:
         topology.stop()
-        signal.signal(signal.SIGTERM, previous)
+        atexit.unregister(topology.stop)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if not config.keep:
             topology.remove()
 

@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from chatloom.bench.chaos.processes import Gate
 from chatloom.bench.server_process import free_port
 
 START_TIMEOUT_S = 60.0
@@ -46,8 +47,9 @@ def _as_postgres(argv: list[str]) -> list[str]:
 class Postgres:
     """A private PostgreSQL cluster; `url` names its `chatloom` database."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, gate: Gate | None = None) -> None:
         self.folder = folder
+        self.gate = gate or Gate()
         self.bin = postgres_bin()
         self.port = free_port()
         self.url = f"postgresql://chatloom@127.0.0.1:{self.port}/chatloom"
@@ -70,9 +72,10 @@ class Postgres:
             fresh = True
         else:
             fresh = False
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.folder / "log"), "-w", "-t", "60", "start", "-o",
-                  f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.folder} -c fsync=off "
-                  "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+        with self.gate.starting("PostgreSQL"):
+            self._run("pg_ctl", "-D", str(self.data), "-l", str(self.folder / "log"), "-w", "-t", "60", "start", "-o",
+                      f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.folder} -c fsync=off "
+                      "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         if fresh:
             self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "chatloom", "chatloom")
         self.ready_at = time.monotonic()
@@ -99,8 +102,9 @@ class Postgres:
 class Redis:
     """A private redis-server whose dump file lives in `folder`."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, gate: Gate | None = None) -> None:
         self.folder = folder
+        self.gate = gate or Gate()
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
@@ -110,11 +114,10 @@ class Redis:
         import redis as sync_redis
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        log = open(self.folder / "log", "ab")
-        self.proc = subprocess.Popen([redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.folder), "--dbfilename", "dump.rdb"],
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with self.gate.starting("Redis"), open(self.folder / "log", "ab") as log:
+            self.proc = subprocess.Popen([redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save",
+                                          "", "--appendonly", "no", "--dir", str(self.folder), "--dbfilename",
+                                          "dump.rdb"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         client = sync_redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + START_TIMEOUT_S
         try:

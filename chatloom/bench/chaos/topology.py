@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from chatloom.bench.chaos.processes import Gateway, Replica, make_certificate
+from chatloom.bench.chaos.processes import Gate, Gateway, Replica, make_certificate
 from chatloom.bench.chaos.services import Postgres, Redis
 
 MODEL = "tiny-random"
@@ -50,14 +50,15 @@ class Topology:
         self.tiny_tokens_per_day = tiny_tokens_per_day
         # PostgreSQL runs as the postgres user when root, which must reach its folder: one of its own
         # under the temp folder, open to it, wherever the run's folder is.
+        self.gate = Gate()
         self.pg_folder = Path(tempfile.mkdtemp(prefix="chatloom-chaos-pg-"))
         self.pg_folder.chmod(0o755)
-        self.postgres = Postgres(self.pg_folder / "postgres")
-        self.redis = Redis(folder / "redis")
+        self.postgres = Postgres(self.pg_folder / "postgres", self.gate)
+        self.redis = Redis(folder / "redis", self.gate)
         self.data = folder / "data"
         self.tmpfs: bool = False
         self.tmpfs_error: str | None = None
-        self.replicas = [Replica(f"replica{i}", folder, MODEL) for i in (1, 2, 3)]
+        self.replicas = [Replica(f"replica{i}", folder, self.gate, MODEL) for i in (1, 2, 3)]
         self.gateways: list[Gateway] = []
 
     def start(self) -> None:
@@ -72,7 +73,7 @@ class Topology:
         urls = [r.url for r in self.replicas]
         for r in self.replicas:
             r.wait_ready()
-        self.gateways = [Gateway(f"gateway{i}", self.folder, config, cert, urls) for i in (1, 2)]
+        self.gateways = [Gateway(f"gateway{i}", self.folder, self.gate, config, cert, urls) for i in (1, 2)]
         # One gateway first: it runs the database migrations, which two at once would race on.
         self.gateways[0].launch().wait_ready()
         self.gateways[1].launch().wait_ready()
@@ -102,6 +103,8 @@ class Topology:
         return config
 
     def stop(self) -> None:
+        """Stop everything; from then on nothing starts (a fault's restart in a worker thread included)."""
+        self.gate.close()
         for child in [*self.gateways, *self.replicas]:
             try:
                 child.kill()
