@@ -217,9 +217,9 @@ class RedisQuotaStore(QuotaStore):
         if _text(reply[0]) == "-1":
             floor = await self.day_floor(user_id, reservation.day)
             reply = await self._reserve(keys=keys, args=[*args, str(max(0, int(floor)))])
-        self._raise_if_refused(reply, tier, tokens, now)
-        if not counted:
+        if not counted:  # the count exists in Redis now, whether or not this request fits it
             self._counted = {k for k in self._counted if k[1] == reservation.day} | {(user_id, reservation.day)}
+        self._raise_if_refused(reply, tier, tokens, now)
         return reservation
 
     async def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:

@@ -88,3 +88,22 @@ async def test_a_gateway_refuses_past_the_daily_quota_after_redis_lost_it(tmp_pa
         r = await client.post("/v1/chat/completions", headers=alice, json=body)
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "insufficient_quota"
+
+
+async def test_a_count_seen_only_by_refusals_is_started_from_metering_too(redis_hub):
+    """A user over quota gets only refusals from a gateway (started after the user's last grant): the
+    count it refused against is one it has seen, and losing it must not reopen the quota."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+
+    async def floor(user_id: str, day: str) -> int:
+        return 1000
+
+    first = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)
+    r = await first.reserve("u", TIER, 1000)
+    await first.settle(r, 1000)
+    later = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)  # a gateway restarted since
+    with pytest.raises(QuotaExceeded):
+        await later.reserve("u", TIER, 10)
+    await _forget_everything(redis_hub, prefix)
+    with pytest.raises(QuotaExceeded):
+        await later.reserve("u", TIER, 10)
