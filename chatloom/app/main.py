@@ -84,6 +84,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     traffic = build_traffic(settings, backend, db)
     check_degrade_model(settings, backend)
     traffic.quotas = hot.quotas
+    if hasattr(hot.quotas, "day_floor"):  # a shared store that lost a day's count starts it from metering
+        discount = settings.traffic.cached_input_discount
+        hot.quotas.day_floor = lambda user_id, day: traffic.meter.charged_on(user_id, day, discount)
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
     scaler = build_scaler(settings, traffic, backend, local_replicas)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
-from chatloom.argtypes import positive_int
+from chatloom.argtypes import positive_float, positive_int
 from chatloom.model_args import KV_CACHE_DTYPE_NAMES, add_model_args
 from chatloom.models.registry import DEFAULT_MODEL
 from chatloom.cli import bench_runs as runs
@@ -205,6 +205,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--table", action="store_true", help="also print a table (stderr)")
     p.set_defaults(func=runs.streams)
+
+    p = sub.add_parser("chaos", help="2 HTTP/2 gateways, 3 replicas, PostgreSQL and Redis under seeded faults and "
+                                     "mixed traffic; then the invariants (nothing lost, nothing leaked), table and JSON")
+    p.add_argument("--minutes", type=positive_float, default=60.0, help="traffic window (default %(default)s)")
+    p.add_argument("--short", action="store_true", help="a 150 s window with each fault once (the test suite's run)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the traffic and the fault schedule")
+    p.add_argument("--json", metavar="FILE", help="also write the JSON result here")
+    p.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (logs, database) afterwards")
+    p.set_defaults(func=runs.chaos)
 
     p = sub.add_parser("paired", help="one server against a baseline, requests alternated one at a time: "
                                       "TTFT/TPOT ratios with a bootstrap interval")

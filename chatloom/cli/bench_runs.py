@@ -206,6 +206,25 @@ def streams(args) -> int:
     return 0
 
 
+def chaos(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.chaos.report import table
+    from chatloom.bench.chaos.run import ChaosConfig, run_chaos
+
+    if args.keep and Path(args.keep).exists() and any(Path(args.keep).iterdir()):
+        raise ValueError(f"--keep {args.keep}: the folder must be new or empty")
+    config = ChaosConfig(minutes=args.minutes, seed=args.seed, short=args.short, workdir=args.keep,
+                         keep=bool(args.keep))
+    result = run_chaos(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    print(table(result), file=sys.stderr)
+    return 0 if result["ok"] else 1
+
+
 def paired(args) -> int:
     import asyncio
     import os

@@ -8,6 +8,7 @@ an object store), which implements the same four methods.
 from __future__ import annotations
 
 import abc
+import errno
 import os
 import re
 import shutil
@@ -27,6 +28,10 @@ class BlobTooLarge(ValueError):
         self.limit = limit
 
 
+class StorageFull(OSError):
+    """The blob store's disk (or quota) is full; nothing was kept. Space may come back: retry later."""
+
+
 class BlobNotFound(KeyError):
     """No blob under that key (never written, or deleted)."""
 
@@ -44,7 +49,8 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def put(self, key: str, data: BinaryIO | bytes, max_bytes: int | None = None) -> int:
         """Store `data` under `key` (replacing any blob there) and return its size. Raises
-        BlobTooLarge, keeping nothing, when it is longer than `max_bytes`."""
+        BlobTooLarge, keeping nothing, when it is longer than `max_bytes`, and StorageFull, keeping
+        nothing, when the store has no room left."""
 
     @abc.abstractmethod
     def open(self, key: str) -> BinaryIO:
@@ -80,10 +86,10 @@ class LocalBlobStore(BlobStore):
 
     def put(self, key: str, data: BinaryIO | bytes, max_bytes: int | None = None) -> int:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
         size = 0
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(partial, "wb") as out:
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     size = len(data)
@@ -99,6 +105,10 @@ class LocalBlobStore(BlobStore):
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(partial, path)  # all or nothing: readers see the old blob or the whole new one
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(exc.errno, f"no space left for blobs under {self.root}") from None
+            raise
         finally:
             partial.unlink(missing_ok=True)
         return size

@@ -88,3 +88,48 @@ def test_serve_rejects_half_a_tls_pair(capsys):
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
     assert cli_main(["serve", "--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"]) == 2
     assert "no such file: /nonexistent/c.pem" in capsys.readouterr().err
+
+
+async def test_stopping_with_sse_streams_open_ends_the_server_cleanly(tmp_path, certificate):
+    """Hypercorn raises its connections' errors out of serve() when it closes HTTP/2 connections with
+    streams open; on SIGTERM that was an exit status 1 and a traceback after a good shutdown."""
+    port = free_port()
+    tiers = write_tiers(tmp_path, free={"max_concurrent": 100, "tokens_per_minute": 100_000})
+    settings = make_settings(tmp_path, server={"port": port}, sampling={"max_tokens": 200}, traffic={"tiers_file": tiers})
+    app = create_app(settings, ScriptedBackend([f" p{i}" for i in range(100)], delay_s=0.02))
+    stop = asyncio.Event()
+    async with app.router.lifespan_context(app):
+        server = asyncio.create_task(serve_h2(app, settings, *certificate, stop=stop))
+        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", http2=True, verify=False,
+                                     timeout=30) as client:
+            for _ in range(100):
+                try:
+                    await client.get("/healthz")
+                    break
+                except httpx.ConnectError:
+                    await asyncio.sleep(0.05)
+            user = await signup(client, "alice")
+            conversations = [await new_conversation(client, user) for _ in range(STREAMS)]
+
+            async def one(i: int) -> None:
+                try:
+                    async with client.stream("POST", f"/conversations/{conversations[i]}/messages", headers=user,
+                                             json={"text": "hello"}) as r:
+                        async for n, _ in aenumerate(r.aiter_text()):
+                            if i % 2 and n > 3:
+                                return  # half the clients leave early, as in real use
+                except httpx.HTTPError:
+                    pass  # the server closing the connection
+
+            readers = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.wait_for(server, 30)  # before the fix: raised an ExceptionGroup
+            await asyncio.gather(*readers)
+
+
+async def aenumerate(items):
+    n = 0
+    async for item in items:
+        yield n, item
+        n += 1

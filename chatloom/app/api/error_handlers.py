@@ -10,10 +10,12 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatloom.app.core.errors import ApiError, error_response
 from chatloom.serving import BackendError, BackendNotReady, BadGenerationRequest, UnknownModel
+from chatloom.store.blobs import StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,22 @@ def _describe(errors: list[dict]) -> tuple[str, str | None, str]:
     return "; ".join(parts) or "invalid request", param, code
 
 
+# asyncpg's errors for a server that is going down, starting up or gone.
+_PG_UNREACHABLE = {"AdminShutdownError", "CannotConnectNowError", "ConnectionDoesNotExistError",
+                   "ConnectionFailureError", "TooManyConnectionsError"}
+
+
+def database_unreachable(exc: BaseException) -> bool:
+    """The database (not the request) is the problem: it refused or lost the connection, or is restarting."""
+    if isinstance(exc, ConnectionError):
+        return True
+    if not isinstance(exc, DBAPIError):
+        return False
+    orig = getattr(exc, "orig", None)
+    names = {type(orig).__name__, type(getattr(orig, "__cause__", None)).__name__}
+    return exc.connection_invalidated or isinstance(exc, (OperationalError, InterfaceError)) or bool(names & _PG_UNREACHABLE)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -79,6 +97,23 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BackendNotReady)
     async def _not_ready(request: Request, exc: BackendNotReady) -> JSONResponse:
         return error_response(503, str(exc), "model_not_ready", headers={"Retry-After": "5"}, path=request.url.path)
+
+    @app.exception_handler(ConnectionError)  # asyncpg's connect refused or reset reaches here unwrapped
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        if not database_unreachable(exc):
+            log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+            return error_response(500, "internal error", "internal_error", path=request.url.path)
+        log.error("database unreachable on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, "the database is unreachable (restarting?); retry shortly", "database_unavailable",
+                              headers={"Retry-After": "2"}, path=request.url.path)
+
+    @app.exception_handler(StorageFull)
+    async def _storage_full(request: Request, exc: StorageFull) -> JSONResponse:
+        # The disk fills and empties while the service runs: a dependency down, not a broken request.
+        log.error("upload refused: %s", exc.strerror)
+        return error_response(503, "the server's file storage is full; nothing was stored, retry later",
+                              "storage_full", headers={"Retry-After": "30"}, path=request.url.path)
 
     @app.exception_handler(BackendError)
     async def _backend(request: Request, exc: BackendError) -> JSONResponse:

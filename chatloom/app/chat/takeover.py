@@ -75,10 +75,10 @@ class TakeOver:
         async with self.db.session() as session:
             message = await session.get(Message, record.message_id)
             user = await Users(session).get(spec["user_id"])
-        if message is None or message.status != "incomplete" or user is None:
+        ended = message is not None and (message.status != "incomplete" or message.finish_reason is not None)
+        if message is None or ended or user is None:
             log.warning("answer %s is not continued: %s", record.message_id, "it was deleted" if message is None
-                        else f"it is already {message.status}" if user is None or message.status != "incomplete"
-                        else "its user is gone")
+                        else f"it has ended ({message.status})" if ended else "its user is gone")
             return False
         events = await self.logs.events(record.message_id)
         prefix = logged_text(events)

@@ -71,9 +71,10 @@ class HotState:
         if record.message_id:
             async with db.session() as session:
                 message = await session.get(Message, record.message_id)
-            if message is None or message.status != "incomplete":
+            if message is None or message.status != "incomplete" or message.finish_reason is not None:
                 # It ended (its gateway saved it but could not let the job go, or a sweep marked it
-                # interrupted), or it was deleted: nothing to save, but its readers must not wait forever.
+                # interrupted; an answer cut by max_tokens ends 'incomplete' with finish_reason 'length'),
+                # or it was deleted: nothing to save, but its readers must not wait forever.
                 await self._end_open_log(record, message)
                 return
         logged = ""

@@ -136,9 +136,20 @@ redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('SREM', KEYS[3], ARGV[1])
 return 1
 """
+# A lease that lapsed with nobody taking the job (Redis restarted, its keys expired or gone meanwhile)
+# is taken back by the gateway still running the answer, its record written again if Redis lost it.
 _RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local lease = redis.call('GET', KEYS[1])
+if lease == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+if lease then return 0 end
+local record = redis.call('GET', KEYS[2])
+if not record then
+  redis.call('SET', KEYS[2], ARGV[3])
+  redis.call('SADD', KEYS[3], ARGV[4])
+elseif cjson.decode(record)['gateway'] ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 # A job is taken only while its lease is lapsed: the first gateway to run this wins.
@@ -159,7 +170,7 @@ class RedisJobs(Jobs):
         self.instance = instance or new_instance_id(gateway)
         self.prefix = prefix
         self.lease_s = lease_s
-        self._mine: set[str] = set()
+        self._mine: dict[str, JobRecord] = {}  # the jobs this gateway runs, as last written
         self._claim = client.register_script(_CLAIM)
         self._update = client.register_script(_UPDATE)
         self._release = client.register_script(_RELEASE)
@@ -195,15 +206,17 @@ class RedisJobs(Jobs):
         won = await self._claim(keys=self._keys(conversation_id),
                                 args=[conversation_id, record.dumps(), self.gateway, self._lease_ms])
         if won:
-            self._mine.add(conversation_id)
+            self._mine[conversation_id] = record
         return bool(won)
 
     async def update(self, record: JobRecord) -> None:
         record.gateway = self.gateway
+        if record.conversation_id in self._mine:
+            self._mine[record.conversation_id] = record
         await self._update(keys=self._keys(record.conversation_id)[:2], args=[self.gateway, record.dumps()])
 
     async def release(self, conversation_id: str) -> None:
-        self._mine.discard(conversation_id)
+        self._mine.pop(conversation_id, None)
         await self._release(keys=self._keys(conversation_id), args=[conversation_id, self.gateway])
 
     async def holder(self, conversation_id: str) -> JobRecord | None:
@@ -213,10 +226,11 @@ class RedisJobs(Jobs):
     async def renew(self) -> list[str]:
         await self.client.set(self._alive_key(self.instance), self.gateway, px=self._lease_ms)
         lost = []
-        for cid in list(self._mine):
-            if not await self._renew(keys=[self._keys(cid)[1]], args=[self.gateway, self._lease_ms]):
+        for cid, record in list(self._mine.items()):
+            job, lease, index = self._keys(cid)
+            if not await self._renew(keys=[lease, job, index], args=[self.gateway, self._lease_ms, record.dumps(), cid]):
                 lost.append(cid)
-                self._mine.discard(cid)
+                self._mine.pop(cid, None)
         return lost
 
     async def lapsed(self) -> list[JobRecord]:
@@ -236,12 +250,12 @@ class RedisJobs(Jobs):
                                args=[conversation_id, self.gateway, self._lease_ms])
         if not raw:
             return None
-        self._mine.add(conversation_id)
         record = JobRecord.loads(raw)
         record.gateway = self.gateway
+        self._mine[conversation_id] = record
         await self.update(record)
         return record
 
     def forget(self, conversation_id: str) -> None:
         """Stop renewing (a gateway that hands its jobs over on shutdown lets the leases lapse)."""
-        self._mine.discard(conversation_id)
+        self._mine.pop(conversation_id, None)

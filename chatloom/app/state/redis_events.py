@@ -11,19 +11,41 @@ interleaving; `open_for_writing` lets the new writer continue the numbering.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import redis.asyncio as redis
 from redis.exceptions import ResponseError
 
 from chatloom.app.state.events import EventLog, EventLogStore, StreamEvent
+from chatloom.app.state.redis_connection import UNAVAILABLE
+
+T = TypeVar("T")
 
 END = b"end"
 # An open log of a gateway that died and whose job nobody took over still goes away after this long.
 OPEN_TTL_S = 24 * 3600
 POLL_S = 5.0  # longest single wait, so a reader notices a log that expired under it
+# A running answer's writer and its readers ride out a Redis restart this long (retrying with backoff)
+# before the writer fails the answer and a reader ends its stream (its client resumes by event id).
+OUTAGE_S = 30.0
+BACKOFF_S = (0.05, 1.0)
+
+
+async def _through_outage(call: Callable[[bool], Awaitable[T]], outage_s: float) -> T:
+    """call(retry) until it gets past Redis being out of reach, for at most `outage_s`."""
+    deadline = time.monotonic() + outage_s
+    pause, retry = BACKOFF_S[0], False
+    while True:
+        try:
+            return await call(retry)
+        except UNAVAILABLE:
+            if time.monotonic() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause, retry = min(pause * 2, BACKOFF_S[1]), True
 
 
 def _event(entry_id: str, fields: dict) -> StreamEvent:
@@ -57,27 +79,46 @@ class RedisEventLog(EventLog):
             fields["e"] = event
         if answer_tokens is not None:
             fields["n"] = str(answer_tokens)
-        try:
-            await self._store.commands.xadd(self.stream, fields, id=f"0-{n}")
-        except ResponseError as exc:
-            if "equal or smaller" in str(exc):
-                raise LogTakenOver(f"event log {self.key} has a newer writer") from None
-            raise
-        if n == 1:
-            await self._store.commands.expire(self.stream, OPEN_TTL_S)
+
+        async def add(retry: bool) -> None:
+            try:
+                await self._store.commands.xadd(self.stream, fields, id=f"0-{n}")
+            except ResponseError as exc:
+                # A retry may find its own entry: the first try reached Redis and only the reply was lost.
+                if "equal or smaller" in str(exc) and not (retry and await self._holds(n, fields["d"])):
+                    raise LogTakenOver(f"event log {self.key} has a newer writer") from None
+                if "equal or smaller" not in str(exc):
+                    raise
+            if n == 1:
+                await self._store.commands.expire(self.stream, OPEN_TTL_S)
+
+        await _through_outage(add, self._store.outage_s)
         self._next = n + 1
         return n
+
+    async def _holds(self, n: int, data: str) -> bool:
+        found = await self._store.commands.xrange(self.stream, f"0-{n}", f"0-{n}")
+        return bool(found) and found[0][1].get(b"d", b"").decode() == data
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         retention_ms = max(1, int(self._store.retention_s * 1000))
-        async with self._store.commands.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.stream, {"end": "1"}, id=f"0-{self._next}")
-            pipe.set(self._store.state_key(self.key), "closed", px=retention_ms)
-            pipe.pexpire(self.stream, retention_ms)
-            await pipe.execute()
+
+        async def end(retry: bool) -> None:
+            try:
+                async with self._store.commands.pipeline(transaction=True) as pipe:
+                    pipe.xadd(self.stream, {"end": "1"}, id=f"0-{self._next}")
+                    pipe.set(self._store.state_key(self.key), "closed", px=retention_ms)
+                    pipe.pexpire(self.stream, retention_ms)
+                    await pipe.execute()
+            except ResponseError as exc:
+                ended = await self._store.commands.xrange(self.stream, f"0-{self._next}", f"0-{self._next}")
+                if not (retry and "equal or smaller" in str(exc) and ended and END in ended[0][1]):
+                    raise
+
+        await _through_outage(end, self._store.outage_s)
 
     @property
     def closed(self) -> bool:
@@ -91,11 +132,27 @@ class RedisEventLog(EventLog):
         client = self._store.blocking
         last = f"0-{max(0, after)}"
         quiet_since = time.monotonic()
+        lost_since: float | None = None
+        pause = BACKOFF_S[0]
         while True:
             wait = POLL_S if heartbeat_s is None else min(POLL_S, max(0.01, heartbeat_s - (time.monotonic() - quiet_since)))
-            reply = await client.xread({self.stream: last}, count=256, block=max(1, int(wait * 1000)))
+            try:
+                reply = await client.xread({self.stream: last}, count=256, block=max(1, int(wait * 1000)))
+                gone = not reply and not await self._store.commands.exists(self._store.state_key(self.key))
+            except UNAVAILABLE:
+                # Redis restarting: keep the client (heartbeats) and read on where we were once it is back.
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > self._store.outage_s:
+                    return  # the stream ends without its end; the client resumes by event id later
+                if heartbeat_s is not None and time.monotonic() - quiet_since >= heartbeat_s:
+                    quiet_since = time.monotonic()
+                    yield None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, BACKOFF_S[1])
+                continue
+            lost_since, pause = None, BACKOFF_S[0]
             if not reply:
-                if not await self._store.commands.exists(self._store.state_key(self.key)):
+                if gone:
                     return  # expired (or never existed): nothing more will come
                 if heartbeat_s is not None and time.monotonic() - quiet_since >= heartbeat_s:
                     quiet_since = time.monotonic()
@@ -113,11 +170,12 @@ class RedisEventLogStore(EventLogStore):
     """Event logs of every gateway in one Redis; a closed log lasts retention_s."""
 
     def __init__(self, commands: redis.Redis, blocking: redis.Redis, prefix: str = "chatloom",
-                 retention_s: float = 600.0) -> None:
+                 retention_s: float = 600.0, outage_s: float = OUTAGE_S) -> None:
         self.commands = commands
         self.blocking = blocking
         self.prefix = prefix
         self.retention_s = retention_s
+        self.outage_s = outage_s
 
     def stream_key(self, key: str) -> str:
         return f"{self.prefix}:log:{{{key}}}:events"

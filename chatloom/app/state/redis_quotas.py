@@ -10,7 +10,14 @@ on one shard):
 - `req`: request start times (requests per minute);
 - `act`: running reservations, scored by when they stop counting (a gateway that died mid-answer
   does not hold a concurrency slot forever);
-- `day:<date>`: the tokens of one UTC day.
+- `day:<date>`: the tokens of one UTC day;
+- `seeded:<date>`: when that day's count was started.
+
+A day's count starts from what metering recorded for the user that day (`day_floor`), not from 0, so
+a Redis that restarted without its data (or evicted the key) does not give every user a fresh daily
+quota: a gateway that finds gone a count it had seen reads metering's figure before it reserves. One
+it had not seen (the day's first request, or a gateway started after the loss) starts at 0, as before. A reservation made before the count was started again and settled after it is added then
+(metering had not recorded it yet); one the count already holds is adjusted as usual.
 
 Time comes from the caller's clock (the gateways' clocks are assumed NTP-synced; tests inject one).
 The refusals and the x-ratelimit-* figures are built by chatloom.app.traffic.quotas, exactly as in memory.
@@ -18,6 +25,7 @@ The refusals and the x-ratelimit-* figures are built by chatloom.app.traffic.quo
 from __future__ import annotations
 
 import time
+from typing import Awaitable, Callable
 
 import redis.asyncio as redis
 
@@ -77,7 +85,16 @@ local function check(tokens, new_request)
 end
 """
 
-RESERVE = _PRUNE_AND_READ + _WAIT_FOR + """
+# The day's count, when missing, starts from ARGV[9] (the metered figure); '' asks the caller for it.
+_SEED_DAY = """
+if redis.call('EXISTS', KEYS[5]) == 0 then
+  if ARGV[9] == '' then return {'-1'} end
+  redis.call('SET', KEYS[5], ARGV[9], 'EX', 2 * 86400)
+  redis.call('SET', KEYS[6], ARGV[1], 'EX', 2 * 86400)
+end
+"""
+
+RESERVE = _SEED_DAY + _PRUNE_AND_READ + _WAIT_FOR + """
 local id, tokens = ARGV[2], tonumber(ARGV[3])
 local tpm, tpd, rpm, max_conc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local hold_s = tonumber(ARGV[8])
@@ -109,15 +126,25 @@ if kind ~= 0 then
   return {tostring(kind), tostring(wait), """ + _FIGURES + """}
 end
 if redis.call('HEXISTS', tok, id) == 1 then redis.call('HINCRBY', tok, id, extra) end
-redis.call('INCRBY', day, extra)
+-- A missing day count is left for the next reservation to start from metering.
+if redis.call('EXISTS', day) == 1 then redis.call('INCRBY', day, extra) end
 return {'0', '0', """ + _FIGURES + """}
 """
 
 # Settling happens once, whichever gateway does it: only the call that removes the running entry counts.
 SETTLE = """
-local tok, act, day = KEYS[1], KEYS[2], KEYS[3]
-local id, used, reserved = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-if redis.call('ZREM', act, id) == 0 then return 0 end
+local tok, act, day, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local id, used, reserved, created = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if redis.call('ZREM', act, id) == 0 then
+  -- Unknown here: settled already, or made before the day's count was started again from metering.
+  local since = tonumber(redis.call('GET', seeded) or 'nil')
+  if since and created < since and redis.call('HEXISTS', tok, id) == 0 then
+    redis.call('INCRBY', day, used)
+    redis.call('HSET', tok, id, used)
+    redis.call('EXPIRE', tok, 120)
+  end
+  return 0
+end
 local current = tonumber(redis.call('HGET', tok, id) or reserved)
 if redis.call('HEXISTS', tok, id) == 1 then redis.call('HSET', tok, id, used) end
 local day_used = tonumber(redis.call('GET', day) or '0')
@@ -132,12 +159,22 @@ return {'0', '0', """ + _FIGURES + """}
 """
 
 
+DayFloor = Callable[[str, str], Awaitable[int]]
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
 class RedisQuotaStore(QuotaStore):
     """The quota counters of a fleet of gateways, in one Redis."""
 
     def __init__(self, client: redis.Redis, prefix: str = "chatloom", clock=time.time,
-                 hold_s: float = 3600.0) -> None:
+                 hold_s: float = 3600.0, day_floor: DayFloor | None = None) -> None:
         self.client = client
+        # (user id, UTC day) -> the tokens metering recorded; None: a missing day count starts at 0.
+        self.day_floor = day_floor
+        self._counted: set[tuple[str, str]] = set()  # (user, day) counts this gateway has seen in Redis
         self.prefix = prefix
         self.clock = clock
         # A reservation nobody settles (its gateway died and no other took the job) stops holding a
@@ -150,12 +187,13 @@ class RedisQuotaStore(QuotaStore):
 
     def _keys(self, user_id: str, day: str) -> list[str]:
         base = f"{self.prefix}:quota:{{{user_id}}}"
-        return [f"{base}:win", f"{base}:tok", f"{base}:req", f"{base}:act", f"{base}:day:{day}"]
+        return [f"{base}:win", f"{base}:tok", f"{base}:req", f"{base}:act", f"{base}:day:{day}",
+                f"{base}:seeded:{day}"]
 
     @staticmethod
     def _figures(reply: list) -> tuple[int, float, int, int, int, int, float | None, float | None]:
         kind, wait, used, day_used, nreq, active, oldest, newest = (x.decode() if isinstance(x, bytes) else x
-                                                                   for x in reply)
+                                                                   for x in reply[:8])
         return (int(kind), float(wait), int(float(used)), int(float(day_used)), int(nreq), int(active),
                 float(oldest) if oldest else None, float(newest) if newest else None)
 
@@ -169,10 +207,18 @@ class RedisQuotaStore(QuotaStore):
     async def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
         now = self.clock()
         reservation = Reservation(user_id, tokens, now, _today(now))
-        reply = await self._reserve(keys=self._keys(user_id, reservation.day),
-                                    args=[repr(now), reservation.id, tokens, tier.tokens_per_minute,
-                                          tier.tokens_per_day, tier.requests_per_minute, tier.max_concurrent,
-                                          repr(self.hold_s)])
+        args = [repr(now), reservation.id, tokens, tier.tokens_per_minute, tier.tokens_per_day,
+                tier.requests_per_minute, tier.max_concurrent, repr(self.hold_s)]
+        keys = self._keys(user_id, reservation.day)
+        counted = (user_id, reservation.day) in self._counted
+        # A count this gateway has seen is gone: Redis lost it, so start it again from metering's figure.
+        # One it has not seen is the day's first request (or this gateway's first of the user): from 0.
+        reply = await self._reserve(keys=keys, args=[*args, "" if self.day_floor and counted else "0"])
+        if _text(reply[0]) == "-1":
+            floor = await self.day_floor(user_id, reservation.day)
+            reply = await self._reserve(keys=keys, args=[*args, str(max(0, int(floor)))])
+        if not counted:  # the count exists in Redis now, whether or not this request fits it
+            self._counted = {k for k in self._counted if k[1] == reservation.day} | {(user_id, reservation.day)}
         self._raise_if_refused(reply, tier, tokens, now)
         return reservation
 
@@ -190,8 +236,9 @@ class RedisQuotaStore(QuotaStore):
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.settled:
             return
-        _win, tok, _req, act, day = self._keys(reservation.user_id, reservation.day)
-        await self._settle(keys=[tok, act, day], args=[reservation.id, used_tokens, reservation.tokens])
+        _win, tok, _req, act, day, seeded = self._keys(reservation.user_id, reservation.day)
+        await self._settle(keys=[tok, act, day, seeded],
+                           args=[reservation.id, used_tokens, reservation.tokens, repr(reservation.created)])
         reservation.settled = True
 
     async def state(self, user_id: str, tier: Tier) -> QuotaState:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from chatloom.serving import Usage
 from chatloom.store import Database, UsageRows
@@ -54,6 +57,8 @@ class Meter:
         self._waiters: list[asyncio.Future[None]] = []
         self._task: asyncio.Task[None] | None = None
         self.failed_flushes = 0  # flushes that raised and were retried (for logs and tests)
+        self._floors: dict[tuple[str, str], asyncio.Future[Tally]] = {}
+        self._reader: AsyncEngine | None = None
 
     @property
     def queued(self) -> int:
@@ -99,6 +104,36 @@ class Meter:
             self._pending.clear()
         self._wake(self._waiters)
         self._waiters = []
+        if self._reader is not None:
+            await self._reader.dispose()
+            self._reader = None
+
+    async def charged_on(self, user_id: str, day: str, discount: float) -> int:
+        """What the user's metered tokens of `day` (written, and queued here) cost the quota, cached prompt
+        tokens at `discount` off: where a shared quota store that lost its counters starts the day again.
+        Callers asking at once share one query; it runs on a connection of its own, outside the pool,
+        which a burst of requests may hold entirely while they wait for their quota."""
+        key = (user_id, day)
+        task = self._floors.get(key)
+        if task is None:
+            task = self._floors[key] = asyncio.ensure_future(self._read_day(user_id, day))
+            task.add_done_callback(lambda _t: self._floors.pop(key, None))
+        tally = Tally()
+        tally.add(await asyncio.shield(task))
+        for (uid, d, _model), t in list(self._pending.items()):
+            if uid == user_id and d == day:
+                tally.add(t)
+        return tally.prompt_tokens + tally.completion_tokens - math.floor(tally.cached_tokens * discount)
+
+    async def _read_day(self, user_id: str, day: str) -> Tally:
+        if self._reader is None:
+            self._reader = create_async_engine(self.db.url, poolclass=NullPool)
+        async with AsyncSession(self._reader) as session:
+            rows = await UsageRows(session).query(user_id, since=day, until=day)
+        tally = Tally()
+        for row, _name in rows:
+            tally.add(Tally(row.requests, row.prompt_tokens, row.completion_tokens, row.cached_tokens))
+        return tally
 
     # -- the writer ------------------------------------------------------------------
     def _merge(self, batch: dict[Key, Tally]) -> None:

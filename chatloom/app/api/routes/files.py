@@ -29,7 +29,7 @@ def _file_not_found(file_id: str) -> ApiError:
     return ApiError(404, f"no file with id {file_id!r}", "file_not_found", "file_id")
 
 
-@router.post("/files", response_model=FileOut, responses=errors(400, 401, 413))
+@router.post("/files", response_model=FileOut, responses=errors(400, 401, 413, 503))
 async def upload_file(ctx: Ctx, user: CurrentUser, session: SessionDep, file: Annotated[UploadFile, File()],
                       purpose: Annotated[str, Form()]) -> FileOut:
     """Upload a file for a purpose: `batch` for a Batch API input (JSONL), or any other of OpenAI's."""

@@ -21,7 +21,7 @@ from chatloom.store import Conversations
 from chatloom.store.file_chunks import FileChunk
 
 router = APIRouter(tags=["files"])
-UPLOAD = errors(400, 401, 404, 413, 415, 422)
+UPLOAD = errors(400, 401, 404, 413, 415, 422, 503)
 OWN = errors(401, 404)
 
 
