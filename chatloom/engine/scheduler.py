@@ -118,9 +118,20 @@ class Scheduler:
         batch.decodes = [seq for seq in batch.decodes if seq.priority < floor]
         batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]
 
+    def _budget(self) -> int:
+        """The step's token budget: background_step_tokens when only background sequences are queued, so
+        that a foreground request arriving during the step waits for a short one."""
+        cfg = self.config
+        floor, cap = cfg.background_priority, cfg.background_step_tokens
+        if floor is None or cap is None or cap >= cfg.max_num_batched_tokens:
+            return cfg.max_num_batched_tokens
+        if (self.waiting and self.waiting[0].priority < floor) or any(seq.priority < floor for seq in self.running):
+            return cfg.max_num_batched_tokens
+        return cap
+
     def schedule(self) -> ScheduledBatch:
         cfg, batch = self.config, ScheduledBatch()
-        budget = cfg.max_num_batched_tokens
+        budget = self._budget()
         encoding: dict[str, int] = {}  # the images this step encodes, by hash: their embeddings
         self.running.sort(key=lambda s: s.sort_key)
 
