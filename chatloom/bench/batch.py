@@ -12,7 +12,10 @@ limits raised so quotas do not pace the work). Three phases, in this order, on t
 
 With `rounds` > 1 the requests are split into that many batches and the three phases repeat once per
 batch, so that the baseline phases are measured in the same minutes as the phase they are compared with
-(on a shared machine the load moves from one minute to the next); the figures are over all rounds.
+(on a shared machine the load moves from one minute to the next); the figures are over all rounds. Each
+user's turns go down one list of prompts over all phases, so the baseline asks as many prompts it has not
+asked before as the phase beside the batch does. The bench asks for the batch's status every `POLL_S`: its
+own requests load the gateway in the batch phases only.
 
 The capacity interactive traffic leaves idle is (2) minus what (1) used. Targets (from the issue): TTFT p90
 in (3) at most 1.15 x (1), and the batch's throughput in (3) at least 70 % of the idle capacity.
@@ -36,6 +39,7 @@ BIG = 10 ** 12
 # How often the bench asks whether a batch has ended: its requests share the gateway with the users during
 # the batch phases only, so they are kept few (a finer end time is not worth load the baseline never sees).
 POLL_S = 0.25
+PROMPTS_PER_USER = 1024
 
 
 @dataclass
@@ -55,12 +59,16 @@ class Interactive:
 
 
 async def _chat(client: httpx.AsyncClient, headers: dict, model: str, prompts: list[str], max_tokens: int,
-                think_s: float, keep_going, out: Interactive) -> None:
-    """One user: a turn after another while `keep_going(turn)` says so."""
+                think_s: float, keep_going, out: Interactive, asked: list[int], user: int) -> None:
+    """One user: a turn after another while `keep_going(turn)` says so. `asked[user]` counts the user's
+    turns over every phase, and each turn asks the next prompt of the user's one random sequence: the
+    baseline does not ask the same few prompts round after round (warm in the prefix cache) while the
+    phase beside the batch goes further down the list."""
     turn = 0
     while keep_going(turn):
-        result = await one_request(client, "/v1/chat/completions", headers, model, prompts[turn % len(prompts)],
-                                   max_tokens)
+        prompt = prompts[asked[user] % len(prompts)]
+        asked[user] += 1
+        result = await one_request(client, "/v1/chat/completions", headers, model, prompt, max_tokens)
         out.requests += 1
         if result.ok:
             out.ttfts.append(result.ttft)
@@ -73,10 +81,13 @@ async def _chat(client: httpx.AsyncClient, headers: dict, model: str, prompts: l
         await asyncio.sleep(think_s)
 
 
-async def _users(client, accounts: list[dict], model: str, max_tokens: int, think_s: float, keep_going) -> Interactive:
+async def _users(client, accounts: list[dict], model: str, max_tokens: int, think_s: float, keep_going,
+                 asked: list[int] | None = None) -> Interactive:
     out = Interactive()
+    asked = asked if asked is not None else [0] * len(accounts)
     start = time.perf_counter()
-    await asyncio.gather(*(_chat(client, headers, model, make_prompts(64, seed=i), max_tokens, think_s, keep_going, out)
+    await asyncio.gather(*(_chat(client, headers, model, make_prompts(PROMPTS_PER_USER, seed=i), max_tokens, think_s,
+                                 keep_going, out, asked, i)
                            for i, headers in enumerate(accounts)))
     out.seconds = time.perf_counter() - start
     return out
@@ -153,14 +164,15 @@ async def _run(url: str, model: str, requests: int, rounds: int, users: int, tur
         await _batch(client, owner, model, 2, batch_max_tokens, seed + 1)
 
         alone, together = Interactive(), Interactive()
+        asked = [0] * users  # each user's turns so far, over all phases
         batch_alone, batch_together = [], []
         for r in range(rounds):  # the phases alternate, so each sees the machine's load of the same minutes
             share = requests // rounds + (1 if r < requests % rounds else 0)
-            _add(alone, await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns))
+            _add(alone, await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns, asked))
             batch_alone.append(await _batch(client, owner, model, share, batch_max_tokens, seed + 2 + 2 * r))
             running = asyncio.create_task(_batch(client, owner, model, share, batch_max_tokens, seed + 3 + 2 * r))
             _add(together, await _users(client, chatters, model, max_tokens, think_s,
-                                        lambda turn: turn < turns or not running.done()))
+                                        lambda turn: turn < turns or not running.done(), asked))
             batch_together.append(await running)
     batch_alone, batch_together = _merge(batch_alone), _merge(batch_together)
     idle = batch_alone["output_tokens_per_s"] - (alone.output_tokens / alone.seconds)
