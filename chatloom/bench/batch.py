@@ -65,6 +65,9 @@ async def _chat(client: httpx.AsyncClient, headers: dict, model: str, prompts: l
     baseline does not ask the same few prompts round after round (warm in the prefix cache) while the
     phase beside the batch goes further down the list."""
     turn = 0
+    # The users start one after another across a pause: all of them at once would read their prompts in the
+    # same steps, a burst that is an eighth of a short baseline's turns and a small part of a long phase's.
+    await asyncio.sleep(think_s * user / len(asked))
     while keep_going(turn):
         prompt = prompts[asked[user] % len(prompts)]
         asked[user] += 1
