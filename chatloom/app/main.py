@@ -105,7 +105,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     )
 
     runner = BatchRunner(db, ctx.blobs, settings, batch_endpoints(ctx), hot.jobs.instance, hot.jobs.alive,
-                         user_slots=lambda user: traffic.tier(user).max_concurrent)
+                         user_slots=lambda user: traffic.tier(user).max_concurrent,
+                         quiet=traffic.admission.until_interactive_started)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

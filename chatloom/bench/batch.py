@@ -12,7 +12,10 @@ limits raised so quotas do not pace the work). Three phases, in this order, on t
 
 With `rounds` > 1 the requests are split into that many batches and the three phases repeat once per
 batch, so that the baseline phases are measured in the same minutes as the phase they are compared with
-(on a shared machine the load moves from one minute to the next); the figures are over all rounds.
+(on a shared machine the load moves from one minute to the next); the figures are over all rounds. Each
+user's turns go down one list of prompts over all phases, so the baseline asks as many prompts it has not
+asked before as the phase beside the batch does. The bench asks for the batch's status every `POLL_S`: its
+own requests load the gateway in the batch phases only.
 
 The capacity interactive traffic leaves idle is (2) minus what (1) used. Targets (from the issue): TTFT p90
 in (3) at most 1.15 x (1), and the batch's throughput in (3) at least 70 % of the idle capacity.
@@ -33,6 +36,10 @@ from chatloom.bench.serve import make_prompts, one_request, percentiles
 TTFT_RATIO_MAX = 1.15
 IDLE_SHARE_MIN = 0.70
 BIG = 10 ** 12
+# How often the bench asks whether a batch has ended: its requests share the gateway with the users during
+# the batch phases only, so they are kept few (a finer end time is not worth load the baseline never sees).
+POLL_S = 0.25
+PROMPTS_PER_USER = 1024
 
 
 @dataclass
@@ -52,12 +59,19 @@ class Interactive:
 
 
 async def _chat(client: httpx.AsyncClient, headers: dict, model: str, prompts: list[str], max_tokens: int,
-                think_s: float, keep_going, out: Interactive) -> None:
-    """One user: a turn after another while `keep_going(turn)` says so."""
+                think_s: float, keep_going, out: Interactive, asked: list[int], user: int) -> None:
+    """One user: a turn after another while `keep_going(turn)` says so. `asked[user]` counts the user's
+    turns over every phase, and each turn asks the next prompt of the user's one random sequence: the
+    baseline does not ask the same few prompts round after round (warm in the prefix cache) while the
+    phase beside the batch goes further down the list."""
     turn = 0
+    # The users start one after another across a pause: all of them at once would read their prompts in the
+    # same steps, a burst that is an eighth of a short baseline's turns and a small part of a long phase's.
+    await asyncio.sleep(think_s * user / len(asked))
     while keep_going(turn):
-        result = await one_request(client, "/v1/chat/completions", headers, model, prompts[turn % len(prompts)],
-                                   max_tokens)
+        prompt = prompts[asked[user] % len(prompts)]
+        asked[user] += 1
+        result = await one_request(client, "/v1/chat/completions", headers, model, prompt, max_tokens)
         out.requests += 1
         if result.ok:
             out.ttfts.append(result.ttft)
@@ -70,10 +84,13 @@ async def _chat(client: httpx.AsyncClient, headers: dict, model: str, prompts: l
         await asyncio.sleep(think_s)
 
 
-async def _users(client, accounts: list[dict], model: str, max_tokens: int, think_s: float, keep_going) -> Interactive:
+async def _users(client, accounts: list[dict], model: str, max_tokens: int, think_s: float, keep_going,
+                 asked: list[int] | None = None) -> Interactive:
     out = Interactive()
+    asked = asked if asked is not None else [0] * len(accounts)
     start = time.perf_counter()
-    await asyncio.gather(*(_chat(client, headers, model, make_prompts(64, seed=i), max_tokens, think_s, keep_going, out)
+    await asyncio.gather(*(_chat(client, headers, model, make_prompts(PROMPTS_PER_USER, seed=i), max_tokens, think_s,
+                                 keep_going, out, asked, i)
                            for i, headers in enumerate(accounts)))
     out.seconds = time.perf_counter() - start
     return out
@@ -98,7 +115,7 @@ async def _batch(client: httpx.AsyncClient, headers: dict, model: str, requests:
         batch = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
         if batch["status"] in ("completed", "failed", "expired", "cancelled"):
             break
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(POLL_S)
     seconds = time.perf_counter() - start
     tokens = 0
     if batch.get("output_file_id"):
@@ -150,14 +167,15 @@ async def _run(url: str, model: str, requests: int, rounds: int, users: int, tur
         await _batch(client, owner, model, 2, batch_max_tokens, seed + 1)
 
         alone, together = Interactive(), Interactive()
+        asked = [0] * users  # each user's turns so far, over all phases
         batch_alone, batch_together = [], []
         for r in range(rounds):  # the phases alternate, so each sees the machine's load of the same minutes
             share = requests // rounds + (1 if r < requests % rounds else 0)
-            _add(alone, await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns))
+            _add(alone, await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns, asked))
             batch_alone.append(await _batch(client, owner, model, share, batch_max_tokens, seed + 2 + 2 * r))
             running = asyncio.create_task(_batch(client, owner, model, share, batch_max_tokens, seed + 3 + 2 * r))
             _add(together, await _users(client, chatters, model, max_tokens, think_s,
-                                        lambda turn: turn < turns or not running.done()))
+                                        lambda turn: turn < turns or not running.done(), asked))
             batch_together.append(await running)
     batch_alone, batch_together = _merge(batch_alone), _merge(batch_together)
     idle = batch_alone["output_tokens_per_s"] - (alone.output_tokens / alone.seconds)
@@ -187,7 +205,7 @@ def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8
     with tempfile.TemporaryDirectory(prefix="chatloom-bench-batch-") as work:
         groups = {"server": {"data_dir": work}, "traffic": {"tiers_file": _tiers_file(Path(work))},
                   "accounts": {"argon2_time_cost": 1, "argon2_memory_kib": 1024},
-                  "batch": {"poll_s": 0.1}, "sampling": {"max_tokens": max_tokens}}
+                  "sampling": {"max_tokens": max_tokens}}
         if engine_config is not None:  # the admission queue's slots follow the engine's
             groups["engine"] = {"max_num_seqs": engine_config.max_num_seqs}
         for group, values in (settings or {}).items():

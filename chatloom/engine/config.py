@@ -25,6 +25,8 @@ INT8_MODE_KV_CACHE_DTYPE = "fp16"
 # The longest context a replica serves unless told otherwise: a model's full window (often 128k) would
 # let one request take a whole pool.
 DEFAULT_MAX_MODEL_LEN = 8192
+# A step of background sequences alone on a CPU carries at most this many tokens (engine.background_step_tokens).
+CPU_BACKGROUND_STEP_TOKENS = 32
 
 
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, int8_matmul: bool,
@@ -65,6 +67,7 @@ class EngineConfig:
     speculative_adaptive: bool = _E.speculative_adaptive  # choose k per step from acceptance and measured step cost
     background_priority: int | None = _E.background_priority  # at or above: sit out steps with foreground work
     background_yield: str = _E.background_yield  # "auto", "prefill" or "step": which steps they sit out
+    background_step_tokens: int | None = _E.background_step_tokens  # a background-only step's most tokens
 
     @classmethod
     def from_settings(cls, engine: EngineSettings) -> "EngineConfig":
@@ -78,7 +81,8 @@ class EngineConfig:
                    speculative=engine.speculative,
                    num_speculative_tokens=engine.num_speculative_tokens,
                    speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive,
-                   background_priority=engine.background_priority, background_yield=engine.background_yield)
+                   background_priority=engine.background_priority, background_yield=engine.background_yield,
+                   background_step_tokens=engine.background_step_tokens)
 
     def resolve_max_model_len(self, max_position: int) -> int:
         """The context window for a model that knows `max_position` positions."""
@@ -114,6 +118,8 @@ class SchedulerConfig:
     background_priority: int | None
     # "prefill": they sit out steps that read a foreground prompt; "step": every step with foreground work.
     background_yield: str
+    # The most tokens of a step when only background sequences are queued (None: max_num_batched_tokens).
+    background_step_tokens: int | None
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int, device: str = "cpu") -> "SchedulerConfig":
@@ -123,6 +129,12 @@ class SchedulerConfig:
         if yield_ == "auto":
             # A CPU step costs in proportion to the sequences it carries; a GPU decode step barely grows.
             yield_ = "step" if device == "cpu" else "prefill"
+        step_tokens = config.background_step_tokens
+        if step_tokens is None and device == "cpu":
+            # A CPU step's time grows with its tokens: a short background step keeps an interactive arrival's
+            # wait short at little cost to the batch (the time per token barely changes).
+            step_tokens = CPU_BACKGROUND_STEP_TOKENS
         return cls(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                    max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                   background_priority=config.background_priority, background_yield=yield_)
+                   background_priority=config.background_priority, background_yield=yield_,
+                   background_step_tokens=step_tokens)

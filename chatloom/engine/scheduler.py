@@ -105,6 +105,17 @@ class Scheduler:
         batch.decodes = [seq for seq in batch.decodes if seq.priority < floor]
         batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]
 
+    def _budget(self) -> int:
+        """The step's token budget: background_step_tokens when only background sequences are queued, so
+        that a foreground request arriving during the step waits for a short one."""
+        cfg = self.config
+        floor, cap = cfg.background_priority, cfg.background_step_tokens
+        if floor is None or cap is None or cap >= cfg.max_num_batched_tokens:
+            return cfg.max_num_batched_tokens
+        if (self.waiting and self.waiting[0].priority < floor) or any(seq.priority < floor for seq in self.running):
+            return cfg.max_num_batched_tokens
+        return cap
+
     def schedule(self) -> ScheduledBatch:
         shared = len(self.running) + len(self.waiting) > 1
         batch = self._schedule(shared)
@@ -116,7 +127,7 @@ class Scheduler:
     def _schedule(self, shared: bool) -> ScheduledBatch:
         """One step's plan; `shared`: the step is shared with other requests, so encoder work is paced."""
         cfg, batch = self.config, ScheduledBatch()
-        budget = cfg.max_num_batched_tokens
+        budget = self._budget()
         self.running.sort(key=lambda s: s.sort_key)
         if self.encoder is not None:
             self.encoder.begin_step(shared)

@@ -110,6 +110,11 @@ class EngineSettings(Group):
                             "prompt), step (every step carrying a higher-priority sequence: they use only idle "
                             "steps, for an engine whose step time grows with each sequence, as on a CPU), or auto "
                             "(step on a CPU, prefill on a GPU).")
+    background_step_tokens: int | None = Field(
+        None, gt=0, description="Most tokens (decodes and prompt chunks) in a step that carries only background "
+                                "sequences, so an interactive request that arrives during it waits for a short "
+                                "step; unset: 32 on a CPU (where a step's time grows with its tokens), the whole "
+                                "step budget on a GPU.")
 
     @model_validator(mode="after")
     def _draft_needs_a_model(self) -> "EngineSettings":

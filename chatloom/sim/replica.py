@@ -118,7 +118,8 @@ class SimReplica:
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
                                                max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
                                                enable_chunked_prefill=True, background_priority=None,
-                                               background_yield="prefill"), self.kv)
+                                               background_yield="prefill", background_step_tokens=None),
+                               self.kv)
         self.model = spec.step_time
         self.requests: dict[Sequence, SimRequest] = {}
         self.busy = False

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from chatloom.engine import EngineConfig, LLMEngine
-from chatloom.engine.config import DEFAULT_MAX_MODEL_LEN, SchedulerConfig
+from chatloom.engine.config import CPU_BACKGROUND_STEP_TOKENS, DEFAULT_MAX_MODEL_LEN, SchedulerConfig
 
 
 def test_the_scheduler_config_has_no_defaults_of_its_own():
@@ -21,8 +21,10 @@ def test_the_scheduler_config_is_read_from_the_engine_config():
                           background_priority=50)
     assert SchedulerConfig.from_engine(config, 100) == SchedulerConfig(
         max_num_batched_tokens=33, max_num_seqs=7, max_model_len=100, enable_chunked_prefill=False,
-        background_priority=50, background_yield="step")
-    assert SchedulerConfig.from_engine(config, 100, "cuda").background_yield == "prefill"
+        background_priority=50, background_yield="step", background_step_tokens=CPU_BACKGROUND_STEP_TOKENS)
+    on_a_gpu = SchedulerConfig.from_engine(config, 100, "cuda")
+    assert (on_a_gpu.background_yield, on_a_gpu.background_step_tokens) == ("prefill", None)
+    assert SchedulerConfig.from_engine(EngineConfig(background_step_tokens=8), 100, "cuda").background_step_tokens == 8
     # Every limit the scheduler has is a field of the engine's configuration, under the same name.
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert {f.name for f in dataclasses.fields(SchedulerConfig)} <= engine_fields

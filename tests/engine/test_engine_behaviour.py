@@ -185,6 +185,26 @@ def test_background_sequences_use_only_idle_steps_where_steps_cost_per_sequence(
     assert batch.num_computed_tokens == before + 1
 
 
+def test_a_step_of_background_sequences_alone_is_short(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
+                                                max_num_batched_tokens=64, background_priority=1000,
+                                                background_step_tokens=8))
+    prompts = _prompts(tiny_model.config.vocab_size, 3, seed=11)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    engine.add_request(prompts[0][:20], params, "batch-a", priority=1000)
+    engine.add_request(prompts[1][:20], params, "batch-b", priority=1000)
+    computed = []
+    for _ in range(3):  # only batch work queued: 8 tokens a step, not the 40 the budget would take
+        engine.step()
+        computed.append(sum(s.num_computed_tokens for s in engine.scheduler.running))
+    assert computed == [8, 16, 24]
+    # Foreground work queued: the whole budget, most of its 30-token prompt read in one step.
+    engine.add_request(prompts[2][:30], params, "chat", priority=0)
+    engine.step()
+    chat = next(s for s in engine.scheduler.running if s.request_id == "chat")
+    assert chat.num_computed_tokens >= 24
+
+
 def test_without_a_background_floor_every_sequence_runs_in_every_step(tiny_model):
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
                                                 max_num_batched_tokens=16, background_priority=None))

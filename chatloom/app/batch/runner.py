@@ -26,6 +26,7 @@ from typing import Awaitable, Callable, Mapping
 from sqlalchemy import delete, update
 
 from chatloom.app.batch import results
+from chatloom.app.batch.ended import Ended
 from chatloom.app.batch.lines import Endpoint, InputError, parse
 from chatloom.app.core.errors import ApiError
 from chatloom.app.state.background import stop_loop
@@ -53,7 +54,8 @@ class LeaseLost(Exception):
 class BatchRunner:
     def __init__(self, db: Database, blobs: BlobStore, settings: Settings, endpoints: Mapping[str, Endpoint],
                  instance: str, alive: Callable[[set[str]], Awaitable[set[str]]],
-                 user_slots: Callable[[User], int] = lambda user: 1_000_000) -> None:
+                 user_slots: Callable[[User], int] = lambda user: 1_000_000,
+                 quiet: Callable[[], Awaitable[None]] | None = None) -> None:
         self.db = db
         self.blobs = blobs
         self.settings = settings.batch
@@ -61,6 +63,8 @@ class BatchRunner:
         self.instance = instance  # this process's id (unique per start)
         self.alive = alive
         self.user_slots = user_slots  # the most generations a user may run at once (their tier's)
+        # Returns once no interactive request is starting (admission's until_interactive_started).
+        self.quiet = quiet or _at_once
         self._loop_task: asyncio.Task | None = None
         self._running: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
@@ -218,8 +222,10 @@ class BatchRunner:
                 queue.put_nowait(row)
         # One of the user's concurrent generations stays free for their interactive requests.
         width = min(self.settings.concurrency, max(1, self.user_slots(user) - 1), max(1, queue.qsize()))
-        workers = [asyncio.create_task(self._worker(batch, endpoint, user, queue)) for _ in range(width)]
+        ended = Ended(self.db, batch.id, self.quiet)
+        workers = [asyncio.create_task(self._worker(endpoint, user, queue, ended)) for _ in range(width)]
         watch = asyncio.create_task(self._watch(batch))
+        writer = asyncio.create_task(ended.run())
         try:
             done, _ = await asyncio.wait({watch, *workers}, return_when=asyncio.FIRST_COMPLETED)
             if watch in done:  # cancelled or expired: stop what runs
@@ -230,9 +236,10 @@ class BatchRunner:
                 if not w.cancelled() and w.exception() is not None:
                     raise w.exception()
         finally:
-            for task in (watch, *workers):
+            for task in (watch, writer, *workers):
                 task.cancel()
-            await asyncio.gather(watch, *workers, return_exceptions=True)
+            await asyncio.gather(watch, writer, *workers, return_exceptions=True)
+            await ended.flush()  # the lines that ended, before the batch moves on (or another gateway takes it)
         current = await self._load(batch.id)
         if current is not None and current.status == "in_progress":
             if current.expires_at is not None and now() >= _aware(current.expires_at):
@@ -253,20 +260,16 @@ class BatchRunner:
             if current.expires_at is not None and now() >= _aware(current.expires_at):
                 return
 
-    async def _worker(self, batch: Batch, endpoint: Endpoint, user: User, queue: asyncio.Queue) -> None:
+    async def _worker(self, endpoint: Endpoint, user: User, queue: asyncio.Queue, ended: Ended) -> None:
         while not queue.empty():
+            # A line starts (its parsing, prompt, quota, admission: work on this event loop) only while no
+            # interactive request is starting.
+            await self.quiet()
+            if queue.empty():
+                return
             row = queue.get_nowait()
             result, ok = await self._answer(endpoint, user, row)
-            async with self.db.session() as session:
-                changed = await session.execute(
-                    update(BatchLine).where(BatchLine.id == row.id, BatchLine.status == "pending")
-                    .values(status="done" if ok else "failed", result=result)
-                    .execution_options(synchronize_session=False))
-                if changed.rowcount == 1:
-                    column = Batch.completed if ok else Batch.failed
-                    await session.execute(update(Batch).where(Batch.id == batch.id).values({column: column + 1})
-                                          .execution_options(synchronize_session=False))
-                await session.commit()
+            ended.add(row.id, result, ok)
 
     async def _answer(self, endpoint: Endpoint, user: User, row: BatchLine) -> tuple[dict, bool]:
         """The line's output-file object, and whether it was answered with a 200."""
@@ -300,6 +303,10 @@ class BatchRunner:
                                   .values(failed=Batch.failed + len(rows), status="finalizing", finalizing_at=now(),
                                           expired_at=now()).execution_options(synchronize_session=False))
             await session.commit()
+
+
+async def _at_once() -> None:
+    return None
 
 
 def _retry_after(exc: ApiError) -> float:

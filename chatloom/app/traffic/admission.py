@@ -30,6 +30,8 @@ and their admissions do not count in the shares of recent admissions. When an in
 cannot start (no slot, or no KV room, while batch requests hold some), the newest running batch request
 is asked to give way (`Slot.on_yield`): its run stops and its batch runs it again later; one at a time,
 each once the one before has let its slot go and the engine has had `YIELD_INTERVAL_S` to free its blocks.
+While an interactive or reasoning request waits for a slot or for its first output, the batch runner holds
+its own work on the event loop back (`until_interactive_started`).
 """
 from __future__ import annotations
 
@@ -106,6 +108,9 @@ class Slot:
         if self.pending:
             self.pending = False
             self._queue._pending_tokens -= self.ticket.prompt_tokens
+            if self.ticket.kind != BATCH:
+                self._queue._starting -= 1
+                self._queue._wake_quiet()
             self._queue._kick()
 
     def release(self) -> None:
@@ -138,6 +143,8 @@ class AdmissionQueue:
         self._waiting: list[Ticket] = []
         self._running: dict[str, int] = {INTERACTIVE: 0, REASONING: 0, BATCH: 0}
         self._pending_tokens = 0
+        self._starting = 0  # interactive and reasoning requests admitted that have no output yet
+        self._quiet_waiters: list[asyncio.Future[None]] = []
         self._batch_slots: list[Slot] = []  # running batch requests, oldest first
         self._last_yield = -math.inf
         self._recent: deque[str] = deque(maxlen=share_window)  # tier names of the latest admissions
@@ -179,6 +186,26 @@ class AdmissionQueue:
 
     def interactive_waiting(self) -> bool:
         return any(t.kind != BATCH for t in self._waiting)
+
+    def interactive_starting(self) -> bool:
+        """Whether an interactive or reasoning request waits for a slot or for its first output."""
+        return self._starting > 0 or self.interactive_waiting()
+
+    async def until_interactive_started(self) -> None:
+        """Return once no interactive or reasoning request waits for a slot or for its first output (at
+        once if none does). The batch runner holds its own work back until then, so that work does not
+        share the event loop and the CPU with a request whose time to first token is running."""
+        while self.interactive_starting():
+            waiter = asyncio.get_running_loop().create_future()
+            self._quiet_waiters.append(waiter)
+            await waiter
+
+    def _wake_quiet(self) -> None:
+        if self._quiet_waiters and not self.interactive_starting():
+            waiters, self._quiet_waiters = self._quiet_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def reasoning_running(self) -> int:
         """Reasoning generations running here, plus on the other gateways of the fleet."""
@@ -295,6 +322,7 @@ class AdmissionQueue:
             self._waiting.remove(ticket)
             if not ticket.future.done():
                 ticket.future.cancel()
+            self._wake_quiet()
             self._kick()
 
     def _release(self, slot: Slot) -> None:
@@ -374,6 +402,8 @@ class AdmissionQueue:
         slot = Slot(self, ticket, time.monotonic() - ticket.enqueued)
         if ticket.kind == BATCH:
             self._batch_slots.append(slot)
+        else:
+            self._starting += 1
         if ticket.future.done():  # cancelled meanwhile
             slot.release()
         else:

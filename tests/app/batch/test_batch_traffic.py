@@ -88,6 +88,25 @@ async def test_a_batch_request_gives_way_to_interactive_work(tmp_path):
         assert all(o["response"]["body"]["choices"][0]["message"]["content"] == "".join(WORDS) for o in out)
 
 
+async def test_no_batch_line_starts_while_an_interactive_request_is_starting(tmp_path):
+    backend = ScriptedBackend(WORDS[:3], delay_s=0.001)
+    app = create_app(make_settings(tmp_path, sampling={"max_tokens": 100}), backend)
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        alice = await signup(client, "alice")
+        traffic = app.state.ctx.traffic
+        # An interactive request admitted, its first output not out yet.
+        starting = await traffic.admission.admit(traffic.tiers["free"], 1)
+        batch_id = await start_batch(client, alice, 2)
+        await wait_batch(client, alice, batch_id, lambda b: b["status"] == "in_progress")
+        await asyncio.sleep(0.3)
+        assert backend.requests == []
+        starting.started()
+        batch = await wait_batch(client, alice, batch_id, lambda b: b["status"] == "completed")
+        assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+        starting.release()
+
+
 @pytest.fixture
 def pg_url():
     url = asyncio.run(create_database(require_postgres()))

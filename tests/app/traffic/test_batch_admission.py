@@ -77,3 +77,34 @@ async def test_busy_slots_cap_batch_while_interactive_requests_run():
     more = await asyncio.wait_for(second, 1)
     for slot in (first, more):
         slot.release()
+
+
+async def test_batch_work_waits_while_an_interactive_request_is_starting():
+    room = {"free": 1}
+    q = AdmissionQueue(lambda tokens: room["free"] > 0, max_running=4, max_wait_s=5, poll_s=0.005)
+    await asyncio.wait_for(q.until_interactive_started(), 1)  # nothing interactive: at once
+    batch = await q.admit(PRO, 1, BATCH)  # a batch request, even one with no output yet, holds nothing back
+    await asyncio.wait_for(q.until_interactive_started(), 1)
+    batch.started()
+    room["free"] = 0
+    admitted = asyncio.create_task(q.admit(FREE, 1))  # waits for room
+    await asyncio.sleep(0)
+    quiet = asyncio.create_task(q.until_interactive_started())
+    await asyncio.sleep(0.02)
+    assert not quiet.done() and not admitted.done()
+    room["free"] = 1
+    slot = await asyncio.wait_for(admitted, 1)
+    await asyncio.sleep(0.02)
+    assert not quiet.done()  # admitted, no output yet: still starting
+    slot.started()  # its first output
+    await asyncio.wait_for(quiet, 1)
+    # Once it has started, a running interactive request holds nothing back; a batch request never does.
+    await asyncio.wait_for(q.until_interactive_started(), 1)
+    never_started = await q.admit(FREE, 1)
+    gate = asyncio.create_task(q.until_interactive_started())
+    await asyncio.sleep(0.02)
+    assert not gate.done()
+    never_started.release()  # ended before any output (an error, a client gone)
+    await asyncio.wait_for(gate, 1)
+    for s in (slot, batch):
+        s.release()
