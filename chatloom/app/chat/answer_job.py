@@ -225,6 +225,11 @@ class AnswerJob:
             out.finish_reason = piece.finish_reason
 
     async def _finish(self, gen: Generation, out: Outcome) -> None:
+        if not gen.abandoned and await self._taken_over(gen):
+            # Its lease lapsed while it ran here (Redis restarted without its data, say) and another
+            # gateway continued it: that one saves, settles and meters it. Doing it here too bills twice.
+            log.warning("answer %s was taken over by another gateway; it ends here unsaved", gen.message_id)
+            gen.abandoned = True
         if gen.abandoned:  # another gateway has the job: it saves the answer and settles the quota
             gen.log.discard()
             gen.run.drop()
@@ -275,6 +280,14 @@ class AnswerJob:
                     await self.jobs.release(gen.conversation_id)
                 except Exception as exc:  # Redis away: the lease lapses, and the keeper finds the answer saved
                     log.warning("could not release the job of %s: %s", gen.conversation_id, exc)
+
+    async def _taken_over(self, gen: Generation) -> bool:
+        """Whether another gateway holds this answer's job now."""
+        try:
+            holder = await self.jobs.holder(gen.conversation_id)
+        except Exception:  # Redis away: nobody can have taken it meanwhile without it
+            return False
+        return holder is not None and holder.gateway != self.jobs.gateway
 
     def _count(self, text: str) -> int:
         try:
