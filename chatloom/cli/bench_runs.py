@@ -320,6 +320,8 @@ def sizes(args) -> int:
                "history": tuple(args.history) if args.history else None}
     plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
+    llama_server = Path(args.llama_server) if args.llama_server else None
+    log_dir = Path(args.log_dir) if args.log_dir else None
     if args.load_rounds:
         from chatloom.bench.load_time import format_load_table
         from chatloom.bench.sizes import SERVERS, load_rounds
@@ -328,25 +330,18 @@ def sizes(args) -> int:
         if unknown or not targets[0].gguf.is_file():
             raise ValueError(f"unknown server {unknown[0]!r}: use {', '.join(SERVERS)}" if unknown
                              else f"no GGUF file at {targets[0].gguf}")
-        result = load_rounds(targets[0], plan, servers, args.load_rounds,
-                             Path(args.llama_server) if args.llama_server else None, args.threads,
-                             Path(args.log_dir) if args.log_dir else None)
-        text = json.dumps(result, indent=2)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        print(text)
-        if args.table:
-            print(format_load_table(result), file=sys.stderr)
-        return 0
-    result = run_sizes(targets, plan, servers, Path(args.llama_server) if args.llama_server else None,
-                       args.threads, Path(args.log_dir) if args.log_dir else None, args.seed,
-                       Path(args.vllm_python) if args.vllm_python else None)
+        result = load_rounds(targets[0], plan, servers, args.load_rounds, llama_server, args.threads, log_dir)
+        table = format_load_table
+    else:
+        result = run_sizes(targets, plan, servers, llama_server, args.threads, log_dir, args.seed,
+                           Path(args.vllm_python) if args.vllm_python else None)
+        table = format_table
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
     if args.table:
-        print(format_table(result), file=sys.stderr)
+        print(table(result), file=sys.stderr)
     return 0
 
 
