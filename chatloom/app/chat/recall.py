@@ -9,12 +9,10 @@ summary, retrieved turns or both; `chat.retrieved_turns_tokens` bounds what they
 """
 from __future__ import annotations
 
-from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.chat.prompt import Turn, transcript
-from chatloom.app.files.pg_fulltext import question_terms, ranking_params, ranking_sql, score
-from chatloom.app.files.search import fts5_query, query_terms, terms
+from chatloom.app.files.search import ranked_ids, terms
 from chatloom.store.file_chunks import rank_tsvector
 
 RECALL_HEADER = "\n\nEarlier turns of this conversation that bear on the new message:\n"
@@ -33,18 +31,9 @@ async def relevant_turns(session: AsyncSession, conversation_id: str, turns: lis
     by_id = {t.id: (i, t) for i, t in enumerate(turns) if t.id}
     if not by_id or not terms(query):
         return []
-    params: dict = {"conversation": conversation_id, "ids": list(by_id)}
-    if session.bind.dialect.name == "sqlite":
-        params.update(q=fts5_query(query), n=limit)
-        rows = await session.execute(text(_SQLITE).bindparams(bindparam("ids", expanding=True)), params)
-        return [by_id[r[0]] for r in rows if r[0] in by_id]
-    found = await question_terms(session, *query_terms(query))
-    if not found.lexemes:
-        return []
-    params.update(ranking_params(found))
-    rows = await session.execute(text(ranking_sql(_POSTGRES_SCOPE)).bindparams(bindparam("ids", expanding=True)),
-                                 params)
-    return [by_id[i] for i in score(rows.all(), found, limit) if i in by_id]
+    ids = await ranked_ids(session, query, {"conversation": conversation_id, "ids": list(by_id)}, "ids",
+                           _SQLITE, _POSTGRES_SCOPE, limit)
+    return [by_id[i] for i in ids if i in by_id]
 
 
 def recalled_text(turns: list[Turn]) -> str:

@@ -28,22 +28,30 @@ _SQLITE_FULLTEXT = (
     "ORDER BY bm25(file_chunks_fts) LIMIT :n")
 
 
-async def fulltext(session: AsyncSession, user_id: str, file_ids: list[str], query: str, limit: int) -> list[int]:
-    """Passage ids of `file_ids` (the user's) matching any content word or phrase of `query`, best first."""
-    if not terms(query) or not file_ids:
-        return []
-    params: dict = {"user": user_id, "files": list(file_ids)}
+async def ranked_ids(session: AsyncSession, query: str, params: dict, in_list: str, sqlite_sql: str,
+                     postgres_scope: str, limit: int) -> list:
+    """Ids of the rows in scope matching any content word or phrase of `query`, best first, at most
+    `limit`: FTS5's BM25 by `sqlite_sql` on SQLite, pg_fulltext's over `postgres_scope` on PostgreSQL.
+    `params` bind both statements; `in_list` names the one that is a list (`IN :name`)."""
+    expand = bindparam(in_list, expanding=True)
     if session.bind.dialect.name == "sqlite":
-        params.update(q=fts5_query(query), n=limit)
-        rows = await session.execute(text(_SQLITE_FULLTEXT).bindparams(bindparam("files", expanding=True)), params)
+        rows = await session.execute(text(sqlite_sql).bindparams(expand),
+                                     {**params, "q": fts5_query(query), "n": limit})
         return [r[0] for r in rows]
     found = await question_terms(session, *query_terms(query))
     if not found.lexemes:
         return []
-    params.update(ranking_params(found))
-    rows = await session.execute(text(ranking_sql(_POSTGRES_SCOPE)).bindparams(bindparam("files", expanding=True)),
-                                 params)
+    rows = await session.execute(text(ranking_sql(postgres_scope)).bindparams(expand),
+                                 {**params, **ranking_params(found)})
     return score(rows.all(), found, limit)
+
+
+async def fulltext(session: AsyncSession, user_id: str, file_ids: list[str], query: str, limit: int) -> list[int]:
+    """Passage ids of `file_ids` (the user's) matching any content word or phrase of `query`, best first."""
+    if not terms(query) or not file_ids:
+        return []
+    return await ranked_ids(session, query, {"user": user_id, "files": list(file_ids)}, "files",
+                            _SQLITE_FULLTEXT, _POSTGRES_SCOPE, limit)
 
 
 _NEAREST_SCOPE = ("FROM file_chunks WHERE user_id = :user AND file_id IN :files AND embedding IS NOT NULL "
