@@ -191,11 +191,14 @@ async def test_stopping_an_answer_that_waits_in_the_queue(tmp_path):
             alice = await signup(c, "alice")
             body = {"model": "scripted", "messages": [{"role": "user", "content": "long"}], "max_tokens": 40}
             busy = asyncio.create_task(c.post("/v1/chat/completions", json=body, headers=alice))
-            await asyncio.sleep(0.05)
+            admission = app.state.ctx.traffic.admission
+            while not backend.requests:  # the busy answer holds the one slot
+                await asyncio.sleep(0.01)
             cid = await new_conversation(c, alice)
             sending = asyncio.create_task(c.post(f"/conversations/{cid}/messages", headers=alice,
                                                  json={"text": "hi", "max_tokens": 3}))
-            await asyncio.sleep(0.1)
+            while admission.waiting == 0:  # the new answer waits in the queue
+                await asyncio.sleep(0.01)
             r = await asyncio.wait_for(c.post(f"/conversations/{cid}/stop", headers=alice), 2)
             assert r.json()["stopped"] is True
             events = parse_sse((await sending).text)
