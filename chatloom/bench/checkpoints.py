@@ -168,14 +168,14 @@ def weight(name: str, dims: tuple[int, ...], seed: int) -> torch.Tensor:
 # -- the tokenizer --------------------------------------------------------------------------------------
 
 # GGUF token types (llama.cpp's llama_token_type).
-_NORMAL, _CONTROL, _UNUSED = 1, 3, 5
+_NORMAL, _CONTROL = 1, 3
 # A few merges: GGUF BPE tokenizers must carry some, and common pairs make English text shorter.
 _MERGES = ["Ġ t", "h e", "Ġ a", "i n", "e r", "o n", "r e", "Ġt he", "e n", "a t"]
 
 
 def _byte_level_metadata(shape: Shape) -> dict[str, Any]:
     """tokenizer.* metadata of a byte-level BPE vocabulary the model's size: the 256 byte symbols, a
-    few merges, the shape's special tokens at their ids, unused filler tokens everywhere else."""
+    few merges, the shape's special tokens at their ids, filler tokens `<|unused_N|>` everywhere else."""
     from tokenizers import pre_tokenizers
 
     vocab = shape.config["vocab_size"]
@@ -188,7 +188,10 @@ def _byte_level_metadata(shape: Shape) -> dict[str, Any]:
     while len(tokens) < vocab:
         i = len(tokens)
         tokens.append(shape.specials.get(i, f"<|unused_{i}|>"))
-        types.append(_CONTROL if i in shape.specials else _UNUSED)
+        # Filler ids are ordinary tokens with visible text: a random-weight model draws them almost
+        # always, and a server streams nothing for a token without text (llama-server sends no chunk),
+        # which would leave a benchmark with no tokens to time.
+        types.append(_CONTROL if i in shape.specials else _NORMAL)
     ids = {t: i for i, t in shape.specials.items()}
     if shape.eos not in ids:
         raise CheckpointError(f"{shape.name}: its end-of-turn token {shape.eos!r} is not among its specials")

@@ -91,3 +91,19 @@ def test_cli_writes_a_checkpoint(tmp_path, capsys, monkeypatch):
     assert main(["bench", "checkpoints", "--shapes", "qwen2.5-1.5b", "--out", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)["checkpoints"]["qwen2.5-1.5b"]
     assert out["gguf_bytes"] > 2 * out["parameters"] and (tmp_path / "qwen2.5-1.5b-small-hf" / "config.json").exists()
+
+
+def test_every_token_a_random_model_draws_has_text(written):
+    """Filler ids stream visible text from both files: a server sends nothing for a token without text,
+    and a benchmark would have no tokens to time."""
+    shape, made = written
+    if shape.tokenizer != "byte":
+        pytest.skip("SmolLM2's own vocabulary has no filler")
+    meta = open_gguf(made.gguf_file).metadata
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    fillers = [i for i, t in enumerate(tokens) if str(t).startswith("<|unused_")]
+    # llama.cpp renders a token of type "unused" (5) or "control" (3) as no text; "normal" (1) as its text.
+    assert fillers and {int(types[i]) for i in fillers} == {1}
+    filler = fillers[-1]
+    for loaded in (load_model(str(made.hf_folder)), load_model(str(made.gguf_file))):
+        assert loaded.tokenizer.decode([filler]) == f"<|unused_{filler}|>"
