@@ -63,6 +63,11 @@ class SizesPlan:
         chat = self.in_flight * (self.history[1] + self.max_tokens + 256)
         return -(-max(chat, self.long_prompt + self.max_tokens + 256) // 256) * 256
 
+    def sequence_tokens(self) -> int:
+        """The longest one sequence gets: vLLM's `--max-model-len` is per sequence, not the whole cache."""
+        longest = max(self.history[1], self.long_prompt) + self.max_tokens + 256
+        return -(-longest // 256) * 256
+
 
 # The shape of the run on a model small enough for the tests (figures mean nothing there).
 QUICK = SizesPlan(max_tokens=4, short_prompt=16, long_prompt=160, tpot_requests=2, chat_requests=8, in_flight=8,
@@ -206,7 +211,7 @@ def _argv(name: str, target: Target, plan: SizesPlan, port: int, threads: int | 
         return "no Hugging Face folder of the same weights given (--hf-folder)"
     argv = [str(vllm_python or sys.executable), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target.hf_folder),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-            "--max-model-len", str(plan.context_tokens())]
+            "--max-model-len", str(plan.sequence_tokens())]
     return argv
 
 
@@ -238,7 +243,13 @@ def run_server(name: str, target: Target, plan: SizesPlan, texts: Texts, threads
     argv = _argv(name, target, plan, port, threads, llama_server, vllm_python)
     if isinstance(argv, str):
         return {"skipped": argv}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "all", "OMP_NUM_THREADS": str(threads)} if name == "vllm" and threads else {}
+    env = {}
+    if name == "vllm":
+        # vLLM's CPU backend reserves its KV cache up front (4 GiB by default): room for every in-flight
+        # conversation at once, as llama-server gets with `-c`.
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "8")
+        if threads:
+            env.update(VLLM_CPU_OMP_THREADS_BIND="all", OMP_NUM_THREADS=str(threads))
     log = log_dir / f"{target.gguf.stem}-{name}.log" if log_dir else None
     server = ServerProcess(name, argv, port, env, log)
     try:

@@ -349,3 +349,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="measure only the load to ready (and CPU seconds, memory): every server started N "
                         "times, in turns, on the first --model")
     p.set_defaults(func=runs.sizes)
+
+    p = sub.add_parser("sizes-plot", help="draw `bench sizes` results (one or more JSON files) as one PNG")
+    p.add_argument("results", nargs="+", metavar="JSON", help="files written by `chatloom bench sizes --out`")
+    p.add_argument("--out", required=True, metavar="PNG")
+    p.set_defaults(func=runs.sizes_plot)

@@ -345,6 +345,25 @@ def sizes(args) -> int:
     return 0
 
 
+def sizes_plot(args) -> int:
+    from pathlib import Path
+
+    from chatloom.bench.sizes_plot import plot_sizes
+
+    results = []
+    for name in args.results:
+        try:
+            result = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{name}: not a readable JSON file ({exc})") from exc
+        if not isinstance(result, dict) or result.get("benchmark") != "sizes" or "models" not in result:
+            raise ValueError(f"{name}: not a `chatloom bench sizes` result")
+        results.append(result)
+    plot_sizes(results, args.out)
+    print(json.dumps({"plot": args.out, "models": sum(len(r["models"]) for r in results)}))
+    return 0
+
+
 def router(args) -> int:
     from chatloom.bench.router_policies import plot, run_router_bench, table
     from chatloom.serving.local_fleet import LocalReplicas

@@ -104,3 +104,44 @@ def test_vllm_runs_from_the_python_it_is_given(tmp_path):
     argv = sizes._argv("vllm", target, sizes.QUICK, 8000, None, None, python)
     assert argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--model") + 1] == str(tmp_path / "hf")
+    # Per sequence (the longest conversation or the long prompt, with the answer), not the whole cache:
+    # a model's own window (8,192 for the 1.7B shape) refuses the cache-sized 26,624.
+    plan = sizes.SizesPlan()
+    full = sizes._argv("vllm", target, plan, 8000, None, None, python)
+    assert int(full[full.index("--max-model-len") + 1]) == plan.sequence_tokens() == 4352 < plan.context_tokens()
+
+
+def _result(model: str, chatloom_tpot: float) -> dict:
+    server = {"rss_after_load_mib": 1300.0, "busy": {"over_quiet": 1.8},
+              "one_in_flight": {"tpot_p50_ms": chatloom_tpot, "long_prompt_ttft_ms": 35000.0},
+              "in_flight": {"output_tok_s": 4.3, "ttft_p90_ms": 90000.0}}
+    return {"benchmark": "sizes", "models": [{"model": model, "servers": {
+        "chatloom": server, "llama-server": {**server, "busy": {"over_quiet": 68.0}},
+        "vllm": {"skipped": "not installed"}}}]}
+
+
+def test_sizes_plot_draws_the_models_of_several_runs(tmp_path, capsys):
+    from chatloom.bench.sizes_plot import figure_value, models_of
+
+    files = []
+    for name, tpot in (("/m/a-1.7b.gguf", 22.7), ("/m/b-3b.gguf", 41.0)):
+        files.append(tmp_path / f"{tpot}.json")
+        files[-1].write_text(json.dumps(_result(name, tpot)))
+    png = tmp_path / "sizes.png"
+    assert main(["bench", "sizes-plot", *map(str, files), "--out", str(png)]) == 0
+    assert json.loads(capsys.readouterr().out)["models"] == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    models = models_of([_result("/m/a.gguf", 22.7)])
+    assert [(label, sorted(s)) for label, s in models] == [("a", ["chatloom", "llama-server"])]  # skipped left out
+    assert figure_value(models[0][1]["chatloom"], ("in_flight", "ttft_p90_ms")) == 90.0  # shown in seconds
+    assert figure_value(models[0][1]["chatloom"], ("one_in_flight", "missing")) is None
+
+
+def test_sizes_plot_refuses_a_file_that_is_not_a_sizes_result(tmp_path, capsys):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"benchmark": "router"}))
+    assert main(["bench", "sizes-plot", str(other), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "not a `chatloom bench sizes` result" in err and len(err.strip().splitlines()) == 1
+    assert main(["bench", "sizes-plot", str(tmp_path / "absent.json"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "not a readable JSON file" in capsys.readouterr().err
