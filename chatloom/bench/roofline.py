@@ -76,10 +76,14 @@ def isa_peaks(kernels, iters: int = 3_000_000) -> dict[str, float]:
     return {kind: round(max(kernels.peak_gops(kind, iters) for _ in range(3)), 1) for kind in kernels.peak_kinds()}
 
 
-def read_bandwidth_gbps(mib: int = 512, repeats: int = 5) -> float:
+def read_bandwidth_gbps(mib: int = 512, repeats: int = 12, pause_s: float = 0.05) -> float:
     """This machine's streaming read bandwidth in GB/s: the best of `repeats` sums over a float32 buffer
     of `mib` MiB (far larger than the caches), on torch's threads. A decode step at batch 1 reads every
-    weight once, so weight bytes over this is the fastest a step can be (the memory roofline)."""
+    weight once, so weight bytes over this is the fastest a step can be (the memory roofline).
+
+    The sums are spread out by `pause_s`: a sum during which the OS lends one of the cores to another
+    process reads at one core's rate (about half, on a 2-core machine), and a burst of back-to-back sums
+    can fall entirely inside such a spell."""
     buffer = torch.ones(mib * 2**20 // 4)
     buffer.sum()  # first touch: page faults, not reads
     best = float("inf")
@@ -87,6 +91,7 @@ def read_bandwidth_gbps(mib: int = 512, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         buffer.sum()
         best = min(best, time.perf_counter() - t0)
+        time.sleep(pause_s)
     return round(buffer.numel() * 4 / best / 1e9, 2)
 
 
