@@ -1,7 +1,7 @@
 """One figure from `chatloom bench sizes` results: each server's figures per model, side by side.
 
-Several result files can be drawn together (one run per model is the usual way to measure), so the
-plot takes the models of every file in order. Each panel is one figure of merit; lower is better
+Several result files can be drawn together (one run per model is the usual way to measure; a server
+can also come from a run of its own), so the plot merges the files' models by file name. Each panel is one figure of merit; lower is better
 except for output tokens per second.
 """
 from __future__ import annotations
@@ -32,13 +32,15 @@ def figure_value(server: dict, path: tuple[str, ...]) -> float | None:
 
 
 def models_of(results: list[dict]) -> list[tuple[str, dict]]:
-    """(label, servers) for every model of every result, skipped or failed servers left out."""
-    out = []
+    """(label, servers) per model, in the order first seen. Runs of the same model file are merged, so
+    each server may come from its own run (a later run's server replaces an earlier one's); skipped or
+    failed servers are left out."""
+    merged: dict[str, dict] = {}
     for result in results:
         for m in result["models"]:
-            servers = {n: s for n, s in m["servers"].items() if "skipped" not in s and "error" not in s}
-            out.append((Path(m["model"]).stem, servers))
-    return out
+            servers = merged.setdefault(Path(m["model"]).stem, {})
+            servers.update({n: s for n, s in m["servers"].items() if "skipped" not in s and "error" not in s})
+    return list(merged.items())
 
 
 def plot_sizes(results: list[dict], path: str | Path) -> None:
@@ -60,7 +62,7 @@ def plot_sizes(results: list[dict], path: str | Path) -> None:
                     xs.append(j + (i - (len(servers) - 1) / 2) * width)
                     ys.append(value)
             bars = ax.bar(xs, ys, width, label=name)
-            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+            ax.bar_label(bars, fmt=lambda v: f"{v:.3g}" if v < 1000 else f"{v:,.0f}", fontsize=7)
         ax.set_title(f"{title}\n({better})", fontsize=9)
         ax.set_xticks(range(len(models)))
         ax.set_xticklabels([label for label, _ in models], fontsize=8)

@@ -348,7 +348,7 @@ def sizes(args) -> int:
 def sizes_plot(args) -> int:
     from pathlib import Path
 
-    from chatloom.bench.sizes_plot import plot_sizes
+    from chatloom.bench.sizes_plot import models_of, plot_sizes
 
     results = []
     for name in args.results:
@@ -360,7 +360,7 @@ def sizes_plot(args) -> int:
             raise ValueError(f"{name}: not a `chatloom bench sizes` result")
         results.append(result)
     plot_sizes(results, args.out)
-    print(json.dumps({"plot": args.out, "models": sum(len(r["models"]) for r in results)}))
+    print(json.dumps({"plot": args.out, "models": [label for label, _ in models_of(results)]}))
     return 0
 
 

@@ -129,10 +129,13 @@ def test_sizes_plot_draws_the_models_of_several_runs(tmp_path, capsys):
         files[-1].write_text(json.dumps(_result(name, tpot)))
     png = tmp_path / "sizes.png"
     assert main(["bench", "sizes-plot", *map(str, files), "--out", str(png)]) == 0
-    assert json.loads(capsys.readouterr().out)["models"] == 2
+    assert json.loads(capsys.readouterr().out)["models"] == ["a-1.7b", "b-3b"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     models = models_of([_result("/m/a.gguf", 22.7)])
     assert [(label, sorted(s)) for label, s in models] == [("a", ["chatloom", "llama-server"])]  # skipped left out
+    # Runs of one model merge: a server measured in a run of its own joins the others.
+    vllm = {"benchmark": "sizes", "models": [{"model": "/m/a.gguf", "servers": {"vllm": {"busy": {"over_quiet": 1}}}}]}
+    assert [sorted(s) for _, s in models_of([_result("/m/a.gguf", 22.7), vllm])] == [["chatloom", "llama-server", "vllm"]]
     assert figure_value(models[0][1]["chatloom"], ("in_flight", "ttft_p90_ms")) == 90.0  # shown in seconds
     assert figure_value(models[0][1]["chatloom"], ("one_in_flight", "missing")) is None
 
