@@ -12,22 +12,25 @@ import os
 import statistics
 from pathlib import Path
 
-from chatloom.bench.server_process import ServerProcess, free_port
+from chatloom.bench.server_process import ServerProcess, free_port, tree_pids
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds used by `pid` (its own threads; the servers here are one process)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    """User plus system CPU seconds used by `pid` and the children it has now (vLLM's engine is one)."""
+    total = 0.0
+    for p in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def load_once(name: str, argv: list[str], timeout_s: float, extra: dict | None = None,
-              log: Path | None = None) -> dict:
+              log: Path | None = None, env: dict[str, str] | None = None) -> dict:
     """Start one server, wait until it answers, stop it: its load figures, or {"error": what went wrong}."""
-    server = ServerProcess(name, argv, int(argv[argv.index("--port") + 1]), {}, log)
+    server = ServerProcess(name, argv, int(argv[argv.index("--port") + 1]), env or {}, log)
     try:
         server.start()
         server.wait_ready(timeout_s, extra)
@@ -42,14 +45,15 @@ def load_once(name: str, argv: list[str], timeout_s: float, extra: dict | None =
 
 def run_load_rounds(commands: dict[str, "callable"], rounds: int, timeout_s: float,
                     extra: dict | None = None, log_dir: Path | None = None) -> dict:
-    """`commands` maps a server's name to a function of a port giving its argv. Returns every start's
-    figures and each server's medians."""
+    """`commands` maps a server's name to a function of a port giving its argv and the environment it
+    adds. Returns every start's figures and each server's medians."""
     names = list(commands)
     starts: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             log = log_dir / f"{name}-load-{r}.log" if log_dir else None
-            figures = load_once(name, commands[name](free_port()), timeout_s, extra, log)
+            argv, env = commands[name](free_port())
+            figures = load_once(name, argv, timeout_s, extra, log, env)
             figures["load_average"] = round(os.getloadavg()[0], 2)
             starts[name].append(figures)
     medians = {}

@@ -47,6 +47,16 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(_children(p))
+    return out
+
+
 def tree_rss_bytes(pid: int) -> int:
     """Resident bytes of `pid` and all its descendants."""
     total, todo = 0, [pid]

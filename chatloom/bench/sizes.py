@@ -216,23 +216,37 @@ def _argv(name: str, target: Target, plan: SizesPlan, port: int, threads: int | 
 
 
 def load_rounds(target: Target, plan: SizesPlan, servers: tuple[str, ...], rounds: int,
-                llama_server: Path | None = None, threads: int | None = None, log_dir: Path | None = None) -> dict:
+                llama_server: Path | None = None, threads: int | None = None, log_dir: Path | None = None,
+                vllm_python: Path | None = None) -> dict:
     """Only the load to ready, each server in turn for `rounds` rounds (load_time.py). JSON-ready."""
     from chatloom.bench.load_time import run_load_rounds
 
     commands, skipped = {}, {}
     for name in servers:
-        argv = _argv(name, target, plan, 0, threads, llama_server)
+        argv = _argv(name, target, plan, 0, threads, llama_server, vllm_python)
         if isinstance(argv, str):
             skipped[name] = argv
         else:
-            commands[name] = lambda port, name=name: _argv(name, target, plan, port, threads, llama_server)
+            commands[name] = lambda port, name=name: (
+                _argv(name, target, plan, port, threads, llama_server, vllm_python), _env(name, threads))
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     result = run_load_rounds(commands, rounds, plan.ready_timeout_s, IGNORE_EOS, log_dir)
     return {"benchmark": "sizes-load", "model": str(target.gguf), "file_bytes": target.gguf.stat().st_size,
             "cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "skipped": skipped, **result}
+
+
+def _env(name: str, threads: int | None) -> dict[str, str]:
+    """What `name`'s environment adds to ours."""
+    env: dict[str, str] = {}
+    if name == "vllm":
+        # vLLM's CPU backend reserves its KV cache up front (4 GiB by default): room for every in-flight
+        # conversation at once, as llama-server gets with `-c`.
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "8")
+        if threads:
+            env.update(VLLM_CPU_OMP_THREADS_BIND="all", OMP_NUM_THREADS=str(threads))
+    return env
 
 
 def run_server(name: str, target: Target, plan: SizesPlan, texts: Texts, threads: int | None = None,
@@ -243,13 +257,7 @@ def run_server(name: str, target: Target, plan: SizesPlan, texts: Texts, threads
     argv = _argv(name, target, plan, port, threads, llama_server, vllm_python)
     if isinstance(argv, str):
         return {"skipped": argv}
-    env = {}
-    if name == "vllm":
-        # vLLM's CPU backend reserves its KV cache up front (4 GiB by default): room for every in-flight
-        # conversation at once, as llama-server gets with `-c`.
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "8")
-        if threads:
-            env.update(VLLM_CPU_OMP_THREADS_BIND="all", OMP_NUM_THREADS=str(threads))
+    env = _env(name, threads)
     log = log_dir / f"{target.gguf.stem}-{name}.log" if log_dir else None
     server = ServerProcess(name, argv, port, env, log)
     try:

@@ -330,7 +330,8 @@ def sizes(args) -> int:
         if unknown or not targets[0].gguf.is_file():
             raise ValueError(f"unknown server {unknown[0]!r}: use {', '.join(SERVERS)}" if unknown
                              else f"no GGUF file at {targets[0].gguf}")
-        result = load_rounds(targets[0], plan, servers, args.load_rounds, llama_server, args.threads, log_dir)
+        result = load_rounds(targets[0], plan, servers, args.load_rounds, llama_server, args.threads, log_dir,
+                             Path(args.vllm_python) if args.vllm_python else None)
         table = format_load_table
     else:
         result = run_sizes(targets, plan, servers, llama_server, args.threads, log_dir, args.seed,

@@ -61,13 +61,15 @@ def test_quick_run_measures_chatloom_and_notes_the_missing_peers(checkpoint, tmp
 
 def test_load_rounds_start_each_server_in_turn_and_report_medians(checkpoint, tmp_path, capsys):
     out = tmp_path / "load.json"
-    assert main(["bench", "sizes", "--model", str(checkpoint.gguf_file), "--quick", "--servers", "chatloom,llama-server",
-                 "--llama-server", str(tmp_path / "no-such-binary"), "--load-rounds", "2", "--out", str(out),
-                 "--table"]) == 0
+    assert main(["bench", "sizes", "--model", str(checkpoint.gguf_file), "--quick",
+                 "--servers", "chatloom,llama-server,vllm", "--llama-server", str(tmp_path / "no-such-binary"),
+                 "--vllm-python", str(tmp_path / "no-such-python"), "--hf-folder", str(tmp_path),
+                 "--load-rounds", "2", "--out", str(out), "--table"]) == 0
     printed, table = capsys.readouterr()
     result = json.loads(printed)
     assert json.loads(out.read_text()) == result and result["benchmark"] == "sizes-load"
     assert "no-such-binary" in result["skipped"]["llama-server"]
+    assert "no-such-python" in result["skipped"]["vllm"]  # the Python given, not this one
     runs = result["starts"]["chatloom"]
     assert len(runs) == 2 and all("error" not in r for r in runs), runs
     for r in runs:
