@@ -194,7 +194,8 @@ def _print_window(r: dict[str, Any]) -> None:
 
 
 def _weight_estimate(spec: str, cfg) -> int:
-    """Bytes the weights will take once loaded (in the exact mode), or 0 for a config alone."""
+    """Bytes the weights will take once loaded with the default settings (float32; int8 activations for
+    a K-quant file where the CPU has the kernel), or 0 for a config alone."""
     from chatloom.models.memory_check import dense_weight_bytes, gguf_weight_bytes
     from chatloom.models.registry import DEFAULT_MODEL
 
@@ -204,9 +205,14 @@ def _weight_estimate(spec: str, cfg) -> int:
         spec = str(smollm2_path())
     path = Path(spec)
     if path.is_file() and path.suffix != ".json":
-        from chatloom.models.gguf_loader import open_gguf
+        import torch
 
-        return gguf_weight_bytes(open_gguf(path).tensors, 4, True)
+        from chatloom.models.gguf_loader import open_gguf
+        from chatloom.models.loader import gguf_layout
+
+        reader = open_gguf(path)
+        keeps, int8, super_blocks = gguf_layout(reader, torch.float32, None, False)
+        return gguf_weight_bytes(reader.tensors, 4, keeps, super_blocks, int8_activations=int8)
     return dense_weight_bytes(cfg, 4) if path.is_dir() else 0
 
 

@@ -110,6 +110,21 @@ def _unknown(spec: str) -> ModelError:
                       "nor an existing GGUF file or Hugging Face folder")
 
 
+def gguf_layout(reader, torch_dtype: torch.dtype, int8_matmul: bool | None,
+                bf16_matmul: bool) -> tuple[bool, bool, bool]:
+    """How a GGUF file's matmul weights are kept once loaded: (quantized blocks kept, int8 activations,
+    Q4_K/Q6_K in their super-blocks), decided as packed_linear.pack_linears decides it. `int8_matmul`
+    None is the default: on for files mostly in K-quants where the CPU has the int8 super-block kernel."""
+    kernels = load_kernels()
+    keeps = torch_dtype == torch.float32 and kernels_can_pack(kernels)
+    if int8_matmul is None:
+        int8_matmul = keeps and not bf16_matmul and _mostly_kquants(reader) and kquant_int8_supported(kernels)
+    # Super-blocks serve the exact mode and, where its kernel exists, the int8 one (as packing does).
+    super_blocks = keeps and not bf16_matmul and kquant_matmul_supported(kernels) \
+        and (not int8_matmul or kquant_int8_supported(kernels))
+    return keeps, bool(int8_matmul), super_blocks
+
+
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
                int8_matmul: bool | None = False,
                kv_cache_bytes: int | Callable[[ModelConfig], int] = 0,
@@ -158,12 +173,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
     elif path.is_file():
         reader = gguf_loader.open_gguf(path)
         cfg = gguf_loader.read_config(reader, path.stem)
-        keeps = torch_dtype == torch.float32 and kernels_can_pack(load_kernels())
-        if int8_matmul is None:
-            int8_matmul = keeps and not bf16_matmul and _mostly_kquants(reader) \
-                and kquant_int8_supported(load_kernels())
-        super_blocks = keeps and not int8_matmul and not bf16_matmul and kquant_matmul_supported(load_kernels())
-        check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps, super_blocks, float_embedding=bf16_matmul))
+        keeps, int8_matmul, super_blocks = gguf_layout(reader, torch_dtype, int8_matmul, bf16_matmul)
+        check(cfg, gguf_weight_bytes(reader.tensors, float_bytes, keeps, super_blocks, float_embedding=bf16_matmul,
+                                     int8_activations=int8_matmul))
         tok = from_gguf(reader)
         weights = gguf_loader.read_weights(reader, cfg.architecture)
         quantized = gguf_loader.read_quantized(reader, cfg.architecture)

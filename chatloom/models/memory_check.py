@@ -15,6 +15,10 @@ from chatloom.models.config import ModelConfig, ModelError
 
 # Bytes per weight once packed for the kernels: codes plus a float32 (d, m) per 32 or per 16.
 _KEPT_BYTES_PER_WEIGHT = {"Q4_1": 0.75, "Q4_K": 0.75, "Q4_0": 1.25, "Q8_0": 1.25, "Q5_K": 1.25, "Q6_K": 1.5}
+# With int8 activations a 32-weight group layer whose groups have an offset (Q4_0 becomes Q4_1 there)
+# keeps the offsets again as a float32 panel of their own, multiplied by the block sums of x.
+_OFFSET_KINDS = {"Q4_0", "Q4_1", "Q4_K", "Q5_K"}
+_INT8_OFFSET_BYTES_PER_WEIGHT = 4 / 32
 # Q4_K and Q6_K kept in their super-blocks (kquant_panels.py): 4.625 and 6.5625 bits, each part its own.
 _SUPER_BLOCK_BYTES_PER_WEIGHT = {"Q4_K": 4.625 / 8, "Q6_K": 6.5625 / 8}
 _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
@@ -59,11 +63,19 @@ def _fused_key(name: str) -> tuple[str, str] | None:
 
 
 def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool, super_blocks: bool = False,
-                      float_embedding: bool = False) -> int:
+                      float_embedding: bool = False, int8_activations: bool = False) -> int:
     """Resident bytes of a GGUF file's tensors (gguf_loader.GGUFTensor list) once loaded;
-    `super_blocks`: Q4_K and Q6_K layers are kept in their super-blocks (the exact mode on AVX-512);
+    `super_blocks`: Q4_K and Q6_K layers are kept in their super-blocks (loader.gguf_layout says when);
     a quantized embedding is looked up from its blocks where the matmuls keep blocks too, unless
-    `float_embedding` (the bfloat16 mode, whose tied head is made from the float32 table)."""
+    `float_embedding` (the bfloat16 mode, whose tied head is made from the float32 table);
+    `int8_activations`: 32-weight group layers with an offset keep it apart as well (QuantizedLinear)."""
+
+    def grouped(kinds: set[str], kind: str, n: int) -> int:
+        if len(kinds) > 1:
+            return int(n * _KEPT_BYTES_PER_WEIGHT["Q6_K"])
+        extra = n * _INT8_OFFSET_BYTES_PER_WEIGHT if int8_activations and kind in _OFFSET_KINDS else 0
+        return int(n * _KEPT_BYTES_PER_WEIGHT[kind] + extra)
+
     fused: dict[tuple[str, str], set[str]] = {}
     for t in tensors:
         key = _fused_key(t.name)
@@ -82,12 +94,12 @@ def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool, super_bl
                 total += n * float_bytes  # the embedding table is looked up in floats
             if kind in _KEPT_BYTES_PER_WEIGHT and keeps_quantized and not any(
                     u.name == "output.weight" for u in tensors):  # and packed again as the tied head
-                total += int(n * (_SUPER_BLOCK_BYTES_PER_WEIGHT if super_block else _KEPT_BYTES_PER_WEIGHT)[kind])
+                total += int(n * _SUPER_BLOCK_BYTES_PER_WEIGHT[kind]) if super_block else grouped({kind}, kind, n)
         elif keeps_quantized and super_block:
             total += int(n * _SUPER_BLOCK_BYTES_PER_WEIGHT[kind])
         elif (keeps_quantized and kinds <= _KEPT_BYTES_PER_WEIGHT.keys()
               and len(t.shape) in (2, 3)):  # 3: stacked experts
-            total += int(n * (_KEPT_BYTES_PER_WEIGHT["Q6_K"] if len(kinds) > 1 else _KEPT_BYTES_PER_WEIGHT[kind]))
+            total += grouped(kinds, kind, n)
         else:
             total += n * float_bytes
     return total

@@ -106,6 +106,25 @@ def test_memory_estimate_is_what_the_model_holds(checkpoint):
     assert abs(kept - held) < 0.02 * held  # tiny routers padded to a 16-row panel: the rest
 
 
+@pytest.mark.skipif(kernels is None or not kernels.int8_linear_supported(), reason="no int8 kernels")
+def test_memory_estimate_in_the_int8_mode_is_what_the_model_holds(checkpoint):
+    """The layout `gguf_layout` predicts for the int8 mode (super-blocks where the CPU has that kernel)
+    is what the loaded model holds, so the memory check and `chatloom capacity` count the right bytes."""
+    from chatloom.models.loader import gguf_layout
+
+    _, path, _ = checkpoint
+    reader = open_gguf(path)
+    keeps, int8, super_blocks = gguf_layout(reader, torch.float32, True, False)
+    assert keeps and int8
+    estimate = gguf_weight_bytes(reader.tensors, 4, keeps, super_blocks, int8_activations=int8)
+    model, held, seen = load_model(str(path), "fp32", int8_matmul=True).model, 0, set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is not None and "rope" not in name and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            held += t.numel() * t.element_size()
+    assert abs(estimate - held) < 0.02 * held
+
+
 @pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
 @pytest.mark.parametrize("arch", ["qwen2_moe", "gemma3_text"])
 def test_engine_batched_equals_alone(arch, tmp_path):
