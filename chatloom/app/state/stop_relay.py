@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable
 
 import redis.asyncio as redis
@@ -53,11 +54,15 @@ class RedisStopRelay(StopRelay):
         self._task = asyncio.create_task(self._listen(local_stop), name="stop-relay")
 
     async def _listen(self, local_stop: LocalStop) -> None:
+        lost_at: float | None = None  # when Redis went away: one line when it goes, one when it is back
         while True:
             try:
                 async with self.blocking.pubsub() as pubsub:
                     await pubsub.subscribe(self.channel)
                     self.listening.set()
+                    if lost_at is not None:
+                        log.warning("stop relay listening again after %.1f s without Redis", time.monotonic() - lost_at)
+                        lost_at = None
                     async for message in pubsub.listen():
                         if message.get("type") != "message":
                             continue
@@ -70,7 +75,11 @@ class RedisStopRelay(StopRelay):
                 self.listening.clear()
                 if cancel_requested():
                     raise asyncio.CancelledError from exc
-                log.warning("stop relay lost Redis (%s); resubscribing", exc)
+                if lost_at is None:
+                    lost_at = time.monotonic()
+                    log.warning("stop relay lost Redis (%s); resubscribing every 0.5 s", exc)
+                else:
+                    log.debug("stop relay still without Redis: %s", exc)
                 await asyncio.sleep(0.5)
 
     async def close(self) -> None:
