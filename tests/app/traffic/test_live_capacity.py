@@ -150,8 +150,8 @@ class Gateway:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "CHATLOOM_RUNTIME__KERNELS": "0", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+        path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+        env = {**os.environ, "CHATLOOM_RUNTIME__KERNELS": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "chatloom.cli", "serve", "--config", str(self.config), "--port", str(self.port),
@@ -305,7 +305,8 @@ async def test_replicas_follow_a_ramp_and_the_ladder_takes_a_burst_before_any_50
             r = await c.post("/v1/chat/completions", headers=free, json={
                 "model": "tiny-random", "messages": [{"role": "user", "content": "x" * WINDOW}],
                 "reasoning_effort": "high", "max_tokens": 8})
-            counted = re.search(r"the prompt (?:has|takes) (\d+) tokens", r.text)  # as it would be sent, thinking asked for
+            # The refusal counts the prompt as it would be sent, thinking instructions included.
+            counted = re.search(r"the prompt (?:has|takes) (\d+) tokens", r.text)
             assert r.status_code == 400 and counted, r.text
             overhead = int(counted.group(1)) - WINDOW
 
@@ -402,12 +403,13 @@ async def test_replicas_follow_a_ramp_and_the_ladder_takes_a_burst_before_any_50
             assert [r["url"] for r in final["replicas"]] == [u for u in (first_url, second_url) if u != url]
             stats = (await c.get("/admin/stats", headers=admin)).json()["backend"]
             assert stats["failovers"] == 0  # no answer was rescued from a replica that went away
+            t_drain = first(s.t for s in snaps if s.replicas.get(url, ("",))[0] == "draining")
             print(f"second replica serving {t_two - t_ramp:.1f} s into the ramp; burst: effort at "
                   f"{t_effort - t_burst:.1f} s, small model at {t_small - t_burst:.1f} s, "
                   f"{sum(a.status == 503 for a in burst)} refused of {len(burst)}; ladder back to none "
                   f"{changes[-1][0] - t_calm if changes else 0:.1f} s after the burst's last answer; "
-                  f"replica drained at {first(s.t for s in snaps if s.replicas.get(url, ('',))[0] == 'draining') - t_stop:.1f} s "
-                  f"after the burst stopped; {token_s * 1000:.0f} ms a token on the ramp")
+                  f"replica drained {t_drain - t_stop:.1f} s after the burst stopped; {token_s * 1000:.0f} ms a "
+                  "token on the ramp")
     finally:
         gateway.stop()
 
