@@ -42,6 +42,7 @@ from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFaile
 from chatloom.serving.autoscale import AutoscaleConfig, PredictiveAutoscaler
 from chatloom.serving.local_fleet import LocalReplicas
 from chatloom.serving.local_scaler import LocalFleetScaler
+from chatloom.serving.multi_model import MultiModelBackend
 from chatloom.serving.router import Router
 from chatloom.serving.speech import SpeechBackend
 from chatloom.store import Database
@@ -89,7 +90,10 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         hot.quotas.day_floor = lambda user_id, day: traffic.meter.charged_on(user_id, day, discount)
     traffic.admission.fleet = hot.fleet
     pipeline = Pipeline(backend, traffic, settings)
-    scaler = build_scaler(settings, traffic, backend, local_replicas)
+    router = local_router(backend, local_replicas)
+    if router is not None:  # N local replicas run N engines' generations at once
+        traffic.size_admission(len(router.replicas))
+    scaler = build_scaler(settings, traffic, router, local_replicas)
     blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
     # Passages and questions are embedded by the served model, or by a remote embedding server.
     embedder = RemoteEmbedder.from_settings(settings) if settings.files.embeddings_url else pipeline.embeddings
@@ -121,14 +125,15 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         # Load the model in the background: /healthz answers at once, /readyz once it is loaded.
         loading = asyncio.create_task(_start_backend(backend, _app), name="backend-start")
         scaling = asyncio.create_task(scaler.run(), name="autoscaler") if scaler is not None else None
+        laddering = asyncio.create_task(traffic.follow_load(), name="degrade-ladder")
         speech_loading = asyncio.create_task(_start_speech(speech), name="speech-start") if speech else None
         try:
             yield
         finally:
-            if scaling is not None:
-                scaling.cancel()
+            for task in filter(None, (scaling, laddering)):
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await scaling
+                    await task
             await runner.close()  # running batch lines stop; their batches go on elsewhere or at the next start
             await sweeper.stop()
             if hot.shared:
@@ -181,18 +186,27 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     return app
 
 
-def build_scaler(settings: Settings, traffic: Traffic, backend: Backend,
+def local_router(backend: Backend, local: LocalReplicas | None) -> Router | None:
+    """The router over the local replicas: the backend itself, or the default model's router where
+    [[fleet.models]] adds other models beside them."""
+    if local is None:
+        return None
+    candidates = backend.backends.values() if isinstance(backend, MultiModelBackend) else (backend,)
+    return next((b for b in candidates if isinstance(b, Router) and {r.name for r in b.replicas} == set(local.urls)),
+                None)
+
+
+def build_scaler(settings: Settings, traffic: Traffic, router: Router | None,
                  local: LocalReplicas | None) -> LocalFleetScaler | None:
-    """The autoscaler, when it is on: acting on the local replicas the router routes over, or only
-    reporting on /metrics the replicas it wants."""
+    """The autoscaler, when it is on: acting on the local replicas `router` routes over, or only
+    reporting on /metrics the replicas it wants. The admission queue follows the replicas serving."""
     a = settings.autoscale
     if not a.enabled:
         return None
     config = AutoscaleConfig(a.min_replicas, a.max_replicas, a.capacity_rps, 120.0 if a.startup_s is None else a.startup_s,
                              a.interval_s, a.headroom, a.scale_down_hold_s)
-    router = backend if local is not None and isinstance(backend, Router) else None
     scaler = LocalFleetScaler(PredictiveAutoscaler(config), lambda: traffic.arrivals, router,
-                              local if router is not None else None)
+                              local if router is not None else None, on_resize=traffic.size_admission)
     scaler.autoscaler.desired = len(local.urls) if local is not None else a.min_replicas
     scaler.register(traffic.metrics.registry)
     return scaler

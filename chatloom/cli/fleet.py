@@ -2,7 +2,8 @@
 
 Replica URLs are checked before the port opens: when no replica of a model can serve (unreachable,
 not an OpenAI-compatible server, another model), serve stops with one line saying so. Local replicas
-are child processes that live and die with the gateway.
+are child processes that live and die with the gateway; they serve --model, the default model, beside
+any other models [[fleet.models]] lists (a smaller one for the degrade ladder, say).
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="serve the model from this OpenAI-compatible replica (chatloom replica, vLLM, SGLang); "
                         "repeat for several. See also [[fleet.models]] in the settings file")
     p.add_argument("--local-replicas", type=_count_or_auto, default=None, metavar="N|auto",
-                   help="start N `chatloom replica` processes of --model here and route over them; 'auto': "
-                        "start --min-replicas and let the predictive autoscaler start and drain more")
+                   help="start N `chatloom replica` processes of --model here and route over them (the "
+                        "default model; [[fleet.models]] may add others); 'auto': start --min-replicas and let "
+                        "the predictive autoscaler start and drain more")
     p.add_argument("--min-replicas", type=positive_int, default=None, metavar="N",
                    help="with --local-replicas auto: fewest replicas (autoscale.min_replicas)")
     p.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
@@ -56,9 +58,11 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
         changes["fleet.replicas"] = list(args.replica)
     local = None
     if args.local_replicas:
-        if args.replica or settings.fleet.models:
-            raise ValueError("--local-replicas replaces --replica and [[fleet.models]]; give one of them")
+        if args.replica or settings.fleet.replicas:
+            raise ValueError("--local-replicas replaces --replica and fleet.replicas; give one of them")
         from chatloom.serving.local_fleet import LocalReplicas
+
+        served = _local_model_id(settings)
 
         extra = replica_args(settings)
         auto = args.local_replicas == "auto"
@@ -71,9 +75,14 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
               f"{' (autoscaled)' if auto else ''}", file=sys.stderr)
         started = time.monotonic()
         try:
-            changes["fleet.replicas"] = local.start()
+            urls = local.start()
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
+        if settings.fleet.models:  # the local replicas' model comes first (the default), then the others
+            changes["fleet.models"] = [{"id": served, "path": settings.model.name, "replicas": urls},
+                                       *settings.fleet.models]
+        else:
+            changes["fleet.replicas"] = urls
         if auto and settings.autoscale.startup_s is None:  # the replicas started side by side: one start-up
             changes["autoscale.startup_s"] = round(time.monotonic() - started, 1)
     settings = settings.with_values(changes)
@@ -85,6 +94,17 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
     finally:
         if local is not None:
             local.stop()
+
+
+def _local_model_id(settings) -> str:
+    """The id the local replicas serve `model.name` under; ValueError if a [[fleet.models]] entry has it too."""
+    from chatloom.serving.local import model_id_for
+
+    served = model_id_for(settings.model.name)
+    if any(isinstance(m, dict) and m.get("id") == served for m in settings.fleet.models or []):
+        raise ValueError(f"[[fleet.models]] lists {served!r}, the model the local replicas serve; "
+                         "give the other models there and this one with --model")
+    return served
 
 
 def replica_args(settings) -> list[str]:

@@ -16,8 +16,10 @@ step (and every step below it):
 Only after these does the admission queue refuse (503, or 529 on the Anthropic API), as it always
 has when its wait would pass traffic.queue_max_wait_s. A step is undone once both signals have stayed
 below its thresholds' clearing levels (a share of the wait threshold, a margin under the KV one) for
-`hold_s`, one step at a time, so the ladder does not flap around a threshold. Which steps applied to
-a request is in its `x-chatloom-degraded` header, and the level is on /metrics.
+`hold_s`, one step at a time, so the ladder does not flap around a threshold. The app reads the signals
+each request and every `check_interval_s` besides, so the steps come off when the load has gone even if
+no request comes. Which steps applied to a request is in its `x-chatloom-degraded` header, and the level
+is on /metrics.
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ Every interval it feeds the requests that reached the admission queue to the aut
 reconciles: missing replicas are started (a process each, in a thread so the event loop keeps
 streaming) and join the router once they answer; a surplus replica is drained first (the router sends
 it nothing new), waits until its last answer has finished, and only then leaves the router and
-stops, so scaling down never cuts an answer. Without a fleet to act on, the scaler only reports what
-it would want, for an external autoscaler reading /metrics.
+stops, so scaling down never cuts an answer. `on_resize` hears the number of replicas serving each time
+it changes (the gateway admits as many generations at once as they run together). Without a fleet to
+act on, the scaler only reports what it would want, for an external autoscaler reading /metrics.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 class LocalFleetScaler:
     def __init__(self, autoscaler: PredictiveAutoscaler, arrivals: Callable[[], int],
                  router: Router | None = None, local: LocalReplicas | None = None,
-                 clock: Callable[[], float] = time.monotonic, drain_poll_s: float = 0.1) -> None:
+                 clock: Callable[[], float] = time.monotonic, drain_poll_s: float = 0.1,
+                 on_resize: Callable[[int], None] | None = None) -> None:
         if (router is None) != (local is None):
             raise ValueError("a scaler acts on a router and its local replicas together, or on neither")
         self.autoscaler = autoscaler
@@ -36,6 +38,7 @@ class LocalFleetScaler:
         self.local = local
         self.clock = clock
         self.drain_poll_s = drain_poll_s
+        self.on_resize = on_resize
         self.starting = 0
         self.draining: set[str] = set()
         self._seen = arrivals()
@@ -98,7 +101,12 @@ class LocalFleetScaler:
             victim = min(candidates, key=lambda r: (r.inflight, -self.router.replicas.index(r)))
             self.draining.add(victim.name)
             self.router.drain(victim.name)
+            self._resized()
             self._spawn(self._retire(victim.name))
+
+    def _resized(self) -> None:
+        if self.on_resize is not None:
+            self.on_resize(self.serving)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -109,6 +117,7 @@ class LocalFleetScaler:
         try:
             url = await asyncio.to_thread(self.local.add)
             await self.router.add_replica(url)
+            self._resized()
             log.warning("autoscaler: replica %s started (%d serving)", url, self.serving)
         except Exception as exc:  # a replica that does not come up: the next tick asks again
             log.error("autoscaler: a new replica did not start: %s", exc)

@@ -251,8 +251,8 @@ class Router(Backend):
             failovers=self.failovers, num_requests_running=sum(s.num_running for s in live),
             num_requests_waiting=sum(s.num_waiting for s in live),
             kv_cache_usage_perc=(sum(s.kv_cache_usage for s in live) / len(live)) if live else 0.0,
-            replicas=[ReplicaStatus(r.name, r.healthy, r.draining, r.inflight, r.served, r.has_feed, len(r.index),
-                                    r.error, r.load) for r in self.replicas])
+            replicas=[ReplicaStatus(r.name, r.healthy, r.draining or r.held, r.inflight, r.served, r.has_feed,
+                                    len(r.index), r.error, r.load) for r in self.replicas])
 
     def drain(self, url: str, draining: bool = True) -> None:
         """Send no new requests to `url` (its answers in flight finish); False undoes it."""

@@ -283,7 +283,8 @@ class TrafficSettings(Group):
     default_tier: str = Field("free", description="Tier of a new account.")
     queue_max_wait_s: float = Field(30.0, gt=0, description="Longer in the admission queue: 503 with Retry-After.")
     admission_max_running: int | None = Field(None, gt=0, description="Generations admitted at once "
-                                                                      "(default: engine.max_num_seqs).")
+                                                                      "(default: engine.max_num_seqs, times "
+                                                                      "the local replicas serving).")
     reasoning_share: float = Field(0.5, ge=0, le=1, description="Most of the running slots reasoning requests "
                                                                 "may hold.")
     reasoning_max_effort: Literal["low", "medium", "high"] = Field("high", description="Cap on the reasoning "

@@ -72,3 +72,67 @@ def test_a_scaler_needs_both_a_router_and_its_replicas():
     config = AutoscaleConfig(min_replicas=1, max_replicas=2, capacity_rps=1.0, startup_s=0.0)
     with pytest.raises(ValueError):
         LocalFleetScaler(PredictiveAutoscaler(config), lambda: 0, router=object(), local=None)
+
+
+class FakeReplica:
+    def __init__(self, name: str) -> None:
+        self.name, self.inflight = name, 0
+
+
+class FakeRouter:
+    """The parts of a Router the scaler uses, with answers in flight set by the test."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.replicas = [FakeReplica(u) for u in urls]
+        self.held: set[str] = set()
+
+    def drain(self, url: str) -> None:
+        self.held.add(url)
+
+    def inflight(self, url: str) -> int:
+        return next(r.inflight for r in self.replicas if r.name == url)
+
+    async def add_replica(self, url: str) -> bool:
+        self.replicas.append(FakeReplica(url))
+        return True
+
+    async def remove_replica(self, url: str) -> None:
+        self.replicas = [r for r in self.replicas if r.name != url]
+
+
+class FakeLocal:
+    def __init__(self) -> None:
+        self.started, self.stopped = 1, []
+
+    def add(self) -> str:
+        self.started += 1
+        return f"http://r{self.started}"
+
+    def stop_one(self, url: str) -> None:
+        self.stopped.append(url)
+
+
+async def test_it_tells_the_gateway_each_new_size_as_replicas_join_and_leave():
+    router, local, sizes, arrivals = FakeRouter(["http://r1"]), FakeLocal(), [], [0]
+    config = AutoscaleConfig(min_replicas=1, max_replicas=2, capacity_rps=1.0, startup_s=0.0, interval_s=1.0,
+                             headroom=1.0, scale_down_hold_s=0.0)
+    scaler = LocalFleetScaler(PredictiveAutoscaler(config), lambda: arrivals[0], router, local, drain_poll_s=0.01,
+                              on_resize=sizes.append)
+    arrivals[0] += 5
+    assert await scaler.tick() == 2
+    await wait_for(lambda: sizes == [2], timeout=5)
+    router.replicas[0].inflight, router.replicas[1].inflight = 2, 1  # the less busy new one is drained
+    for _ in range(30):
+        if await scaler.tick() == 1:
+            break
+    # Told as the drain starts: the drained replica's answer is still running and it takes nothing new.
+    assert sizes == [2, 1] and scaler.draining == {"http://r2"} and local.stopped == []
+    router.replicas[1].inflight = 0
+    await wait_for(lambda: not scaler.draining, timeout=5)
+    assert local.stopped == ["http://r2"] and [r.name for r in router.replicas] == ["http://r1"]
+
+
+def test_a_replica_the_router_drains_shows_as_draining():
+    router = Router("tiny-random", ["http://127.0.0.1:1", "http://127.0.0.1:2"])  # never started
+    router.drain("http://127.0.0.1:2")
+    assert [r.draining for r in router.stats().replicas] == [False, True]

@@ -8,6 +8,8 @@ on every signed-in response. A generation's use of all this is written once, in 
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -25,6 +27,8 @@ from chatloom.app.traffic.tiers import Tier, TierTable
 from chatloom.app.traffic.metering import Meter
 from chatloom.serving import Backend, Usage
 from chatloom.store import Database, User
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,6 +68,28 @@ class Traffic:
         if max_tokens > d.max_tokens_cap and tier.name in d.max_tokens_tiers and self._step("max_tokens"):
             max_tokens = d.max_tokens_cap
         return model, max_tokens, effort
+
+    async def follow_load(self) -> None:
+        """Read the ladder's signals every check interval until cancelled, so its steps come off once the
+        load has fallen even when no request arrives to take a reading (/metrics and /admin/ops show it)."""
+        if self.ladder is None:
+            return
+        while True:
+            await asyncio.sleep(max(0.1, self.settings.degrade.check_interval_s))
+            try:
+                self.ladder.update()
+            except Exception as exc:  # a backend between states: the next reading decides
+                log.debug("degrade ladder not updated: %s", exc)
+
+    def size_admission(self, replicas: int) -> None:
+        """`replicas` local replicas serve now: admit as many generations at once as they run together
+        (engine.max_num_seqs each), unless traffic.admission_max_running fixes the number."""
+        if self.settings.traffic.admission_max_running is not None:
+            return
+        a = self.admission
+        a.max_running = max(1, replicas) * self.settings.engine.max_num_seqs  # waiting requests fill new slots
+        if a.fleet is not None:  # other gateways count this one's slots in their shares
+            a.fleet.local_max_running = a.max_running
 
     def slo_class(self, tier: Tier, kind: str) -> str:
         return f"{kind}:{tier.name}" if kind == INTERACTIVE else kind

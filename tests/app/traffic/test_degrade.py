@@ -2,6 +2,8 @@
 the response and on /metrics, and come down one at a time once load has stayed low."""
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -135,3 +137,28 @@ async def test_under_load_the_free_tier_moves_to_the_small_model_and_effort_drop
                 seen.append(r.headers.get("x-chatloom-degraded"))
             assert seen == ["effort,small_model,max_tokens", "effort,small_model", "effort", None, None]
             assert backend.requests[-1].model in (None, "big")
+
+
+async def test_the_steps_come_off_when_the_load_falls_even_with_no_request_to_see_it(tmp_path):
+    backend = LoadedBackend()
+    app = create_app(make_settings(tmp_path, moderation={"mode": "off"},
+                                   degrade={"small_model": "small", "hold_s": 0.2, "check_interval_s": 0.0,
+                                            "max_tokens_cap": 4}), backend)
+    body = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            root = await signup(c, "root")
+            backend.kv = 0.99
+            r = await c.post("/v1/chat/completions", json=body, headers=await signup(c, "alice"))
+            assert r.headers["x-chatloom-degraded"] == "small_model,max_tokens"
+            backend.kv = 0.1  # the burst is over, and nobody asks for anything
+            levels = [3]
+            deadline = asyncio.get_running_loop().time() + 10
+            while levels[-1] > 0:
+                assert asyncio.get_running_loop().time() < deadline, f"the ladder stayed at {levels}"
+                snap = (await c.get("/admin/ops", headers=root)).json()
+                if snap["degrade"]["level"] != levels[-1]:
+                    levels.append(snap["degrade"]["level"])
+                await asyncio.sleep(0.02)
+            assert levels == [3, 2, 1, 0]  # one step at a time
+            assert "chatloom:degrade_level 0.0" in (await c.get("/metrics", headers=root)).text
