@@ -186,7 +186,8 @@ def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo:
         if res.stop_reason in ("first tokens", "meets"):
             paused[n] = sim
         else:
-            paused.pop(n, None)
+            drop(n)
+            sim.close()
         if n in tried:
             result.probes[result.probes.index(tried[n])] = p
         else:
@@ -195,6 +196,10 @@ def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo:
         if on_probe:
             on_probe(p)
         return p
+
+    def drop(n: int) -> None:
+        if n in paused:
+            paused.pop(n).close()
 
     def probe(n: int, **kw) -> Probe:
         """A first run of `n` (kw: the EarlyStop's optional rules), or a stopped one taken on to its verdict."""
@@ -211,7 +216,8 @@ def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo:
         """The answer's probe, run to its end if it stopped once it certainly met: its full figures."""
         if n in paused:
             record(n, paused[n], paused[n].resume(None))
-        paused.clear()
+        for m in list(paused):
+            drop(m)
 
     first = probe(guess, first_tokens=True)
     hit = float(first.summary.get("prefix_hit_rate") or 0.0)
@@ -219,13 +225,13 @@ def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo:
     # fleet that meets the SLO are cheap, an overloaded one piles up requests.
     n = min(guess, max(1, math.ceil(margin * peak_tokens / slo_capacity(spec, traffic, slo.tpot_s, hit))))
     if n != guess:
-        paused.pop(guess, None)  # its verdict is never needed
+        drop(guess)  # its verdict is never needed
     if probe(n, meets=slo.attainment).ok:
         while len(tried) < max_probes:  # walk down while the next size still meets
             smaller = min(n - 1, math.floor(n * (1 - step)))
             if smaller < 1 or not probe(smaller, meets=slo.attainment).ok:
                 break
-            paused.pop(n, None)
+            drop(n)
             n = smaller
         finish(n)
         result.replicas = n

@@ -13,19 +13,20 @@ share of the traffic, estimates them (see `run_fleet`).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from chatloom.engine import block_hash
 from chatloom.serving.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy
 from chatloom.sim.cost import decode_step_s, loaded_step_s
 from chatloom.sim.early_stop import EarlyStop, Tally
 from chatloom.sim.hardware import ReplicaSpec
-from chatloom.sim.replica import SimReplica, SimRequest, memo_block_key
+from chatloom.sim.replica import SimReplica, SimRequest, sim_block_key, sim_prefix_keys
 from chatloom.sim.request_table import RequestLog, RequestTable
 from chatloom.sim.arrivals import SimConversation, TrafficModel, TrafficSource
 
@@ -52,6 +53,25 @@ class SimConfig:
     # and the conversation traffic's prompts rarely part from a cached block within a block).
     partial_block_hits: bool = True
     # After duration_s no message is sent; what is in flight runs to its end.
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def new_replicas(name_prefix: str, n: int, spec: ReplicaSpec, config: SimConfig) -> list[SimReplica]:
+    # Tens of thousands of blocks a replica: with the collector on, making them set off full passes
+    # over the heap (1.5 s for the first two replicas of a plan).
+    with gc_paused():
+        return [SimReplica(f"{name_prefix}{i}", spec, config.enable_prefix_caching, config.partial_block_hits)
+                for i in range(n)]
 
 
 @dataclass
@@ -104,8 +124,7 @@ class Simulator:
         self.policy = policy
         self.traffic = traffic
         self.config = config
-        self.replicas = [SimReplica(f"{name_prefix}{i}", spec, config.enable_prefix_caching, config.partial_block_hits)
-                         for i in range(num_replicas)]
+        self.replicas = new_replicas(name_prefix, num_replicas, spec, config)
         self.by_name = {r.name: r for r in self.replicas}
         for r in self.replicas:
             r.on_finish = self._finished
@@ -137,17 +156,22 @@ class Simulator:
 
     def run(self) -> SimRun:
         # Millions of long-lived Block and Sequence objects: the cyclic collector's full passes would
-        # dominate the run. The simulator makes no reference cycles it relies on the collector for.
-        gc.collect()
+        # dominate the run. The simulator makes no reference cycles it relies on the collector for
+        # (and drops its own at the end: see close), so none is collected first either (a full pass
+        # over the interpreter's heap took 0.6 s a probe).
         gc.freeze()
-        was_enabled = gc.isenabled()
-        gc.disable()
         try:
-            return self._run()
+            with gc_paused():
+                return self._run()
         finally:
-            if was_enabled:
-                gc.enable()
             gc.unfreeze()
+
+    def close(self) -> None:
+        """Drop the replicas' callbacks into this simulator, the one reference cycle it makes, so that
+        once it is let go its objects are freed at once by reference counting. A finished run does
+        this itself; a stopped one that will not be resumed needs it."""
+        for r in self.replicas:
+            r.on_finish = r.on_first_token = None
 
     def resume(self, early_stop: EarlyStop | None = None) -> SimRun:
         """Take a stopped run on from where it stopped, under a new rule (None: to its end). The
@@ -162,7 +186,6 @@ class Simulator:
 
     def _begin(self) -> None:
         cfg = self.config
-        memo_block_key.table.clear()  # another run's blocks: not this one's (but their memory)
         if self.source is not None:
             start = -self.prewarm_s()
             self.now = start
@@ -214,6 +237,8 @@ class Simulator:
         reason = tally.reason if tally is not None else ""
         span = self.now + (self.prewarm_s() if self.source is not None else 0.0)
         in_flight = list(self._live.values()) if reason else []
+        if not reason:
+            self.close()
         if self.log is not None and not reason:
             for req in self._live.values():  # none when every request ran to its end
                 self.log.add(req)
@@ -296,7 +321,7 @@ class Simulator:
             keys = []
         parent = keys[-1] if keys else self.root
         for i in range(len(keys), len(prompt) // bs):
-            parent = memo_block_key(parent, tuple(prompt[i * bs:(i + 1) * bs]))
+            parent = sim_block_key(parent, tuple(prompt[i * bs:(i + 1) * bs]))
             keys.append(parent)
         conv.tokens, conv.keys = prompt, keys
         return keys
@@ -327,7 +352,7 @@ class Simulator:
         if self.tally is not None:
             self.tally.sent_one(req)
         if not req.block_keys and self.policy is not None:
-            req.block_keys = tuple(block_hash.prefix_block_keys(req.prompt, self.spec.block_size, self.spec.model_key))
+            req.block_keys = tuple(sim_prefix_keys(req.prompt, self.spec.block_size, self.root))
         if len(req.prompt) + len(req.answer) > self.spec.pool_tokens:
             req.refused = "longer_than_kv_pool"
             self._next_turn(req, t)
