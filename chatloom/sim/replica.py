@@ -257,7 +257,10 @@ class SimReplica:
         k = MAX_RUN_STEPS
         max_len = sched.config.max_model_len
         for seq in batch.decodes:
-            left = min(seq.params.max_tokens - seq.num_output_tokens, max_len - len(seq))
+            n = len(seq.token_ids)
+            left = seq.params.max_tokens - n + seq.prompt_len
+            if max_len - n < left:
+                left = max_len - n
             if left < k:
                 k = left
                 if k <= 1:
@@ -300,9 +303,6 @@ class SimReplica:
                 # The later steps of the run: the scheduler would have grown these blocks one step at a time.
                 kv.grow(seq, seq.num_computed_tokens + k)
                 seq.num_computed_tokens += k
-        else:
-            for seq in batch.decodes:
-                seq.num_computed_tokens += 1
         completed = []
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
@@ -311,11 +311,15 @@ class SimReplica:
         held = kv.num_blocks - kv.num_free_blocks
         if held > self.max_blocks_held:
             self.max_blocks_held = held
-        first_end, max_len, made = self._run_ends[0], self.spec.max_model_len, 0
+        # Each decode's token, then, as LLMEngine.step, its full blocks published in the prefix cache
+        # (skipping the call when no block filled up, which is most decode steps). Registering one
+        # sequence's blocks touches no other's and no free block, so it is done sequence by sequence.
+        first_end, max_len, made, bs = self._run_ends[0], self.spec.max_model_len, 0, kv.block_size
         for seq in batch.decodes:
             req, tokens = reqs[seq], seq.token_ids
             start = len(tokens) - seq.prompt_len
             if k == 1:
+                seq.num_computed_tokens += 1
                 tokens.append(req.answer[start])
             else:
                 tokens.extend(req.answer[start:start + k])
@@ -323,17 +327,15 @@ class SimReplica:
                 made += k  # most decodes neither begin nor end their answer: only their tokens count
             else:
                 self._after_tokens(seq, req, k, first_end, now)
+                if seq.status is SequenceStatus.FINISHED:
+                    continue
+            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+                kv.register_full_blocks(seq)
         self.tokens_generated += made
         for seq in completed:
             req = reqs[seq]
             seq.token_ids.append(req.answer[seq.num_output_tokens])
             self._after_tokens(seq, req, 1, now, now)
-        # As LLMEngine.step: publish the full blocks of every unfinished sequence (skipping the call
-        # when no block filled up, which is most decode steps).
-        bs = kv.block_size
-        for seq in batch.decodes:
-            if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
-                kv.register_full_blocks(seq)
         for seq, _ in batch.prefills:
             if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
                 kv.register_full_blocks(seq)
