@@ -2,19 +2,21 @@
 
 Iteration-level (continuous) batching with chunked prefill and preemption by recompute. The scheduler
 owns the waiting and running queues and decides; the KV-cache manager (kv_cache_manager.py) gives
-the blocks its plan needs. Its limits come from the engine's configuration (config.SchedulerConfig).
+the blocks its plan needs. Its limits come from the engine's configuration (scheduler_config.SchedulerConfig).
 """
 from __future__ import annotations
 
 import bisect
 import operator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from chatloom.engine.config import SchedulerConfig
-from chatloom.engine.encoder_plan import EncoderPlanner, PlannedPiece
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # names in annotations only: a text-only scheduler never loads the encoder's planner
+    from chatloom.engine.scheduler_config import SchedulerConfig
+    from chatloom.engine.encoder_plan import EncoderPlanner, PlannedPiece
 
 
 @dataclass

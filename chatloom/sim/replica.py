@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from chatloom.engine.block_pool import BlockPool
-from chatloom.engine.config import SchedulerConfig
+from chatloom.engine.scheduler_config import SchedulerConfig
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sampling_params import SamplingParams
 from chatloom.engine.scheduler import ScheduledBatch, Scheduler
