@@ -269,11 +269,7 @@ def cmd_plan(args) -> int:
     def one(tr, show: bool):
         def on_probe(p):
             if show and not args.json:
-                s = p.summary
-                print(f"  probe {p.replicas:>7,} replicas: {'meets' if p.ok else 'misses'} the SLO "
-                      f"(attainment {s['slo_attainment']}, TTFT p99 {s['ttft_ms']['p99']} ms, "
-                      f"TPOT p99 {s['tpot_ms']['p99']} ms, refused {s['refused']})"
-                      + (", stopped once certain" if p.stopped_early else ""), file=sys.stderr, flush=True)
+                print(_probe_line(p), file=sys.stderr, flush=True)
         if not args.full:
             dur = min(args.probe_duration, cfg.duration_s)
             probe_cfg = replace(cfg, duration_s=dur, warmup_s=min(cfg.warmup_s, dur / 5))
@@ -293,7 +289,8 @@ def cmd_plan(args) -> int:
            "replicas": plan.replicas, "gpus": plan.replicas * spec.gpus if plan.replicas else None,
            "estimate": plan.estimate, "seeds": seeds, "why_they_differ": reasons,
            "simulated": best.summary if best else None,
-           "probes": [{"replicas": p.replicas, "ok": p.ok, "slo_attainment": p.summary["slo_attainment"]}
+           "probes": [{"replicas": p.replicas, "ok": p.ok, "slo_attainment": p.summary["slo_attainment"],
+                       "stopped": p.stop_reason or None}
                       for p in plan.probes],
            "method": "full" if args.full else "fast",
            "cell_size": args.cell_size if args.full else args.probe_replicas,
@@ -319,6 +316,18 @@ def cmd_plan(args) -> int:
     else:
         _print_plan(out)
     return 0
+
+
+def _probe_line(p) -> str:
+    s = p.summary
+    head = f"  probe {p.replicas:>7,} replicas: "
+    if p.ok is None:
+        return head + f"prefix hit rate {s['prefix_hit_rate']} (stopped once every request of its window had its first token)"
+    figures = (f"attainment {s['slo_attainment']}, TTFT p99 {s['ttft_ms']['p99']} ms, "
+               f"TPOT p99 {s['tpot_ms']['p99']} ms, refused {s['refused']}")
+    if p.stop_reason == "meets":
+        return head + f"meets the SLO (stopped once certain; of the answers ended: {figures})"
+    return head + f"{'meets' if p.ok else 'misses'} the SLO ({figures})" + (", stopped once certain" if p.stopped_early else "")
 
 
 def _print_plan(out: dict) -> None:

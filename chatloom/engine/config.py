@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from chatloom.engine.kv_sizing import KVPoolPlan, plan_kv_pool
+# The scheduler's limits live apart (no torch there): the fleet simulator builds them for its replicas.
+from chatloom.engine.scheduler_config import CPU_BACKGROUND_STEP_TOKENS, SchedulerConfig  # noqa: F401
 from chatloom.models.memory_check import available_memory_bytes
 from chatloom.settings import DEFAULTS
 from chatloom.settings.tree import EngineSettings
@@ -25,8 +27,6 @@ INT8_MODE_KV_CACHE_DTYPE = "fp16"
 # The longest context a replica serves unless told otherwise: a model's full window (often 128k) would
 # let one request take a whole pool.
 DEFAULT_MAX_MODEL_LEN = 8192
-# A step of background sequences alone on a CPU carries at most this many tokens (engine.background_step_tokens).
-CPU_BACKGROUND_STEP_TOKENS = 32
 
 
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, int8_matmul: bool,
@@ -101,40 +101,3 @@ class EngineConfig:
         return plan_kv_pool(kv_bytes_per_token, self.block_size, self.resolve_max_model_len(max_position),
                             num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb, available=available,
                             window=window)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's limits. No defaults: they come from an EngineConfig (`from_engine`) or, in the
-    simulator, from the replica it stands in for."""
-
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    # Off: a prompt is prefilled in one step however long (for the sake of comparison).
-    enable_chunked_prefill: bool
-    # Sequences of this priority or above (batch work) leave a step that carries a prompt chunk of a
-    # higher-priority sequence; None: every sequence runs whenever it fits.
-    background_priority: int | None
-    # "prefill": they sit out steps that read a foreground prompt; "step": every step with foreground work.
-    background_yield: str
-    # The most tokens of a step when only background sequences are queued (None: max_num_batched_tokens).
-    background_step_tokens: int | None
-
-    @classmethod
-    def from_engine(cls, config: EngineConfig, max_model_len: int, device: str = "cpu") -> "SchedulerConfig":
-        """The limits of `config`, with its context window resolved (`EngineConfig.resolve_max_model_len`)
-        and "auto" choices made for the model's `device` type."""
-        yield_ = config.background_yield
-        if yield_ == "auto":
-            # A CPU step costs in proportion to the sequences it carries; a GPU decode step barely grows.
-            yield_ = "step" if device == "cpu" else "prefill"
-        step_tokens = config.background_step_tokens
-        if step_tokens is None and device == "cpu":
-            # A CPU step's time grows with its tokens: a short background step keeps an interactive arrival's
-            # wait short at little cost to the batch (the time per token barely changes).
-            step_tokens = CPU_BACKGROUND_STEP_TOKENS
-        return cls(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                   max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                   background_priority=config.background_priority, background_yield=yield_,
-                   background_step_tokens=step_tokens)

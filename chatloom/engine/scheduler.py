@@ -2,18 +2,21 @@
 
 Iteration-level (continuous) batching with chunked prefill and preemption by recompute. The scheduler
 owns the waiting and running queues and decides; the KV-cache manager (kv_cache_manager.py) gives
-the blocks its plan needs. Its limits come from the engine's configuration (config.SchedulerConfig).
+the blocks its plan needs. Its limits come from the engine's configuration (scheduler_config.SchedulerConfig).
 """
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from chatloom.engine.config import SchedulerConfig
-from chatloom.engine.encoder_plan import EncoderPlanner, PlannedPiece
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # names in annotations only: a text-only scheduler never loads the encoder's planner
+    from chatloom.engine.scheduler_config import SchedulerConfig
+    from chatloom.engine.encoder_plan import EncoderPlanner, PlannedPiece
 
 
 @dataclass
@@ -38,6 +41,10 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
+
+
+# Sequence.sort_key's order (priority, then arrival), read without a property call per sequence.
+_SORT_KEY = operator.attrgetter("priority", "arrival_order")
 
 
 class Scheduler:
@@ -128,15 +135,22 @@ class Scheduler:
         """One step's plan; `shared`: the step is shared with other requests, so encoder work is paced."""
         cfg, batch = self.config, ScheduledBatch()
         budget = self._budget()
-        self.running.sort(key=lambda s: s.sort_key)
+        self.running.sort(key=_SORT_KEY)
         if self.encoder is not None:
             self.encoder.begin_step(shared)
 
         # 1. Running sequences: decodes (one token) and unfinished prefills, in priority order.
-        i = 0
+        i, block_size = 0, self.kv.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = len(seq) - seq.num_computed_tokens
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            if remaining == 1 and seq.num_computed_tokens < len(seq.block_table) * block_size and not seq.images:
+                # A decode whose token fits the block it is writing: nothing to grow, no one to preempt
+                # (most sequences, most steps: the general path below cost a fleet simulation a third).
+                batch.decodes.append(seq)
+                budget -= 1
+                i += 1
+                continue
             n = min(remaining, budget) if cfg.enable_chunked_prefill or remaining == 1 else remaining
             if n > budget:
                 break

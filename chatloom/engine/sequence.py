@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from chatloom.engine.block_hash import with_image_keys
 from chatloom.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from chatloom.models.vision.prompt import ImageInput
 
 _arrival_counter = itertools.count()
@@ -93,6 +93,8 @@ class Sequence:
             if self.images else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
+            import torch  # only a seeded request needs it (the fleet simulator runs without torch)
+
             self.generator = torch.Generator().manual_seed(params.seed)
         # A request of n choices is n sequences: this one (index 0) and the forks made when its
         # prompt is computed (choices.py). Outputs carry the request's id and the choice's index.
@@ -111,6 +113,8 @@ class Sequence:
         child.metrics = dataclasses.replace(self.metrics)
         child.prompt_logprobs = self.prompt_logprobs
         if self.params.seed is not None:
+            import torch
+
             child.generator = torch.Generator().manual_seed(self.params.seed + index)
         return child
 

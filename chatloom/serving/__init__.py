@@ -1,16 +1,25 @@
 """Backends the product talks to: the in-process engine, a remote OpenAI-compatible server, the router
 over several replicas (policies, health, failover), several models behind one backend, and the
 replica's own HTTP face (replica_server.py). May import engine and models, never app."""
-from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
-                                      Delta, EmbedInput, Embeddings, GenerationRequest, ModelLoadFailed, Timings,
-                                      UnknownModel, Usage)
-from chatloom.serving.local import LocalBackend
-from chatloom.serving.multi_model import MultiModelBackend
-from chatloom.serving.remote import RemoteBackend, ReplicaError
-from chatloom.serving.router import Router, RouterConfig
-# Output constraints travel on GenerationRequest; the app builds them without reaching into the engine.
-from chatloom.engine.structured.constraint import Constraint, ConstraintError
+import importlib
 
-__all__ = ["Backend", "BackendError", "BackendNotReady", "BackendStats", "BadGenerationRequest", "Delta",
-           "EmbedInput", "Embeddings", "GenerationRequest", "ModelLoadFailed", "Timings", "UnknownModel", "Usage", "LocalBackend", "MultiModelBackend",
-           "RemoteBackend", "ReplicaError", "Router", "RouterConfig", "Constraint", "ConstraintError"]
+# Loaded on first use (PEP 562): the routing policies, which the fleet simulator runs, can be imported
+# without the backends (and the engine and torch behind the local one).
+_EXPORTS = {**dict.fromkeys(("Backend", "BackendError", "BackendNotReady", "BackendStats", "BadGenerationRequest",
+                             "Delta", "EmbedInput", "Embeddings", "GenerationRequest", "ModelLoadFailed", "Timings",
+                             "UnknownModel", "Usage"), "chatloom.serving.backend"),
+            "LocalBackend": "chatloom.serving.local", "MultiModelBackend": "chatloom.serving.multi_model",
+            "RemoteBackend": "chatloom.serving.remote", "ReplicaError": "chatloom.serving.remote",
+            "Router": "chatloom.serving.router", "RouterConfig": "chatloom.serving.router",
+            # Output constraints travel on GenerationRequest; the app builds them without reaching into the engine.
+            "Constraint": "chatloom.engine.structured.constraint",
+            "ConstraintError": "chatloom.engine.structured.constraint"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value

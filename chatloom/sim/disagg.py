@@ -15,7 +15,7 @@ from dataclasses import replace
 from chatloom.serving.routing import NoReplicaAvailable, RouteRequest
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.replica import SimReplica, SimRequest
-from chatloom.sim.simulator import SimConfig, Simulator
+from chatloom.sim.simulator import SimConfig, Simulator, new_replicas
 
 _TRANSFER = 10
 
@@ -34,8 +34,7 @@ class DisaggSimulator(Simulator):
         super().__init__(prefill_spec, num_prefill, prefill_policy, traffic, config, progress=progress,
                          name_prefix=f"{name_prefix}p")
         self.prefill = self.replicas
-        self.decode = [SimReplica(f"{name_prefix}d{i}", spec, config.enable_prefix_caching,
-                                  config.partial_block_hits) for i in range(num_decode)]
+        self.decode = new_replicas(f"{name_prefix}d", num_decode, spec, config)
         for r in self.prefill:
             r.on_first_token = self._handoff
         for r in self.decode:

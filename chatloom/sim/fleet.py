@@ -18,7 +18,8 @@ from chatloom.serving.policies import make_policy as serving_make_policy
 from chatloom.serving.routing import RoutingPolicy
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.request_table import RequestTable
-from chatloom.sim.simulator import MissBudget, SimConfig, Simulator
+from chatloom.sim.early_stop import EarlyStop
+from chatloom.sim.simulator import SimConfig, SimRun, Simulator
 from chatloom.sim.arrivals import TrafficModel
 
 PolicySpec = str | Callable[[], RoutingPolicy]
@@ -54,16 +55,27 @@ class CellResult:
     sim_seconds: float
     wall_seconds: float
     events: int
-    stopped: bool = False  # ended early, its miss budget spent
+    stopped: bool = False  # ended early (EarlyStop): what was in flight is unfinished
+    stop_reason: str = ""  # then why: "missed", "meets" or "first tokens"
+
+
+def cell_result(run: SimRun) -> CellResult:
+    return CellResult(run.table, replica_stats(run), run.sim_seconds, run.wall_seconds, run.events, run.stopped,
+                      run.stop_reason)
+
+
+def cell_simulator(spec: ReplicaSpec, cell_size: int, policy: PolicySpec, traffic: TrafficModel, config: SimConfig,
+                   progress: Callable[[float], None] | None = None, name_prefix: str = "r",
+                   early_stop: EarlyStop | None = None) -> Simulator:
+    """One cell's simulator, keeping no request past its end (its figures go to the run's table)."""
+    return Simulator(spec, cell_size, make_policy(policy), traffic, config, progress=progress, name_prefix=name_prefix,
+                     keep_requests=False, early_stop=early_stop)
 
 
 def run_cell(spec: ReplicaSpec, cell_size: int, policy: PolicySpec, traffic: TrafficModel, config: SimConfig,
              progress: Callable[[float], None] | None = None, name_prefix: str = "r",
-             miss_budget: MissBudget | None = None) -> CellResult:
-    sim = Simulator(spec, cell_size, make_policy(policy), traffic, config, progress=progress, name_prefix=name_prefix,
-                    keep_requests=False, miss_budget=miss_budget)
-    run = sim.run()
-    return CellResult(run.table, replica_stats(run), run.sim_seconds, run.wall_seconds, run.events, run.stopped)
+             early_stop: EarlyStop | None = None) -> CellResult:
+    return cell_result(cell_simulator(spec, cell_size, policy, traffic, config, progress, name_prefix, early_stop).run())
 
 
 _progress_queue = None

@@ -12,11 +12,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
+
 from chatloom.sim.cost import batch_within, mean_request, replica_seconds
-from chatloom.sim.fleet import PolicySpec, run_cell, run_fleet
+from chatloom.sim.early_stop import EarlyStop
+from chatloom.sim.fleet import PolicySpec, cell_result, cell_simulator, run_fleet
 from chatloom.sim.hardware import ReplicaSpec
 from chatloom.sim.report import SLO, summarize
-from chatloom.sim.simulator import MissBudget, SimConfig
+from chatloom.sim.simulator import SimConfig, Simulator
 from chatloom.sim.step_time import BatchShape
 from chatloom.sim.arrivals import TrafficModel
 
@@ -35,9 +38,10 @@ def replica_capacity(spec: ReplicaSpec, traffic: TrafficModel) -> dict:
 @dataclass
 class Probe:
     replicas: int
-    ok: bool
+    ok: bool | None  # None: not judged (a probe that only measured the prefix hit rate)
     summary: dict
-    stopped_early: bool = False  # its miss budget was spent: it certainly misses
+    stopped_early: bool = False  # ended once its answer was known; its figures cover what had ended
+    stop_reason: str = ""  # then: "missed" (its miss budget spent), "meets" (certainly), "first tokens"
 
 
 @dataclass
@@ -147,48 +151,102 @@ def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo:
     answer implies. A probe's cost follows the requests of `probe_replicas` replicas, not the fleet's
     size, so the 2.5 M tokens/s question costs what a small peak does. The first probe measures the
     prefix hit rate, which re-sizes the fleet; later probes walk by `step` to the smallest size that
-    meets the SLO (at most `max_probes` in all)."""
+    meets the SLO (at most `max_probes` in all).
+
+    Every probe stops once what it is asked is known (`EarlyStop`): the first once the window's hit
+    rate is, the others once they certainly miss or certainly meet. A stopped probe is taken on to
+    its end only where its verdict or its full figures are needed (the answer's probe)."""
     peak_tokens = traffic.max_rate * traffic.mean_answer_tokens
     est = replica_capacity(spec, traffic)
     guess = max(1, math.ceil(peak_tokens / slo_capacity(spec, traffic, slo.tpot_s, 0.0)))
     result = PlanResult(None, estimate={**est, "replicas": guess})
     tried: dict[int, Probe] = {}
+    paused: dict[int, Simulator] = {}  # stopped probes that may still be taken on
 
-    def probe(n: int) -> Probe:
+    def stop_rule(n: int, **kw) -> EarlyStop:
+        # A probe certainly misses once more of its window's requests missed the SLO than the
+        # attainment allows of the requests the window should hold, with room for their count's noise.
+        tr = traffic.scaled(min(probe_replicas, n) / n)
+        window = config.duration_s - config.warmup_s
+        expected = tr.rate((config.warmup_s + config.duration_s) / 2) * window
+        return EarlyStop(slo.ttft_s, slo.tpot_s, config.warmup_s, config.duration_s,
+                         math.ceil(1.5 * (1 - slo.attainment) * expected), **kw)
+
+    def record(n: int, sim: Simulator, run) -> Probe:
+        res = cell_result(run)
+        s = summarize(res.table, res.replicas, slo, config.warmup_s, config.duration_s, fleet_size=n)
+        if res.stop_reason == "first tokens":
+            ok = None
+            # Every request of the window has its first token, and with it its cached tokens; the
+            # rest of the run would change none of them (what summarize counts over those it ended).
+            s["prefix_hit_rate"] = window_hit_rate(res.table, config.warmup_s, config.duration_s)
+        else:
+            ok = res.stop_reason == "meets" or (not res.stopped and meets(s, slo))
+        p = Probe(n, ok, s, res.stopped, res.stop_reason)
+        if res.stop_reason in ("first tokens", "meets"):
+            paused[n] = sim
+        else:
+            drop(n)
+            sim.close()
+        if n in tried:
+            result.probes[result.probes.index(tried[n])] = p
+        else:
+            result.probes.append(p)
+        tried[n] = p
+        if on_probe:
+            on_probe(p)
+        return p
+
+    def drop(n: int) -> None:
+        if n in paused:
+            paused.pop(n).close()
+
+    def probe(n: int, **kw) -> Probe:
+        """A first run of `n` (kw: the EarlyStop's optional rules), or a stopped one taken on to its verdict."""
+        if n in paused and tried[n].ok is None:
+            return record(n, paused[n], paused[n].resume(stop_rule(n, **kw)))
         if n not in tried:
             cell = min(probe_replicas, n)
-            tr = traffic.scaled(cell / n)
-            # Stop a probe once it has certainly missed: more misses than the attainment allows of the
-            # requests its window should hold, with room for their count's noise.
-            window = config.duration_s - config.warmup_s
-            expected = tr.rate((config.warmup_s + config.duration_s) / 2) * window
-            budget = MissBudget(slo.ttft_s, slo.tpot_s, config.warmup_s, config.duration_s,
-                                math.ceil(1.5 * (1 - slo.attainment) * expected))
-            res = run_cell(spec, cell, policy, tr, replace(config, seed=config.seed * 1000), name_prefix="c0r",
-                           miss_budget=budget)
-            s = summarize(res.table, res.replicas, slo, config.warmup_s, config.duration_s, fleet_size=n)
-            tried[n] = Probe(n, meets(s, slo) and not res.stopped, s, res.stopped)
-            result.probes.append(tried[n])
-            if on_probe:
-                on_probe(tried[n])
+            sim = cell_simulator(spec, cell, policy, traffic.scaled(cell / n), replace(config, seed=config.seed * 1000),
+                                 name_prefix="c0r", early_stop=stop_rule(n, **kw))
+            record(n, sim, sim.run())
         return tried[n]
 
-    first = probe(guess)
+    def finish(n: int) -> None:
+        """The answer's probe, run to its end if it stopped once it certainly met: its full figures."""
+        if n in paused:
+            record(n, paused[n], paused[n].resume(None))
+        for m in list(paused):
+            drop(m)
+
+    first = probe(guess, first_tokens=True)
     hit = float(first.summary.get("prefix_hit_rate") or 0.0)
     # The step model ignores queueing, so start a margin above its answer and walk down: probes of a
     # fleet that meets the SLO are cheap, an overloaded one piles up requests.
     n = min(guess, max(1, math.ceil(margin * peak_tokens / slo_capacity(spec, traffic, slo.tpot_s, hit))))
-    if probe(n).ok:
+    if n != guess:
+        drop(guess)  # its verdict is never needed
+    if probe(n, meets=slo.attainment).ok:
         while len(tried) < max_probes:  # walk down while the next size still meets
             smaller = min(n - 1, math.floor(n * (1 - step)))
-            if smaller < 1 or not probe(smaller).ok:
+            if smaller < 1 or not probe(smaller, meets=slo.attainment).ok:
                 break
+            drop(n)
             n = smaller
+        finish(n)
         result.replicas = n
     else:
         while len(tried) < max_probes:  # walk up to the first size that meets
             n = max(n + 1, math.ceil(n * (1 + step)))
-            if probe(n).ok:
+            if probe(n).ok:  # the first to meet is the answer: run to its end
                 result.replicas = n
                 break
     return result
+
+
+def window_hit_rate(table, start_s: float, end_s: float) -> float | None:
+    """The share of prompt tokens the prefix cache held, over the requests of [start_s, end_s) that got
+    their first token (rounded as summarize rounds it)."""
+    sel = (table.arrival >= start_s) & (table.arrival < end_s) & ~np.isnan(table.first_token)
+    prompt = int(table.prompt_tokens[sel].sum())
+    return round(table.cached_tokens[sel].sum() / prompt, 4) if prompt else None

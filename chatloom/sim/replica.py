@@ -16,9 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from chatloom.engine import block_hash
 from chatloom.engine.block_pool import BlockPool
-from chatloom.engine.config import SchedulerConfig
+from chatloom.engine.scheduler_config import SchedulerConfig
 from chatloom.engine.kv_cache_manager import KVCacheManager
 from chatloom.engine.sampling_params import SamplingParams
 from chatloom.engine.scheduler import ScheduledBatch, Scheduler
@@ -59,28 +58,23 @@ class SimRequest:
         return len(self.answer)
 
 
-class _MemoKeys:
-    """block_hash.block_key memoized: the same pure function of (parent, tokens), shared by every
-    simulated replica of a process, so a prompt block seen again is not hashed again. Bounded."""
-
-    # Keys are looked up again within a conversation's next turns (seconds to minutes of simulated
-    # time); a block hashed longer ago is rarely asked for again, and hashing it anew is cheap.
-    limit = 300_000
-
-    def __init__(self) -> None:
-        self.table: dict = {}
-
-    def __call__(self, parent: int, tokens: tuple[int, ...]) -> int:
-        key = (parent, tokens)
-        got = self.table.get(key)
-        if got is None:
-            if len(self.table) >= self.limit:
-                self.table.clear()
-            got = self.table[key] = block_hash.block_key(parent, tokens)
-        return got
+def sim_block_key(parent: int, tokens: tuple[int, ...]) -> int:
+    """A full block's key in the simulator: hash(parent key, its token ids), as the engine's, with
+    Python's own hash of the tuple instead of blake2b. The engine's keys must agree across processes
+    (a router and its replicas); the simulator's live in one, where ints and tuples of ints hash the
+    same in every run (no salt), so runs stay reproducible. Only equality of keys matters (the pool
+    also checks a cached block's tokens), and a 64-bit hash of the tuple costs less than looking a
+    digest up in a memo: block keys were a third of a probe's time."""
+    return hash((parent, tokens))
 
 
-memo_block_key = _MemoKeys()
+def sim_prefix_keys(token_ids: list[int], block_size: int, root: int) -> list[int]:
+    """The keys of every full block of `token_ids` (block_hash.prefix_block_keys, with sim_block_key)."""
+    keys, parent = [], root
+    for i in range(len(token_ids) // block_size):
+        parent = sim_block_key(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        keys.append(parent)
+    return keys
 
 
 def _no_kv_to_copy(src: int, dst: int, n: int) -> None:
@@ -88,10 +82,10 @@ def _no_kv_to_copy(src: int, dst: int, n: int) -> None:
 
 
 class SimBlockPool(BlockPool):
-    """The engine's BlockPool, with its block keys memoized (the only method replaced: speed)."""
+    """The engine's BlockPool, with the simulator's block keys (the only method replaced: speed)."""
 
     def block_key(self, parent: int, tokens: tuple[int, ...]) -> int:
-        return memo_block_key(parent, tokens)
+        return hash((parent, tokens))  # sim_block_key, inlined: it runs for every block
 
 
 class _WholeBlockPool(SimBlockPool):
@@ -263,7 +257,10 @@ class SimReplica:
         k = MAX_RUN_STEPS
         max_len = sched.config.max_model_len
         for seq in batch.decodes:
-            left = min(seq.params.max_tokens - seq.num_output_tokens, max_len - len(seq))
+            n = len(seq.token_ids)
+            left = seq.params.max_tokens - n + seq.prompt_len
+            if max_len - n < left:
+                left = max_len - n
             if left < k:
                 k = left
                 if k <= 1:
@@ -301,11 +298,11 @@ class SimReplica:
         self.usage_time += kv.usage * dt
         if kv.usage > self.peak_usage:
             self.peak_usage = kv.usage
-        for seq in batch.decodes:
-            if k > 1:
+        if k > 1:
+            for seq in batch.decodes:
                 # The later steps of the run: the scheduler would have grown these blocks one step at a time.
                 kv.grow(seq, seq.num_computed_tokens + k)
-            seq.num_computed_tokens += k
+                seq.num_computed_tokens += k
         completed = []
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
@@ -314,22 +311,31 @@ class SimReplica:
         held = kv.num_blocks - kv.num_free_blocks
         if held > self.max_blocks_held:
             self.max_blocks_held = held
-        first_end = self._run_ends[0]
+        # Each decode's token, then, as LLMEngine.step, its full blocks published in the prefix cache
+        # (skipping the call when no block filled up, which is most decode steps). Registering one
+        # sequence's blocks touches no other's and no free block, so it is done sequence by sequence.
+        first_end, max_len, made, bs = self._run_ends[0], self.spec.max_model_len, 0, kv.block_size
         for seq in batch.decodes:
-            req = reqs[seq]
-            start = seq.num_output_tokens
-            seq.token_ids.extend(req.answer[start:start + k])
-            self._after_tokens(seq, req, k, first_end, now)
+            req, tokens = reqs[seq], seq.token_ids
+            start = len(tokens) - seq.prompt_len
+            if k == 1:
+                seq.num_computed_tokens += 1
+                tokens.append(req.answer[start])
+            else:
+                tokens.extend(req.answer[start:start + k])
+            if start + k < seq.params.max_tokens and len(tokens) < max_len and seq.metrics.first_token_time is not None:
+                made += k  # most decodes neither begin nor end their answer: only their tokens count
+            else:
+                self._after_tokens(seq, req, k, first_end, now)
+                if seq.status is SequenceStatus.FINISHED:
+                    continue
+            if seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+                kv.register_full_blocks(seq)
+        self.tokens_generated += made
         for seq in completed:
             req = reqs[seq]
             seq.token_ids.append(req.answer[seq.num_output_tokens])
             self._after_tokens(seq, req, 1, now, now)
-        # As LLMEngine.step: publish the full blocks of every unfinished sequence (skipping the call
-        # when no block filled up, which is most decode steps).
-        bs = kv.block_size
-        for seq in batch.decodes:
-            if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
-                kv.register_full_blocks(seq)
         for seq, _ in batch.prefills:
             if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
                 kv.register_full_blocks(seq)

@@ -13,18 +13,20 @@ share of the traffic, estimates them (see `run_fleet`).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from chatloom.engine import block_hash
 from chatloom.serving.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy
 from chatloom.sim.cost import decode_step_s, loaded_step_s
+from chatloom.sim.early_stop import EarlyStop, Tally
 from chatloom.sim.hardware import ReplicaSpec
-from chatloom.sim.replica import SimReplica, SimRequest, memo_block_key
+from chatloom.sim.replica import SimReplica, SimRequest, sim_block_key, sim_prefix_keys
 from chatloom.sim.request_table import RequestLog, RequestTable
 from chatloom.sim.arrivals import SimConversation, TrafficModel, TrafficSource
 
@@ -53,26 +55,23 @@ class SimConfig:
     # After duration_s no message is sent; what is in flight runs to its end.
 
 
-@dataclass(frozen=True)
-class MissBudget:
-    """Stop a run once more requests arriving in [start_s, end_s) have missed the SLO (refused, or
-    their TTFT or TPOT over the target) than `misses`: the answer to "does it meet?" is known, and an
-    overloaded fleet is the costliest to simulate further."""
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
-    ttft_s: float
-    tpot_s: float
-    start_s: float
-    end_s: float
-    misses: int
 
-    def missed(self, r: SimRequest) -> bool:
-        if not self.start_s <= r.arrival < self.end_s:
-            return False
-        if r.finished is None or r.first_token is None:
-            return True
-        n = len(r.answer)
-        slow_stream = n > 1 and (r.finished - r.first_token) / (n - 1) > self.tpot_s
-        return r.first_token - r.arrival > self.ttft_s or slow_stream
+def new_replicas(name_prefix: str, n: int, spec: ReplicaSpec, config: SimConfig) -> list[SimReplica]:
+    # Tens of thousands of blocks a replica: with the collector on, making them set off full passes
+    # over the heap (1.5 s for the first two replicas of a plan).
+    with gc_paused():
+        return [SimReplica(f"{name_prefix}{i}", spec, config.enable_prefix_caching, config.partial_block_hits)
+                for i in range(n)]
 
 
 @dataclass
@@ -88,11 +87,17 @@ class SimRun:
     events: int
     routed: list[tuple[RouteRequest, tuple[ReplicaState, ...], str]] = field(default_factory=list)
     log: RequestLog | None = None
-    stopped: bool = False  # ended early: the miss budget was spent
+    stopped: bool = False  # ended early (EarlyStop): what was in flight is unfinished
+    stop_reason: str = ""  # then why: "missed", "meets" or "first tokens"
+    in_flight: list[SimRequest] = field(default_factory=list)  # stopped, keeping no requests: those unfinished
 
     @property
     def table(self) -> RequestTable:
-        return self.log.table() if self.log is not None else RequestTable.from_requests(self.requests)
+        if self.log is None:
+            return RequestTable.from_requests(self.requests)
+        if self.in_flight:
+            return RequestTable.concat([self.log.table(), RequestTable.from_requests(self.in_flight)])
+        return self.log.table()
 
 
 class Simulator:
@@ -100,12 +105,13 @@ class Simulator:
                  traffic: TrafficModel | None, config: SimConfig, record_routes: bool = False,
                  progress: Callable[[float], None] | None = None, name_prefix: str = "r",
                  trace: list[SimRequest] | None = None, keep_requests: bool = True,
-                 miss_budget: MissBudget | None = None) -> None:
+                 early_stop: EarlyStop | None = None) -> None:
         """`traffic` draws conversations; or `trace` replays given requests (arrival, prompt, answer).
         `policy` may be None only for a single replica (there is no choice to make). With
         `keep_requests` False, a request's figures go to a RequestLog when it ends and the request
         itself (its token lists) is dropped: memory follows the requests in flight, not the run.
-        With a `miss_budget`, the run stops once it is spent (requests still in flight are unfinished)."""
+        With an `early_stop`, the run stops once its answer is known (requests still in flight are
+        unfinished) and `resume` may take it on from there."""
         if num_replicas < 1:
             raise ValueError("a fleet needs at least one replica")
         if policy is None and num_replicas > 1:
@@ -118,8 +124,7 @@ class Simulator:
         self.policy = policy
         self.traffic = traffic
         self.config = config
-        self.replicas = [SimReplica(f"{name_prefix}{i}", spec, config.enable_prefix_caching, config.partial_block_hits)
-                         for i in range(num_replicas)]
+        self.replicas = new_replicas(name_prefix, num_replicas, spec, config)
         self.by_name = {r.name: r for r in self.replicas}
         for r in self.replicas:
             r.on_finish = self._finished
@@ -129,13 +134,17 @@ class Simulator:
         self.requests: list[SimRequest] = []
         self.log = None if keep_requests else RequestLog()
         self._live: dict[str, SimRequest] = {}  # without keep_requests: admitted, not yet ended
-        self.miss_budget = miss_budget
-        self._misses = 0
-        self._stopped = False
+        self.tally = Tally(early_stop) if early_stop is not None else None
+        if self.tally is not None:
+            for r in self.replicas:
+                r.on_first_token = self._first_token
         self.record_routes = record_routes
         self.routed: list = []
         self.progress = progress
         self._heap: list = []
+        # The loop's state between a stop and a resume.
+        self._begun = False
+        self._events, self._last_progress, self._last_work, self._wall = 0, 0.0, 0.0, 0.0
         self._tie = itertools.count()
         self._ids = itertools.count()
         self._last_expiry: dict[str, float] = {}
@@ -147,22 +156,36 @@ class Simulator:
 
     def run(self) -> SimRun:
         # Millions of long-lived Block and Sequence objects: the cyclic collector's full passes would
-        # dominate the run. The simulator makes no reference cycles it relies on the collector for.
-        gc.collect()
+        # dominate the run. The simulator makes no reference cycles it relies on the collector for
+        # (and drops its own at the end: see close), so none is collected first either (a full pass
+        # over the interpreter's heap took 0.6 s a probe).
         gc.freeze()
-        was_enabled = gc.isenabled()
-        gc.disable()
         try:
-            return self._run()
+            with gc_paused():
+                return self._run()
         finally:
-            if was_enabled:
-                gc.enable()
             gc.unfreeze()
 
-    def _run(self) -> SimRun:
+    def close(self) -> None:
+        """Drop the replicas' callbacks into this simulator, the one reference cycle it makes, so that
+        once it is let go its objects are freed at once by reference counting. A finished run does
+        this itself; a stopped one that will not be resumed needs it."""
+        for r in self.replicas:
+            r.on_finish = r.on_first_token = None
+
+    def resume(self, early_stop: EarlyStop | None = None) -> SimRun:
+        """Take a stopped run on from where it stopped, under a new rule (None: to its end). The
+        window's requests counted so far stay counted."""
+        if not self._begun or self.tally is None:
+            raise RuntimeError("resume: only a run that was stopped early can be resumed")
+        if early_stop is None:
+            self.tally = None
+        else:
+            self.tally.rule, self.tally.reason = early_stop, ""
+        return self.run()
+
+    def _begin(self) -> None:
         cfg = self.config
-        memo_block_key.table.clear()  # another run's blocks: not this one's (but their memory)
-        t0 = time.perf_counter()
         if self.source is not None:
             start = -self.prewarm_s()
             self.now = start
@@ -173,9 +196,17 @@ class Simulator:
                 self._push(first, _CONVERSATION, None)
         for req in self.trace:
             self._push(req.arrival, _TRACED, req)
-        events, last_progress, last_work = 0, 0.0, self.now
-        heap = self._heap
-        while heap and not self._stopped:
+        self._last_work = self.now
+
+    def _run(self) -> SimRun:
+        cfg = self.config
+        t0 = time.perf_counter()
+        if not self._begun:
+            self._begin()
+            self._begun = True
+        events, last_progress, last_work = self._events, self._last_progress, self._last_work
+        heap, tally = self._heap, self.tally
+        while heap and not (tally is not None and tally.reason):
             t, _, kind, obj, version = heapq.heappop(heap)
             self.now = t
             events += 1
@@ -201,13 +232,19 @@ class Simulator:
             if self.progress is not None and t - last_progress >= 1.0:
                 self.progress(t - last_progress)
                 last_progress = t
+        self._events, self._last_progress, self._last_work = events, last_progress, last_work
+        self._wall += time.perf_counter() - t0
+        reason = tally.reason if tally is not None else ""
         span = self.now + (self.prewarm_s() if self.source is not None else 0.0)
-        if self.log is not None:
+        in_flight = list(self._live.values()) if reason else []
+        if not reason:
+            self.close()
+        if self.log is not None and not reason:
             for req in self._live.values():  # none when every request ran to its end
                 self.log.add(req)
             self._live.clear()
-        return SimRun(self.requests, self.replicas, cfg, span, time.perf_counter() - t0, events, self.routed,
-                      self.log, self._stopped)
+        return SimRun(self.requests, self.replicas, cfg, span, self._wall, events, self.routed,
+                      self.log, bool(reason), reason, in_flight)
 
     def prewarm_s(self) -> float:
         if self.config.prewarm_s is not None:
@@ -284,7 +321,7 @@ class Simulator:
             keys = []
         parent = keys[-1] if keys else self.root
         for i in range(len(keys), len(prompt) // bs):
-            parent = memo_block_key(parent, tuple(prompt[i * bs:(i + 1) * bs]))
+            parent = sim_block_key(parent, tuple(prompt[i * bs:(i + 1) * bs]))
             keys.append(parent)
         conv.tokens, conv.keys = prompt, keys
         return keys
@@ -312,8 +349,10 @@ class Simulator:
 
     def _admit(self, req: SimRequest, t: float) -> None:
         self._track(req)
+        if self.tally is not None:
+            self.tally.sent_one(req)
         if not req.block_keys and self.policy is not None:
-            req.block_keys = tuple(block_hash.prefix_block_keys(req.prompt, self.spec.block_size, self.spec.model_key))
+            req.block_keys = tuple(sim_prefix_keys(req.prompt, self.spec.block_size, self.root))
         if len(req.prompt) + len(req.answer) > self.spec.pool_tokens:
             req.refused = "longer_than_kv_pool"
             self._next_turn(req, t)
@@ -367,6 +406,11 @@ class Simulator:
         if end is not None:
             self._push(end, _STEP, replica, replica.version)
 
+    def _first_token(self, req: SimRequest, t: float) -> bool:
+        if self.tally is not None:
+            self.tally.first_token(req, t)
+        return False  # the request goes on here (a prefill replica of disagg.py hands it on instead)
+
     def _finished(self, req: SimRequest, t: float) -> None:
         self._next_turn(req, t)
 
@@ -374,10 +418,8 @@ class Simulator:
         """`req` has ended (answered or refused): record it, and send its conversation's next message."""
         if self.log is not None and self._live.pop(req.rid, None) is not None:
             self.log.add(req)
-        if self.miss_budget is not None and self.miss_budget.missed(req):
-            self._misses += 1
-            if self._misses > self.miss_budget.misses:
-                self._stopped = True
+        if self.tally is not None:
+            self.tally.ended(req, t)
         conv = req.conversation
         if conv is not None and conv.turns_left > 0:
             self._push(t + self.source.think_time(), _ARRIVAL, conv)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from chatloom.serving.policies import make_policy
-from chatloom.sim.simulator import MissBudget, SimConfig, Simulator
+from chatloom.sim.early_stop import EarlyStop
+from chatloom.sim.simulator import SimConfig, Simulator
 from sim_policies import FewestQueued
 from test_simulator import small_spec, small_traffic
 
@@ -71,9 +72,9 @@ def test_a_run_that_keeps_no_requests_gives_the_same_table():
 
 @pytest.mark.parametrize("rate, stops", [(60.0, True), (2.0, False)])
 def test_a_spent_miss_budget_stops_the_run(rate, stops):
-    budget = MissBudget(ttft_s=1.0, tpot_s=0.1, start_s=2.0, end_s=20.0, misses=10)
+    budget = EarlyStop(ttft_s=1.0, tpot_s=0.1, start_s=2.0, end_s=20.0, misses=10)
     cfg = SimConfig(duration_s=20.0, warmup_s=2.0)
-    sim = Simulator(small_spec(max_num_seqs=8), 1, None, small_traffic(rate=rate), cfg, miss_budget=budget)
+    sim = Simulator(small_spec(max_num_seqs=8), 1, None, small_traffic(rate=rate), cfg, early_stop=budget)
     out = sim.run()
     assert out.stopped is stops
     missed = sum(budget.missed(r) for r in out.requests if r.finished is not None or r.refused is not None)
