@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from chatloom.app.files.query import PHRASE_WEIGHT
 from chatloom.store.file_chunks import RANK_TS_CONFIG
 
 K1 = 1.2
@@ -123,7 +124,8 @@ def score(rows: list[tuple], terms: Terms, limit: int) -> list:
     scored = []
     for row_id, length, tf in docs:
         norm = K1 * (1 - B + B * length / avgdl)
-        s = sum(idf[t] * f * (K1 + 1) / (f + norm) for t, f in tf.items())
+        s = sum((PHRASE_WEIGHT if isinstance(t, tuple) else 1.0) * idf[t] * f * (K1 + 1) / (f + norm)
+                for t, f in tf.items())
         if s > 0:
             scored.append((-s, row_id))
     scored.sort()
