@@ -17,7 +17,7 @@ import numpy as np
 from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatloom.app.files.pg_fulltext import question_terms, ranking_params, ranking_sql, score
+from chatloom.app.files.pg_fulltext import ranking_params, ranking_sql, score, split
 from chatloom.app.files.query import STOP_WORDS, fts5_parts, fts5_query, query_terms, terms  # noqa: F401 - re-exported
 from chatloom.store.vector_index import PG_COLUMN, PGVECTOR, SQLITE_VEC, pg_literal
 
@@ -45,12 +45,10 @@ async def ranked_ids(session: AsyncSession, query: str, params: dict, in_list: s
         rows = await session.execute(text(sql).bindparams(expand),
                                      {**params, **{f"q{i}": q for i, (q, _) in enumerate(parts)}, "n": limit})
         return [r[0] for r in rows]
-    found = await question_terms(session, *query_terms(query))
-    if not found.lexemes:
-        return []
     rows = await session.execute(text(ranking_sql(postgres_scope)).bindparams(expand),
-                                 {**params, **ranking_params(found)})
-    return score(rows.all(), found, limit)
+                                 {**params, **ranking_params(*query_terms(query))})
+    hits, found = split(rows.all())
+    return score(hits, found, limit)
 
 
 async def fulltext(session: AsyncSession, user_id: str, file_ids: list[str], query: str, limit: int) -> list[int]:
