@@ -18,8 +18,8 @@ from chatloom.store.file_chunks import rank_tsvector
 RECALL_HEADER = "\n\nEarlier turns of this conversation that bear on the new message:\n"
 CANDIDATES = 8  # ranked turns read per message; the token budget usually keeps fewer
 
-_SQLITE = ("SELECT message_id FROM chat_fts WHERE chat_fts MATCH :q AND kind = 'message' "
-           "AND conversation_id = :conversation AND message_id IN :ids ORDER BY bm25(chat_fts) LIMIT :n")
+_SQLITE = ("SELECT message_id AS id, {weight} * bm25(chat_fts) AS s FROM chat_fts WHERE chat_fts MATCH :{q} "
+           "AND kind = 'message' AND conversation_id = :conversation AND message_id IN :ids")
 _POSTGRES_SCOPE = (f"SELECT id, {rank_tsvector('text')} AS v FROM messages "
                    "WHERE conversation_id = :conversation AND id IN :ids")
 

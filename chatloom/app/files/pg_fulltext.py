@@ -1,49 +1,30 @@
 """BM25 over PostgreSQL's tsvectors, with phrases: the ranking SQLite's FTS5 gives, on PostgreSQL.
 
 `ts_rank` weighs every word alike (no document frequency) and does not saturate a word repeated, so a
-passage saying "token" ten times outranked the one saying "session token" once; ranking every matching
-passage with it (and a `ts_rank` per phrase on top) also took about 45 ms over 1,000 passages. Here the
-database does what only it can do cheaply: find the passages in scope holding any of the question's
-lexemes, and hand back, per passage, only those lexemes with their positions (`setweight` marks them,
-`ts_filter` keeps them: one pass over each tsvector, no text parsed again). The scope's size and mean
-length come in the same query. Python then scores BM25 as FTS5 does (k1 = 1.2, b = 0.75, a phrase a
-term of its own, counted where its two lexemes stand side by side), with document frequencies over the
-scope: the user's own passages (or one conversation's messages), never anyone else's.
+passage saying "token" ten times outranked the one saying "session token" once. Here the database does
+what only it can do cheaply, in one statement: stem the question's words, find the passages in scope
+holding any of its terms, and hand back, per passage, only the question's lexemes with their positions
+(`setweight` marks them, `ts_filter` keeps them: no text parsed again), with the scope's size and mean
+length, and the terms themselves as lexemes. Python then scores BM25 as FTS5 does (k1 = 1.2, b = 0.75, a
+phrase a term of its own, counted where its two lexemes stand side by side, at `PHRASE_WEIGHT`), with
+document frequencies over the scope: the user's own passages (or one conversation's messages), never
+anyone else's.
 
 The tsvectors are of `RANK_TS_CONFIG` (English stems, stop words kept for phrases such as "not exist")
 over the text split at every character that is not a letter or digit, as FTS5's tokenizer splits it
-(store/file_chunks.py). A question's words are stemmed by PostgreSQL itself in that configuration, once
-per word per process: the lexemes of a word never change.
+(store/file_chunks.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncSession
-
+from chatloom.app.files.query import PHRASE_WEIGHT
 from chatloom.store.file_chunks import RANK_TS_CONFIG
 
 K1 = 1.2
 B = 0.75
 _MIN_IDF = 1e-6  # FTS5's floor for a term in more than half the rows
-_LEXEME_CACHE_MAX = 50_000
-_lexeme_cache: dict[str, tuple[str, ...]] = {}
-
-
-async def lexemes(session: AsyncSession, words: list[str]) -> dict[str, tuple[str, ...]]:
-    """Each word's lexemes in `RANK_TS_CONFIG`, from a cache or from one query for the words not seen before."""
-    missing = [w for w in dict.fromkeys(words) if w not in _lexeme_cache]
-    if missing:
-        sql = (f"SELECT w, tsvector_to_array(to_tsvector('{RANK_TS_CONFIG}', w)) "
-               "FROM unnest(CAST(:words AS text[])) AS t(w)")
-        rows = await session.execute(text(sql), {"words": missing})
-        if len(_lexeme_cache) + len(missing) > _LEXEME_CACHE_MAX:
-            _lexeme_cache.clear()
-        for word, found in rows:
-            _lexeme_cache[word] = tuple(found or ())
-    return {w: _lexeme_cache.get(w, ()) for w in words}
 
 
 @dataclass(frozen=True)
@@ -53,40 +34,57 @@ class Terms:
     singles: tuple[str, ...]
     phrases: tuple[tuple[str, str], ...]
 
-    @property
-    def lexemes(self) -> list[str]:
-        return list(dict.fromkeys([*self.singles, *(x for p in self.phrases for x in p)]))
 
-    def tsquery(self) -> str:
-        """An OR of the single terms and the phrases, in tsquery's input syntax (lexemes taken as they are,
-        not stemmed again)."""
-        def quoted(x: str) -> str:
-            return "'" + x.replace("'", "''") + "'"
-        return " | ".join([quoted(x) for x in self.singles] + [f"{quoted(a)} <-> {quoted(b)}" for a, b in self.phrases])
-
-
-async def question_terms(session: AsyncSession, words: list[str], phrases: list[tuple[str, str]]) -> Terms:
-    """The lexemes of `query_terms`' words and phrases (a word that yields no lexeme, or several, joins no
-    phrase)."""
-    lex = await lexemes(session, [*words, *(w for p in phrases for w in p)])
-    singles = tuple(dict.fromkeys(x for w in words for x in lex[w]))
-    pairs = tuple(dict.fromkeys((lex[a][0], lex[b][0]) for a, b in phrases
-                                if len(lex[a]) == 1 and len(lex[b]) == 1))
-    return Terms(singles, pairs)
+# Lexemes are letters and digits (the words are), so quoting them is all tsquery's syntax needs.
+_QUOTED_A, _QUOTED_B = "(chr(39) || a || chr(39))", "(chr(39) || b || chr(39))"
+_TSQUERY = (f"CAST(string_agg(CASE WHEN b = '' THEN {_QUOTED_A} ELSE {_QUOTED_A} || ' <-> ' || {_QUOTED_B} END, "
+            "' | ') AS tsquery)")
 
 
 def ranking_sql(scope: str) -> str:
-    """The query that ranks the rows of `scope` (SQL selecting `id` and a tsvector `v` in `RANK_TS_CONFIG`),
-    for `score`. Both common table expressions are materialized: computed once, not once per row (a
-    prepared statement's generic plan did that: 0.8 s)."""
-    return (f"WITH scope AS MATERIALIZED ({scope}), "
-            "stats AS MATERIALIZED (SELECT count(*) AS n, coalesce(avg(length(v)), 0) AS avgdl FROM scope) "
-            "SELECT s.id, length(s.v), ts_filter(setweight(s.v, 'A', CAST(:lexemes AS text[])), '{a}')::text, "
-            "stats.n, stats.avgdl FROM scope AS s, stats WHERE s.v @@ CAST(:tsquery AS tsquery)")
+    """The statement that ranks the rows of `scope` (SQL selecting `id` and a tsvector `v` in
+    `RANK_TS_CONFIG`) for `ranking_params`' words, for `split` and `score`. Each word is stemmed here (a
+    word with no lexeme, or several, joins no phrase) and the terms come back as rows without an id, so
+    one round trip does it all. Each passage's tsvector is read once, marking the question's lexemes:
+    reading it for the scope's statistics, the match and the positions apart took three reads of its
+    TOAST. The common table expressions are materialized: computed once, not once per row (a prepared
+    statement's generic plan did that: 0.8 s)."""
+    return (
+        f"WITH words AS MATERIALIZED (SELECT w, tsvector_to_array(to_tsvector('{RANK_TS_CONFIG}', w)) AS l "
+        "FROM unnest(CAST(:words AS text[])) AS t(w)), "
+        "terms AS MATERIALIZED ("
+        "SELECT x AS a, '' AS b FROM words, unnest(words.l) AS x WHERE words.w = ANY(CAST(:singles AS text[])) "
+        "UNION SELECT wa.l[1], wb.l[1] FROM unnest(CAST(:firsts AS text[]), CAST(:seconds AS text[])) AS p(a, b) "
+        "JOIN words AS wa ON wa.w = p.a JOIN words AS wb ON wb.w = p.b "
+        "WHERE cardinality(wa.l) = 1 AND cardinality(wb.l) = 1), "
+        f"q AS MATERIALIZED (SELECT {_TSQUERY} AS tq, "
+        "array_agg(a) || array_agg(b) FILTER (WHERE b <> '') AS lx FROM terms), "
+        f"scope AS MATERIALIZED (SELECT s0.id, setweight(s0.v, 'A', q.lx) AS v FROM ({scope}) AS s0, q), "
+        "stats AS MATERIALIZED (SELECT count(*) AS n, coalesce(avg(length(v)), 0) AS avgdl FROM scope) "
+        "SELECT s.id, length(s.v), ts_filter(s.v, '{a}')::text, stats.n, stats.avgdl "
+        "FROM scope AS s, stats, q WHERE s.v @@ q.tq "
+        "UNION ALL SELECT NULL, NULL, a || ' ' || b, NULL, NULL FROM terms")
 
 
-def ranking_params(terms: Terms) -> dict[str, object]:
-    return {"lexemes": terms.lexemes, "tsquery": terms.tsquery()}
+def ranking_params(words: list[str], phrases: list[tuple[str, str]]) -> dict[str, object]:
+    """`ranking_sql`'s parameters for `query_terms`' content words and adjacent pairs."""
+    return {"words": list(dict.fromkeys([*words, *(w for p in phrases for w in p)])), "singles": list(words),
+            "firsts": [a for a, _ in phrases], "seconds": [b for _, b in phrases]}
+
+
+def split(rows: list[tuple]) -> tuple[list[tuple], Terms]:
+    """`ranking_sql`'s rows as the matching rows and the question's terms."""
+    hits, singles, phrases = [], [], []
+    for row in rows:
+        if row[0] is not None:
+            hits.append(row)
+            continue
+        a, _, b = row[2].partition(" ")
+        if b:
+            phrases.append((a, b))
+        else:
+            singles.append(a)
+    return hits, Terms(tuple(singles), tuple(phrases))
 
 
 def term_counts(hits: str, terms: Terms) -> dict[object, int]:
@@ -123,7 +121,8 @@ def score(rows: list[tuple], terms: Terms, limit: int) -> list:
     scored = []
     for row_id, length, tf in docs:
         norm = K1 * (1 - B + B * length / avgdl)
-        s = sum(idf[t] * f * (K1 + 1) / (f + norm) for t, f in tf.items())
+        s = sum((PHRASE_WEIGHT if isinstance(t, tuple) else 1.0) * idf[t] * f * (K1 + 1) / (f + norm)
+                for t, f in tf.items())
         if s > 0:
             scored.append((-s, row_id))
     scored.sort()

@@ -17,33 +17,38 @@ import numpy as np
 from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatloom.app.files.pg_fulltext import question_terms, ranking_params, ranking_sql, score
-from chatloom.app.files.query import STOP_WORDS, fts5_query, query_terms, terms  # noqa: F401 - re-exported
+from chatloom.app.files.pg_fulltext import ranking_params, ranking_sql, score, split
+from chatloom.app.files.query import STOP_WORDS, fts5_parts, fts5_query, query_terms, terms  # noqa: F401 - re-exported
 from chatloom.store.vector_index import PG_COLUMN, PGVECTOR, SQLITE_VEC, pg_literal
 
 _POSTGRES_SCOPE = "SELECT id, text_fts AS v FROM file_chunks WHERE user_id = :user AND file_id IN :files"
 _SQLITE_FULLTEXT = (
-    "SELECT c.id FROM file_chunks_fts JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
-    "WHERE file_chunks_fts MATCH :q AND c.user_id = :user AND c.file_id IN :files "
-    "ORDER BY bm25(file_chunks_fts) LIMIT :n")
+    "SELECT c.id AS id, {weight} * bm25(file_chunks_fts) AS s FROM file_chunks_fts "
+    "JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
+    "WHERE file_chunks_fts MATCH :{q} AND c.user_id = :user AND c.file_id IN :files")
 
 
 async def ranked_ids(session: AsyncSession, query: str, params: dict, in_list: str, sqlite_sql: str,
                      postgres_scope: str, limit: int) -> list:
-    """Ids of the rows in scope matching any content word or phrase of `query`, best first, at most
-    `limit`: FTS5's BM25 by `sqlite_sql` on SQLite, pg_fulltext's over `postgres_scope` on PostgreSQL.
-    `params` bind both statements; `in_list` names the one that is a list (`IN :name`)."""
+    """Ids of the rows in scope matching any content word or phrase of `query`, best first (ties by id),
+    at most `limit`: FTS5's BM25 on SQLite, pg_fulltext's over `postgres_scope` on PostgreSQL.
+    `sqlite_sql` selects `id` and a BM25 score `s` of the rows in scope matching `:{q}`, times `{weight}`:
+    it runs once per part of `fts5_parts` and the parts' scores are added. `params` bind both
+    statements; `in_list` names the one that is a list (`IN :name`)."""
     expand = bindparam(in_list, expanding=True)
     if session.bind.dialect.name == "sqlite":
-        rows = await session.execute(text(sqlite_sql).bindparams(expand),
-                                     {**params, "q": fts5_query(query), "n": limit})
+        parts = fts5_parts(query)
+        if not parts:
+            return []
+        union = " UNION ALL ".join(sqlite_sql.format(weight=float(w), q=f"q{i}") for i, (_, w) in enumerate(parts))
+        sql = f"SELECT id FROM ({union}) GROUP BY id ORDER BY sum(s), id LIMIT :n"  # FTS5's bm25 is negative
+        rows = await session.execute(text(sql).bindparams(expand),
+                                     {**params, **{f"q{i}": q for i, (q, _) in enumerate(parts)}, "n": limit})
         return [r[0] for r in rows]
-    found = await question_terms(session, *query_terms(query))
-    if not found.lexemes:
-        return []
     rows = await session.execute(text(ranking_sql(postgres_scope)).bindparams(expand),
-                                 {**params, **ranking_params(found)})
-    return score(rows.all(), found, limit)
+                                 {**params, **ranking_params(*query_terms(query))})
+    hits, found = split(rows.all())
+    return score(hits, found, limit)
 
 
 async def fulltext(session: AsyncSession, user_id: str, file_ids: list[str], query: str, limit: int) -> list[int]:

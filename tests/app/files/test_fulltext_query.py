@@ -24,10 +24,11 @@ def test_function_words_leave_the_terms_but_join_the_phrases():
 
 
 async def test_a_passage_with_the_phrase_outranks_one_with_the_words_apart(client, alice):
-    # More of each word apart than together: without the phrase, this passage would rank first.
-    apart = ("Every session begins at login and each session ends at logout. Every token is counted and each "
-             "token is metered.")
-    together = "The session token is kept in the browser's storage until it expires."
+    # As many of each word apart as together, the passage apart the shorter: without the phrase, it would
+    # rank first.
+    apart = "Every session begins at login and each session ends. Every token is counted and each token is metered."
+    together = ("The session token is kept in the browser's storage until it expires, and a new session token "
+                "replaces it at the next login of the same user on that browser.")
     doc = f"{apart}\n\n{FILLER}\n\n{together}\n\n{FILLER}\n"
     r = await client.post("/files", headers=alice, files={"file": ("notes.txt", doc.encode())})
     assert r.status_code == 201, r.text
@@ -68,3 +69,18 @@ def test_postgres_bm25_counts_words_and_adjacent_phrases():
     rows = [(1, 50, "'token':1A,5A,9A,13A,17A", 10, 50.0), (2, 50, "'session':3A 'token':4A", 10, 50.0),
             (3, 50, "'token':2A", 10, 50.0), (4, 50, "", 10, 50.0)]
     assert score(rows, terms, 10) == [2, 1, 3]
+
+
+async def test_a_phrase_counts_less_than_a_word(client, alice):
+    # The question's words stand apart in the answer; the other passage holds one word of the question and
+    # three of its adjacent pairs ("how does", "does the", "the proxy"). At a word's weight those three
+    # phrases outrank the two words that answer it; at half, they do not.
+    wrong = "How does the proxy start? It reads its configuration file once."
+    right = "An upstream that keeps failing is treated as down until a check passes."
+    doc = f"{wrong}\n\n{FILLER}\n\n{right}\n\n{FILLER}\n"
+    r = await client.post("/files", headers=alice, files={"file": ("proxy.txt", doc.encode())})
+    assert r.status_code == 201, r.text
+    found = (await client.get("/files/search", headers=alice, params={"q": "How does the proxy treat a failing upstream?",
+                                                                     "mode": "fulltext"})).json()
+    assert [("keeps failing" in p["text"], "proxy start" in p["text"]) for p in found[:2]] == [
+        (True, False), (False, True)], found
