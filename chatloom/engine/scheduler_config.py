@@ -4,10 +4,19 @@ and the simulator load without torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from chatloom.engine.config import EngineConfig
+
+class EngineLimits(Protocol):
+    """What the scheduler reads of an engine's configuration (config.EngineConfig has it), named here
+    rather than imported so that this module needs nothing of config.py."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_chunked_prefill: bool
+    background_priority: int | None
+    background_yield: str
+    background_step_tokens: int | None
 
 # A step of background sequences alone on a CPU carries at most this many tokens (engine.background_step_tokens).
 CPU_BACKGROUND_STEP_TOKENS = 32
@@ -32,7 +41,7 @@ class SchedulerConfig:
     background_step_tokens: int | None
 
     @classmethod
-    def from_engine(cls, config: EngineConfig, max_model_len: int, device: str = "cpu") -> "SchedulerConfig":
+    def from_engine(cls, config: EngineLimits, max_model_len: int, device: str = "cpu") -> "SchedulerConfig":
         """The limits of `config`, with its context window resolved (`EngineConfig.resolve_max_model_len`)
         and "auto" choices made for the model's `device` type."""
         yield_ = config.background_yield
