@@ -31,7 +31,8 @@ constexpr int64_t kQ4KBytes = 2368, kQ6KBytes = 3360;
 constexpr int64_t kQ4KCodes = 320, kQ6KLow = 288, kQ6KHigh = 2336;
 constexpr int64_t kFewRows = 12;
 constexpr int64_t kTaskPanels = 4;
-constexpr int64_t kRowBlock = 96;
+// Rows per block of the many-row path: a multiple of both wide tiles' rows (10 and 8).
+constexpr int64_t kRowBlock = 80;
 constexpr int64_t kAhead = 1024;
 
 // The quantized rows: q [m, K] (each 8 depths in the order above), per block of 32 the scale s and
@@ -229,6 +230,132 @@ CHATLOOM_VNNI void tile_run(const RowPtrs& x, const KQuantInt8Weights& w, int64_
   }
 }
 
+// Many rows (a prefill): R rows x NP panels with the integer sums of one sub-block in registers and
+// the float accumulators in memory (L1). tile() above keeps both in registers, which caps it at
+// 6 x 2 and spills there; here the 32 registers hold 2 R NP sums, the NP panels' unpacked codes and
+// two activation broadcasts, so each unpacked code vector meets R rows and each broadcast NP panels.
+// The float steps per sub-block and row are tile()'s, in its order, so a row's bits are the same.
+template <int R, int NP, int KIND>
+CHATLOOM_VNNI void wide_tile(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p0, float* out) {
+  const int64_t k_dim = w.k_dim, nb32 = k_dim / kBlock, nb16 = k_dim / 16;
+  const uint8_t* base[NP];
+  for (int i = 0; i < NP; ++i) base[i] = w.blob + w.offsets[p0 + i];
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  alignas(64) float acc[NP][R][kPanel];
+  for (int i = 0; i < NP; ++i)
+    for (int r = 0; r < R; ++r) _mm512_store_ps(acc[i][r], _mm512_setzero_ps());
+  for (int64_t sb = 0; sb < k_dim / kSuper; ++sb) {
+    const uint8_t* b[NP];
+    for (int i = 0; i < NP; ++i) b[i] = base[i] + sb * (KIND == kQ4K ? kQ4KBytes : kQ6KBytes);
+    constexpr int kGroups = KIND == kQ4K ? 8 : 16, kWords = KIND == kQ4K ? 4 : 2;
+    for (int g = 0; g < kGroups; ++g) {
+      __m512i s[NP][R];
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512i start =
+            KIND == kQ4K ? _mm512_setzero_si512() : _mm512_set1_epi32(x.offset16[r * nb16 + sb * 16 + g]);
+#pragma GCC unroll 2
+        for (int i = 0; i < NP; ++i) s[i][r] = start;
+      }
+#pragma GCC unroll 4
+      for (int wd = 0; wd < kWords; ++wd) {
+        const int64_t k8 = sb * kSuper + g * (KIND == kQ4K ? 32 : 16) + wd * 8;
+        __m512i lo[NP], hi[NP];
+#pragma GCC unroll 2
+        for (int i = 0; i < NP; ++i) {
+          if constexpr (KIND == kQ4K) {
+            const int64_t at = kQ4KCodes + (g * 4 + wd) * 64;
+            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kAhead), _MM_HINT_T0);
+            const __m512i v = word(b[i] + at);
+            lo[i] = _mm512_and_si512(v, low4);
+            hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          } else {
+            const int64_t at = kQ6KLow + (g * 2 + wd) * 64;
+            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kAhead), _MM_HINT_T0);
+            if (wd == 0) _mm_prefetch(reinterpret_cast<const char*>(b[i] + kQ6KHigh + g * 64 + kAhead), _MM_HINT_T0);
+            const __m512i v = word(b[i] + at), h = word(b[i] + kQ6KHigh + g * 64);
+            const __m512i hl = wd == 0 ? _mm512_slli_epi16(h, 4) : h;
+            const __m512i hh = wd == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
+            lo[i] = or_masked(_mm512_and_si512(v, low4), hl, top2);
+            hi[i] = or_masked(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), hh, top2);
+          }
+        }
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + r * k_dim + k8;
+          const __m512i x0 = bcast4(xq), x1 = bcast4(xq + 4);
+#pragma GCC unroll 2
+          for (int i = 0; i < NP; ++i) {
+            s[i][r] = _mm512_dpbusd_epi32(s[i][r], lo[i], x0);
+            s[i][r] = _mm512_dpbusd_epi32(s[i][r], hi[i], x1);
+          }
+        }
+      }
+      const int64_t kb = sb * 8 + (KIND == kQ4K ? g : g / 2);
+#pragma GCC unroll 2
+      for (int i = 0; i < NP; ++i) {
+        const __m512 d1 = KIND == kQ4K ? _mm512_mul_ps(half16(b[i]), u8x16(b[i] + 64 + 16 * g))
+                                       : _mm512_mul_ps(half16(b[i]), i8x16(b[i] + 32 + 16 * g));
+        const __m512 m1 = KIND == kQ4K ? _mm512_mul_ps(half16(b[i] + 32), u8x16(b[i] + 192 + 16 * g))
+                                       : _mm512_setzero_ps();
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+          const __m512 ds = _mm512_mul_ps(d1, _mm512_set1_ps(x.scale[r * nb32 + kb]));
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][r]), ds, _mm512_load_ps(acc[i][r]));
+          if constexpr (KIND == kQ4K) a = _mm512_fnmadd_ps(m1, _mm512_set1_ps(x.msum[r * nb32 + kb]), a);
+          _mm512_store_ps(acc[i][r], a);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < NP; ++i) {
+    const int64_t col = (p0 + i) * kPanel, ncols = std::min(kPanel, w.out_features - col);
+    const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+    const __m512 bv = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + r * w.out_features + col, mask, _mm512_add_ps(_mm512_load_ps(acc[i][r]), bv));
+  }
+}
+
+// Rows of a wide tile per kind: 2 R + 4 sums and codes, plus Q6_K's high codes and mask, within the
+// 32 registers with room for the broadcasts.
+constexpr int64_t kWideRowsQ4K = 10, kWideRowsQ6K = 8;
+
+// Rows [r0, r1) against panels [p0, p1) of one kind: whole wide tiles of R rows over pairs of panels,
+// and the rows left over (fewer than R) in tile()'s tiles.
+template <int R, int KIND>
+CHATLOOM_VNNI void wide_run(const RowPtrs& x, const KQuantInt8Weights& w, int64_t r0, int64_t r1, int64_t p0,
+                            int64_t p1, float* out) {
+  int64_t m = r0;
+  for (; m + R <= r1; m += R) {
+    const RowPtrs xr = x.at(m);
+    float* orow = out + m * w.out_features;
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2) wide_tile<R, 2, KIND>(xr, w, p, orow);
+    if (p < p1) wide_tile<R, 1, KIND>(xr, w, p, orow);
+  }
+  chatloom_kernels::for_each_row_tile(m, r1, [&](int64_t mm, int64_t rows) {
+    const RowPtrs xr = x.at(mm);
+    float* orow = out + mm * w.out_features;
+    chatloom_kernels::with_tile_rows(rows, [&](auto r) {
+      constexpr int RR = decltype(r)::value;
+      tile_run<RR, KIND>(xr, w, p0, p1 - p0, orow);
+    });
+  });
+}
+
+// The many-row path's task: rows [r0, r1) against panels [p0, p1), each run of one kind in wide tiles.
+CHATLOOM_VNNI void run_panels_wide(const RowPtrs& x, const KQuantInt8Weights& w, int64_t r0, int64_t r1, int64_t p0,
+                                   int64_t p1, float* out) {
+  for (int64_t a = p0; a < p1;) {
+    int64_t b = a + 1;
+    while (b < p1 && w.kinds[b] == w.kinds[a]) ++b;
+    if (w.kinds[a] == kQ4K) wide_run<kWideRowsQ4K, kQ4K>(x, w, r0, r1, a, b, out);
+    else wide_run<kWideRowsQ6K, kQ6K>(x, w, r0, r1, a, b, out);
+    a = b;
+  }
+}
+
 // Rows [r0, r1) of the quantized x against panels [p0, p1), each run of one kind in tiles of rows.
 CHATLOOM_VNNI void run_panels(const RowPtrs& x, const KQuantInt8Weights& w, int64_t r0, int64_t r1, int64_t p0,
                               int64_t p1, float* out) {
@@ -299,7 +426,7 @@ void kquant_int8_matmul(const KQuantInt8Weights& w, const float* x, int64_t m, f
     const int64_t m1 = std::min(m, m0 + kRowBlock);
     chatloom_kernels::parallel_for_dynamic(groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        run_panels(rows, w, m0, m1, t * kTaskPanels, std::min(w.panels, (t + 1) * kTaskPanels), out);
+        run_panels_wide(rows, w, m0, m1, t * kTaskPanels, std::min(w.panels, (t + 1) * kTaskPanels), out);
     });
   }
 #else
