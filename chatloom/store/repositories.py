@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.store.models import AnswerChunk, ApiKey, Conversation, DailyUsage, Feedback, Message, User, utcnow
@@ -113,6 +113,15 @@ class Conversations:
                              .values(updated=utcnow(), **values))
 
 
+def answer_in_progress():
+    """An answer still being written: incomplete with no outcome yet."""
+    return and_(Message.role == "assistant", Message.status == "incomplete", Message.finish_reason.is_(None))
+
+
+# What Messages.finish_written found.
+SAVED, LOST, GONE = "saved", "lost", "gone"
+
+
 class Messages:
     def __init__(self, session: AsyncSession) -> None:
         self.s = session
@@ -137,9 +146,30 @@ class Messages:
                                     .order_by(Message.id))
         return list(rows)
 
-    async def finish(self, message_id: str, **values) -> bool:
-        """Write a generation's outcome; False when the message is gone (its conversation was deleted)."""
-        result = await self.s.execute(update(Message).where(Message.id == message_id).values(**values))
+    async def finish(self, message_id: str, in_progress: bool = False, **values) -> bool:
+        """Write a generation's outcome; False when the message is gone (its conversation was deleted) or,
+        with `in_progress`, when it is no longer being written (another process ended it)."""
+        where = [Message.id == message_id] + ([answer_in_progress()] if in_progress else [])
+        result = await self.s.execute(update(Message).where(*where).values(**values))
+        return result.rowcount > 0
+
+    async def finish_written(self, message_id: str, writer: str, **values) -> str:
+        """Write an answer's outcome only while `writer` still writes it: the row names it and is in
+        progress (or a sweep marked it interrupted, taking its writer for dead). This one conditional UPDATE
+        fences two processes ending the same answer (the one whose job lease lapsed and the one that took
+        it over): the second finds nothing to update. SAVED, GONE (deleted) or LOST (another writer has
+        it, or it ended)."""
+        mine = and_(Message.id == message_id, Message.writer == writer,
+                    or_(answer_in_progress(), Message.status == "interrupted"))
+        if (await self.s.execute(update(Message).where(mine).values(**values))).rowcount:
+            return SAVED
+        return LOST if await self.s.scalar(select(Message.id).where(Message.id == message_id)) else GONE
+
+    async def claim(self, message_id: str, writer: str, **values) -> bool:
+        """Become the writer of an answer still in progress (taking it over), with `values`; False when it
+        has ended meanwhile (its writer saved it) or is gone."""
+        result = await self.s.execute(update(Message).where(Message.id == message_id, answer_in_progress())
+                                      .values(writer=writer, **values))
         return result.rowcount > 0
 
 

@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from chatloom.app.chat.final_save import LOST, SAVED, UNSAVED, Metered, save_answer
 from chatloom.app.chat.conversation_prompt import ConversationDeleted, Draft, PromptAssembler, SummaryAborted
 from chatloom.app.chat.summary_admission import admitted_summary
 from chatloom.app.tools.registry import ToolContext, ToolRegistry
@@ -28,7 +29,7 @@ from chatloom.app.state.jobs import Jobs
 from chatloom.app.state.redis_events import LogTakenOver
 from chatloom.serving import Backend, BackendError, BadGenerationRequest, Usage
 from chatloom.settings import Settings
-from chatloom.store import AnswerChunks, Conversations, Database, Messages
+from chatloom.store import Database
 from chatloom.store.blobs import BlobStore
 
 log = logging.getLogger(__name__)
@@ -231,35 +232,26 @@ class AnswerJob:
             log.warning("answer %s was taken over by another gateway; it ends here unsaved", gen.message_id)
             gen.abandoned = True
         if gen.abandoned:  # another gateway has the job: it saves the answer and settles the quota
-            gen.log.discard()
-            gen.run.drop()
-            if self._running.get(gen.conversation_id) is gen:
-                del self._running[gen.conversation_id]
-            gen.finished.set()
+            self._end_unsaved(gen)
             return
         release_kv(gen.run)  # no resume follows: what the last round kept is freed
+        lost = False
         try:
             await gen.log.flush()  # every journal write done before the final save replaces them
-            await gen.run.close()  # settle, meter, observe: before the client hears 'done'
             reason = out.finish_reason or ("error" if out.error else "abort")
             status = "error" if out.error else STATUS_FOR_FINISH.get(reason, "incomplete")
-            text = "".join(out.answer)
-            values = {"text": text, "tokens": self._count(text), "status": status,
-                      "reasoning": "".join(out.thinking) or None, "tool_steps": out.steps or None,
-                      "finish_reason": None if out.error else reason,
-                      "prompt_tokens": gen.run.usage.prompt_tokens or None}
-            if gen.citations:
-                values["citations"] = gen.citations
-            if out.error is not None:
-                values["error"] = str(out.error) or type(out.error).__name__
-            try:
-                async with self.db.session() as session:
-                    await Messages(session).finish(gen.message_id, **values)
-                    await AnswerChunks(session).clear([gen.message_id])
-                    await Conversations(session).touch(gen.conversation_id)
-                    await session.commit()
-            except Exception:
-                log.exception("could not save the answer %s", gen.message_id)
+            outcome = await self._save(gen, out, reason, status)
+            if outcome == LOST:
+                # The job changed hands after the check above: the database's fence (final_save.py) let the
+                # gateway that has the answer now save it, and it settles the reservation it adopted.
+                log.warning("answer %s was taken over or ended elsewhere before its save; it ends here unsaved",
+                            gen.message_id)
+                gen.abandoned = lost = True
+                self._end_unsaved(gen)
+                return
+            # Settle (and meter, where the save could not), after the database said who saves the answer,
+            # and before the client hears 'done'.
+            await gen.run.close(metered=outcome == SAVED)
             if out.error is not None:
                 await gen.log.append({**error_event(out.error), "message_id": gen.message_id}, event="error")
             else:
@@ -270,16 +262,48 @@ class AnswerJob:
                     "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens},
                     **({"citations": gen.citations} if gen.citations else {})})
         finally:
+            if not lost:
+                await self._end_saved(gen)
+
+    async def _save(self, gen: Generation, out: Outcome, reason: str, status: str) -> str:
+        """The answer's outcome and its usage, saved in one transaction if this process still writes it."""
+        text = "".join(out.answer)
+        values = {"text": text, "tokens": self._count(text), "status": status,
+                  "reasoning": "".join(out.thinking) or None, "tool_steps": out.steps or None,
+                  "finish_reason": None if out.error else reason, "interrupted_reason": None,
+                  "prompt_tokens": gen.run.usage.prompt_tokens or None}
+        if gen.citations:
+            values["citations"] = gen.citations
+        if out.error is not None:
+            values["error"] = str(out.error) or type(out.error).__name__
+        run, used = gen.run, gen.run.used
+        metered = Metered(run.ask.user.id, run.limits.model, used) if used.total_tokens and not run.gave_way else None
+        try:
+            return await save_answer(self.db, gen.message_id, gen.conversation_id, self.jobs.instance, values, metered)
+        except Exception:
+            log.exception("could not save the answer %s", gen.message_id)
+            return UNSAVED
+
+    def _end_unsaved(self, gen: Generation) -> None:
+        """End here with nothing saved, settled or metered: another gateway has the answer."""
+        gen.log.discard()
+        gen.run.drop()
+        if self._running.get(gen.conversation_id) is gen:
+            del self._running[gen.conversation_id]
+        gen.finished.set()
+
+    async def _end_saved(self, gen: Generation) -> None:
+        """Close the log and let the job go."""
+        try:
+            await gen.log.close()
+        finally:
+            if self._running.get(gen.conversation_id) is gen:
+                del self._running[gen.conversation_id]
+            gen.finished.set()
             try:
-                await gen.log.close()
-            finally:
-                if self._running.get(gen.conversation_id) is gen:
-                    del self._running[gen.conversation_id]
-                gen.finished.set()
-                try:
-                    await self.jobs.release(gen.conversation_id)
-                except Exception as exc:  # Redis away: the lease lapses, and the keeper finds the answer saved
-                    log.warning("could not release the job of %s: %s", gen.conversation_id, exc)
+                await self.jobs.release(gen.conversation_id)
+            except Exception as exc:  # Redis away: the lease lapses, and the keeper finds the answer saved
+                log.warning("could not release the job of %s: %s", gen.conversation_id, exc)
 
     async def _taken_over(self, gen: Generation) -> bool:
         """Whether another gateway holds this answer's job now."""

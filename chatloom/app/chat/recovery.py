@@ -23,7 +23,7 @@ import logging
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import or_, select, update
 
 from chatloom.app.state.background import cancel_requested, stop_loop
 from chatloom.app.core.errors import ApiError, not_found
@@ -31,6 +31,7 @@ from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_prompt import branch_turns
 from chatloom.store import AnswerChunks, Conversations, Database, Message, Messages
 from chatloom.store.models import utcnow
+from chatloom.store.repositories import answer_in_progress
 
 # The conversation service and its Generation are passed in, not imported: the service imports this
 # module, and rooms keep their imports one-way.
@@ -44,11 +45,6 @@ SHUT_DOWN = "the server shut down before this answer was finished"
 CONTINUABLE = ("interrupted", "stopped", "incomplete")
 
 
-def _in_progress():
-    """Answers still being written: incomplete with no outcome yet."""
-    return and_(Message.role == "assistant", Message.status == "incomplete", Message.finish_reason.is_(None))
-
-
 def _aware(dt: datetime) -> datetime:
     return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)  # SQLite returns naive UTC
 
@@ -58,10 +54,10 @@ async def interrupt(db: Database, message_ids: list[str], reason: str = CRASHED)
     if not message_ids:
         return []
     async with db.session() as session:
-        ids = list(await session.scalars(select(Message.id).where(Message.id.in_(message_ids), _in_progress())))
+        ids = list(await session.scalars(select(Message.id).where(Message.id.in_(message_ids), answer_in_progress())))
         if ids:
             await AnswerChunks(session).fold(ids)
-            await session.execute(update(Message).where(Message.id.in_(ids), _in_progress()).values(
+            await session.execute(update(Message).where(Message.id.in_(ids), answer_in_progress()).values(
                 status="interrupted", finish_reason="interrupted", interrupted_reason=reason))
             await session.commit()
     if ids:
@@ -104,7 +100,7 @@ class Sweeper:
         own = {g.message_id for g in service._running.values() if g is not None}
         async with service.db.session() as session:
             rows = (await session.execute(select(Message.id, Message.conversation_id, Message.writer,
-                                                 Message.heartbeat, Message.created).where(_in_progress()))).all()
+                                                 Message.heartbeat, Message.created).where(answer_in_progress()))).all()
         cutoff = utcnow() - timedelta(seconds=service.settings.recovery.stale_s)
         others = {r.writer for r in rows if r.writer is not None and r.writer != jobs.instance}
         alive = await jobs.alive(others) if others else set()

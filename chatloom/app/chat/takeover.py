@@ -95,10 +95,14 @@ class TakeOver:
         run.charge(Usage(completion_tokens=used))  # its gateway made them but never settled nor metered them
         async with self.db.session() as session:
             # The answer is this process's now, and its text is what its readers were sent: the logged text
-            # (the journal may hold one more batch its dead writer committed but never published).
+            # (the journal may hold one more batch its dead writer committed but never published). Claimed
+            # only while it is in progress: its first gateway, alive after all, may have saved it meanwhile,
+            # and from here on that gateway's save finds another writer and writes nothing (final_save.py).
+            if not await Messages(session).claim(record.message_id, self.jobs.instance, text=prefix,
+                                                 tokens=self._count(prefix)):
+                log.warning("answer %s is not continued: it ended meanwhile", record.message_id)
+                return False
             await AnswerChunks(session).clear([record.message_id])
-            await Messages(session).finish(record.message_id, text=prefix, tokens=self._count(prefix),
-                                           writer=self.jobs.instance)
             await session.commit()
         gen = Generation(record.conversation_id, spec["user_message_id"], record.message_id, run,
                          JournaledLog(event_log, self.journal, record.message_id, used),

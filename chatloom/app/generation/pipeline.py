@@ -436,14 +436,14 @@ class Run:
             used = 0 if self.gave_way else self.charged(self.traffic.charged_tokens(self.used))
             await self.traffic.quotas.settle(self._reservation, used)
 
-    async def close(self) -> None:
-        """Release (if not done yet), meter the tokens used, observe latencies."""
+    async def close(self, metered: bool = False) -> None:
+        """Release (if not done yet), meter the tokens used (unless `metered`: the caller wrote them), observe."""
         if self._closed:
             return
         self._closed = True
         await self.release()
         used = self.used
-        if used.total_tokens and not self.gave_way:
+        if used.total_tokens and not self.gave_way and not metered:
             await self.traffic.meter.record(self.ask.user.id, self.limits.model, used)
         if self.usage.total_tokens:
             self.traffic.metrics.observe_request(self.timings, self.finish_reason or "abort", self.usage,

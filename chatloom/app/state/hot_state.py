@@ -88,7 +88,9 @@ class HotState:
                 await AnswerChunks(session).fold([record.message_id])
                 saved = await session.scalar(select(Message.text).where(Message.id == record.message_id)) or ""
                 text = logged if len(logged) > len(saved) else saved
-                await Messages(session).finish(record.message_id, text=text, status="error", error=reason)
+                if not await Messages(session).finish(record.message_id, in_progress=True, text=text, status="error",
+                                                      error=reason):
+                    return  # its first gateway saved it after all, and settles it: it closes its stream too
                 await Conversations(session).touch(record.conversation_id)
                 await session.commit()
             event_log = await self.logs.open_for_writing(record.message_id) \

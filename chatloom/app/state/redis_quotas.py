@@ -15,9 +15,11 @@ on one shard):
 
 A day's count starts from what metering recorded for the user that day (`day_floor`), not from 0, so
 a Redis that restarted without its data (or evicted the key) does not give every user a fresh daily
-quota: a gateway that finds gone a count it had seen reads metering's figure before it reserves. One
-it had not seen (the day's first request, or a gateway started after the loss) starts at 0, as before. A reservation made before the count was started again and settled after it is added then
-(metering had not recorded it yet); one the count already holds is adjusted as usual.
+quota: whichever gateway finds the count missing (the day's first request, or the first after the loss,
+on a gateway that had seen the count or not) reads metering's figure before it reserves. That costs one
+database read per user and day across the fleet, and one more per user after a loss. A reservation made
+before the count was started again and settled after it is added then (metering had not recorded it
+yet); one the count already holds is adjusted as usual.
 
 Time comes from the caller's clock (the gateways' clocks are assumed NTP-synced; tests inject one).
 The refusals and the x-ratelimit-* figures are built by chatloom.app.traffic.quotas, exactly as in memory.
@@ -174,7 +176,6 @@ class RedisQuotaStore(QuotaStore):
         self.client = client
         # (user id, UTC day) -> the tokens metering recorded; None: a missing day count starts at 0.
         self.day_floor = day_floor
-        self._counted: set[tuple[str, str]] = set()  # (user, day) counts this gateway has seen in Redis
         self.prefix = prefix
         self.clock = clock
         # A reservation nobody settles (its gateway died and no other took the job) stops holding a
@@ -210,15 +211,12 @@ class RedisQuotaStore(QuotaStore):
         args = [repr(now), reservation.id, tokens, tier.tokens_per_minute, tier.tokens_per_day,
                 tier.requests_per_minute, tier.max_concurrent, repr(self.hold_s)]
         keys = self._keys(user_id, reservation.day)
-        counted = (user_id, reservation.day) in self._counted
-        # A count this gateway has seen is gone: Redis lost it, so start it again from metering's figure.
-        # One it has not seen is the day's first request (or this gateway's first of the user): from 0.
-        reply = await self._reserve(keys=keys, args=[*args, "" if self.day_floor and counted else "0"])
+        # A missing count (the day's first request, or Redis lost it, whether this gateway had seen it or
+        # not) starts from metering's figure: the script answers -1 and asks for it.
+        reply = await self._reserve(keys=keys, args=[*args, "" if self.day_floor else "0"])
         if _text(reply[0]) == "-1":
             floor = await self.day_floor(user_id, reservation.day)
             reply = await self._reserve(keys=keys, args=[*args, str(max(0, int(floor)))])
-        if not counted:  # the count exists in Redis now, whether or not this request fits it
-            self._counted = {k for k in self._counted if k[1] == reservation.day} | {(user_id, reservation.day)}
         self._raise_if_refused(reply, tier, tokens, now)
         return reservation
 

@@ -4,7 +4,8 @@ One writer task per process owns the writes: records queue in memory, summed per
 and each flush adds them in one transaction. So metering holds one database connection at a time
 (SQLite gets one metering writer, and a burst of answers ending together cannot empty the pool), and
 a failed flush (database locked, pool timeout, database restarting) keeps its records and retries with
-backoff. close() flushes what is queued before the database is closed."""
+backoff. close() flushes what is queued before the database is closed. A conversation answer's tokens
+skip the queue: `write` adds them in the transaction that saves the answer (chat/final_save.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -80,6 +81,13 @@ class Meter:
             await asyncio.wait_for(asyncio.shield(done), self.wait_s)
         except asyncio.TimeoutError:
             pass
+
+    @staticmethod
+    async def write(session: AsyncSession, user_id: str, model: str, usage: Usage) -> None:
+        """Add one request's tokens inside the caller's transaction instead of the queue: committed or
+        rolled back with it (an answer's final save, so that only the process that saves it meters it)."""
+        await UsageRows(session).add(user_id, utc_day(), model, usage.prompt_tokens, usage.completion_tokens,
+                                     usage.cached_tokens)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (at shutdown, before the database closes). Records still unwritten after

@@ -1,6 +1,6 @@
 """A Redis that lost its data (restarted without persistence) must not hand every user a fresh daily
-quota: the day's count starts again from what metering recorded, and answers that were running
-across the loss are added when they settle."""
+quota: the day's count starts again from what metering recorded, on every gateway (one that never saw
+the count as well), and answers that were running across the loss are added when they settle."""
 from __future__ import annotations
 
 import uuid
@@ -94,16 +94,67 @@ async def test_a_count_seen_only_by_refusals_is_started_from_metering_too(redis_
     """A user over quota gets only refusals from a gateway (started after the user's last grant): the
     count it refused against is one it has seen, and losing it must not reopen the quota."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
+    metered = {"u": 0}
 
     async def floor(user_id: str, day: str) -> int:
-        return 1000
+        return metered[user_id]
 
     first = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)
     r = await first.reserve("u", TIER, 1000)
     await first.settle(r, 1000)
+    metered["u"] = 1000
     later = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)  # a gateway restarted since
     with pytest.raises(QuotaExceeded):
         await later.reserve("u", TIER, 10)
     await _forget_everything(redis_hub, prefix)
     with pytest.raises(QuotaExceeded):
         await later.reserve("u", TIER, 10)
+
+
+async def test_a_gateway_that_never_saw_the_count_starts_it_from_metering(redis_hub):
+    """The count is lost before a gateway started after the user's last grant reserves for them: it has
+    never seen the count, and must still start it from metering. Before, it started it from 0."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    metered = {"u": 0}
+
+    async def floor(user_id: str, day: str) -> int:
+        return metered[user_id]
+
+    first = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)
+    r = await first.reserve("u", TIER, 950)
+    await first.settle(r, 950)
+    metered["u"] = 950
+    await _forget_everything(redis_hub, prefix)
+    fresh = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)  # started after the loss
+    with pytest.raises(QuotaExceeded) as refused:
+        await fresh.reserve("u", TIER, 100)  # 950 metered + 100 > 1000
+    assert refused.value.code == "insufficient_quota"
+    ok = await fresh.reserve("u", TIER, 50)  # 950 + 50 = 1000: the rest of the day is still there
+    await fresh.settle(ok, 50)
+    with pytest.raises(QuotaExceeded):
+        await first.reserve("u", TIER, 1)  # and every gateway counts on from the same figure
+
+
+async def test_two_gateways_after_a_loss_both_refuse_past_the_quota(tmp_path, db_url, redis_hub):
+    """Through the whole app: a user spends the day's quota on gateway 1, Redis loses its data, and the
+    user's first request ever on gateway 2 is refused (its count starts from the metered usage)."""
+    from contextlib import AsyncExitStack
+
+    from app_testing import signup
+    from test_shared_state import gateways
+    from traffic_testing import ScriptedBackend, write_tiers
+
+    tiers = write_tiers(tmp_path, free={"tokens_per_day": 60, "tokens_per_minute": 100_000,
+                                        "max_concurrent": 100, "requests_per_minute": 10_000})
+    body = {"model": "scripted", "max_tokens": 5, "messages": [{"role": "user", "content": "hi there"}]}
+    async with AsyncExitStack() as stack:
+        g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), ScriptedBackend(["a", " b", " c", " d", " e"]),
+                                traffic={"tiers_file": tiers}, moderation={"mode": "off"})
+        alice = await signup(g1, "alice")
+        statuses = [(await g1.post("/v1/chat/completions", headers=alice, json=body)).status_code for _ in range(7)]
+        assert statuses == [200] * 6 + [429]  # 6 x 10 tokens of 60 a day
+        prefix = g1._transport.app.state.ctx.settings.shared_state.prefix
+        await _forget_everything(redis_hub, prefix)
+        r = await g2.post("/v1/chat/completions", headers=alice, json=body)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "insufficient_quota"
