@@ -30,5 +30,17 @@ def float_in(lo: float, hi: float, what: str, lo_open: bool = False) -> Callable
     return parse
 
 
+def slowdown(text: str) -> float:
+    """A fraction of at least 0, or inf (no pacing): engine.encoder_max_slowdown."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 0 (or inf), got {text}")
+    return value
+
+
 positive_int = int_at_least(1, "must be at least 1")
 positive_float = float_in(0.0, math.inf, "must be a positive number", lo_open=True)
+nonnegative_float = float_in(0.0, math.inf, "must be at least 0")

@@ -6,7 +6,8 @@ the same image, and what encoding images costs text-only users' streams.
    fresh image.
 2. The inter-token latency (p90 and mean) of `streams` text-only requests decoding together, alone and
    while requests with new images arrive (one every `image_every` steps), alternating quiet and busy
-   rounds, with the encoder work done meanwhile (engine/encoder_plan.py paces it).
+   rounds, with the encoder work done meanwhile (engine/encoder_plan.py paces it): pieces finished,
+   slices of their layers run, and that work in whole pieces.
 
 Run with a real vision checkpoint: `chatloom bench vision --model PATH`.
 """
@@ -65,7 +66,8 @@ def _text_streams(engine: LLMEngine, loaded: LoadedModel, streams: int, max_toke
     gaps: list[float] = []
     step = 0
     runner = engine.runner
-    pieces, encoder_s, started = runner.encoder_pieces, runner.encoder_seconds, time.perf_counter()
+    pieces, slices, work = runner.encoder_pieces, runner.encoder_slices, runner.encoder_work
+    encoder_s, started = runner.encoder_seconds, time.perf_counter()
     while text_ids:
         if image_every and step % image_every == 0 and pending:
             img_ids, placed = pending.pop()
@@ -83,13 +85,15 @@ def _text_streams(engine: LLMEngine, loaded: LoadedModel, streams: int, max_toke
                     text_ids.discard(out.request_id)
     wall = time.perf_counter() - started
     pieces, encoder_s = runner.encoder_pieces - pieces, runner.encoder_seconds - encoder_s
+    slices, work = runner.encoder_slices - slices, runner.encoder_work - work
     for rid in image_ids:
         engine.abort(rid)
     while engine.has_unfinished_requests():
         engine.step()
     return {"itl_p90_s": float(np.percentile(gaps, 90)) if gaps else 0.0,
             "itl_mean_s": float(np.mean(gaps)) if gaps else 0.0,
-            "image_requests": len(image_ids), "encoder_pieces": pieces, "encoder_s": encoder_s, "wall_s": wall}
+            "image_requests": len(image_ids), "encoder_pieces": pieces, "encoder_slices": slices,
+            "encoder_work": work, "encoder_s": encoder_s, "wall_s": wall}
 
 
 def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_tokens: int = 32,
@@ -115,6 +119,7 @@ def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_token
     quiet_s, busy_s = median(quiet, "itl_p90_s"), median(busy, "itl_p90_s")
     quiet_mean, busy_mean = median(quiet, "itl_mean_s"), median(busy, "itl_mean_s")
     wall = sum(run["wall_s"] for run in busy)
+    piece_work = loaded.vision.piece_tokens * loaded.vision.encoder_layers  # one whole piece, in embedding-layers
     return {
         "benchmark": "vision", "model": loaded.id, "rounds": rounds, "image_side": image_side,
         "image_tokens": loaded.vision.num_image_tokens(image_side, image_side),
@@ -129,6 +134,9 @@ def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_token
                          # The encoder work done while the streams ran (all busy rounds together).
                          "image_requests": sum(run["image_requests"] for run in busy),
                          "encoder_pieces": sum(run["encoder_pieces"] for run in busy),
+                         # Slices of pieces' encoder layers run, and their work in whole pieces.
+                         "encoder_slices": sum(run["encoder_slices"] for run in busy),
+                         "encoder_piece_equivalents": sum(run["encoder_work"] for run in busy) / piece_work,
                          "encoder_share": sum(run["encoder_s"] for run in busy) / wall if wall else None,
                          # Each round's p90, quiet and busy alternately: how far the load moved them.
                          "itl_p90_quiet_rounds_s": [run["itl_p90_s"] for run in quiet],

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from chatloom.bench.workload import OFFLINE_TOKEN_BUDGET
-from chatloom.argtypes import positive_float, positive_int
+from chatloom.argtypes import positive_float, positive_int, slowdown
 from chatloom.model_args import KV_CACHE_DTYPE_NAMES, add_model_args
 from chatloom.models.registry import DEFAULT_MODEL
 from chatloom.cli import bench_runs as runs
@@ -15,17 +15,6 @@ SIZES_SERVERS = ("chatloom", "llama-server", "vllm")
 
 # bench/perplexity.py's MODES (it imports torch; the parser is built without it; a test keeps them equal).
 PERPLEXITY_MODES = ("exact", "int8", "bf16", "exact+fp16kv", "exact+bf16kv", "int8+fp32kv", "int8+bf16kv")
-
-
-def _slowdown(text: str) -> float:
-    """A fraction of at least 0, or inf (no pacing)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be at least 0 (or inf), got {text}")
-    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -70,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--streams", type=positive_int, default=4, help="text-only streams decoding together")
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--image-every", type=positive_int, default=4, help="a request with a new image every N steps")
-    p.add_argument("--encoder-max-slowdown", type=_slowdown, default=None, metavar="F",
+    p.add_argument("--encoder-max-slowdown", type=slowdown, default=None, metavar="F",
                    help="the encoder's share of decoding steps' time (default: [engine] encoder_max_slowdown; "
                         "inf: the step's token budget alone)")
     p.set_defaults(func=runs.vision)

@@ -121,6 +121,12 @@ def replica_args(settings) -> list[str]:
         extra += ["--num-blocks", str(settings.engine.num_blocks)]
     if settings.model.mmproj:  # a GGUF decoder's image side: without it a replica would take no images
         extra += ["--mmproj", str(Path(settings.model.mmproj).expanduser().resolve())]
+    extra += ["--encoder-cache-mb", str(settings.engine.encoder_cache_mb),
+              "--encoder-max-slowdown", str(settings.engine.encoder_max_slowdown)]
+    # Both ways: the gateway's file may turn a switch off that a replica's environment would turn on.
+    if settings.model.int8_matmul is not None:
+        extra.append("--int8-matmul" if settings.model.int8_matmul else "--no-int8-matmul")
+    extra.append("--bf16-matmul" if settings.model.bf16_matmul else "--no-bf16-matmul")
     return extra
 
 

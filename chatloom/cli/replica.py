@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
-from chatloom.argtypes import positive_float, positive_int
+from chatloom.argtypes import nonnegative_float, positive_float, positive_int, slowdown
 from chatloom.model_args import add_kv_cache_dtype_arg
+
+if TYPE_CHECKING:
+    from chatloom.engine import EngineConfig
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
@@ -20,7 +24,6 @@ def cmd_replica(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from chatloom.engine import EngineConfig
     from chatloom.model_args import bf16_matmul, int8_matmul, load_from_args
     from chatloom.models import ModelError
     from chatloom.serving.backend import ModelLoadFailed
@@ -30,10 +33,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sizing = {k: getattr(args, k) for k in ("kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                            "max_model_len", "seed", "kv_cache_dtype")}
-    # Flags left out keep the engine's own defaults (chatloom/engine/config.py), written only there.
-    config = EngineConfig(**{k: v for k, v in sizing.items() if v is not None})
+    config = engine_config(args)
     # The same pool the backend will plan, checked with the weights before they are read.
     plan = LocalBackend(args.model, dtype=args.dtype, engine_config=config, int8_matmul=int8_matmul(args.int8_matmul),
                         bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)))
@@ -49,6 +49,20 @@ def cmd_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config(args: argparse.Namespace) -> "EngineConfig":
+    """The replica's EngineConfig from its flags; flags left out keep the engine's own defaults
+    (chatloom/engine/config.py), written only there."""
+    from chatloom.engine import EngineConfig
+
+    given = {k: getattr(args, k) for k in ENGINE_FLAGS}
+    return EngineConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+# The EngineConfig fields a replica's flags set (add_replica_args, and --seed).
+ENGINE_FLAGS = ("kv_cache_gb", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
+                "kv_cache_dtype", "encoder_cache_mb", "encoder_max_slowdown")
+
+
 def add_replica_args(p: argparse.ArgumentParser) -> None:
     """Engine sizing flags shared by `chatloom replica` and the local replicas `chatloom serve` starts."""
     p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB")
@@ -58,6 +72,18 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window (default: the model's, at most 8192)")
     add_kv_cache_dtype_arg(p)
+    p.add_argument("--encoder-cache-mb", type=nonnegative_float, default=None,
+                   help="memory for image embeddings kept by image hash (vision models; 0 keeps none)")
+    p.add_argument("--encoder-max-slowdown", type=slowdown, default=None, metavar="F",
+                   help="the most the image encoder may add to the time of steps shared with other requests, "
+                        "as a fraction (inf: the step's token budget alone bounds it)")
+    # The matmul switches both ways, so that a replica started for a gateway follows its settings exactly
+    # (--int8-matmul is add_model_args').
+    p.add_argument("--no-int8-matmul", dest="int8_matmul", action="store_false", default=None,
+                   help="keep quantized GGUF weights' matmuls exact")
+    p.add_argument("--bf16-matmul", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep float weights in bfloat16 for the matmuls (default: $CHATLOOM_MODEL__BF16_MATMUL, "
+                        "else off)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the model (default: torch's)")
 
 

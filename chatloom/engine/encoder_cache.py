@@ -10,6 +10,12 @@ computed tokens are past it. A pinned piece is never evicted, and the planner en
 while pinned pieces and that one fit the limit, so the limit holds for everything kept. The one
 exception is a piece larger than the whole limit: it is encoded only when nothing else is pinned, kept
 while pinned, and dropped as soon as its prefill has read it.
+
+A piece whose encoder layers run in slices across steps (encoder_plan.py) leaves its hidden state here
+between slices (`put_partial`), with the number of layers done. That state counts in `bytes` like any
+entry, is kept only while the piece is pinned (never evicted), is not readable as embeddings, and is
+dropped when the piece's last pin goes (its requests finished, aborted or preempted) or when the
+finished embeddings replace it.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[PieceKey, torch.Tensor] = OrderedDict()
         self._pins: Counter[PieceKey] = Counter()
+        # Pieces part-way through the encoder: their hidden state and how many layers it has been through.
+        self._partial: dict[PieceKey, tuple[torch.Tensor, int]] = {}
         self.bytes = 0
         self.pinned_bytes = 0  # of the pinned entries present
         self.hits = 0
@@ -50,6 +58,42 @@ class EncoderCache:
         self.hits += 1
         return found
 
+    @property
+    def partial_count(self) -> int:
+        return len(self._partial)
+
+    def layers_done(self, key: PieceKey) -> int:
+        """Encoder layers a piece part-way through the encoder has been through (0: none kept)."""
+        found = self._partial.get(key)
+        return found[1] if found is not None else 0
+
+    def partial(self, key: PieceKey) -> torch.Tensor | None:
+        found = self._partial.get(key)
+        return found[0] if found is not None else None
+
+    def partial_bytes(self, key: PieceKey) -> int:
+        found = self._partial.get(key)
+        return _nbytes(found[0]) if found is not None else 0
+
+    def put_partial(self, key: PieceKey, hidden: torch.Tensor, layers: int) -> None:
+        """Keep a piece's hidden state after `layers` encoder layers, in place of any earlier one; only
+        while the piece is pinned (nobody would continue it otherwise)."""
+        if key not in self._pins or key in self._entries:
+            return
+        self._drop_partial(key)
+        size = _nbytes(hidden)
+        self._partial[key] = (hidden, layers)
+        self.bytes += size
+        self.pinned_bytes += size
+        self._evict_to(self.max_bytes)
+
+    def _drop_partial(self, key: PieceKey) -> None:
+        found = self._partial.pop(key, None)
+        if found is not None:
+            size = _nbytes(found[0])
+            self.bytes -= size
+            self.pinned_bytes -= size
+
     def pin(self, key: PieceKey) -> None:
         """Keep `key` (present now or put later) until as many unpins."""
         self._pins[key] += 1
@@ -64,9 +108,11 @@ class EncoderCache:
             del self._pins[key]
             if key in self._entries:
                 self.pinned_bytes -= _nbytes(self._entries[key])
+            self._drop_partial(key)  # nobody will continue it: its requests are done or gone
             self._evict_to(self.max_bytes)  # an over-limit piece leaves as soon as it is read
 
     def put(self, key: PieceKey, embeddings: torch.Tensor) -> None:
+        self._drop_partial(key)
         if key in self._entries:
             return
         size = _nbytes(embeddings)
@@ -90,5 +136,5 @@ class EncoderCache:
             self.evictions += 1
 
     def clear(self) -> None:
-        """Drop every unpinned entry."""
+        """Drop every unpinned entry (partial states are all pinned)."""
         self._evict_to(0)

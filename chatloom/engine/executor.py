@@ -59,7 +59,7 @@ class StepExecutor:
         raw = log_softmax_rows(logits, asking)  # before any mask: the model's own distribution
         if apply_grammar_mask(self.guide, logits, sampled):
             argmax = picks = None  # masked rows: the runner's argmax may be a forbidden token
-        if spec is not None and not batch.prefills and not fwd.failed:
+        if spec is not None and not batch.prefills and not batch.encode and not fwd.failed:
             spec.observe_step(batch.num_tokens, time.perf_counter() - t0)
         if spec is not None and any(s.spec_token_ids for s in sampled):
             new_tokens, failures = spec.verify(logits, argmax, sampled, self.sampler, self.eos_ids, picks)

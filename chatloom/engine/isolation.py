@@ -14,14 +14,23 @@ import torch
 
 from chatloom.engine.model_runner import ForwardResult, ModelRunner
 from chatloom.engine.scheduler import ScheduledBatch
+from chatloom.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 
 def split_batch(batch: ScheduledBatch) -> list[ScheduledBatch]:
-    """One batch per sequence, each with exactly its share of the original."""
+    """One batch per sequence, each with exactly its share of the original. A prefill alone encodes
+    the image pieces it reads itself; a slice of encoder work for a sequence that reads nothing this
+    step is a part of its own."""
+    reading = set(batch.decodes) | {s for s, _ in batch.prefills}
     return ([ScheduledBatch(decodes=[s]) for s in batch.decodes]
-            + [ScheduledBatch(prefills=[(s, n)]) for s, n in batch.prefills])
+            + [ScheduledBatch(prefills=[(s, n)]) for s, n in batch.prefills]
+            + [ScheduledBatch(encode=[p]) for p in batch.encode if p.seq is not None and p.seq not in reading])
+
+
+def _owner(part: ScheduledBatch) -> Sequence:
+    return (part.decodes or [s for s, _ in part.prefills] or [p.seq for p in part.encode])[0]
 
 
 def execute_isolated(runner: ModelRunner, batch: ScheduledBatch) -> ForwardResult:
@@ -31,12 +40,14 @@ def execute_isolated(runner: ModelRunner, batch: ScheduledBatch) -> ForwardResul
     except Exception as exc:
         parts = split_batch(batch)
         if len(parts) == 1:
-            seq = (batch.decodes or [s for s, _ in batch.prefills])[0]
-            return ForwardResult(torch.empty(0), None, [], {seq: exc})
+            return ForwardResult(torch.empty(0), None, [], {_owner(parts[0]): exc})
+        if not parts:  # encoder work planned for no sequence: nobody to fail, the pieces run again when read
+            log.warning("encoder work failed (%r)", exc)
+            return ForwardResult(torch.empty(0), None, [])
         log.warning("a batch of %d sequences failed (%r); running each alone", len(parts), exc)
     logits, argmaxes, sampled, failed, prompt = [], [], [], {}, []
     for part in parts:
-        seq = (part.decodes or [s for s, _ in part.prefills])[0]
+        seq = _owner(part)
         try:
             part_result = runner.execute(part)
         except Exception as exc:

@@ -86,7 +86,8 @@ class LLMEngine:
         if loaded.vision is not None:
             embedding_bytes = cfg.hidden_size * next(loaded.vision.parameters()).element_size()
             self.scheduler.encoder = EncoderPlanner(self.encoder_cache, embedding_bytes,
-                                                    self.config.max_num_batched_tokens, self.encoder_pacer)
+                                                    self.config.max_num_batched_tokens, self.encoder_pacer,
+                                                    loaded.vision.encoder_layers, loaded.vision.state_bytes)
         # A prompt that agrees with part of a cached block takes that part's K/V from it.
         self.kv_cache_manager.copy_prefix = self.runner.copy_block_prefix
         self.sampler = Sampler(self.config.seed)
@@ -218,11 +219,11 @@ class LLMEngine:
         for seq in plan_forks(batch):
             self._plan_forks(seq)
         runner = self.runner
-        encoder_s, encoder_tokens, t0 = runner.encoder_seconds, runner.encoder_tokens, time.perf_counter()
+        encoder_s, encoder_work, t0 = runner.encoder_seconds, runner.encoder_work, time.perf_counter()
         result = self.executor.execute(batch)
         if self.scheduler.encoder is not None:
             self.encoder_pacer.record(self.scheduler.encoder.shared, time.perf_counter() - t0,
-                                      runner.encoder_seconds - encoder_s, runner.encoder_tokens - encoder_tokens)
+                                      runner.encoder_seconds - encoder_s, runner.encoder_work - encoder_work)
         self._update(batch, scheduled, result, outputs)
         return outputs
 

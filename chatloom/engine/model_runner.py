@@ -68,11 +68,14 @@ class ModelRunner:
         # A vision-language model's image side, and its outputs by image hash.
         self.vision = vision
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
-        # Encoder work done: pieces, images encoded from their first piece, and the embeddings and
-        # seconds it took (the engine reads the last two per step to pace the encoder).
+        # Encoder work done: pieces finished, images encoded from their first piece, their embeddings,
+        # slices run (a piece's layers in one step), the embedding-layers run and the seconds they took
+        # (the engine reads the last two per step to pace the encoder).
         self.encoder_pieces = 0
         self.encoder_runs = 0
         self.encoder_tokens = 0
+        self.encoder_slices = 0
+        self.encoder_work = 0
         self.encoder_seconds = 0.0
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_cache_dtype)
@@ -169,39 +172,56 @@ class ModelRunner:
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
 
-    def encode_pieces(self, pieces: list[PlannedPiece]) -> list[torch.Tensor]:
-        """Encode `pieces` (a step's plan) into the encoder cache, those of one image together, and
-        return their embeddings in order; the time and embeddings count in encoder_seconds / encoder_tokens."""
-        by_image: dict[int, list[PlannedPiece]] = {}
+    def encode_pieces(self, pieces: list[PlannedPiece]) -> list[torch.Tensor | None]:
+        """Run `pieces` (a step's plan: each piece's layers start..stop-1), those of one image with the same
+        layers together. A piece through the last layer goes into the encoder cache as embeddings, one
+        short of it leaves its hidden state there for its next slice. Returns each piece's embeddings (None
+        for one not finished); the time and work count in encoder_seconds / encoder_work."""
+        last = self.vision.encoder_layers
+        groups: dict[tuple[int, int, int], list[PlannedPiece]] = {}
         for piece in pieces:
-            by_image.setdefault(id(piece.image), []).append(piece)
+            groups.setdefault((id(piece.image), piece.start, piece.stop), []).append(piece)
         done: dict[PlannedPiece, torch.Tensor] = {}
-        for group in by_image.values():
+        for (_, start, stop), group in groups.items():
             t0 = time.perf_counter()
             image = group[0].image
-            if image.prepared is None:  # resized once, kept on the image while its pieces are encoded
-                image.prepared = self.vision.prepare(image.image)
-            out = self.vision.encode_pieces(image.prepared, [p.index for p in group])
-            want = sum(p.num_tokens for p in group)
-            if out.shape[0] != want:
-                raise ValueError(f"the image's pieces give {out.shape[0]} embeddings for {want} image tokens")
-            at = 0
-            for piece in group:
-                # A copy of its own: a kept piece must not hold its neighbours' memory once they are evicted.
-                done[piece] = out[at:at + piece.num_tokens].clone() if len(group) > 1 else out
-                self.encoder_cache.put(piece.key, done[piece])
-                at += piece.num_tokens
-                self.encoder_pieces += 1
-                self.encoder_runs += piece.index == 0
+            if start == 0:
+                if image.prepared is None:  # resized once, kept on the image while its pieces are encoded
+                    image.prepared = self.vision.prepare(image.image)
+                hidden = self.vision.embed_pieces(image.prepared, [p.index for p in group])
+            else:
+                hidden = torch.cat([self.encoder_cache.partial(p.key) for p in group])
+            hidden = self.vision.run_layers(hidden, start, stop)
+            if stop < last:
+                for i, piece in enumerate(group):
+                    self.encoder_cache.put_partial(piece.key, hidden[i:i + 1].clone() if len(group) > 1 else hidden,
+                                                   stop)
+            else:
+                out = self.vision.finish_pieces(hidden)
+                want = sum(p.num_tokens for p in group)
+                if out.shape[0] != want:
+                    raise ValueError(f"the image's pieces give {out.shape[0]} embeddings for {want} image tokens")
+                at = 0
+                for piece in group:
+                    # A copy of its own: a kept piece must not hold its neighbours' memory once they are evicted.
+                    done[piece] = out[at:at + piece.num_tokens].clone() if len(group) > 1 else out
+                    self.encoder_cache.put(piece.key, done[piece])
+                    at += piece.num_tokens
+                    self.encoder_pieces += 1
+                    self.encoder_runs += piece.index == 0
+                self.encoder_tokens += want
             self.encoder_seconds += time.perf_counter() - t0
-            self.encoder_tokens += want
-        return [done[p] for p in pieces]
+            self.encoder_slices += len(group)
+            self.encoder_work += sum(p.work for p in group)
+        return [done.get(p) for p in pieces]
 
     def _piece(self, image: ImageInput, index: int) -> torch.Tensor:
-        """One piece's embeddings: from the cache (the planner pinned it there), else encoded now (a
+        """One piece's embeddings: from the cache (the planner pinned it there), else encoded whole now (a
         batch run again sequence by sequence after a failure has no plan)."""
         found = self.encoder_cache.get((image.content_hash, index))
-        return found if found is not None else self.encode_pieces([PlannedPiece(image, index)])[0]
+        if found is not None:
+            return found
+        return self.encode_pieces([PlannedPiece(image, index, 0, self.vision.encoder_layers)])[0]
 
     def _image_embeds(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows of this step's queries that are image tokens, and their embeddings (None: no image)."""
@@ -250,6 +270,11 @@ class ModelRunner:
         """Run the batch; returns logits and their row-wise argmax for the sequences that
         produce a token now, and those sequences."""
         sampled = list(batch.decodes) + [s for s, n in batch.prefills if s.num_computed_tokens + n == len(s)]
+        if batch.encode:  # slices whose piece is where the plan found it (not yet run by a failed attempt)
+            cache = self.encoder_cache
+            self.encode_pieces([p for p in batch.encode if p.key not in cache and cache.layers_done(p.key) == p.start])
+            if not batch.decodes and not batch.prefills:  # encoder work alone: nothing reads it yet
+                return ForwardResult(torch.empty(0), None, sampled)
         # Native code only (no autograd to turn off): every torch call saved counts here, as each
         # step's Python runs on caches the step's weights have just flushed. A plain decode step
         # makes no tensor at all.
@@ -258,8 +283,6 @@ class ModelRunner:
             logits, argmax, tokens, nan_rows = self.model.decode_tokens(*self._decode_inputs(batch), self._pools,
                                                                         self.before_forward, self._argmax_only(batch))
             return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
-        if batch.encode:
-            self.encode_pieces([p for p in batch.encode if p.key not in self.encoder_cache])
         ids, positions, attn, rows = self._prepare(batch)
         embeds = self._image_embeds(batch)
         # Prompt logprobs are asked of text prompts only (/v1/completions' echo takes no images).

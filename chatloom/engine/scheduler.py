@@ -27,7 +27,8 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Image pieces to encode before the forward (encoder_plan.py), cached as they finish.
+    # Slices of image pieces' encoder layers to run before the forward (encoder_plan.py), cached as
+    # they finish; a step may carry them alone (a piece part-way through the encoder is read by nobody yet).
     encode: list[PlannedPiece] = field(default_factory=list)
 
     @property
@@ -40,7 +41,7 @@ class ScheduledBatch:
         return len(self.decodes) + self.num_spec_tokens + sum(n for _, n in self.prefills)
 
     def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills)
+        return bool(self.decodes or self.prefills or self.encode)
 
 
 # Sequence.sort_key's order (priority, then arrival), read without a property call per sequence.
@@ -126,7 +127,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         shared = len(self.running) + len(self.waiting) > 1
         batch = self._schedule(shared)
-        if shared and not batch and not batch.preempted and self.encoder is not None and self.running:
+        if (shared and not batch.decodes and not batch.prefills and not batch.preempted and self.encoder is not None
+                and self.running):
             # Every sequence waits for image pieces the pacing held back: encoding them delays nobody.
             batch = self._schedule(False)
         return batch
@@ -197,13 +199,15 @@ class Scheduler:
                 n = min(remaining, budget)
             if seq.images and self.encoder is not None:
                 n = self.encoder.fit(seq, n)
-                if n == 0:
+                if n == 0 and not self.encoder.planned_for(seq):
                     self.encoder.forget(seq)
                     self.kv.free_sequence(seq)
                     break
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if n == 0:  # admitted for a slice of its image's encoder work alone: it reads nothing yet
+                continue
             if remaining == 1:
                 batch.decodes.append(seq)
             else:

@@ -85,7 +85,9 @@ class EngineSettings(Group):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     encoder_cache_mb: float = Field(256.0, ge=0, description="Memory for image embeddings kept by image hash "
                                                              "(vision models), so a second question about the "
-                                                             "same image runs no encoder; 0 keeps none.")
+                                                             "same image runs no encoder, and for the encoder "
+                                                             "state of tiles part-way through its layers; 0 "
+                                                             "keeps none.")
     encoder_max_slowdown: float = Field(0.2, ge=0, description="While other requests share the engine, image "
                                                                "encoder work gets at most this fraction of the "
                                                                "time of the steps they share, so their time per "

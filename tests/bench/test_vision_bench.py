@@ -31,6 +31,9 @@ def test_the_vision_bench_measures_both_questions_and_the_text_streams(folder):
     streams = result["text_streams"]
     assert streams["image_requests"] == 2 and result["encoder_pieces"] == 17 + streams["encoder_pieces"]
     assert 0 <= streams["encoder_share"] < 1 and streams["itl_mean_with_images_s"] > 0
+    # Finished pieces took at least a slice each; the work is counted in whole pieces.
+    assert streams["encoder_slices"] >= streams["encoder_pieces"]
+    assert streams["encoder_piece_equivalents"] >= streams["encoder_pieces"]
 
 
 def test_without_pacing_the_streams_wait_for_every_piece(folder):

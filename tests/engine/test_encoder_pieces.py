@@ -159,24 +159,31 @@ def test_a_second_question_reuses_the_cached_pieces(loaded):
 
 
 def test_the_pacer_gives_the_encoder_its_share_of_decoding_steps():
-    pacer = EncoderPacer(0.2)
+    pacer = EncoderPacer(0.2, layers=12)
     pacer.piece_tokens = 64
-    assert pacer.allows(64)  # nothing measured yet: the first piece measures the cost
-    pacer.record(shared=True, step_s=1.01, encoder_s=1.0, encoder_tokens=64)  # a piece costs 1 s
-    assert not pacer.allows(64)
+    # Nothing measured yet: one layer of one piece, which measures the cost.
+    assert pacer.slice_layers() == 1 and pacer.affordable(0, 64, 12) == 1 and pacer.affordable(64, 64, 12) == 0
+    pacer.record(shared=True, step_s=1.01, encoder_s=1.0, encoder_work=64)  # a piece's layer costs 1 s
+    assert pacer.affordable(0, 64, 12) == 0
     steps = 0
-    while not pacer.allows(64):  # decoding steps of 10 ms: 2 ms of credit each
-        pacer.record(shared=True, step_s=0.01, encoder_s=0.0, encoder_tokens=0)
+    while not pacer.affordable(0, 64, 12):  # decoding steps of 10 ms: 2 ms of credit each
+        pacer.record(shared=True, step_s=0.01, encoder_s=0.0, encoder_work=0)
         steps += 1
-    # The first piece's second went on credit: two seconds to earn, 5 s of decoding per second encoded.
+    # The first layer's second went on credit: two seconds to earn, 5 s of decoding per second encoded.
     assert steps == pytest.approx(1000, abs=2)
     for _ in range(100):
-        pacer.record(shared=True, step_s=0.01, encoder_s=0.0, encoder_tokens=0)
-    assert pacer.credit == pytest.approx(1.0) and not pacer.allows(65)  # capped at one piece
+        pacer.record(shared=True, step_s=0.01, encoder_s=0.0, encoder_work=0)
+    # Capped at one slice: with 10 ms steps against 1 s a layer, a slice is one layer.
+    assert pacer.slice_layers() == 1 and pacer.credit == pytest.approx(1.0) and pacer.affordable(0, 64, 12) == 1
+    # Steps long beside a layer make longer slices: what 4 steps earn (0.2 x 2.5 s x 4 = 2 layers).
+    pacer.step_s = 2.5
+    assert pacer.slice_layers() == 2
     # A step for one request alone delays nobody: no credit taken or given.
-    pacer.record(shared=False, step_s=2.0, encoder_s=2.0, encoder_tokens=128)
+    pacer.record(shared=False, step_s=2.0, encoder_s=2.0, encoder_work=128)
     assert pacer.credit == pytest.approx(1.0)
-    assert not EncoderPacer(0.0).allows(1)
+    assert EncoderPacer(0.0).affordable(0, 1, 1) == 0
+    unpaced = EncoderPacer(float("inf"), layers=12)
+    assert unpaced.slice_layers() == 12 and unpaced.affordable(10**6, 64, 12) == 12
 
 
 def test_pinned_pieces_are_not_evicted():

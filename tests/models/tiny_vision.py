@@ -31,7 +31,7 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def write_idefics3_folder(folder: Path, seed: int = 0, split: bool = True) -> Path:
+def write_idefics3_folder(folder: Path, seed: int = 0, split: bool = True, vision_layers: int = 2) -> Path:
     """Write the checkpoint to `folder` and return it."""
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, PreTrainedTokenizerFast
     from transformers.models.idefics3 import Idefics3ImageProcessorPil, Idefics3Processor
@@ -45,7 +45,7 @@ def write_idefics3_folder(folder: Path, seed: int = 0, split: bool = True) -> Pa
                                   chat_template=CHAT_TEMPLATE)
     vocab = tok.get_vocab_size()
     config = Idefics3Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers, num_attention_heads=4,
                            image_size=TILE, patch_size=PATCH),
         text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -87,9 +87,8 @@ class Idefics3Vision(nn.Module):
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """One image's tiles [tiles, 3, H, W] -> its embeddings [tiles * image_seq_len, text hidden]."""
-        dtype = self.proj.weight.dtype
-        feats = self.vision_model(pixel_values.to(dtype))
-        return self.proj(self.pixel_shuffle(feats)).reshape(-1, self.config.text.hidden_size)
+        hidden = self.vision_model.embeddings(pixel_values.to(self.proj.weight.dtype))
+        return self.finish_pieces(self.run_layers(hidden, 0, self.encoder_layers))
 
     def prompt_for(self, image: Image.Image) -> str:
         """The text that stands for `image` in the prompt (tags and image tokens, tile by tile)."""
@@ -105,19 +104,48 @@ class Idefics3Vision(nn.Module):
         return torch.from_numpy(self.processor(image).pixel_values)
 
     # Encoder work in pieces (the engine schedules them across steps): a piece is one tile, encoded on
-    # its own by SigLIP and the connector, giving that tile's run of image tokens.
+    # its own by SigLIP and the connector, giving that tile's run of image tokens. A piece's encoder
+    # layers may run in slices across steps: `embed_pieces`, then `run_layers` over consecutive ranges,
+    # then `finish_pieces`; encode_pieces is the three at once.
     @property
     def piece_tokens(self) -> int:
         """Embeddings one piece gives: a tile's image tokens."""
         return self.config.image_seq_len
 
+    @property
+    def encoder_layers(self) -> int:
+        return len(self.vision_model.layers)
+
+    @property
+    def state_bytes(self) -> int:
+        """One piece's hidden state between layers: a tile's patches x the encoder's width."""
+        v = self.config.vision
+        return v.patches_per_side ** 2 * v.hidden_size * self.proj.weight.element_size()
+
     def prepare(self, image: Image.Image) -> PreparedImage:
-        """What `encode_pieces` reads: the image resized for its tiles, done once per image."""
+        """What `embed_pieces` reads: the image resized for its tiles, done once per image."""
         return self.processor.prepare(image)
+
+    @torch.inference_mode()
+    def embed_pieces(self, prepared: PreparedImage, indices: list[int]) -> torch.Tensor:
+        """Tiles `indices` of a prepared image -> their hidden state before the first layer [tiles, patches, D]."""
+        pixels = torch.from_numpy(np.stack([self.processor.tile_pixels(prepared, i) for i in indices]))
+        return self.vision_model.embeddings(pixels.to(self.proj.weight.dtype))
+
+    @torch.inference_mode()
+    def run_layers(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return self.vision_model.run_layers(hidden, start, stop)
+
+    @torch.inference_mode()
+    def finish_pieces(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The state after the last layer -> the pieces' embeddings [tiles * piece_tokens, text hidden]:
+        the final LayerNorm, the pixel shuffle, the connector."""
+        feats = self.vision_model.post_layernorm(hidden)
+        return self.proj(self.pixel_shuffle(feats)).reshape(-1, self.config.text.hidden_size)
 
     def encode_pieces(self, prepared: PreparedImage, indices: list[int]) -> torch.Tensor:
         """Tiles `indices` of a prepared image, encoded together -> [len(indices) * piece_tokens, hidden]."""
-        return self.encode(torch.from_numpy(np.stack([self.processor.tile_pixels(prepared, i) for i in indices])))
+        return self.finish_pieces(self.run_layers(self.embed_pieces(prepared, indices), 0, self.encoder_layers))
 
 
 def build_vision(cfg, folder: Path, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype):

@@ -110,10 +110,8 @@ class LlavaVision(nn.Module):
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """One image's pixels [1, 3, S, S] -> its embeddings [image tokens, text hidden]."""
-        feats = self.vision_model(pixel_values.to(self.linear_1.weight.dtype))
-        if self.config.select_strategy == "default":
-            feats = feats[:, 1:]
-        return self.linear_2(self.act(self.linear_1(feats))).reshape(-1, self.config.text.hidden_size)
+        hidden = self.vision_model.embed(pixel_values.to(self.linear_1.weight.dtype))
+        return self.finish_pieces(self.run_layers(hidden, 0, self.encoder_layers))
 
     def prompt_for(self, image: Image.Image) -> str:
         return IMAGE_TOKEN * self.config.image_seq_len
@@ -125,18 +123,44 @@ class LlavaVision(nn.Module):
         return torch.from_numpy(self.processor(image))
 
     # Encoder work in pieces, as the engine schedules it: one image is one piece (CLIP attends across
-    # the whole image, so it has no independent parts).
+    # the whole image, so it has no independent parts). Its layers may run in slices across steps, as
+    # Idefics3Vision's do: `embed_pieces`, `run_layers` over consecutive ranges, `finish_pieces`.
     @property
     def piece_tokens(self) -> int:
         return self.config.image_seq_len
 
+    @property
+    def encoder_layers(self) -> int:
+        return len(self.vision_model.layers)
+
+    @property
+    def state_bytes(self) -> int:
+        """One image's hidden state between layers: the class token and the patches x the encoder's width."""
+        v = self.config.vision
+        return (v.patches_per_side ** 2 + 1) * v.hidden_size * self.linear_1.weight.element_size()
+
     def prepare(self, image: Image.Image) -> torch.Tensor:
         return self.preprocess(image)
 
-    def encode_pieces(self, prepared: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def embed_pieces(self, prepared: torch.Tensor, indices: list[int]) -> torch.Tensor:
         if list(indices) != [0]:
             raise IndexError(f"a LLaVA image is one piece; asked for {indices}")
-        return self.encode(prepared)
+        return self.vision_model.embed(prepared.to(self.linear_1.weight.dtype))
+
+    @torch.inference_mode()
+    def run_layers(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return self.vision_model.run_layers(hidden, start, stop)
+
+    @torch.inference_mode()
+    def finish_pieces(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The state after the last layer run -> the image's embeddings: the feature selection and the projector."""
+        if self.config.select_strategy == "default":
+            hidden = hidden[:, 1:]
+        return self.linear_2(self.act(self.linear_1(hidden))).reshape(-1, self.config.text.hidden_size)
+
+    def encode_pieces(self, prepared: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        return self.finish_pieces(self.run_layers(self.embed_pieces(prepared, indices), 0, self.encoder_layers))
 
     def load(self, names: dict[str, str], get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
              convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> "LlavaVision":

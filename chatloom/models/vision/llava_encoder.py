@@ -61,8 +61,15 @@ class ClipVisionTransformer(nn.Module):
         self.layers = nn.ModuleList(SiglipLayer(cfg) for _ in range(layers))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = self.pre_layrnorm(self.embeddings(pixels))
-        for layer in self.layers:
+        return self.run_layers(self.embed(pixels), 0, len(self.layers))
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels -> the hidden state before the first layer."""
+        return self.pre_layrnorm(self.embeddings(pixels))
+
+    def run_layers(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The hidden state through layers start..stop-1 (the encoder in slices: siglip.py)."""
+        for layer in self.layers[start:stop]:
             x = layer(x)
         return x
 

@@ -121,10 +121,14 @@ class SiglipVisionTransformer(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [tiles, 3, H, W] -> patch features [tiles, patches, hidden]."""
-        x = self.embeddings(pixels)
-        for layer in self.layers:
+        return self.post_layernorm(self.run_layers(self.embeddings(pixels), 0, len(self.layers)))
+
+    def run_layers(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The hidden state [tiles, patches, hidden] through layers start..stop-1: the encoder run in
+        slices, each continuing from the state the last one left, gives forward's result."""
+        for layer in self.layers[start:stop]:
             x = layer(x)
-        return self.post_layernorm(x)
+        return x
 
     @staticmethod
     def weight_names(cfg: SiglipConfig, prefix: str) -> dict[str, str]:
