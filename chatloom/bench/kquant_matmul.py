@@ -9,12 +9,16 @@ int8-activation kernel in the group-scale layout and, for Q4_K and Q6_K with AVX
 super-blocks (superblock_int8), called in turn; times are medians, ratios are against the float32
 baseline measured alongside. With `layers` > 1 each kernel cycles through that many weights of
 the shape (as a decode step does through its layers), so that they come from memory rather than
-the caches; `gb_per_s` is then each layout's bytes over its time.
+the caches; `gb_per_s` is then each layout's bytes over its time. With `cpu_time` (one thread) each
+call is timed by the calling thread's CPU time rather than the wall clock: the kernels then run on
+that thread, and on a machine shared with other work the time it waited for a core does not count
+(the time it waited for memory does).
 """
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -52,18 +56,19 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
-def interleaved_medians(fns: dict, seconds: float) -> dict[str, float]:
-    """Median milliseconds of each function, called in turn until `seconds` have passed for
-    all of them together: noise on a shared machine lands on every mode alike."""
+def interleaved_medians(fns: dict, seconds: float, clock: Callable[[], float] = time.perf_counter
+                        ) -> dict[str, float]:
+    """Median milliseconds of each function by `clock`, called in turn until `seconds` have passed
+    for all of them together: noise on a shared machine lands on every mode alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # warm up
     end = time.perf_counter() + seconds * len(fns)
     while time.perf_counter() < end or min(len(v) for v in samples.values()) < 3:
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(clock() - t0)
     return {name: round(statistics.median(v) * 1e3, 3) for name, v in samples.items()}
 
 
@@ -72,7 +77,7 @@ def _nbytes(module: torch.nn.Module) -> int:
 
 
 def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds: float = 0.5,
-                      layers: int = 1) -> dict:
+                      layers: int = 1, cpu_time: bool = False) -> dict:
     from chatloom.models.kernels import load_kernels
     from chatloom.models.kquant_panels import PANEL_KINDS
     from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, int8_matmul_supported,
@@ -86,6 +91,9 @@ def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds
         raise ValueError(f"k must be a multiple of 256 (K-quant super-blocks), got {k}")
     if layers < 1:
         raise ValueError(f"layers must be at least 1, got {layers}")
+    if cpu_time and torch.get_num_threads() != 1:
+        raise ValueError("CPU time measures the calling thread only: run it on one thread (--threads 1)")
+    clock = time.thread_time if cpu_time else time.perf_counter
     int8 = int8_matmul_supported(kernels)
     out: dict[str, dict] = {}
     for kind in kinds:
@@ -117,7 +125,7 @@ def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds
                 turn = iter(range(10**12))
                 return lambda: fns[next(turn) % len(fns)](x)
 
-            row = interleaved_medians({f"{mode}_ms": cycle(fns) for mode, fns in modes.items()}, seconds)
+            row = interleaved_medians({f"{mode}_ms": cycle(fns) for mode, fns in modes.items()}, seconds, clock)
             base = row["float32_ms"]
             for mode in modes:
                 if mode != "float32":
@@ -130,4 +138,4 @@ def run_kquant_matmul(kinds: list[str], k: int, n: int, rows: list[int], seconds
                         if "superblock" in weight_bytes else {}),
                      "by_rows": per_rows}
     return {"benchmark": "kquant-matmul", "k": k, "n": n, "layers": layers, "threads": torch.get_num_threads(),
-            "int8_supported": int8, "kinds": out}
+            "clock": "thread CPU time" if cpu_time else "wall", "int8_supported": int8, "kinds": out}

@@ -353,4 +353,11 @@ def format_table(result: dict) -> str:
             lines.append(f"engine step, {kind}, prompt {b['prompt_tokens']} tokens: plain {d['plain_step_ms']:.2f} ms, "
                          f"{layered}instrumented {d['instrumented_step_ms']:.2f} ms")
             lines.extend(f"    {k:<44} {v:8.3f} ms" for k, v in d["parts_ms"].items())
+            if team := d.get("team"):
+                lines.append(f"  on the decode team: step {team['step_ms']:.2f} ms, native call {team['native_call_ms']:.2f} ms "
+                             f"(team {team['team_ms']:.2f} ms), outside it {team['outside_native_ms']:.2f} ms; "
+                             f"{team['weights_mb']:.0f} MB of weights a step")
+                for part, row in team["parts"].items():
+                    rate = f"  {row['weights_mb']:7.1f} MB {row['gb_per_s']:6.1f} GB/s" if "gb_per_s" in row else ""
+                    lines.append(f"    {part:<44} {row['ms']:8.3f} ms{rate}")
     return "\n".join(lines)

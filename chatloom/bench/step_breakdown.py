@@ -3,8 +3,10 @@
 An instrumented run wraps the matmuls, attention, layer ops, sampling, scheduling, metadata and
 detokenizing with a clock that charges each call its own time minus its children's, so the parts add
 up to the instrumented step. Decode steps normally run the whole decoder stack in one native call,
-which cannot be timed part by part, so the instrumented run goes layer by layer; the plain decode step
-is reported both ways.
+which Python cannot time part by part, so the instrumented run goes layer by layer; the plain decode step
+is reported both ways. Where that native call runs on the decode team (decode_team.cpp), the team's own
+profile splits it: each matmul phase (with its weight bytes and the GB/s it read them at), attention and
+the serial parts, and what the step spends outside the native call (scheduling, sampling, Python).
 """
 from __future__ import annotations
 
@@ -89,6 +91,74 @@ def instrumented(engine: LLMEngine):
                 setattr(owner, name, original)
 
 
+# The team profile's matmul parts and the modules of each layer (or the model) whose weights they read.
+_TEAM_MATMULS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_up": ("mlp", "gate_up_proj"),
+                 "down": ("mlp", "down_proj")}
+
+
+def _weight_bytes(module) -> int:
+    """Bytes a matmul module reads per step: its parameters and buffers (codes, scales, panels)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+               if t is not None)
+
+
+def _team_weights(model) -> dict[str, int]:
+    """Weight bytes per team matmul part, over all layers; the head's under "head"."""
+    out = {part: sum(_weight_bytes(getattr(getattr(layer, a), b)) for layer in model.layers)
+           for part, (a, b) in _TEAM_MATMULS.items()}
+    out["head"] = _weight_bytes(model.lm_head)
+    return out
+
+
+def team_breakdown(engine: LLMEngine, prompt: list[int], decode_steps: int) -> dict | None:
+    """One request's plain decode steps with the decode team's profile on: per part milliseconds a step
+    (the matmul phases with their weight MB and GB/s), the native call's time and the rest of the step
+    outside it. None where decode steps do not run on the team."""
+    model = engine.runner.model
+    stack = model.decode_stack() if getattr(model, "native_decode", False) else None
+    if stack is None or not stack.team_path:
+        return None
+    clock = _Clock()
+    names = [n for n in ("decode_tokens", "decode_argmax", "decode_logits", "forward") if hasattr(model, n)]
+    for name in names:  # instance attributes shadow the methods, deleted again below
+        setattr(model, name, clock.wrap("native", getattr(model, name)))
+    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+    steps_ms = []
+    try:
+        engine.add_request(prompt, params)
+        engine.step()  # the prefill, not profiled
+        stack.set_profiling(True)
+        clock.totals.clear()
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            steps_ms.append((time.perf_counter() - t0) * 1e3)
+        parts = stack.profile()
+    finally:
+        stack.set_profiling(False)
+        for name in names:
+            delattr(model, name)
+    steps = int(parts.pop("steps"))
+    redone = int(parts.pop("redone"))
+    if steps == 0:
+        return None
+    weights = _team_weights(model)
+    team = {}
+    for part, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        ms = seconds / steps * 1e3
+        row = {"ms": round(ms, 3)}
+        if part in weights and ms > 0:
+            row["weights_mb"] = round(weights[part] / 1e6, 1)
+            row["gb_per_s"] = round(weights[part] / 1e6 / ms, 1)
+        team[part] = row
+    step = statistics.median(steps_ms)
+    native = clock.totals["native"] / len(steps_ms) * 1e3
+    team_ms = sum(parts.values()) / steps * 1e3
+    return {"steps": steps, "redone_items": redone, "step_ms": round(step, 3), "native_call_ms": round(native, 3),
+            "team_ms": round(team_ms, 3), "outside_native_ms": round(sum(steps_ms) / len(steps_ms) - native, 3),
+            "weights_mb": round(sum(weights.values()) / 1e6, 1), "parts": team}
+
+
 def step_breakdown(engine: LLMEngine, prompt: list[int], decode_steps: int) -> dict:
     """One request at batch 1: the prefill step and `decode_steps` decode steps, plain and
     instrumented; per category, milliseconds per step (exclusive)."""
@@ -113,6 +183,7 @@ def step_breakdown(engine: LLMEngine, prompt: list[int], decode_steps: int) -> d
     run(None)  # warm-up
     plain_prefill, plain_decodes, _ = run(None)
     # The parts can only be timed layer by layer: decode steps leave the native stack for this.
+    team = team_breakdown(engine, prompt, decode_steps)
     native, model.native_decode = model.native_decode, False
     try:
         _, layered_decodes, _ = run(None)
@@ -131,7 +202,7 @@ def step_breakdown(engine: LLMEngine, prompt: list[int], decode_steps: int) -> d
                    "native_stack": native and model.decode_stack() is not None,
                    "layer_by_layer_step_ms": round(statistics.median(layered_decodes) * 1e3, 3),
                    "instrumented_step_ms": round(sum(inst_decodes) / steps * 1e3, 3),
-                   "parts_ms": parts(clock.totals, steps)},
+                   "parts_ms": parts(clock.totals, steps), "team": team},
         "prefill": {"plain_step_ms": round(plain_prefill * 1e3, 3), "instrumented_step_ms": round(inst_prefill * 1e3, 3),
                     "parts_ms": parts(prefill_parts, 1)},
     }

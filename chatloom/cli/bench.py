@@ -125,6 +125,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="weights of the shape each kernel cycles through (enough for them to come from memory)")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     p.add_argument("--threads", type=positive_int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by the thread's CPU time, not the wall clock (needs --threads 1): on a shared "
+                        "machine the time spent waiting for a core does not count")
     p.add_argument("--table", action="store_true", help="also print a human-readable table")
     p.set_defaults(func=runs.kquant_matmul)
 

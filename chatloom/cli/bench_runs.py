@@ -76,7 +76,8 @@ def kquant_matmul(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return _emit(run_kquant_matmul(args.kinds, args.k, args.n, args.rows, args.seconds, args.layers), args.table)
+    return _emit(run_kquant_matmul(args.kinds, args.k, args.n, args.rows, args.seconds, args.layers, args.cpu_time),
+                 args.table)
 
 
 def perplexity(args) -> int:

@@ -108,3 +108,20 @@ def test_attention_bench_refuses_heads_that_do_not_share_kv_heads_evenly(capsys)
     err = capsys.readouterr().err
     assert "--heads (9) must be a multiple of --kv-heads (2)" in err
     assert "Traceback" not in err
+
+
+def test_kquant_matmul_bench_on_thread_cpu_time(capsys):
+    import torch
+
+    args = ["bench", "kquant-matmul", "--kinds", "Q4_K", "--k", "256", "--n", "32", "--rows", "1",
+            "--seconds", "0.01", "--cpu-time"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(args + ["--threads", "1"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["clock"] == "thread CPU time" and out["kinds"]["Q4_K"]["by_rows"]["1"]["exact_ms"] > 0
+        # Two threads: the calling thread's CPU time would miss the other's work.
+        assert main(args + ["--threads", "2"]) != 0
+        assert "--threads 1" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)

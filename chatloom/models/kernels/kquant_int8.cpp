@@ -109,14 +109,19 @@ CHATLOOM_VNNI inline __m512i bcast4(const int8_t* p) {
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi32(v);
 }
+// Keeps v as computed: -ffast-math may otherwise regroup a product of products (d * sc * s) in one
+// kernel and not in another, and the row kernel must give the tiles' bits.
+CHATLOOM_VNNI inline void keep(__m512& v) { __asm__("" : "+v"(v)); }
 // a | (b & c), bit by bit.
 CHATLOOM_VNNI inline __m512i or_masked(__m512i a, __m512i b, __m512i c) {
   return _mm512_ternarylogic_epi32(a, b, c, 0xF8);
 }
 
 // R rows (from x) against NP panels of one kind from panel p0, into out's rows (ldo apart).
+// Kept out of line: inlined into run_panels' loop over row tiles, it ran the Q6_K 8-row matmul
+// about 15% slower.
 template <int R, int NP, int KIND>
-CHATLOOM_VNNI void tile(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p0, float* out) {
+__attribute__((noinline)) CHATLOOM_VNNI void tile(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p0, float* out) {
   const int64_t k_dim = w.k_dim, nb32 = k_dim / kBlock, nb16 = k_dim / 16;
   const uint8_t* base[NP];
   for (int i = 0; i < NP; ++i) base[i] = w.blob + w.offsets[p0 + i];
@@ -211,6 +216,96 @@ CHATLOOM_VNNI void tile(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p0
     const __m512 bv = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * w.out_features + col, mask, _mm512_add_ps(acc[i][r], bv));
   }
+}
+
+// How far ahead the one-row kernel prefetches. On the 2-core EPYC (Zen 5) one thread streamed the
+// most at 6 KiB for both kinds; at 4 and 8 KiB Q6_K fell to two thirds of that.
+constexpr int64_t kRowAhead = 6144;
+
+// One row against one panel: tile<1, 1>'s float steps in the same order (so the same bits), with
+// less work per code word and the panel's bytes prefetched as one stream. A decode step at one
+// sequence is this kernel against every weight, and it is bound by how fast one thread pulls the
+// bytes in: a task's panels lie end to end, and one panel at a time reads them in order, where
+// several panels at once read as many streams. Each super-block's float16 d and dmin are widened
+// once, not once per sub-block. A Q4_K word's high nibbles are multiplied where they lie (16 c: one
+// mask, no shift) in sums of their own, divided by 16, exactly, once per sub-block. The integer sums
+// run as two chains each so that the dot products' latency stays hidden with one panel.
+//
+// Prefetches run kRowAhead bytes ahead of the super-block being read, one line per slot, the slots
+// spread over the super-block (a word of codes, and a sub-block's scales) so that together they
+// cover every line of the stream, headers included, once.
+template <int KIND>
+CHATLOOM_VNNI void row_tile(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p, float* out) {
+  const uint8_t* base = w.blob + w.offsets[p];
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  const auto ahead = [](const uint8_t* at) { _mm_prefetch(reinterpret_cast<const char*>(at + kRowAhead), _MM_HINT_T0); };
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < w.k_dim / kSuper; ++sb) {
+    const uint8_t* b = base + sb * (KIND == kQ4K ? kQ4KBytes : kQ6KBytes);
+    const __m512 d = half16(b);
+    if constexpr (KIND == kQ4K) {
+      const __m512 dmin = half16(b + 32);
+      for (int g = 0; g < 8; ++g) {
+        __m512i lo[2], hi[2];
+        lo[0] = lo[1] = hi[0] = hi[1] = _mm512_setzero_si512();
+        ahead(b + 2048 + 64 * g);  // 32 words and 8 of these: 2,560 bytes, a super-block is 2,368
+#pragma GCC unroll 4
+        for (int wd = 0; wd < 4; ++wd) {
+          const int64_t k8 = sb * kSuper + g * 32 + wd * 8;
+          ahead(b + (g * 4 + wd) * 64);
+          const __m512i v = word(b + kQ4KCodes + (g * 4 + wd) * 64);
+          lo[wd & 1] = _mm512_dpbusd_epi32(lo[wd & 1], _mm512_and_si512(v, low4), bcast4(x.q + k8));
+          hi[wd & 1] = _mm512_dpbusd_epi32(hi[wd & 1], _mm512_andnot_si512(low4, v), bcast4(x.q + k8 + 4));
+        }
+        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(lo[0], _mm512_srai_epi32(hi[0], 4)),
+                                             _mm512_add_epi32(lo[1], _mm512_srai_epi32(hi[1], 4)));
+        const int64_t kb = sb * 8 + g;
+        __m512 d1 = _mm512_mul_ps(d, u8x16(b + 64 + 16 * g));
+        keep(d1);
+        const __m512 m1 = _mm512_mul_ps(dmin, u8x16(b + 192 + 16 * g));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d1, _mm512_set1_ps(x.scale[kb])), acc);
+        acc = _mm512_fnmadd_ps(m1, _mm512_set1_ps(x.msum[kb]), acc);
+      }
+    } else {
+      for (int g = 0; g < 16; ++g) {
+        __m512i lo = _mm512_set1_epi32(x.offset16[sb * 16 + g]), hi = _mm512_setzero_si512();
+        const __m512i h = word(b + kQ6KHigh + g * 64);
+        ahead(b + 2048 + 64 * g);  // 32 words, 16 of these and 8 more: 3,584 bytes, a super-block is 3,360
+        if (g % 2 == 0) ahead(b + 3072 + 32 * g);
+#pragma GCC unroll 2
+        for (int wd = 0; wd < 2; ++wd) {
+          const int64_t k8 = sb * kSuper + g * 16 + wd * 8;
+          ahead(b + (g * 2 + wd) * 64);
+          const __m512i v = word(b + kQ6KLow + (g * 2 + wd) * 64);
+          // The high bits of depths 2b (lo) and 2b + 1 (hi) of this word: fields 2 wd and 2 wd + 1.
+          const __m512i hl = wd == 0 ? _mm512_slli_epi16(h, 4) : h;
+          const __m512i hh = wd == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
+          const __m512i cl = or_masked(_mm512_and_si512(v, low4), hl, top2);
+          const __m512i ch = or_masked(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), hh, top2);
+          lo = _mm512_dpbusd_epi32(lo, cl, bcast4(x.q + k8));
+          hi = _mm512_dpbusd_epi32(hi, ch, bcast4(x.q + k8 + 4));
+        }
+        __m512 d1 = _mm512_mul_ps(d, i8x16(b + 32 + 16 * g));
+        keep(d1);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)),
+                              _mm512_mul_ps(d1, _mm512_set1_ps(x.scale[sb * 8 + g / 2])), acc);
+      }
+    }
+  }
+  const int64_t col = p * kPanel, ncols = std::min(kPanel, w.out_features - col);
+  const __mmask16 mask = (__mmask16)((1u << ncols) - 1);
+  const __m512 bv = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + col) : _mm512_setzero_ps();
+  _mm512_mask_storeu_ps(out + col, mask, _mm512_add_ps(acc, bv));
+}
+
+// Panels [p0, p0 + np) of one kind against one row. Their first kRowAhead bytes are prefetched at
+// once: a task's stream starts cold, and its panels' own prefetches only run ahead of what they read.
+template <int KIND>
+CHATLOOM_VNNI void row_run(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p0, int64_t np, float* out) {
+  const uint8_t* first = w.blob + w.offsets[p0];
+  const int64_t bytes = std::min<int64_t>(kRowAhead, w.offsets[p0 + np] - w.offsets[p0]);
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(first + at), _MM_HINT_T0);
+  for (int64_t i = 0; i < np; ++i) row_tile<KIND>(x, w, p0 + i, out);
 }
 
 // Panels [p0, p0 + np) of one kind against R rows, as many panels at a time as keep the integer
@@ -363,6 +458,12 @@ CHATLOOM_VNNI void run_panels(const RowPtrs& x, const KQuantInt8Weights& w, int6
     int64_t b = a + 1;
     while (b < p1 && w.kinds[b] == w.kinds[a]) ++b;
     const bool q4 = w.kinds[a] == kQ4K;
+    if (r1 - r0 == 1) {
+      if (q4) row_run<kQ4K>(x.at(r0), w, a, b - a, out + r0 * w.out_features);
+      else row_run<kQ6K>(x.at(r0), w, a, b - a, out + r0 * w.out_features);
+      a = b;
+      continue;
+    }
     chatloom_kernels::for_each_row_tile(r0, r1, [&](int64_t m, int64_t rows) {
       const RowPtrs xr = x.at(m);
       float* orow = out + m * w.out_features;
