@@ -1,7 +1,7 @@
 """One engine replica: sequences, KV-cache manager over a block pool, scheduler, model runner, sampler,
 output processor, speculative decoding, structured output, the engine loops (sync and async).
 Knows nothing of HTTP, users or databases."""
-import importlib
+from chatloom.lazy_exports import lazy_getattr
 
 # Loaded on first use (PEP 562): a module of the engine, such as the scheduler the fleet simulator
 # runs, can be imported without the model runner and torch behind LLMEngine.
@@ -11,9 +11,4 @@ _EXPORTS = {"EngineConfig": "chatloom.engine.config", "LLMEngine": "chatloom.eng
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

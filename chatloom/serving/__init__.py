@@ -1,7 +1,7 @@
 """Backends the product talks to: the in-process engine, a remote OpenAI-compatible server, the router
 over several replicas (policies, health, failover), several models behind one backend, and the
 replica's own HTTP face (replica_server.py). May import engine and models, never app."""
-import importlib
+from chatloom.lazy_exports import lazy_getattr
 
 # Loaded on first use (PEP 562): the routing policies, which the fleet simulator runs, can be imported
 # without the backends (and the engine and torch behind the local one).
@@ -17,9 +17,4 @@ _EXPORTS = {**dict.fromkeys(("Backend", "BackendError", "BackendNotReady", "Back
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
