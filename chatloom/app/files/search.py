@@ -41,7 +41,9 @@ async def ranked_ids(session: AsyncSession, query: str, params: dict, in_list: s
         if not parts:
             return []
         union = " UNION ALL ".join(sqlite_sql.format(weight=float(w), q=f"q{i}") for i, (_, w) in enumerate(parts))
-        sql = f"SELECT id FROM ({union}) GROUP BY id ORDER BY sum(s), id LIMIT :n"  # FTS5's bm25 is negative
+        # MATERIALIZED: flattened into the aggregate (as SQLite does with a lone part), bm25() would be
+        # called outside its full-text query, which FTS5 refuses. FTS5's bm25 is negative: best first.
+        sql = f"WITH scored AS MATERIALIZED ({union}) SELECT id FROM scored GROUP BY id ORDER BY sum(s), id LIMIT :n"
         rows = await session.execute(text(sql).bindparams(expand),
                                      {**params, **{f"q{i}": q for i, (q, _) in enumerate(parts)}, "n": limit})
         return [r[0] for r in rows]
