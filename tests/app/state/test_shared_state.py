@@ -159,11 +159,13 @@ async def test_lost_database_is_a_503_on_readyz(tmp_path):
         assert r.json()["checks"]["database"]["status"] == "unavailable"
 
 
-async def _answer_on_the_first_of_two(stack: AsyncExitStack, tmp_path, db_url: str, backend, events: int = 5):
+async def _answer_on_the_first_of_two(stack: AsyncExitStack, tmp_path, db_url: str, backend, events: int = 5,
+                                     lease_s: float = 0.6):
     """Two gateways with short leases; alice's answer runs on gateway 1 until its log holds `events` events.
     Its budget (1500 tokens) is far beyond what runs before a test freezes it, so a takeover has some left.
     Returns (gateway 1, gateway 2, alice's headers, conversation id, the request's task, the generation)."""
-    g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, shared_state={"job_lease_s": 0.6}, moderation={"mode": "off"})
+    g1, g2 = await gateways(stack, tmp_path, db_url, require_redis(), backend, shared_state={"job_lease_s": lease_s},
+                            moderation={"mode": "off"})
     alice = await signup(g1, "alice")
     cid = await new_conversation(g1, alice)
     app1 = g1._transport.app
@@ -221,7 +223,10 @@ async def test_a_taken_over_answer_that_had_used_its_budget_ends_as_length(tmp_p
     """The budget left is the job's max_tokens less the count its gateway logged, not a re-count of the
     text (random tokens re-tokenize to many more): an answer already at its budget is saved as 'length'."""
     async with AsyncExitStack() as stack:
-        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
+        # A lease long enough that gateway 2 cannot take the job over before the budget below is written,
+        # however late a busy machine lets gateway 1 renew it (at 0.6 s it sometimes lapsed first).
+        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend,
+                                                                           lease_s=3.0)
         app1, app2 = g1._transport.app, g2._transport.app
         message_id = gen.message_id
         await app1.state.ctx.conversations.abandon(cid)  # its lease is still renewed: nobody takes it yet
