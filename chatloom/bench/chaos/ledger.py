@@ -80,7 +80,6 @@ class Ledger:
     faults: list[Fault] = field(default_factory=list)
     users: dict[str, str] = field(default_factory=dict)  # username -> tier
     cuts: int = 0
-    transport_errors: dict[str, int] = field(default_factory=dict)  # exception class -> count
 
     def reply(self, t: float, gateway: str, route: str, status: int, headers=None, body: dict | None = None) -> None:
         code = None

@@ -22,8 +22,7 @@ def summary(checks: list[Check], ledger: Ledger, t0: float, meta: dict) -> dict:
         "traffic": {"replies": len(ledger.replies), "answers": len(ledger.answers),
                     "refused_messages": ledger.refused_messages, "openai_calls": len(ledger.openai),
                     "uploads": len(ledger.uploads), "client_cuts": ledger.cuts,
-                    "by_status": _by_status(ledger),
-                    "transport_errors": dict(sorted(ledger.transport_errors.items()))},
+                    "by_status": _by_status(ledger)},
     }
 
 

@@ -74,28 +74,6 @@ class Traffic:
         for client in self.clients.values():
             await client.aclose()
 
-    def _transport_failed(self, name: str, route: str, exc: Exception) -> None:
-        """Record a request that got no reply. Unless the gateway simply refused the connection, give it
-        a fresh client: a pooled HTTP/2 connection that a gateway's drain or death ended can stay in the
-        pool and fail every later request at once. The old client is closed once its other streams have
-        had their time (or when the run stops)."""
-        self.ledger.reply(time.monotonic(), name, route, 0)
-        kind = type(exc).__name__
-        self.ledger.transport_errors[kind] = self.ledger.transport_errors.get(kind, 0) + 1
-        if isinstance(exc, httpx.ConnectError):
-            return
-        old, self.clients[name] = self.clients[name], self._client(self.urls[name])
-        task = asyncio.create_task(self._retire(old))
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-
-    async def _retire(self, client: httpx.AsyncClient) -> None:
-        try:
-            await asyncio.wait_for(self.stop.wait(), TIMEOUT.read or 90.0)
-        except asyncio.TimeoutError:
-            pass
-        await client.aclose()
-
     def _order(self, rng: random.Random, avoid: str | None = None) -> list[str]:
         names = list(self.urls)
         rng.shuffle(names)
@@ -109,8 +87,8 @@ class Traffic:
         for name in self._order(rng):
             try:
                 r = await self.clients[name].request(method, path, **kw)
-            except httpx.HTTPError as exc:
-                self._transport_failed(name, route, exc)
+            except httpx.HTTPError:
+                self.ledger.reply(time.monotonic(), name, route, 0)
                 continue
             self.ledger.reply(time.monotonic(), name, route, r.status_code, r.headers, _json(r))
             return r
@@ -188,8 +166,8 @@ class Traffic:
                                     r.headers["x-user-message-id"], text, body["max_tokens"])
                     self.ledger.answers.append(answer)
                     await self._read(r, answer, name, user, rng, cut_after, stop_after)
-            except httpx.HTTPError as exc:
-                self._transport_failed(name, "messages", exc)
+            except httpx.HTTPError:
+                self.ledger.reply(time.monotonic(), name, "messages", 0)
                 if answer is None:
                     continue  # never acknowledged: try the other gateway
             finally:
@@ -232,8 +210,8 @@ class Traffic:
             try:
                 r = await self.clients[name].post(f"/conversations/{answer.conversation_id}/stop",
                                                   headers=user.headers)
-            except httpx.HTTPError as exc:
-                self._transport_failed(name, "stop", exc)
+            except httpx.HTTPError:
+                self.ledger.reply(time.monotonic(), name, "stop", 0)
                 continue
             self.ledger.reply(time.monotonic(), name, "stop", r.status_code, r.headers, _json(r))
             if r.status_code == 200:
@@ -261,8 +239,8 @@ class Traffic:
                         self.ledger.reply(time.monotonic(), name, "resume", 200)
                         answer.connections += 1
                         await self._read(r, answer, name, user, rng)
-                except httpx.HTTPError as exc:
-                    self._transport_failed(name, "resume", exc)
+                except httpx.HTTPError:
+                    self.ledger.reply(time.monotonic(), name, "resume", 0)
                 if answer.end is not None:
                     return
                 avoid = name
@@ -338,8 +316,8 @@ class Traffic:
                             call.completion_tokens = data["usage"]["completion_tokens"]
                             call.complete = True
                     return r
-            except httpx.HTTPError as exc:
-                self._transport_failed(name, "openai", exc)
+            except httpx.HTTPError:
+                self.ledger.reply(time.monotonic(), name, "openai", 0)
                 if call.status == 200:
                     return None  # cut mid-stream by a fault: its usage is unknown to the client
         return None
