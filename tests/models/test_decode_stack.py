@@ -260,10 +260,11 @@ def _with_quantized_head(model: llama.DecoderForCausalLM, kinds: list[str], head
     return quantized
 
 
-def _both_heads(model: llama.DecoderForCausalLM, batch=_batch) -> tuple[torch.Tensor, torch.Tensor]:
+def _both_heads(model: llama.DecoderForCausalLM, batch=_batch, kv_dtype: torch.dtype | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step with the head in the stack's call and one through the modules, from the
     same pool: the same logits and KV pool, bit for bit, and the argmax of torch.argmax."""
-    runner, start = _runner(model)
+    runner, start = _runner(model, kv_dtype)
     native = runner.execute(batch())
     logits, argmax = native.logits, native.argmax
     native_pool = _pool(runner)
@@ -288,17 +289,21 @@ def _both_heads(model: llama.DecoderForCausalLM, batch=_batch) -> tuple[torch.Te
 
 @pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_a_16_bit_pool_takes_the_call_by_call_stack_with_the_modules_bits(kv_dtype, int8, monkeypatch):
-    """The team reads float32 pools only: with a 16-bit pool the stack runs layer by layer (even for
-    a few queries of an exact quantized model), and its logits and stored K/V are the modules'."""
+def test_a_16_bit_pool_steps_on_the_team_with_the_modules_bits(kv_dtype, int8, monkeypatch):
+    """With a 16-bit pool (the int8 mode's default) a few queries still step on the team: its keys and
+    values are rounded into the pool as decode_attention rounds them, and the logits and the stored
+    K/V are the modules', bit for bit; wider steps run layer by layer, with the same bits."""
     if int8 and not int8_matmul_supported(kernels):
         pytest.skip("no int8 matmul on this CPU")
     model = _model()
     assert pack_linears(model, _quantized(model, ["Q4_1"]), int8_activations=int8)
     stack = model.decode_stack()
     stack.set_profiling(True)
-    _both_paths(model, monkeypatch, kv_dtype=kv_dtype)
-    assert stack.profile()["steps"] == 0  # not on the team
+    for batch in (_batch, _plain_batch, _wide_plain_batch):
+        model.native_decode = True  # _both_paths ends on the module path
+        _both_paths(model, monkeypatch, batch=batch, kv_dtype=kv_dtype)
+    # The int8 kinds of this layout keep the call-by-call stack; 14 queries run layer by layer.
+    assert stack.profile()["steps"] == (0 if int8 else 2)
 
 
 @pytest.mark.skipif("avx512" not in (kernels.float_linear_isas() if kernels else []), reason="no AVX-512 path")
@@ -420,10 +425,11 @@ def test_the_fused_argmax_ranks_like_torch_argmax():
 
 @pytest.mark.skipif(not kquant_matmul_supported(kernels), reason="the super-block K-quant kernel needs AVX-512")
 @pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
-def test_a_q4_k_m_model_steps_on_the_team_with_its_q6_k_head(int8):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["model-kv", "fp16-kv"])
+def test_a_q4_k_m_model_steps_on_the_team_with_its_q6_k_head(int8, kv_dtype):
     """Fused Q4_K + Q6_K layers and a Q6_K head, kept in their super-blocks (exact, or with int8
-    activations): decode steps of up to 12 queries run on the team with the head as its last phase,
-    wider ones call by call, all with the module path's bits."""
+    activations, whose default pool is float16): decode steps of up to 12 queries run on the team
+    with the head as its last phase, wider ones call by call, all with the module path's bits."""
     if int8 and not kquant_int8_supported(kernels):
         pytest.skip("the int8 super-block kernel needs AVX-512 VNNI")
     model = _model()
@@ -438,10 +444,10 @@ def test_a_q4_k_m_model_steps_on_the_team_with_its_q6_k_head(int8):
     stack = model.decode_stack()
     assert stack.team_path and stack.has_head
     stack.set_profiling(True)
-    _both_heads(model)
-    _both_heads(model, _plain_batch)
+    _both_heads(model, kv_dtype=kv_dtype)
+    _both_heads(model, _plain_batch, kv_dtype)
     assert stack.profile()["head"] > 0 and stack.profile()["steps"] == 2
-    _both_heads(model, _wide_batch)
+    _both_heads(model, _wide_batch, kv_dtype)
     assert stack.profile()["steps"] == 2  # 14 queries: forward, then the head's kernel
 
 

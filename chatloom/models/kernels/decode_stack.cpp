@@ -52,9 +52,10 @@ void check_stack_inputs(const torch::Tensor& x, size_t layers, const std::vector
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [T, hidden]");
 }
 
-// The team path reads float32 pools only; a 16-bit pool takes the layer-by-layer path.
-bool float32_pools(const std::vector<torch::Tensor>& k_pools) {
-  return k_pools[0].scalar_type() == torch::kFloat32;
+// The team path reads float32, float16 and bfloat16 pools (a float64 model's take the layer-by-layer path).
+bool team_pools(const std::vector<torch::Tensor>& k_pools) {
+  const auto type = k_pools[0].scalar_type();
+  return type == torch::kFloat32 || type == torch::kHalf || type == torch::kBFloat16;
 }
 
 }  // namespace
@@ -115,7 +116,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, con
                                    torch::Tensor block_tables, torch::Tensor rows, torch::Tensor kv_lens) const {
   const size_t n = layers_.size();
   check_stack_inputs(x, n, k_pools, v_pools);
-  if (!team_.empty() && x.size(0) <= kMaxTaskRows && float32_pools(k_pools))
+  if (!team_.empty() && x.size(0) <= kMaxTaskRows && team_pools(k_pools))
     return forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
   // The residual stream is x itself, updated in place (the embedding output is a fresh tensor).
   torch::Tensor residual = x;
@@ -147,7 +148,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
     torch::Tensor rows, torch::Tensor kv_lens) const {
   TORCH_CHECK(head_.has_value(), "this stack has no head (set_head took none)");
   check_stack_inputs(x, layers_.size(), k_pools, v_pools);
-  if (x.size(0) <= kMaxTaskRows && float32_pools(k_pools)) {
+  if (x.size(0) <= kMaxTaskRows && team_pools(k_pools)) {
     torch::Tensor logits, argmax;
     forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens, &logits, &argmax);
     return {logits, argmax};
@@ -158,7 +159,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
 
 bool DecodeStack::screens_head(int64_t rows, const std::vector<torch::Tensor>& k_pools) const {
   // The team's head is bound by reading its weights, where screening saves nothing.
-  return has_greedy_head() && !(rows <= kMaxTaskRows && float32_pools(k_pools));
+  return has_greedy_head() && !(rows <= kMaxTaskRows && team_pools(k_pools));
 }
 
 namespace {

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 namespace {
 
@@ -121,12 +122,20 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
               kv_lens.is_contiguous() && kv_lens.numel() == t, "int32 block tables, rows and kv_lens, one per token");
   block_tables = block_tables.contiguous();
   const auto& pool = k_pools[0];
-  TORCH_CHECK(pool.dim() == 4 && pool.size(2) == hkv_ && pool.size(3) == d && pool.scalar_type() == torch::kFloat32,
-              "pools must be float32 [blocks, block_size, Hkv, D]");
+  const auto pool_type = pool.scalar_type();
+  TORCH_CHECK(pool.dim() == 4 && pool.size(2) == hkv_ && pool.size(3) == d &&
+              (pool_type == torch::kFloat32 || pool_type == torch::kHalf || pool_type == torch::kBFloat16),
+              "pools must be float32, float16 or bfloat16 [blocks, block_size, Hkv, D]");
   for (size_t i = 0; i < n; ++i)
     TORCH_CHECK(k_pools[i].sizes() == pool.sizes() && v_pools[i].sizes() == pool.sizes() &&
-                k_pools[i].scalar_type() == torch::kFloat32 && v_pools[i].scalar_type() == torch::kFloat32 &&
+                k_pools[i].scalar_type() == pool_type && v_pools[i].scalar_type() == pool_type &&
                 k_pools[i].is_contiguous() && v_pools[i].is_contiguous(), "every layer's pools alike and contiguous");
+  // Raw pointers per layer, taken here: the team's loops make no tensor calls.
+  std::vector<void*> k_raw(n), v_raw(n);
+  for (size_t i = 0; i < n; ++i) {
+    k_raw[i] = k_pools[i].data_ptr();
+    v_raw[i] = v_pools[i].data_ptr();
+  }
   const int64_t block_size = pool.size(1), slots = pool.size(0) * block_size, width = block_tables.size(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
@@ -152,6 +161,8 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
   torch::Tensor gate_up = torch::empty({L, t, 2 * inter}, opts), act = torch::empty({t, inter}, opts);
   torch::Tensor down = torch::empty({L, t, hidden}, opts), h = torch::empty({t, hidden}, opts);
   torch::Tensor out = torch::empty({t, hidden}, opts);
+  // A 16-bit pool's rotated keys pass through float32 first, as decode_attention's do.
+  std::vector<float> rotated_k(pool_type == torch::kFloat32 ? 0 : kv_width);
   float *xp = x.data_ptr<float>(), *qkv_all = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
   float *attn_all = attn.data_ptr<float>(), *o_all = o.data_ptr<float>(), *gu_all = gate_up.data_ptr<float>();
   float *actp = act.data_ptr<float>(), *down_all = down.data_ptr<float>(), *hp = h.data_ptr<float>();
@@ -225,9 +236,16 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
       case 0: run_quantized_task(l.qkv, hp, t, qkv_of(i), item); break;
       case 1: {
         const int64_t j = item / hkv_;
-        attention_job(qp + j * q_width, k_pools[i].data_ptr<float>(), v_pools[i].data_ptr<float>(),
-                      tables + (int64_t)row[j] * width, lens[j], hq_, hkv_, d, block_size, scale_, item % hkv_, 1,
-                      scratch, attn_of(i) + j * q_width);
+        const auto attend = [&](const auto* k_pool, const auto* v_pool) {
+          attention_job(qp + j * q_width, k_pool, v_pool, tables + (int64_t)row[j] * width, lens[j], hq_, hkv_, d,
+                        block_size, scale_, item % hkv_, 1, scratch, attn_of(i) + j * q_width);
+        };
+        if (pool_type == torch::kHalf)
+          attend(static_cast<const c10::Half*>(k_raw[i]), static_cast<const c10::Half*>(v_raw[i]));
+        else if (pool_type == torch::kBFloat16)
+          attend(static_cast<const c10::BFloat16*>(k_raw[i]), static_cast<const c10::BFloat16*>(v_raw[i]));
+        else
+          attend(static_cast<const float*>(k_raw[i]), static_cast<const float*>(v_raw[i]));
         break;
       }
       case 2: run_quantized_task(l.o, attn_of(i), t, o_of(i), item); break;
@@ -249,15 +267,26 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     const size_t i = k / kPerLayer;
     switch (k % kPerLayer) {
       case 0: {  // rotary, and this step's keys and values into the pools (as decode_attention does)
-        float* k_pool = k_pools[i].data_ptr<float>();
-        float* v_pool = v_pools[i].data_ptr<float>();
-        for (int64_t j = 0; j < t; ++j) {
-          const float* row_qkv = qkv_of(i) + j * shape.qkv.out_features;
-          const float *c = cos + pos[j] * (d / 2), *s = sin + pos[j] * (d / 2);
-          rotary_heads(row_qkv, qp + j * q_width, hq_, d, c, s, interleaved_);
-          rotary_heads(row_qkv + q_width, k_pool + slot[j] * kv_width, hkv_, d, c, s, interleaved_);
-          std::memcpy(v_pool + slot[j] * kv_width, row_qkv + q_width + kv_width, kv_width * sizeof(float));
-        }
+        const auto write = [&](auto* k_pool, auto* v_pool) {
+          for (int64_t j = 0; j < t; ++j) {
+            const float* row_qkv = qkv_of(i) + j * shape.qkv.out_features;
+            const float *c = cos + pos[j] * (d / 2), *s = sin + pos[j] * (d / 2);
+            rotary_heads(row_qkv, qp + j * q_width, hq_, d, c, s, interleaved_);
+            if constexpr (std::is_same_v<std::remove_pointer_t<decltype(k_pool)>, float>) {
+              rotary_heads(row_qkv + q_width, k_pool + slot[j] * kv_width, hkv_, d, c, s, interleaved_);
+            } else {
+              rotary_heads(row_qkv + q_width, rotated_k.data(), hkv_, d, c, s, interleaved_);
+              store_pool_row(rotated_k.data(), k_pool + slot[j] * kv_width, kv_width);
+            }
+            store_pool_row(row_qkv + q_width + kv_width, v_pool + slot[j] * kv_width, kv_width);
+          }
+        };
+        if (pool_type == torch::kHalf)
+          write(static_cast<c10::Half*>(k_raw[i]), static_cast<c10::Half*>(v_raw[i]));
+        else if (pool_type == torch::kBFloat16)
+          write(static_cast<c10::BFloat16*>(k_raw[i]), static_cast<c10::BFloat16*>(v_raw[i]));
+        else
+          write(static_cast<float*>(k_raw[i]), static_cast<float*>(v_raw[i]));
         break;
       }
       case 1: break;

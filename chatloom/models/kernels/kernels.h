@@ -146,9 +146,22 @@ using AttentionScratch = JobScratch<float>;
 
 // The float32 attention paged_attention ("auto" path) computes for one query token's heads that
 // share KV heads [h0, h0 + heads): q and out are the token's rows [hq * d].
+// The pool may also hold 16-bit values: the float32 query against them, as paged_attention computes.
 void attention_job(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t len,
                    int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0, int64_t heads,
                    AttentionScratch& scratch, float* out);
+void attention_job(const float* q, const c10::Half* k_pool, const c10::Half* v_pool, const int32_t* table,
+                   int64_t len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0,
+                   int64_t heads, AttentionScratch& scratch, float* out);
+void attention_job(const float* q, const c10::BFloat16* k_pool, const c10::BFloat16* v_pool, const int32_t* table,
+                   int64_t len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0,
+                   int64_t heads, AttentionScratch& scratch, float* out);
+
+// One row of n float32 values into a pool's row as write_pool_rows stores it: the same bits, or
+// rounded to nearest even for a 16-bit pool (float16 saturating at 65504, a NaN kept a NaN).
+void store_pool_row(const float* src, float* dst, int64_t n);
+void store_pool_row(const float* src, c10::Half* dst, int64_t n);
+void store_pool_row(const float* src, c10::BFloat16* dst, int64_t n);
 
 // Rows [rows, h] of rms_norm; of add_rms_norm (residual += x in place, out = its norm).
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t h, float eps);

@@ -32,6 +32,10 @@ void store_row(const float* src, T* dst, int64_t n) {
 
 }  // namespace
 
+void store_pool_row(const float* src, float* dst, int64_t n) { store_row(src, dst, n); }
+void store_pool_row(const float* src, c10::Half* dst, int64_t n) { store_row(src, dst, n); }
+void store_pool_row(const float* src, c10::BFloat16* dst, int64_t n) { store_row(src, dst, n); }
+
 void write_pool_rows(torch::Tensor pool, torch::Tensor slot_mapping, torch::Tensor rows) {
   TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "pool must be a contiguous [blocks, block_size, H, D]");
   const int64_t width = pool.size(2) * pool.size(3), slots = pool.size(0) * pool.size(1);

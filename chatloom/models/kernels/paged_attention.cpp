@@ -418,20 +418,41 @@ static void paged_attention_impl(const T* q, const KV* kp, const KV* vp, const i
   });
 }
 
-void attention_job(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t len,
-                   int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0, int64_t heads,
-                   AttentionScratch& scratch, float* out) {
+// attention_job for a pool of KV values (float, c10::Half or c10::BFloat16): the same choice of
+// path as paged_attention_impl makes for that pool.
+template <typename KV>
+static void attention_job_of(const float* q, const KV* k_pool, const KV* v_pool, const int32_t* table, int64_t len,
+                             int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0,
+                             int64_t heads, AttentionScratch& scratch, float* out) {
   const int64_t group = hq / hkv, first = h0 * group * d;
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 16 == 0) {
-    attend_job<float, float, float, Avx2F32Ops>(q + first, k_pool, v_pool, table, len, hkv, d, group, block_size, scale,
-                                         h0, heads, wide16_for(use_avx512_attention("auto"), d), scratch,
-                                         out + first);
+    attend_job<float, KV, float, Avx2F32Ops>(q + first, k_pool, v_pool, table, len, hkv, d, group, block_size, scale,
+                                             h0, heads, wide16_for(use_avx512_attention("auto"), d), scratch,
+                                             out + first);
     return;
   }
 #endif
-  attend_job<float, float, float, PortableOps<float, float>>(q + first, k_pool, v_pool, table, len, hkv, d, group,
-                                                      block_size, scale, h0, heads, 0, scratch, out + first);
+  attend_job<float, KV, float, PortableOps<float, float>>(q + first, k_pool, v_pool, table, len, hkv, d, group,
+                                                          block_size, scale, h0, heads, 0, scratch, out + first);
+}
+
+void attention_job(const float* q, const float* k_pool, const float* v_pool, const int32_t* table, int64_t len,
+                   int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0, int64_t heads,
+                   AttentionScratch& scratch, float* out) {
+  attention_job_of(q, k_pool, v_pool, table, len, hq, hkv, d, block_size, scale, h0, heads, scratch, out);
+}
+
+void attention_job(const float* q, const c10::Half* k_pool, const c10::Half* v_pool, const int32_t* table,
+                   int64_t len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0,
+                   int64_t heads, AttentionScratch& scratch, float* out) {
+  attention_job_of(q, k_pool, v_pool, table, len, hq, hkv, d, block_size, scale, h0, heads, scratch, out);
+}
+
+void attention_job(const float* q, const c10::BFloat16* k_pool, const c10::BFloat16* v_pool, const int32_t* table,
+                   int64_t len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, double scale, int64_t h0,
+                   int64_t heads, AttentionScratch& scratch, float* out) {
+  attention_job_of(q, k_pool, v_pool, table, len, hq, hkv, d, block_size, scale, h0, heads, scratch, out);
 }
 
 // The float32 query against a pool of 16-bit values (KV: c10::Half or c10::BFloat16).
