@@ -39,6 +39,9 @@ from chatloom.bench.serve import Result, one_request, percentiles
 from chatloom.bench.server_process import ServerProcess, free_port
 
 SERVERS = ("chatloom", "llama-server", "vllm")
+# The measurements a plan can run: one in flight with short prompts, the long prompt, the in-flight
+# chat workload, and one in flight beside busy neighbours.
+PHASES = ("short", "long", "in_flight", "busy")
 TEXT = Path(__file__).parent / "texts" / "public_domain.txt"
 IGNORE_EOS = {"ignore_eos": True}
 
@@ -57,6 +60,13 @@ class SizesPlan:
     busy_requests: int = 2
     neighbours: int = 1
     ready_timeout_s: float = 1800.0
+    phases: tuple[str, ...] = PHASES  # which of PHASES run; the others' figures are None
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.phases if p not in PHASES]
+        if unknown or not self.phases:
+            raise ValueError(f"unknown phase {unknown[0]!r}: use {', '.join(PHASES)}" if unknown
+                             else f"no phase to run: use {', '.join(PHASES)}")
 
     def context_tokens(self) -> int:
         """The context a server is started with: every chat conversation at once, or the long prompt."""
@@ -130,23 +140,33 @@ async def _measure(server: ServerProcess, model: str, plan: SizesPlan, texts: Te
     async with httpx.AsyncClient(timeout=plan.ready_timeout_s, limits=limits) as client:
         # A warm-up request of the short kind first: some servers build their paths on first use.
         await _one_at_a_time(client, url, model, [texts.text(plan.short_prompt)], plan.max_tokens)
-        quiet = await _one_at_a_time(client, url, model, [texts.text(plan.short_prompt)
-                                                          for _ in range(plan.tpot_requests)], plan.max_tokens)
-        (long,) = await _one_at_a_time(client, url, model, [texts.text(plan.long_prompt)], plan.max_tokens)
+        # The prompts are drawn whatever runs, so a phase's prompts do not depend on the phases before it.
+        short_prompts = [texts.text(plan.short_prompt) for _ in range(plan.tpot_requests)]
+        long_prompt = texts.text(plan.long_prompt)
         chats = [texts.conversation(texts.rng.randint(*plan.history)) for _ in range(plan.chat_requests)]
+        busy_prompts = [texts.text(plan.short_prompt) for _ in range(plan.busy_requests)]
+        quiet = await _one_at_a_time(client, url, model, short_prompts, plan.max_tokens) \
+            if "short" in plan.phases else []
+        long = (await _one_at_a_time(client, url, model, [long_prompt], plan.max_tokens))[0] \
+            if "long" in plan.phases else None
         limit = asyncio.Semaphore(plan.in_flight)
 
         async def chat(messages: list[dict]) -> Result:
             async with limit:
                 return await one_request(client, url, {}, model, messages, plan.max_tokens, IGNORE_EOS)
 
-        t0 = time.perf_counter()
-        answers = await asyncio.gather(*(chat(m) for m in chats))
-        chat_s = time.perf_counter() - t0
-        busy_prompts = [texts.text(plan.short_prompt) for _ in range(plan.busy_requests)]
-        with busy_neighbours(plan.neighbours):
-            busy = await _one_at_a_time(client, url, model, busy_prompts, plan.max_tokens)
-    failed = [r for r in [*quiet, long, *answers, *busy] if not r.ok]
+        answers, chat_s = [], 0.0
+        if "in_flight" in plan.phases:
+            t0 = time.perf_counter()
+            answers = await asyncio.gather(*(chat(m) for m in chats))
+            chat_s = time.perf_counter() - t0
+        busy = []
+        if "busy" in plan.phases:
+            with busy_neighbours(plan.neighbours):
+                busy = await _one_at_a_time(client, url, model, busy_prompts, plan.max_tokens)
+    longs = [long] if long is not None else []
+    failed = [r for r in [*quiet, *longs, *answers, *busy] if not r.ok]
+    long_ok = long is not None and long.ok
     tpot = _p50([r.tpot for r in quiet if r.ok and r.tpot is not None])
     busy_tpot = _p50([r.tpot for r in busy if r.ok and r.tpot is not None])
     done = [r for r in answers if r.ok]
@@ -156,10 +176,10 @@ async def _measure(server: ServerProcess, model: str, plan: SizesPlan, texts: Te
             "tpot_p50_ms": _ms(tpot),
             "short_prompt_tokens": _p50([r.prompt_tokens for r in quiet if r.ok]),
             "short_prompt_ttft_p50_ms": _ms(_p50([r.ttft for r in quiet if r.ok])),
-            "long_prompt_tokens": long.prompt_tokens if long.ok else None,
-            "long_prompt_ttft_ms": _ms(long.ttft) if long.ok else None,
-            "long_prompt_prefill_tok_s": round(long.prompt_tokens / long.ttft, 1) if long.ok and long.ttft else None,
-            "tpot_at_long_context_ms": _ms(long.tpot) if long.ok else None,
+            "long_prompt_tokens": long.prompt_tokens if long_ok else None,
+            "long_prompt_ttft_ms": _ms(long.ttft) if long_ok else None,
+            "long_prompt_prefill_tok_s": round(long.prompt_tokens / long.ttft, 1) if long_ok and long.ttft else None,
+            "tpot_at_long_context_ms": _ms(long.tpot) if long_ok else None,
         },
         "in_flight": {
             "requests": len(answers), "in_flight": plan.in_flight, "completed": len(done),
@@ -171,7 +191,7 @@ async def _measure(server: ServerProcess, model: str, plan: SizesPlan, texts: Te
             "neighbours": plan.neighbours, "tpot_p50_ms": _ms(busy_tpot),
             "over_quiet": round(busy_tpot / tpot, 2) if busy_tpot and tpot else None,
         },
-        "output_tokens_as_asked": all(r.output_tokens == plan.max_tokens for r in [*quiet, long, *done, *busy]
+        "output_tokens_as_asked": all(r.output_tokens == plan.max_tokens for r in [*quiet, *longs, *done, *busy]
                                       if r.ok),
         "failed_requests": len(failed),
         "sample_errors": [f"{r.status}: {r.error}" for r in failed][:3],

@@ -332,6 +332,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens of each in-flight conversation's history (default 1000 3000)")
     p.add_argument("--chat-requests", type=positive_int, default=None, metavar="N",
                    help="conversations in the in-flight run (default 16, 8 at a time)")
+    p.add_argument("--tpot-requests", type=positive_int, default=None, metavar="N",
+                   help="short-prompt requests one at a time for the TPOT p50 (default 3)")
+    p.add_argument("--phases", default=None, metavar="LIST",
+                   help="which measurements run, comma-separated from short, long, in_flight, busy "
+                        "(default: all); the others' figures are null")
     p.add_argument("--threads", type=positive_int, default=None, help="threads for every server (default: theirs)")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="keep each server's log here")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON here")

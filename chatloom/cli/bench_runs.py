@@ -318,7 +318,8 @@ def sizes(args) -> int:
     if args.history is not None and args.history[0] > args.history[1]:
         raise ValueError("--history: MIN must not exceed MAX")
     changes = {"max_tokens": args.max_tokens, "long_prompt": args.long_prompt, "chat_requests": args.chat_requests,
-               "history": tuple(args.history) if args.history else None}
+               "history": tuple(args.history) if args.history else None, "tpot_requests": args.tpot_requests,
+               "phases": tuple(x.strip() for x in args.phases.split(",") if x.strip()) if args.phases else None}
     plan = dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
     llama_server = Path(args.llama_server) if args.llama_server else None

@@ -79,6 +79,26 @@ def test_load_rounds_start_each_server_in_turn_and_report_medians(checkpoint, tm
     assert "| median |" in table
 
 
+def test_a_run_of_some_phases_sends_only_their_requests(checkpoint, tmp_path, capsys):
+    """`--phases short,busy` (a TPOT A/B on a quiet machine) runs no long prompt and no in-flight chats:
+    their figures are null and the server saw only the warm-up, short and busy requests."""
+    assert main(["bench", "sizes", "--model", str(checkpoint.gguf_file), "--quick", "--servers", "chatloom",
+                 "--phases", "short,busy", "--tpot-requests", "3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["plan"]["phases"] == ["short", "busy"] and result["plan"]["tpot_requests"] == 3
+    ours = result["models"][0]["servers"]["chatloom"]
+    assert ours["failed_requests"] == 0 and ours["one_in_flight"]["tpot_p50_ms"] > 0
+    assert ours["busy"]["tpot_p50_ms"] > 0
+    assert ours["one_in_flight"]["long_prompt_ttft_ms"] is None
+    assert ours["in_flight"]["completed"] == 0 and ours["in_flight"]["output_tok_s"] is None
+
+
+def test_an_unknown_phase_is_one_clear_line(checkpoint, capsys):
+    assert main(["bench", "sizes", "--model", str(checkpoint.gguf_file), "--quick", "--phases", "short,warp"]) != 0
+    err = capsys.readouterr().err
+    assert "unknown phase 'warp'" in err and "Traceback" not in err
+
+
 def test_a_missing_model_file_is_one_clear_line(tmp_path, capsys):
     assert main(["bench", "sizes", "--model", str(tmp_path / "nope.gguf"), "--quick"]) != 0
     err = capsys.readouterr().err
