@@ -76,6 +76,56 @@ static inline void weigh_span(const KV* vp, const int64_t* offs, int64_t tb, int
     for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc_io + g * d + 16 * c, acc[g][c]);
 }
 
+// score_span for R rows that share a KV head: a query's heads, or the heads of several queries of the
+// tile, each row with its own query, scores and running maximum, over positions [tb, te) that every row
+// sees in full (tb and te multiples of 4). Each K row loaded serves all R rows; each row's multiply-adds
+// and reduction are score_span's, so its bits are too.
+template <int D16, int R, typename KV>
+static inline void score_span_shared(const float* const* qv, const KV* kp, const int64_t* offs, int64_t tb,
+                                     int64_t te, int64_t kv_head, float* const* scores, __m512* const* best_io) {
+  __m512 q[R][D16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < D16; ++c) q[r][c] = _mm512_loadu_ps(qv[r] + 16 * c);
+  __m512 best[R];
+  for (int r = 0; r < R; ++r) best[r] = *best_io[r];
+  for (int64_t t = tb; t < te; t += 4) {
+    __m512 a[R][4];
+    for (int i = 0; i < 4; ++i) {
+      for (int r = 0; r < R; ++r) a[r][i] = _mm512_setzero_ps();
+      const KV* krow = kp + offs[t + i] + kv_head;
+      for (int c = 0; c < D16; ++c) {
+        const __m512 k = load16(krow + 16 * c);
+        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(q[r][c], k, a[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m128 s4 = reduce4(a[r][0], a[r][1], a[r][2], a[r][3]);
+      _mm512_mask_storeu_ps(scores[r] + t, (__mmask16)0xF, _mm512_castps128_ps512(s4));
+      best[r] = _mm512_mask_max_ps(best[r], (__mmask16)0xF, best[r], _mm512_castps128_ps512(s4));
+    }
+  }
+  for (int r = 0; r < R; ++r) *best_io[r] = best[r];
+}
+
+// weigh_span for R rows that share a KV head over positions [tb, te) that every row sees: each V row
+// loaded serves all R rows, each row's accumulation in weigh_span's order.
+template <int D16, int R, typename KV>
+static inline void weigh_span_shared(const KV* vp, const int64_t* offs, int64_t tb, int64_t te, int64_t kv_head,
+                                     const float* const* scores, float* const* acc_io) {
+  __m512 acc[R][D16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < D16; ++c) acc[r][c] = _mm512_loadu_ps(acc_io[r] + 16 * c);
+  for (int64_t t = tb; t < te; ++t) {
+    const KV* vrow = vp + offs[t] + kv_head;
+    for (int c = 0; c < D16; ++c) {
+      const __m512 v = load16(vrow + 16 * c);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][t]), v, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc_io[r] + 16 * c, acc[r][c]);
+}
+
 // Asks for one KV head's rows of positions [tb, min(tb + kTileSpan, len)) into L2, a span before the
 // tile needs them: a long context's rows come from memory (see kPrefetchAhead).
 template <typename KV>
@@ -88,6 +138,101 @@ struct TileScratch {
   std::vector<float> qv, scores, acc, mx, sum;
   std::vector<__m512> best;
 };
+
+// attend_tile_avx512's passes with `packed` queries' rows (each query's `group` heads) at a time: over
+// the positions all of them see, one K or V row serves them all (score_span_shared, weigh_span_shared);
+// each query's last positions past the shortest one's go through score_span and weigh_span alone. The
+// positions are split at a multiple of 4, where score_span's groups of 4 fall anyway, so every row's
+// scores, maximum, sum and accumulators are those of the one-query passes, bit for bit.
+template <int D16, typename KV>
+static void attend_tile_packed(int64_t nt, const int32_t* lens, int64_t max_len, const KV* kp, const KV* vp,
+                               const int64_t* offs, int64_t hkv, int64_t group, int64_t packed, int64_t stride,
+                               TileScratch& sc) {
+  constexpr int64_t d = 16 * D16;
+  const int64_t hq = hkv * group;
+  std::vector<const float*> qv(packed * group), score_in(packed * group);
+  std::vector<float*> scores(packed * group), acc(packed * group);
+  std::vector<__m512*> best(packed * group);
+  std::vector<int64_t> members;
+  // The queries of the tile that see position tb, in packs; calls body(pack, shared end) per pack.
+  const auto packs = [&](int64_t tb, auto&& body) {
+    for (int64_t i = 0; i < nt;) {
+      members.clear();
+      for (; i < nt && (int64_t)members.size() < packed; ++i)
+        if (lens[i] > tb) members.push_back(i);
+      if (members.empty()) break;
+      int64_t shared = tb + kTileSpan;
+      for (int64_t m : members) shared = std::min<int64_t>(shared, lens[m]);
+      body(shared & ~int64_t(3));
+    }
+  };
+  for (int64_t hh = 0; hh < hkv; ++hh) {
+    const int64_t j = hh * group;
+    for (int64_t tb = 0; tb < max_len; tb += kTileSpan) {
+      prefetch_span_rows(kp, offs, tb + kTileSpan, max_len, hh * d, (int)(d * sizeof(KV)));
+      packs(tb, [&](int64_t shared) {
+        const int64_t rows = (int64_t)members.size() * group;
+        for (size_t m = 0; m < members.size(); ++m)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t row = members[m] * hq + j + g, r = (int64_t)m * group + g;
+            qv[r] = sc.qv.data() + row * d;
+            scores[r] = sc.scores.data() + row * stride;
+            best[r] = sc.best.data() + row;
+          }
+        if (shared > tb && rows > 1)
+          with_heads<D16>(rows, [&](auto rc) {
+            score_span_shared<D16, decltype(rc)::value, KV>(qv.data(), kp, offs, tb, shared, hh * d, scores.data(),
+                                                            best.data());
+          });
+        else
+          shared = tb;
+        for (int64_t m : members) {
+          const int64_t row = m * hq + j, te = std::min<int64_t>(tb + kTileSpan, lens[m]);
+          if (te > shared)
+            with_heads<D16>(group, [&](auto gc) {
+              score_span<D16, decltype(gc)::value, KV>(sc.qv.data() + row * d, kp, offs, shared, te, lens[m], hh * d,
+                                                       sc.scores.data() + row * stride, stride, sc.best.data() + row);
+            });
+        }
+      });
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t j = 0; j < hq; ++j) {
+      const int64_t row = i * hq + j;
+      sc.mx[row] = _mm512_reduce_max_ps(sc.best[row]);
+      sc.sum[row] = Avx2F32Ops::exp_shift(sc.scores.data() + row * stride, lens[i], sc.mx[row]);
+    }
+  for (int64_t hh = 0; hh < hkv; ++hh) {
+    const int64_t j = hh * group;
+    for (int64_t tb = 0; tb < max_len; tb += kTileSpan) {
+      prefetch_span_rows(vp, offs, tb + kTileSpan, max_len, hh * d, (int)(d * sizeof(KV)));
+      packs(tb, [&](int64_t shared) {
+        const int64_t rows = (int64_t)members.size() * group;
+        for (size_t m = 0; m < members.size(); ++m)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t row = members[m] * hq + j + g, r = (int64_t)m * group + g;
+            score_in[r] = sc.scores.data() + row * stride;
+            acc[r] = sc.acc.data() + row * d;
+          }
+        if (shared > tb && rows > 1)
+          with_heads<D16>(rows, [&](auto rc) {
+            weigh_span_shared<D16, decltype(rc)::value, KV>(vp, offs, tb, shared, hh * d, score_in.data(), acc.data());
+          });
+        else
+          shared = tb;
+        for (int64_t m : members) {
+          const int64_t row = m * hq + j, te = std::min<int64_t>(tb + kTileSpan, lens[m]);
+          if (te > shared)
+            with_heads<D16>(group, [&](auto gc) {
+              weigh_span<D16, decltype(gc)::value, KV>(vp, offs, shared, te, hh * d, sc.scores.data() + row * stride,
+                                                       stride, sc.acc.data() + row * d);
+            });
+        }
+      });
+    }
+  }
+}
 
 // nt queries of one sequence (rows [hq * d] of q and out), query i seeing lens[i] positions, max_len
 // the largest; offs[t]: where position t's row starts in the pools, for every t below max_len.
@@ -106,6 +251,12 @@ static void attend_tile_avx512(const float* q, int64_t nt, const int32_t* lens, 
   sc.sum.resize(nt * hq);
   sc.best.assign(nt * hq, _mm512_set1_ps(-std::numeric_limits<float>::max()));
   for (int64_t x = 0; x < nt * hq * d; ++x) sc.qv[x] = q[x] * (float)scale;
+  // Few query heads per KV head (none shared, as in SmolLM2): one query's rows alone would load each
+  // K and V row for a multiply-add or two, so several queries' rows go through a span together.
+  const int64_t packed = group * 2 <= per_pass ? per_pass / group : 1;
+  if (packed > 1) {
+    attend_tile_packed<D16, KV>(nt, lens, max_len, kp, vp, offs, hkv, group, packed, stride, sc);
+  } else {
   for (int64_t hh = 0; hh < hkv; ++hh) {
     for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
       const int64_t j = hh * group + g0;
@@ -145,6 +296,7 @@ static void attend_tile_avx512(const float* q, int64_t nt, const int32_t* lens, 
         }
       });
     }
+  }
   }
   for (int64_t row = 0; row < nt * hq; ++row) {
     const __m512 inv = _mm512_set1_ps(1.f / sc.sum[row]);
