@@ -93,11 +93,12 @@ def answers_finished(stored: Stored, run_users: set[str]) -> Check:
 
 def streams_exact(ledger: Ledger, stored: Stored) -> Check:
     """Followed answers: event ids 1..n with no gap or repeat, and the stored text is the streamed text."""
-    followed = resumed = lost = unfinished = 0
+    followed = resumed = lost = end_lost = unfinished = 0
     failures = []
     for a in ledger.answers:
         if a.lost:
             lost += 1
+            end_lost += a.end_lost
             continue
         if a.end is None:
             unfinished += 1
@@ -115,7 +116,7 @@ def streams_exact(ledger: Ledger, stored: Stored) -> Check:
                              "streamed": a.streamed_text[-80:], "stored": (row["text"] or "")[-80:]})
     return Check("resumed streams exact", not failures,
                  {"followed_to_end": followed, "resumed": resumed, "stream_gone_after_redis_wipe": lost,
-                  "unfinished": unfinished, "bad": len(failures)}, failures)
+                  "of_which_end_gone": end_lost, "unfinished": unfinished, "bad": len(failures)}, failures)
 
 
 def quotas_kept(ledger: Ledger, stored: Stored, tiers: dict[str, int], discount: float = 0.5) -> Check:

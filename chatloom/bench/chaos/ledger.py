@@ -38,6 +38,7 @@ class Answer:
     cut: bool = False  # the client dropped its connection on purpose mid-stream
     stop_sent: bool = False
     lost: bool = False  # a resume found no stream left (its log gone): the stored answer is what counts
+    end_lost: bool = False  # lost so: its log ends, but the events up to its end were lost with Redis's data
     found_after_lost_reply: bool = False  # its POST broke before the reply; the client found it stored
 
     @property

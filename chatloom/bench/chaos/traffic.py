@@ -257,9 +257,12 @@ class Traffic:
                 return
 
     async def _follow(self, answer: Answer, last_gateway: str, user: User, rng: random.Random) -> None:
-        """Resume the answer with Last-Event-ID (from the last event received) until its end."""
+        """Resume the answer with Last-Event-ID (from the last event received) until its end. A log that
+        Redis lost (a resume answers 404), or that lost the events up to its end marker (resumes answer
+        200 and end at once, with nothing) while the stored answer has ended, is given up as lost."""
         deadline = time.monotonic() + RESUME_FOR_S
         avoid = last_gateway
+        empty = 0  # resumes in a row that ended with no event and no end
         while answer.end is None and time.monotonic() < deadline:
             for name in self._order(rng, avoid=avoid):
                 last = answer.events[-1][0] if answer.events else 0
@@ -277,13 +280,26 @@ class Traffic:
                             continue
                         self.ledger.reply(time.monotonic(), name, "resume", 200)
                         answer.connections += 1
+                        before = len(answer.events)
                         await self._read(r, answer, name, user, rng)
+                        empty = empty + 1 if len(answer.events) == before and answer.end is None else 0
                 except httpx.HTTPError as exc:
                     self.ledger.no_reply(time.monotonic(), name, "resume", exc)
                 if answer.end is not None:
                     return
+                if empty >= 3 and await self._stored_ended(answer, user, rng):
+                    answer.lost = answer.end_lost = True
+                    return
                 avoid = name
             await asyncio.sleep(0.5)
+
+    async def _stored_ended(self, answer: Answer, user: User, rng: random.Random) -> bool:
+        r = await self.request(rng, "GET", f"/conversations/{answer.conversation_id}", "lookup",
+                               headers=user.headers)
+        if r is None or r.status_code != 200:
+            return False
+        row = next((m for m in r.json()["messages"] if m["id"] == answer.message_id), None)
+        return row is not None and (row["status"] != "incomplete" or row["finish_reason"] is not None)
 
     async def _openai_calls(self, user: User, rng: random.Random) -> None:
         while not self.stop.is_set():
