@@ -61,8 +61,8 @@ class GatewayClients:
         finally:
             held.users -= 1
             if held.retired and held.users == 0 and held in self._retired:
-                self._retired.discard(held)
                 await held.client.aclose()
+                self._retired.discard(held)  # after: a close cut short is left to aclose()
 
     def _renew(self, name: str, held: _Held) -> None:
         if self._current[name] is not held:

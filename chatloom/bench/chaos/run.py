@@ -47,7 +47,7 @@ class ChaosConfig:
 
 def run_chaos(config: ChaosConfig, progress=print) -> dict:
     folder = Path(config.workdir or tempfile.mkdtemp(prefix="chatloom-chaos-"))
-    topology = Topology(folder)
+    topology = Topology(folder, window_s=config.window_s)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def interrupted(signum, frame):
