@@ -13,6 +13,10 @@ from chatloom.bench.chaos.resources import Sampler, growth
 
 RECOVERY_S = 10.0
 GROWTH_LIMIT = 0.10
+# Outside every fault's window, the share of requests that must get an HTTP reply (any status). A client
+# that keeps a broken connection gets none for the rest of the run; the few a healthy run loses there
+# are requests caught at a window's edge or by a client's own cut.
+FLOWING_SHARE = 0.98
 FINISHED = {"complete", "stopped", "incomplete", "interrupted"}  # incomplete: cut by max_tokens
 
 
@@ -89,11 +93,12 @@ def answers_finished(stored: Stored, run_users: set[str]) -> Check:
 
 def streams_exact(ledger: Ledger, stored: Stored) -> Check:
     """Followed answers: event ids 1..n with no gap or repeat, and the stored text is the streamed text."""
-    followed = resumed = lost = unfinished = 0
+    followed = resumed = lost = end_lost = unfinished = 0
     failures = []
     for a in ledger.answers:
         if a.lost:
             lost += 1
+            end_lost += a.end_lost
             continue
         if a.end is None:
             unfinished += 1
@@ -111,7 +116,7 @@ def streams_exact(ledger: Ledger, stored: Stored) -> Check:
                              "streamed": a.streamed_text[-80:], "stored": (row["text"] or "")[-80:]})
     return Check("resumed streams exact", not failures,
                  {"followed_to_end": followed, "resumed": resumed, "stream_gone_after_redis_wipe": lost,
-                  "unfinished": unfinished, "bad": len(failures)}, failures)
+                  "of_which_end_gone": end_lost, "unfinished": unfinished, "bad": len(failures)}, failures)
 
 
 def quotas_kept(ledger: Ledger, stored: Stored, tiers: dict[str, int], discount: float = 0.5) -> Check:
@@ -135,8 +140,9 @@ def metering_matches(ledger: Ledger, stored: Stored, chat_users: set[str]) -> Ch
     """Chat users: metered prompt tokens equal the sum over their stored answers; metered completion
     tokens equal the sum of the usage their answers' done events reported, where the client saw every
     answer end, and lie between that sum and it plus the unseen answers' max_tokens otherwise. (Stored
-    answers keep their text's token count, a re-count that differs from the tokens generated.) OpenAI
-    users (nothing stored): metered at least what the clients were told."""
+    answers keep their text's token count, a re-count that differs from the tokens generated.) A
+    message whose POST broke where the client could not learn whether it was stored counts as an unseen
+    answer of its max_tokens. OpenAI users (nothing stored): metered at least what the clients were told."""
     failures = []
     figures = {"chat_users": 0, "exact": 0, "bounded": 0, "openai_users": 0}
     by_id = {u["id"]: name for name, u in stored.users.items()}
@@ -151,11 +157,12 @@ def metering_matches(ledger: Ledger, stored: Stored, chat_users: set[str]) -> Ch
         mine = [a for a in ledger.answers if a.user == name]
         seen = sum(a.end["usage"]["completion_tokens"] for a in mine
                    if a.end and a.end.get("event") == "done" and a.end.get("usage"))
-        unseen = [a for a in mine if not (a.end and a.end.get("event") == "done" and a.end.get("usage"))]
+        unseen = [a.max_tokens for a in mine if not (a.end and a.end.get("event") == "done" and a.end.get("usage"))]
+        unseen += [s.max_tokens for s in ledger.unknown_submissions if s.user == name]
         figures["chat_users"] += 1
         figures["exact" if not unseen else "bounded"] += 1
         ok = prompt == prompts.get(name, 0) and (
-            completion == seen if not unseen else seen <= completion <= seen + sum(a.max_tokens for a in unseen))
+            completion == seen if not unseen else seen <= completion <= seen + sum(unseen))
         if not ok:
             failures.append({"user": name, "metered": [prompt, completion], "stored_prompt": prompts.get(name, 0),
                              "done_completion": seen, "answers_not_seen_ending": len(unseen)})
@@ -174,10 +181,29 @@ def metering_matches(ledger: Ledger, stored: Stored, chat_users: set[str]) -> Ch
     return Check("metering equals stored answers", not failures, figures, failures)
 
 
+def fault_windows(ledger: Ledger, grace_s: float = RECOVERY_S) -> list[tuple[float, float]]:
+    """Each fault from its start to `grace_s` after every gateway was ready again."""
+    return [(f.start, (f.ready or f.end or f.start) + grace_s) for f in ledger.faults]
+
+
+def traffic_flowed(ledger: Ledger, share: float = FLOWING_SHARE) -> Check:
+    """Outside every fault's window, at least `share` of the requests got an HTTP reply. Each try on a
+    gateway is one request; a reply is any status, a request with none is a transport failure."""
+    windows = fault_windows(ledger)
+    outside = [r for r in ledger.replies if not any(a <= r.t <= b for a, b in windows)]
+    answered = sum(1 for r in outside if r.status)
+    got = answered / len(outside) if outside else 0.0
+    failures = [{"t": round(r.t, 1), "gateway": r.gateway, "route": r.route} for r in outside if not r.status]
+    return Check("traffic kept flowing", bool(outside) and got >= share,
+                 {"requests": len(ledger.replies), "no_reply": sum(1 for r in ledger.replies if not r.status),
+                  "outside_faults": len(outside), "answered_outside": round(got, 4), "required": share},
+                 failures)
+
+
 def no_unexpected_5xx(ledger: Ledger, grace_s: float = RECOVERY_S) -> Check:
     """Every 5xx is a 503 with Retry-After and an error code, inside a fault's window (start to
     ready + grace). Transport failures (a killed gateway's refused connections) are counted apart."""
-    windows = [(f.start, (f.ready or f.end or f.start) + grace_s) for f in ledger.faults]
+    windows = fault_windows(ledger, grace_s)
     failures = []
     documented = 0
     for r in ledger.replies:

@@ -18,6 +18,7 @@ class Reply:
     status: int
     retry_after: str | None = None
     code: str | None = None
+    error: str | None = None  # status 0: the exception's class
 
 
 @dataclass
@@ -37,10 +38,23 @@ class Answer:
     cut: bool = False  # the client dropped its connection on purpose mid-stream
     stop_sent: bool = False
     lost: bool = False  # a resume found no stream left (its log gone): the stored answer is what counts
+    end_lost: bool = False  # lost so: its log ends, but the events up to its end were lost with Redis's data
+    found_after_lost_reply: bool = False  # its POST broke before the reply; the client found it stored
 
     @property
     def streamed_text(self) -> str:
         return "".join(data.get("token", "") for _, data in self.events)
+
+
+@dataclass
+class Submission:
+    """A conversation message whose POST broke after it may have reached a gateway, and whose fate the
+    client could not learn (no gateway could show the conversation): stored and answered, or not."""
+
+    user: str
+    conversation_id: str
+    text: str
+    max_tokens: int
 
 
 @dataclass
@@ -75,6 +89,7 @@ class Ledger:
     replies: list[Reply] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
     refused_messages: int = 0
+    unknown_submissions: list[Submission] = field(default_factory=list)
     openai: list[OpenAICall] = field(default_factory=list)
     uploads: list[Upload] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
@@ -86,3 +101,6 @@ class Ledger:
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             code = body["error"].get("code")
         self.replies.append(Reply(t, gateway, route, status, headers.get("retry-after") if headers else None, code))
+
+    def no_reply(self, t: float, gateway: str, route: str, exc: BaseException) -> None:
+        self.replies.append(Reply(t, gateway, route, 0, error=type(exc).__name__))

@@ -1,7 +1,7 @@
 """The chaos run's result: one JSON document, and a table of the invariants and the faults."""
 from __future__ import annotations
 
-from chatloom.bench.chaos.invariants import Check
+from chatloom.bench.chaos.invariants import RECOVERY_S, Check
 from chatloom.bench.chaos.ledger import Ledger
 
 
@@ -17,13 +17,40 @@ def summary(checks: list[Check], ledger: Ledger, t0: float, meta: dict) -> dict:
         "fault_counts": counts,
         "faults": [{"kind": f.kind, "target": f.target, "at_s": round(f.start - t0, 1),
                     "lasted_s": round(f.end - f.start, 1) if f.end else None,
-                    "ready_after_s": round(f.ready - f.end, 2) if f.ready and f.end else None, "note": f.note}
+                    "ready_after_s": round(f.ready - f.end, 2) if f.ready and f.end else None,
+                    "no_reply": _no_reply(ledger, f.start, (f.ready or f.end or f.start) + RECOVERY_S), "note": f.note}
                    for f in ledger.faults],
-        "traffic": {"replies": len(ledger.replies), "answers": len(ledger.answers),
-                    "refused_messages": ledger.refused_messages, "openai_calls": len(ledger.openai),
+        "traffic": {"requests": len(ledger.replies), "replies": sum(1 for r in ledger.replies if r.status),
+                    "no_reply": sum(1 for r in ledger.replies if not r.status),
+                    "answers": len(ledger.answers), "refused_messages": ledger.refused_messages,
+                    "answers_found_after_lost_reply": sum(1 for a in ledger.answers if a.found_after_lost_reply),
+                    "unknown_submissions": len(ledger.unknown_submissions), "openai_calls": len(ledger.openai),
                     "uploads": len(ledger.uploads), "client_cuts": ledger.cuts,
-                    "by_status": _by_status(ledger)},
+                    "by_status": _by_status(ledger), "by_route": _by_route(ledger),
+                    "no_reply_by_error": _no_reply_by_error(ledger)},
     }
+
+
+def _no_reply(ledger: Ledger, start: float, end: float) -> int:
+    """Requests with no reply in a fault's window (from its start to RECOVERY_S after it is over)."""
+    return sum(1 for r in ledger.replies if not r.status and start <= r.t <= end)
+
+
+def _by_route(ledger: Ledger) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in ledger.replies:
+        row = out.setdefault(r.route, {"requests": 0, "no_reply": 0})
+        row["requests"] += 1
+        row["no_reply"] += not r.status
+    return dict(sorted(out.items()))
+
+
+def _no_reply_by_error(ledger: Ledger) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in ledger.replies:
+        if not r.status:
+            out[r.error or "?"] = out.get(r.error or "?", 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _by_status(ledger: Ledger) -> dict[str, int]:
@@ -51,9 +78,15 @@ def table(result: dict) -> str:
     lines = ["| invariant | result | figures |", "|---|---|---|"]
     for c in result["invariants"]:
         lines.append(f"| {c['name']} | {'pass' if c['ok'] else 'FAIL'} | {_short(c['figures'])} |")
-    lines += ["", "| fault | target | at (s) | lasted (s) | ready after (s) | note |", "|---|---|---|---|---|---|"]
+    lines += ["", "| fault | target | at (s) | lasted (s) | ready after (s) | no reply | note |",
+              "|---|---|---|---|---|---|---|"]
     for f in result["faults"]:
         lines.append(f"| {f['kind']} | {f['target']} | {f['at_s']} | {f['lasted_s']} | {f['ready_after_s']} | "
-                     f"{f['note']} |")
-    lines.append(f"| client_cut | streams | - | - | - | {result['fault_counts'].get('client_cut', 0)} cut and resumed |")
+                     f"{f['no_reply']} | {f['note']} |")
+    lines.append(f"| client_cut | streams | - | - | - | - | {result['fault_counts'].get('client_cut', 0)} cut and "
+                 "resumed |")
+    t = result["traffic"]
+    lines += ["", f"requests {t['requests']}: {t['replies']} replied, {t['no_reply']} no reply; answers {t['answers']} "
+              f"({t['answers_found_after_lost_reply']} found after a lost reply, {t['unknown_submissions']} "
+              f"messages unknowable); client renewals {result.get('client_renewals', {})}"]
     return "\n".join(lines)

@@ -36,6 +36,7 @@ class Sample:
     pid: int
     rss: int
     fds: int
+    sockets: int = 0  # of fds: sockets (connections of its pools and clients, which follow the load)
 
 
 @dataclass
@@ -44,29 +45,30 @@ class SlotSamples:
     samples: list[Sample] = field(default_factory=list)
 
 
-def _fds(pid: int, sockets: bool) -> int:
+def _fds(pid: int) -> tuple[int, int]:
+    """(descriptors, of which sockets)."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return 0
-    if sockets:
-        return len(names)
-    count = 0
+        return 0, 0
+    sockets = 0
     for name in names:
         try:
-            count += not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:")
+            sockets += os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:")
         except OSError:
             pass
-    return count
+    return len(names), sockets
 
 
-def tree_fds(pid: int) -> int:
-    total, todo = 0, [pid]
+def tree_fds(pid: int) -> tuple[int, int]:
+    total = sockets = 0
+    todo = [pid]
     while todo:
         p = todo.pop()
-        total += _fds(p, True)
+        n, s = _fds(p)
+        total, sockets = total + n, sockets + s
         todo.extend(_children(p))
-    return total
+    return total, sockets
 
 
 class Sampler:
@@ -85,9 +87,13 @@ class Sampler:
             if pid is None or ready is None or now - ready < self.warm_s or not Path(f"/proc/{pid}").exists():
                 continue
             rss = _status_kib(pid, "VmRSS") * 1024 if slot.service else tree_rss_bytes(pid)
-            fds = _fds(pid, sockets=False) if slot.service else tree_fds(pid)
+            if slot.service:
+                n, sockets = _fds(pid)
+                fds, sockets = n - sockets, 0
+            else:
+                fds, sockets = tree_fds(pid)
             if rss:
-                self.series[name].samples.append(Sample(now, pid, rss, fds))
+                self.series[name].samples.append(Sample(now, pid, rss, fds, sockets))
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -112,4 +118,6 @@ def growth(series: SlotSamples, t0: float, window_s: float, min_samples: int = 3
     fds0, fds1 = statistics.median(s.fds for s in first), statistics.median(s.fds for s in last)
     return {**out, "rss_first_mib": round(rss0 / 2**20, 1), "rss_last_mib": round(rss1 / 2**20, 1),
             "rss_growth": round(rss1 / rss0 - 1, 4), "fds_first": fds0, "fds_last": fds1,
-            "fds_growth": round(fds1 / fds0 - 1, 4) if fds0 else 0.0}
+            "fds_growth": round(fds1 / fds0 - 1, 4) if fds0 else 0.0,
+            "sockets_first": statistics.median(s.sockets for s in first),
+            "sockets_last": statistics.median(s.sockets for s in last)}

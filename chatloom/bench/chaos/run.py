@@ -47,7 +47,7 @@ class ChaosConfig:
 
 def run_chaos(config: ChaosConfig, progress=print) -> dict:
     folder = Path(config.workdir or tempfile.mkdtemp(prefix="chatloom-chaos-"))
-    topology = Topology(folder)
+    topology = Topology(folder, window_s=config.window_s)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def interrupted(signum, frame):
@@ -111,9 +111,9 @@ async def _drive(topology: Topology, config: ChaosConfig, progress) -> dict:
     checks = [inv.acknowledged_messages_stored(ledger, stored), inv.answers_finished(stored, run_users),
               inv.streams_exact(ledger, stored), inv.quotas_kept(ledger, stored, tiers),
               inv.metering_matches(ledger, stored, chat_users), inv.no_unexpected_5xx(ledger),
-              inv.recovered_in_time(ledger), inv.resources_flat(sampler, t0, config.window_s),
+              inv.recovered_in_time(ledger), inv.traffic_flowed(ledger), inv.resources_flat(sampler, t0, config.window_s),
               inv.uploads_kept(ledger, stored, topology.data / "blobs")]
-    meta = {"config": asdict(config), "window_s": config.window_s, "folders": [str(topology.folder),
+    meta = {"client_renewals": traffic.clients.renewals, "config": asdict(config), "window_s": config.window_s, "folders": [str(topology.folder),
             str(topology.pg_folder)], "tmpfs": topology.tmpfs,
             "tmpfs_error": topology.tmpfs_error, "planned_faults": [asdict(p) for p in plan]}
     return summary(checks, ledger, t0, meta)

@@ -7,6 +7,7 @@ safe to call twice.
 """
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import tempfile
@@ -17,7 +18,10 @@ from chatloom.bench.chaos.services import Postgres, Redis
 
 MODEL = "tiny-random"
 JWT_SECRET = "chaos-run-secret-0123456789abcdef0123456789"
-DISK_MIB = 16
+DISK_MIB = 16  # the data tmpfs when empty: the disk_full fault fills what is free of it
+# Room added per second of traffic for the uploads the run keeps (each is checked at the end): the files
+# user uploads about 20 KB a second (2-40 KB, then a 0.5-1.5 s pause); a 15-minute run stored 15 MB.
+UPLOAD_KIB_PER_S = 48
 
 TIERS = """\
 [free]
@@ -45,8 +49,9 @@ max_tokens = 256
 
 
 class Topology:
-    def __init__(self, folder: Path, tiny_tokens_per_day: int = 1500) -> None:
+    def __init__(self, folder: Path, tiny_tokens_per_day: int = 1500, window_s: float = 0.0) -> None:
         self.folder = folder
+        self.disk_mib = DISK_MIB + math.ceil(window_s * UPLOAD_KIB_PER_S / 1024)
         self.tiny_tokens_per_day = tiny_tokens_per_day
         # PostgreSQL runs as the postgres user when root, which must reach its folder: one of its own
         # under the temp folder, open to it, wherever the run's folder is.
@@ -80,7 +85,7 @@ class Topology:
 
     def _mount(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m,mode=0755", "tmpfs", str(self.data)],
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.disk_mib}m,mode=0755", "tmpfs", str(self.data)],
                               capture_output=True, text=True)
         self.tmpfs = done.returncode == 0
         if not self.tmpfs:

@@ -3,7 +3,10 @@ Last-Event-ID, stops), OpenAI-compatible calls (streaming, non-streaming, a calc
 trip) and small file uploads, over HTTP/2 to either gateway.
 
 A client moves to the other gateway when one stops answering (a killed gateway refuses connections),
-and waits out a 429 or 503 for its Retry-After (capped). Everything it sees goes into the Ledger.
+and waits out a 429 or 503 for its Retry-After (capped). A gateway's client is replaced when its
+connection breaks (chatloom/bench/chaos/gateway_pool.py). A message whose POST broke after it may have reached
+a gateway is looked up in its conversation before it is sent again: found, its answer is followed with
+a resume like any other. Everything the clients see goes into the Ledger.
 """
 from __future__ import annotations
 
@@ -11,15 +14,18 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
 
-from chatloom.bench.chaos.ledger import Answer, Ledger, OpenAICall, Upload
+from chatloom.bench.chaos.gateway_pool import NOT_SENT, GatewayClients, new_client
+from chatloom.bench.chaos.ledger import Answer, Ledger, OpenAICall, Submission, Upload
 
 PASSWORD = "chaos horse battery"
-TIMEOUT = httpx.Timeout(connect=5.0, read=90.0, write=30.0, pool=30.0)
 RESUME_FOR_S = 120.0  # how long a client keeps trying to follow one answer to its end
+LOOKUP_FOR_S = 60.0  # how long a client tries to learn whether a message whose POST broke was stored
 WORDS = ("river", "stone", "lamp", "quiet", "orbit", "maple", "signal", "harbor", "copper", "window", "violet")
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -60,19 +66,13 @@ class Traffic:
         self.model = model
         self.ledger = ledger
         self.rng = random.Random(seed)
-        self.clients = {name: self._client(url) for name, url in gateways.items()}
+        self.clients = GatewayClients(gateways)
         self.stop = asyncio.Event()
         self._side_tasks: set[asyncio.Task] = set()
 
-    @staticmethod
-    def _client(url: str) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=url, http2=True, verify=False, timeout=TIMEOUT,
-                                 limits=httpx.Limits(max_connections=50, max_keepalive_connections=20))
-
     async def close(self) -> None:
         await asyncio.gather(*self._side_tasks, return_exceptions=True)
-        for client in self.clients.values():
-            await client.aclose()
+        await self.clients.aclose()
 
     def _order(self, rng: random.Random, avoid: str | None = None) -> list[str]:
         names = list(self.urls)
@@ -86,9 +86,10 @@ class Traffic:
         """One request on the first gateway that answers; None when none did (both being restarted)."""
         for name in self._order(rng):
             try:
-                r = await self.clients[name].request(method, path, **kw)
-            except httpx.HTTPError:
-                self.ledger.reply(time.monotonic(), name, route, 0)
+                async with self.clients.use(name) as client:
+                    r = await client.request(method, path, **kw)
+            except httpx.HTTPError as exc:
+                self.ledger.no_reply(time.monotonic(), name, route, exc)
                 continue
             self.ledger.reply(time.monotonic(), name, route, r.status_code, r.headers, _json(r))
             return r
@@ -150,12 +151,10 @@ class Traffic:
         cut_after = rng.randint(1, 6) if plan < 0.3 else None
         stop_after = rng.randint(2, 8) if 0.3 <= plan < 0.4 else None
         for name in self._order(rng):
-            # A stream to be cut gets a connection of its own, which the client then closes.
-            client = self._client(self.urls[name]) if cut_after else self.clients[name]
             answer = None
             try:
-                async with client.stream("POST", f"/conversations/{conversation}/messages", headers=user.headers,
-                                         json=body) as r:
+                async with self._stream_client(name, cut_after is not None) as client, client.stream(
+                        "POST", f"/conversations/{conversation}/messages", headers=user.headers, json=body) as r:
                     if r.status_code != 200:
                         await r.aread()
                         self.ledger.reply(time.monotonic(), name, "messages", r.status_code, r.headers, _json(r))
@@ -166,17 +165,57 @@ class Traffic:
                                     r.headers["x-user-message-id"], text, body["max_tokens"])
                     self.ledger.answers.append(answer)
                     await self._read(r, answer, name, user, rng, cut_after, stop_after)
-            except httpx.HTTPError:
-                self.ledger.reply(time.monotonic(), name, "messages", 0)
+            except httpx.HTTPError as exc:
+                self.ledger.no_reply(time.monotonic(), name, "messages", exc)
                 if answer is None:
-                    continue  # never acknowledged: try the other gateway
-            finally:
-                if cut_after:
-                    await client.aclose()
-            if answer.end is None:
+                    if isinstance(exc, NOT_SENT):
+                        continue  # never reached the gateway: try the other one
+                    maybe_stored, answer = await self._look_up(user, conversation, text, body["max_tokens"], rng)
+                    if not maybe_stored:
+                        continue  # never stored: try the other gateway
+                    if answer is None:
+                        return None  # nobody could tell: one of the ledger's unknown submissions
+            if answer.end is None and not answer.lost:
                 await self._follow(answer, name, user, rng)
             return None
         return None
+
+    @asynccontextmanager
+    async def _stream_client(self, name: str, own: bool) -> AsyncIterator[httpx.AsyncClient]:
+        """The gateway's shared client, or (a stream to be cut) a connection of its own, closed after."""
+        if not own:
+            async with self.clients.use(name) as client:
+                yield client
+            return
+        client = new_client(self.urls[name])
+        try:
+            yield client
+        finally:
+            await client.aclose()
+
+    async def _look_up(self, user: User, conversation: str, text: str, max_tokens: int,
+                       rng: random.Random) -> tuple[bool, Answer | None]:
+        """After a POST that broke once it may have reached a gateway, read the conversation (on
+        whichever gateway answers) for the message (its text is unique). Found: (True, its answer), to be
+        followed from its first event. Not there: (False, None): never stored, to be sent again.
+        Unknowable within LOOKUP_FOR_S: (True, None), and the ledger keeps it as an unknown submission."""
+        deadline = time.monotonic() + LOOKUP_FOR_S
+        while time.monotonic() < deadline:
+            r = await self.request(rng, "GET", f"/conversations/{conversation}", "lookup", headers=user.headers)
+            if r is not None and r.status_code == 200:
+                messages = r.json()["messages"]
+                sent = next((m for m in messages if m["role"] == "user" and m["text"] == text), None)
+                if sent is None:
+                    return False, None
+                reply = next((m for m in messages if m["parent_id"] == sent["id"]), None)
+                if reply is not None:
+                    answer = Answer(user.name, conversation, reply["id"], sent["id"], text, max_tokens,
+                                    connections=0, found_after_lost_reply=True)
+                    self.ledger.answers.append(answer)
+                    return True, answer
+            await asyncio.sleep(1.0)
+        self.ledger.unknown_submissions.append(Submission(user.name, conversation, text, max_tokens))
+        return True, None
 
     async def _read(self, r: httpx.Response, answer: Answer, gateway: str, user: User, rng: random.Random,
                     cut_after: int | None = None, stop_after: int | None = None) -> None:
@@ -208,24 +247,27 @@ class Traffic:
     async def _stop(self, answer: Answer, gateway: str, user: User, rng: random.Random) -> None:
         for name in self._order(rng, avoid=gateway):  # the stop goes to the other gateway first
             try:
-                r = await self.clients[name].post(f"/conversations/{answer.conversation_id}/stop",
-                                                  headers=user.headers)
-            except httpx.HTTPError:
-                self.ledger.reply(time.monotonic(), name, "stop", 0)
+                async with self.clients.use(name) as client:
+                    r = await client.post(f"/conversations/{answer.conversation_id}/stop", headers=user.headers)
+            except httpx.HTTPError as exc:
+                self.ledger.no_reply(time.monotonic(), name, "stop", exc)
                 continue
             self.ledger.reply(time.monotonic(), name, "stop", r.status_code, r.headers, _json(r))
             if r.status_code == 200:
                 return
 
     async def _follow(self, answer: Answer, last_gateway: str, user: User, rng: random.Random) -> None:
-        """Resume the answer with Last-Event-ID (from the last event received) until its end."""
+        """Resume the answer with Last-Event-ID (from the last event received) until its end. A log that
+        Redis lost (a resume answers 404), or that lost the events up to its end marker (resumes answer
+        200 and end at once, with nothing) while the stored answer has ended, is given up as lost."""
         deadline = time.monotonic() + RESUME_FOR_S
         avoid = last_gateway
+        empty = 0  # resumes in a row that ended with no event and no end
         while answer.end is None and time.monotonic() < deadline:
             for name in self._order(rng, avoid=avoid):
                 last = answer.events[-1][0] if answer.events else 0
                 try:
-                    async with self.clients[name].stream(
+                    async with self.clients.use(name) as client, client.stream(
                             "GET", f"/conversations/{answer.conversation_id}/stream",
                             params={"message_id": answer.message_id},
                             headers={**user.headers, "Last-Event-ID": str(last)}) as r:
@@ -238,13 +280,26 @@ class Traffic:
                             continue
                         self.ledger.reply(time.monotonic(), name, "resume", 200)
                         answer.connections += 1
+                        before = len(answer.events)
                         await self._read(r, answer, name, user, rng)
-                except httpx.HTTPError:
-                    self.ledger.reply(time.monotonic(), name, "resume", 0)
+                        empty = empty + 1 if len(answer.events) == before and answer.end is None else 0
+                except httpx.HTTPError as exc:
+                    self.ledger.no_reply(time.monotonic(), name, "resume", exc)
                 if answer.end is not None:
+                    return
+                if empty >= 3 and await self._stored_ended(answer, user, rng):
+                    answer.lost = answer.end_lost = True
                     return
                 avoid = name
             await asyncio.sleep(0.5)
+
+    async def _stored_ended(self, answer: Answer, user: User, rng: random.Random) -> bool:
+        r = await self.request(rng, "GET", f"/conversations/{answer.conversation_id}", "lookup",
+                               headers=user.headers)
+        if r is None or r.status_code != 200:
+            return False
+        row = next((m for m in r.json()["messages"] if m["id"] == answer.message_id), None)
+        return row is not None and (row["status"] != "incomplete" or row["finish_reason"] is not None)
 
     async def _openai_calls(self, user: User, rng: random.Random) -> None:
         while not self.stop.is_set():
@@ -298,8 +353,8 @@ class Traffic:
                 "stream_options": {"include_usage": True}}
         for name in self._order(rng):
             try:
-                async with self.clients[name].stream("POST", "/v1/chat/completions", headers=user.headers,
-                                                     json=body) as r:
+                async with self.clients.use(name) as client, client.stream(
+                        "POST", "/v1/chat/completions", headers=user.headers, json=body) as r:
                     if r.status_code != 200:
                         await r.aread()
                         self.ledger.reply(time.monotonic(), name, "openai", r.status_code, r.headers, _json(r))
@@ -316,8 +371,8 @@ class Traffic:
                             call.completion_tokens = data["usage"]["completion_tokens"]
                             call.complete = True
                     return r
-            except httpx.HTTPError:
-                self.ledger.reply(time.monotonic(), name, "openai", 0)
+            except httpx.HTTPError as exc:
+                self.ledger.no_reply(time.monotonic(), name, "openai", exc)
                 if call.status == 200:
                     return None  # cut mid-stream by a fault: its usage is unknown to the client
         return None
