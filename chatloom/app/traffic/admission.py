@@ -31,7 +31,8 @@ cannot start (no slot, or no KV room, while batch requests hold some), the newes
 is asked to give way (`Slot.on_yield`): its run stops and its batch runs it again later; one at a time,
 each once the one before has let its slot go and the engine has had `YIELD_INTERVAL_S` to free its blocks.
 While an interactive or reasoning request waits for a slot or for its first output, the batch runner holds
-its own work on the event loop back (`until_interactive_started`).
+its own work on the event loop back (`until_interactive_started`) and `on_starting` has the engine hold
+batch sequences out of its steps, so that the request never waits for a step of them begun meanwhile.
 """
 from __future__ import annotations
 
@@ -145,6 +146,8 @@ class AdmissionQueue:
         self._pending_tokens = 0
         self._starting = 0  # interactive and reasoning requests admitted that have no output yet
         self._quiet_waiters: list[asyncio.Future[None]] = []
+        self.on_starting: Callable[[bool], None] | None = None  # told when interactive_starting() changes
+        self._told_starting = False
         self._batch_slots: list[Slot] = []  # running batch requests, oldest first
         self._last_yield = -math.inf
         self._recent: deque[str] = deque(maxlen=share_window)  # tier names of the latest admissions
@@ -200,8 +203,12 @@ class AdmissionQueue:
             self._quiet_waiters.append(waiter)
             await waiter
 
-    def _wake_quiet(self) -> None:
-        if self._quiet_waiters and not self.interactive_starting():
+    def _wake_quiet(self) -> None:  # where interactive_starting() may have changed
+        starting = self.interactive_starting()
+        if starting != self._told_starting and self.on_starting is not None:
+            self._told_starting = starting
+            self.on_starting(starting)
+        if self._quiet_waiters and not starting:
             waiters, self._quiet_waiters = self._quiet_waiters, []
             for waiter in waiters:
                 if not waiter.done():
@@ -228,6 +235,7 @@ class AdmissionQueue:
         ticket.future = asyncio.get_running_loop().create_future()
         self._waiting.append(ticket)
         self._dispatch()
+        self._wake_quiet()
         if not ticket.future.done():
             self._ensure_poller()
         return ticket
