@@ -89,6 +89,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         discount = settings.traffic.cached_input_discount
         hot.quotas.day_floor = lambda user_id, day: traffic.meter.charged_on(user_id, day, discount)
     traffic.admission.fleet = hot.fleet
+    traffic.admission.on_starting = backend.hold_background  # batch steps wait while interactive work starts
     pipeline = Pipeline(backend, traffic, settings)
     router = local_router(backend, local_replicas)
     if router is not None:  # N local replicas run N engines' generations at once

@@ -15,7 +15,9 @@ batch, so that the baseline phases are measured in the same minutes as the phase
 (on a shared machine the load moves from one minute to the next); the figures are over all rounds. Each
 user's turns go down one list of prompts over all phases, so the baseline asks as many prompts it has not
 asked before as the phase beside the batch does. The bench asks for the batch's status every `POLL_S`: its
-own requests load the gateway in the batch phases only.
+own requests load the gateway in the batch phases only. The bench's client (the users and the batch's
+owner) runs in a process of its own: in the server's process its HTTP and JSON work would compete with the
+gateway and the engine for the interpreter lock, and its readings would count its own waits for it.
 
 The capacity interactive traffic leaves idle is (2) minus what (1) used. Targets (from the issue): TTFT p90
 in (3) at most 1.15 x (1), and the batch's throughput in (3) at least 70 % of the idle capacity.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -193,6 +196,20 @@ async def _run(url: str, model: str, requests: int, rounds: int, users: int, tur
                         and share >= IDLE_SHARE_MIN}}
 
 
+def _client(url: str, *args) -> dict:
+    """The phases' client, in the process `_in_own_process` starts."""
+    return asyncio.run(_run(url, *args))
+
+
+def _in_own_process(*args) -> dict:
+    """`_client(*args)` in a fresh interpreter (spawned, not forked: the server's threads and the engine's
+    state stay behind)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_client, *args).result()
+
+
 def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8, max_tokens: int = 32,
                     batch_max_tokens: int = 32, think_s: float = 0.5, seed: int = 0, engine_config=None,
                     settings: dict | None = None, rounds: int = 1) -> dict:
@@ -215,8 +232,8 @@ def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8
         try:
             chosen = Settings(**groups)
             with LoopbackServer(create_app(chosen, backend)) as server:
-                result = asyncio.run(_run(server.url, backend.default_model, requests, rounds, users, turns,
-                                          max_tokens, batch_max_tokens, think_s, seed))
+                result = _in_own_process(server.url, backend.default_model, requests, rounds, users, turns,
+                                         max_tokens, batch_max_tokens, think_s, seed)
             return {**result, "batch_settings": chosen.batch.model_dump(),
                     "max_num_seqs": chosen.traffic.admission_max_running or chosen.engine.max_num_seqs}
         finally:

@@ -95,6 +95,8 @@ class AsyncEngine:
                     self.engine.release_kv(args[0])
             elif cmd == "release_kv":
                 self.engine.release_kv(args)
+            elif cmd == "hold_background":
+                self.engine.hold_background(args)
             elif cmd == "reset_prefix_cache":
                 self.engine.kv_cache_manager.reset_prefix_cache()
             elif cmd == "embed":
@@ -152,7 +154,7 @@ class AsyncEngine:
                 self._embed_step()
                 if not self.engine.has_unfinished_requests():
                     continue
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_unfinished_requests() or self.engine.only_held_work():
                 self._hand_over()
                 holds = getattr(self.engine, "kv_holds", None)
                 if holds is not None:  # a hold's timeout passes while nothing runs too
@@ -267,6 +269,13 @@ class AsyncEngine:
     def release_kv(self, request_id: str) -> None:
         """Free the blocks kept for the round `request_id` at the next step boundary."""
         self._commands.put(("release_kv", request_id))
+        self._wakeup.set()
+
+    def hold_background(self, held: bool) -> None:
+        """Hold background (batch) sequences out of every step from the next step boundary on, or let them
+        run again (see LLMEngine.hold_background). The gateway holds them from the moment a foreground
+        request is admitted until its first output."""
+        self._commands.put(("hold_background", held))
         self._wakeup.set()
 
     def reset_prefix_cache(self) -> None:

@@ -204,6 +204,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.output_processor.has_finished_outputs()
 
+    def hold_background(self, held: bool) -> None:
+        """While held, background sequences (priority at or above background_priority) sit out every step:
+        the server holds them while a foreground request is on its way in, so that it does not wait for a
+        step of them that began meanwhile. No effect without a background_priority."""
+        self.scheduler.background_held = held
+
+    def only_held_work(self) -> bool:
+        """Whether a step now would run nothing: all that is queued is background work that is held."""
+        return self.scheduler.only_held_work() and not self.output_processor.has_finished_outputs()
+
     # -- stepping -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute, update. Returns this step's outputs."""

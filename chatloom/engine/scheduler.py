@@ -63,6 +63,10 @@ class Scheduler:
         # Frees the blocks of one round held while its tools run (kv_holds.py), not the one this sequence
         # resumes; False when none is held. Held blocks give way before any preemption or refusal.
         self.reclaim: Callable[[Sequence], bool] = lambda seq: False
+        # Set while the server knows of a foreground request on its way in (admitted, not yet here or not
+        # yet answered): background sequences sit out every step meanwhile, so the request never waits
+        # for a step of them that began while it was on its way.
+        self.background_held = False
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -82,6 +86,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def only_held_work(self) -> bool:
+        """Whether every queued sequence is background work sitting out a hold (a step would run nothing)."""
+        floor = self.config.background_priority
+        return (self.background_held and floor is not None
+                and all(seq.priority >= floor for seq in self.running)
+                and all(seq.priority >= floor for seq in self.waiting))
+
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         if self.encoder is not None:
@@ -99,17 +110,19 @@ class Scheduler:
         On a compute-bound engine every sequence a step carries lengthens it. With background_yield
         "prefill" they sit out the steps that read a foreground prompt (whose first token waits for those
         steps); with "step" they sit out every step with a foreground sequence in it, so they use only
-        steps that would otherwise be idle. They keep their blocks and their place either way."""
+        steps that would otherwise be idle. While `background_held` they sit out every step. They keep
+        their blocks and their place either way."""
         floor = self.config.background_priority
         if floor is None:
             return
-        if self.config.background_yield == "step":
-            pressing = [seq for seq, _ in batch.prefills] + batch.decodes
-        else:
-            pressing = [seq for seq, _ in batch.prefills] + [s for s in batch.decodes
-                                                             if s.num_computed_tokens < s.prompt_len]
-        if not any(seq.priority < floor for seq in pressing):
-            return
+        if not self.background_held:
+            if self.config.background_yield == "step":
+                pressing = [seq for seq, _ in batch.prefills] + batch.decodes
+            else:
+                pressing = [seq for seq, _ in batch.prefills] + [s for s in batch.decodes
+                                                                 if s.num_computed_tokens < s.prompt_len]
+            if not any(seq.priority < floor for seq in pressing):
+                return
         batch.decodes = [seq for seq in batch.decodes if seq.priority < floor]
         batch.prefills = [(seq, n) for seq, n in batch.prefills if seq.priority < floor]
 

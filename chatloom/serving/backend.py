@@ -325,6 +325,11 @@ class Backend(abc.ABC):
     def release_kv(self, request_id: str) -> None:
         """Free the KV cache kept for the round `request_id` (no resume is coming)."""
 
+    def hold_background(self, held: bool) -> None:
+        """While held, background (batch) generations sit out the engine's steps; the gateway holds them
+        while an interactive request is on its way to its first output. A backend whose engine is out of
+        this process ignores it."""
+
     def stats(self) -> BackendStats:
         """Load figures for health pages and routing (KV usage, queue lengths)."""
         return BackendStats(ready=self.ready)

@@ -318,6 +318,10 @@ class LocalBackend(Backend):
         if self._engine is not None:
             self._engine.release_kv(request_id)
 
+    def hold_background(self, held: bool) -> None:
+        if self._engine is not None:
+            self._engine.hold_background(held)
+
     def has_room(self, prompt_tokens: int) -> bool:
         """Room when the free KV blocks hold this prompt and every prompt already queued inside the
         engine, and a sequence slot is free. A non-empty engine queue alone is no reason to wait:

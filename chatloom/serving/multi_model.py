@@ -123,6 +123,10 @@ class MultiModelBackend(Backend):
         for b in [backend] if backend is not None else self.backends.values():
             b.abort(request_id)
 
+    def hold_background(self, held: bool) -> None:
+        for backend in self.backends.values():
+            backend.hold_background(held)
+
     def has_room(self, prompt_tokens: int) -> bool:
         return self.default.has_room(prompt_tokens)
 

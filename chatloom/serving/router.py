@@ -322,6 +322,10 @@ class Router(Backend):
         if kept is not None:
             kept[0].client.release_kv(kept[1])
 
+    def hold_background(self, held: bool) -> None:
+        for replica in self.replicas:
+            replica.client.hold_background(held)
+
     def abort(self, request_id: str) -> None:
         self.release_kv(request_id)
         current = self._current.get(request_id)

@@ -220,6 +220,59 @@ def test_without_a_background_floor_every_sequence_runs_in_every_step(tiny_model
     assert batch.num_computed_tokens == before + 1
 
 
+def test_held_background_sequences_sit_out_every_step_until_let_go(tiny_model):
+    # "prefill": unheld, batch decodes ride along with a foreground decode; held, they sit out even those.
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
+                                                max_num_batched_tokens=16, background_priority=1000,
+                                                background_yield="prefill"))
+    prompts = _prompts(tiny_model.config.vocab_size, 2, seed=13)
+    engine.add_request(prompts[0][:8], SamplingParams(max_tokens=30, ignore_eos=True), "batch", priority=1000)
+    engine.step()
+    engine.step()
+    batch = engine.scheduler.running[0]
+    before = batch.num_computed_tokens
+    engine.hold_background(True)
+    assert engine.only_held_work()  # nothing else queued: a step would run nothing
+    assert engine.step() == [] and batch.num_computed_tokens == before
+    engine.add_request(prompts[1][:8], SamplingParams(max_tokens=4, ignore_eos=True), "chat", priority=0)
+    assert not engine.only_held_work()
+    while any(s.request_id == "chat" for s in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()  # the chat's prompt and its decodes, the batch in none of them
+        assert batch.num_computed_tokens == before
+    engine.hold_background(False)
+    assert not engine.only_held_work()
+    engine.step()
+    assert batch.num_computed_tokens == before + 1
+
+
+async def test_async_engine_idles_while_only_held_background_work_is_queued(tiny_model_fp32):
+    engine = AsyncEngine.from_model(tiny_model_fp32, EngineConfig(num_blocks=256, block_size=4,
+                                                                  background_priority=1000))
+    steps = []
+    step = engine.engine.step
+    engine.engine.step = lambda: steps.append(1) or step()
+    try:
+        engine.hold_background(True)
+        batch = asyncio.create_task(engine.generate("a batch line", SamplingParams(max_tokens=8, ignore_eos=True),
+                                                    priority=1000))
+        # The batch request reaches the engine and sits there: no step runs it while held.
+        sched = engine.engine.scheduler
+        for _ in range(500):
+            if sched.background_held and sched.running + sched.waiting:
+                break
+            await asyncio.sleep(0.01)
+        queued = (sched.running + sched.waiting)[0]
+        chat = await asyncio.wait_for(engine.generate("hi", SamplingParams(max_tokens=4, ignore_eos=True)), 30)
+        assert chat.num_output_tokens == 4 and not batch.done()
+        assert queued.priority == 1000 and queued.num_computed_tokens == 0
+        assert len(steps) < 50  # the chat's few steps: no spinning over the held batch line meanwhile
+        engine.hold_background(False)
+        out = await asyncio.wait_for(batch, 30)
+        assert out.finished and out.num_output_tokens == 8
+    finally:
+        engine.shutdown()
+
+
 async def test_async_engine_streams_and_cancelling_aborts(tiny_model_fp32):
     engine = AsyncEngine.from_model(tiny_model_fp32, EngineConfig(num_blocks=256, block_size=4))
     try:

@@ -355,8 +355,7 @@ class Run:
                 yield choice.piece
 
     async def stream_choices(self) -> AsyncIterator[Choice]:
-        """The answer's pieces by choice (an ask of n > 1), each choice ending with its own Finished.
-        Closing the iterator aborts the request."""
+        """The answer's pieces by choice (an ask of n > 1), each ending with its own Finished; closing aborts."""
         backend, ask = self.pipeline.backend, self.ask
         choices: dict[int, ChoiceStream] = {}
         aborted = False
@@ -365,7 +364,7 @@ class Run:
         self._streaming = True
         async with aclosing(backend.stream(self._request())) as deltas:
             async for delta in deltas:
-                self._slot.started()
+                self._slot.started(shown=False)  # the output check may hold the first pieces back
                 if self.stopped and not aborted:  # a stop that raced the request's start
                     backend.abort(self.request_id)
                     aborted = True
@@ -375,6 +374,7 @@ class Run:
                     choice = choices[delta.index] = self._choice_stream()
                 for piece in await choice.feed(delta):
                     yield Choice(delta.index, piece)
+                    self._slot.shown()  # the front has sent it on: batch work need not wait for this run now
                 if choice.guard.verdict is not None and not choice.blocked_reported:
                     # Caught before the user saw it: the choice ends as content_filter. A lone answer stops
                     # the model now; with several, the others go on (the engine stops requests, not choices).

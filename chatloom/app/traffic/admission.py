@@ -30,8 +30,9 @@ and their admissions do not count in the shares of recent admissions. When an in
 cannot start (no slot, or no KV room, while batch requests hold some), the newest running batch request
 is asked to give way (`Slot.on_yield`): its run stops and its batch runs it again later; one at a time,
 each once the one before has let its slot go and the engine has had `YIELD_INTERVAL_S` to free its blocks.
-While an interactive or reasoning request waits for a slot or for its first output, the batch runner holds
-its own work on the event loop back (`until_interactive_started`).
+While an interactive or reasoning request waits for a slot or for its user's first output (the output
+check may hold the engine's first tokens back), the batch runner holds its own work on the event loop back
+(`until_interactive_started`) and `on_starting` has the engine hold batch sequences out of its steps.
 """
 from __future__ import annotations
 
@@ -43,33 +44,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from chatloom.app.traffic.queue_errors import QueueFull, QueueTimeout  # noqa: F401 (imported from here)
 from chatloom.app.traffic.tiers import Tier
 
 INTERACTIVE = "interactive"
 REASONING = "reasoning"
 BATCH = "batch"
-
-
-class QueueTimeout(Exception):
-    code = "queue_timeout"
-
-    def __init__(self, waited_s: float, retry_after: int, message: str | None = None) -> None:
-        super().__init__(message or f"the server is busy: no room for this request after {waited_s:.0f} s in "
-                         f"the queue; retry in {retry_after} s")
-        self.waited_s = waited_s
-        self.retry_after = retry_after
-
-
-class QueueFull(QueueTimeout):
-    """Refused on arrival: at the measured pace the request would not get in before max_wait_s."""
-
-    code = "queue_full"
-
-    def __init__(self, expected_wait_s: float, max_wait_s: float, retry_after: int) -> None:
-        super().__init__(0.0, retry_after, f"the server is busy: this request would wait about "
-                         f"{expected_wait_s:.0f} s for room (at most {max_wait_s:.0f} s allowed); retry in "
-                         f"{retry_after} s")
-        self.expected_wait_s = expected_wait_s
 
 
 MIN_MEASURED_RUNS = 3  # runs measured before the queue refuses early
@@ -102,16 +82,24 @@ class Slot:
         self.started_at = time.monotonic()
         self.on_yield: Callable[[], None] | None = None  # batch runs: stop now, to be run again later
         self.yielding = False
+        self.starting = ticket.kind != BATCH  # counted in the queue's _starting until shown()
 
-    def started(self) -> None:
-        """The engine has taken the request in: its prompt no longer counts as pending."""
+    def started(self, shown: bool = True) -> None:
+        """The engine has taken the request in: its prompt no longer counts as pending. `shown`: its first
+        output has reached the user too (else shown() follows: the output check may hold it back)."""
         if self.pending:
             self.pending = False
             self._queue._pending_tokens -= self.ticket.prompt_tokens
-            if self.ticket.kind != BATCH:
-                self._queue._starting -= 1
-                self._queue._wake_quiet()
             self._queue._kick()
+        if shown:
+            self.shown()
+
+    def shown(self) -> None:
+        """The user has the answer's first output: batch work no longer waits for this request."""
+        if self.starting:
+            self.starting = False
+            self._queue._starting -= 1
+            self._queue._wake_quiet()
 
     def release(self) -> None:
         if not self.released:
@@ -143,8 +131,10 @@ class AdmissionQueue:
         self._waiting: list[Ticket] = []
         self._running: dict[str, int] = {INTERACTIVE: 0, REASONING: 0, BATCH: 0}
         self._pending_tokens = 0
-        self._starting = 0  # interactive and reasoning requests admitted that have no output yet
+        self._starting = 0  # interactive and reasoning requests admitted whose user has no output yet
         self._quiet_waiters: list[asyncio.Future[None]] = []
+        self.on_starting: Callable[[bool], None] | None = None  # told when interactive_starting() changes
+        self._told_starting = False
         self._batch_slots: list[Slot] = []  # running batch requests, oldest first
         self._last_yield = -math.inf
         self._recent: deque[str] = deque(maxlen=share_window)  # tier names of the latest admissions
@@ -188,7 +178,7 @@ class AdmissionQueue:
         return any(t.kind != BATCH for t in self._waiting)
 
     def interactive_starting(self) -> bool:
-        """Whether an interactive or reasoning request waits for a slot or for its first output."""
+        """Whether an interactive or reasoning request waits for a slot or for its user's first output."""
         return self._starting > 0 or self.interactive_waiting()
 
     async def until_interactive_started(self) -> None:
@@ -200,8 +190,12 @@ class AdmissionQueue:
             self._quiet_waiters.append(waiter)
             await waiter
 
-    def _wake_quiet(self) -> None:
-        if self._quiet_waiters and not self.interactive_starting():
+    def _wake_quiet(self) -> None:  # where interactive_starting() may have changed
+        starting = self.interactive_starting()
+        if starting != self._told_starting and self.on_starting is not None:
+            self._told_starting = starting
+            self.on_starting(starting)
+        if self._quiet_waiters and not starting:
             waiters, self._quiet_waiters = self._quiet_waiters, []
             for waiter in waiters:
                 if not waiter.done():
@@ -228,6 +222,7 @@ class AdmissionQueue:
         ticket.future = asyncio.get_running_loop().create_future()
         self._waiting.append(ticket)
         self._dispatch()
+        self._wake_quiet()
         if not ticket.future.done():
             self._ensure_poller()
         return ticket

@@ -270,3 +270,34 @@ async def test_stop_while_queued_still_settles_through_the_pipeline(tmp_path):
         assert events[-1].data["status"] == "stopped" and backend.requests == []
         usage = (await c.get("/usage", headers=alice)).json()
         assert usage["remaining_tokens_this_minute"] == usage["limits"]["tokens_per_minute"]
+
+
+class _Watching(ScriptedBackend):
+    """Records each hold of background work with how many deltas it had streamed by then."""
+
+    def __init__(self) -> None:
+        super().__init__(pieces=[f" word{i}" for i in range(10)], delay_s=0.005)
+        self.holds: list[tuple[bool, int]] = []
+        self.streamed = 0
+
+    def hold_background(self, held: bool) -> None:
+        self.holds.append((held, self.streamed))
+
+    async def stream(self, request):
+        async for delta in super().stream(request):
+            self.streamed += 1
+            yield delta
+
+
+async def test_batch_work_is_held_until_the_first_piece_passes_the_output_check(tmp_path, monkeypatch):
+    from chatloom.app.traffic.moderation import LexiconModerator
+
+    # A moderator that cannot tell a safe prefix (a remote one): the newest 4 pieces are held back.
+    monkeypatch.setattr(LexiconModerator, "safe_prefix", lambda self, text, cuts: None)
+    backend = _Watching()
+    async with scripted(tmp_path, backend, moderation={"mode": "lexicon", "holdback_tokens": 4}) as (c, app, _, alice):
+        r = await c.post(CHAT, headers=alice, json=chat("hi", stream=True))
+        assert r.status_code == 200
+    # Held from admission until the first piece got past the 4 held back: not at the engine's first token.
+    assert [held for held, _ in backend.holds] == [True, False]
+    assert backend.holds[0][1] == 0 and backend.holds[1][1] >= 5

@@ -108,3 +108,45 @@ async def test_batch_work_waits_while_an_interactive_request_is_starting():
     await asyncio.wait_for(gate, 1)
     for s in (slot, batch):
         s.release()
+
+
+async def test_the_backend_is_told_while_an_interactive_request_is_starting():
+    told: list[bool] = []
+    room = {"free": 1}
+    q = AdmissionQueue(lambda tokens: room["free"] > 0, max_running=4, max_wait_s=5, poll_s=0.005)
+    q.on_starting = told.append
+    batch = await q.admit(PRO, 1, BATCH)  # batch work alone tells nothing
+    batch.started()
+    assert told == []
+    slot = await q.admit(FREE, 1)
+    assert told == [True]  # from its arrival in the queue
+    second = await q.admit(FREE, 1)
+    slot.started()
+    assert told == [True]  # the second one is still starting
+    second.started()
+    assert told == [True, False]
+    room["free"] = 0
+    waiting = asyncio.create_task(q.admit(FREE, 1))  # waits for room: starting already
+    await asyncio.sleep(0)
+    assert told == [True, False, True]
+    waiting.cancel()  # left the queue before it started
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert told == [True, False, True, False]
+    for s in (slot, second, batch):
+        s.release()
+
+
+async def test_batch_work_waits_for_the_users_first_output_not_the_engines():
+    q = AdmissionQueue(lambda tokens: True, max_running=4, max_wait_s=5, poll_s=0.005)
+    told: list[bool] = []
+    q.on_starting = told.append
+    slot = await q.admit(FREE, 1)
+    slot.started(shown=False)  # the engine's first token, held back by the output check
+    gate = asyncio.create_task(q.until_interactive_started())
+    await asyncio.sleep(0.02)
+    assert not gate.done() and told == [True]
+    slot.shown()  # the first piece reached the user
+    await asyncio.wait_for(gate, 1)
+    assert told == [True, False]
+    slot.release()
+    assert told == [True, False]
