@@ -26,10 +26,13 @@ The refusals and the x-ratelimit-* figures are built by chatloom.app.traffic.quo
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Awaitable, Callable
 
 import redis.asyncio as redis
+from redis.exceptions import RedisError
 
 from chatloom.app.traffic.quotas import (QuotaState, QuotaStore, Reservation, TOKENS_PER_MINUTE, _today, quota_state,
                                  refusal)
@@ -162,6 +165,9 @@ return {'0', '0', """ + _FIGURES + """}
 
 
 DayFloor = Callable[[str, str], Awaitable[int]]
+log = logging.getLogger(__name__)
+# How often a settle that met a Redis outage is tried again.
+SETTLE_RETRY_S = 0.5
 
 
 def _text(x: bytes | str) -> str:
@@ -185,6 +191,7 @@ class RedisQuotaStore(QuotaStore):
         self._extend = client.register_script(EXTEND)
         self._settle = client.register_script(SETTLE)
         self._state = client.register_script(STATE)
+        self._pending: set[asyncio.Task] = set()  # settles waiting for Redis to come back
 
     def _keys(self, user_id: str, day: str) -> list[str]:
         base = f"{self.prefix}:quota:{{{user_id}}}"
@@ -232,12 +239,43 @@ class RedisQuotaStore(QuotaStore):
         reservation.tokens = tokens
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        """Counts `used_tokens` for the reservation instead of what it reserved. The answer is over
+        whatever Redis says: when Redis is unreachable this returns at once and the settle is tried
+        again in the background until Redis answers or the reservation's keys would have expired
+        (until then the user's counts hold the whole reservation, so refusals come early, never late)."""
         if reservation.settled:
             return
+        try:
+            await self._settle_now(reservation, used_tokens)
+        except RedisError as exc:
+            log.warning("quota settle of %s waits for Redis (%s: %s)", reservation.id, type(exc).__name__, exc)
+            task = asyncio.create_task(self._settle_later(reservation, used_tokens),
+                                       name=f"quota-settle-{reservation.id}")
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def _settle_now(self, reservation: Reservation, used_tokens: int) -> None:
         _win, tok, _req, act, day, seeded = self._keys(reservation.user_id, reservation.day)
         await self._settle(keys=[tok, act, day, seeded],
                            args=[reservation.id, used_tokens, reservation.tokens, repr(reservation.created)])
         reservation.settled = True
+
+    async def _settle_later(self, reservation: Reservation, used_tokens: int) -> None:
+        deadline = time.monotonic() + max(120.0, self.hold_s + 60.0)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(SETTLE_RETRY_S)
+            try:
+                await self._settle_now(reservation, used_tokens)
+            except RedisError:
+                continue
+            log.warning("quota settle of %s done once Redis was back", reservation.id)
+            return
+        log.warning("quota settle of %s given up: Redis did not come back", reservation.id)
+
+    async def wait_for_settles(self) -> None:
+        """Waits for the settles that met an outage (tests, and a gateway's shutdown)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def state(self, user_id: str, tier: Tier) -> QuotaState:
         now = self.clock()
