@@ -50,10 +50,14 @@ class Stopping:
             return
         for cid in left:
             log.warning("handing the answer of conversation %s over to another gateway", cid)
-            forget = getattr(self.jobs, "forget", None)
-            if forget is not None:
-                forget(cid)  # stop renewing: the lease lapses and another gateway takes the job
-            await self.abandon(cid)
+        # Stop writing first, then stop renewing the leases: a lease that lapsed while an answer still
+        # wrote here would let another gateway take it over and then find this one's writes in its log
+        # (it would end the answer as failed).
+        await asyncio.gather(*(self.abandon(cid) for cid in left))
+        forget = getattr(self.jobs, "forget", None)
+        if forget is not None:
+            for cid in left:
+                forget(cid)  # the lease lapses and another gateway takes the job
 
     async def abandon(self, conversation_id: str, timeout: float = 5.0) -> None:
         """End the answer here without saving it: another gateway has it (or will take it over)."""
