@@ -24,8 +24,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import or_, select, update
+from sqlalchemy.exc import DBAPIError
 
 from chatloom.app.state.background import cancel_requested, stop_loop
+from chatloom.app.state.redis_connection import RedisError
 from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.chat.branches import Tree
 from chatloom.app.chat.conversation_prompt import branch_turns
@@ -145,7 +147,10 @@ class Sweeper:
             except Exception as exc:
                 if cancel_requested():
                     raise asyncio.CancelledError from exc
-                log.exception("recovery sweep failed")
+                if isinstance(exc, (RedisError, DBAPIError, OSError)):  # an outage: the next sweep retries
+                    log.warning("recovery sweep skipped: %s: %s", type(exc).__name__, exc)
+                else:
+                    log.exception("recovery sweep failed")
 
     async def stop(self) -> None:
         await stop_loop(self._task)

@@ -207,3 +207,38 @@ async def test_a_restart_alone_marks_the_previous_process_answers_at_once(tmp_pa
         assert r.status_code == 200 and parse_sse(r.text)[-1].data["status"] == "complete"
         m = await _message(app, left)
         assert m.text == " Once upon aHello there, friend." and m.status == "complete"
+
+
+async def test_a_sweep_during_an_outage_logs_one_line_and_the_next_one_runs(caplog):
+    """Redis or the database away: the sweep is skipped with one warning line (no traceback in the log
+    every half second), and the loop sweeps again."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from chatloom.app.chat.recovery import Sweeper
+
+    settings = SimpleNamespace(recovery=SimpleNamespace(stale_s=1.0), shared_state=SimpleNamespace(job_lease_s=0.5))
+    sweeper = Sweeper(SimpleNamespace(settings=settings), alone=False)
+    calls = []
+
+    async def sweep(at_start: bool = False):
+        calls.append(at_start)
+        if len(calls) == 1:
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379")
+        return []
+
+    sweeper.sweep = sweep
+    with caplog.at_level(logging.WARNING, logger="chatloom.app.chat.recovery"):
+        await sweeper.start()
+        for _ in range(100):
+            if len(calls) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        await sweeper.stop()
+    assert len(calls) >= 2
+    (record,) = [r for r in caplog.records if "sweep" in r.getMessage()]
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert "ConnectionError" in record.getMessage()
