@@ -7,7 +7,9 @@ database. The questions (texts/retrieval_questions.jsonl, committed with the ben
 answers them and a phrase of the answer; a retrieved passage is relevant when it is from that page and
 holds the phrase (so the set does not depend on where passages are cut). Recall@k is the fraction of
 questions with a relevant passage in the top k, for full-text search alone, vector search alone, and
-the two fused by reciprocal rank (what the chat uses).
+the two fused by reciprocal rank (what the chat uses). `top_k_spread` says how varied each ranking's
+top k is over the questions: vectors that show every question the same few passages (hubs) find
+nothing, however the search itself works.
 
 Latency: retrieval runs before an answer's first token, so what it adds to TTFT is what the chat does
 for a new message (`Retriever.for_conversation`): find the files the conversation reads, search them,
