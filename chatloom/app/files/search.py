@@ -22,9 +22,12 @@ from chatloom.app.files.query import STOP_WORDS, fts5_parts, fts5_query, query_t
 from chatloom.store.vector_index import PG_COLUMN, PGVECTOR, SQLITE_VEC, pg_literal
 
 _POSTGRES_SCOPE = "SELECT id, text_fts AS v FROM file_chunks WHERE user_id = :user AND file_id IN :files"
+# CROSS JOIN: SQLite then runs the full-text query once and looks up each hit's passage. With a plain
+# JOIN its planner may start from the user's passages (their user_id index) and run the MATCH once per
+# passage: 0.4 s instead of milliseconds for 1,000 passages.
 _SQLITE_FULLTEXT = (
     "SELECT c.id AS id, {weight} * bm25(file_chunks_fts) AS s FROM file_chunks_fts "
-    "JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
+    "CROSS JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
     "WHERE file_chunks_fts MATCH :{q} AND c.user_id = :user AND c.file_id IN :files")
 
 
