@@ -99,12 +99,13 @@ async def nearest(session: AsyncSession, user_id: str, file_ids: list[str], vect
     return [rows[i][0] for i in order]
 
 
-def fuse(rankings: list[list[int]], k: int) -> list[int]:
-    """Reciprocal rank fusion of several best-first id lists; ties keep the first ranking's order."""
+def fuse(rankings: list[list[int]], k: int, weights: list[float] | None = None) -> list[int]:
+    """Reciprocal rank fusion of several best-first id lists, each ranking's terms times its weight
+    (default 1); ties keep the first ranking's order."""
     score: dict[int, float] = {}
-    for ranking in rankings:
+    for ranking, weight in zip(rankings, weights or [1.0] * len(rankings)):
         for rank, item in enumerate(ranking):
-            score[item] = score.get(item, 0.0) + 1.0 / (k + rank + 1)
+            score[item] = score.get(item, 0.0) + weight / (k + rank + 1)
     return sorted(score, key=lambda i: -score[i])
 
 

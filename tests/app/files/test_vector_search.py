@@ -128,3 +128,12 @@ async def test_a_passage_asked_for_by_its_own_text_comes_first(client, app, db):
     for p in passages:
         found = (await client.get("/files/search", headers=alice, params={"q": p["text"], "mode": "vector"})).json()
         assert found[0]["text"] == p["text"], (p["ordinal"], [f["ordinal"] for f in found])
+
+
+def test_fusion_weighs_the_vector_ranking():
+    from chatloom.app.files.search import fuse
+
+    words, vectors = [1, 2, 3, 4], [9, 8, 1, 7]
+    assert fuse([words, vectors], 60)[:4] == [1, 9, 2, 8]  # plain RRF: the two interleave
+    assert fuse([words, vectors], 60, [1.0, 0.2])[:4] == [1, 2, 3, 4]  # weak vectors only break ties
+    assert fuse([words, vectors], 60, [1.0, 0.0]) == [1, 2, 3, 4, 9, 8, 7]
