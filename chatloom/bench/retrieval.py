@@ -7,7 +7,9 @@ database. The questions (texts/retrieval_questions.jsonl, committed with the ben
 answers them and a phrase of the answer; a retrieved passage is relevant when it is from that page and
 holds the phrase (so the set does not depend on where passages are cut). Recall@k is the fraction of
 questions with a relevant passage in the top k, for full-text search alone, vector search alone, and
-the two fused by reciprocal rank (what the chat uses).
+the two fused by reciprocal rank (what the chat uses). `top_k_spread` says how varied each ranking's
+top k is over the questions: vectors that show every question the same few passages (hubs) find
+nothing, however the search itself works.
 
 Latency: retrieval runs before an answer's first token, so what it adds to TTFT is what the chat does
 for a new message (`Retriever.for_conversation`): find the files the conversation reads, search them,
@@ -28,6 +30,7 @@ import re
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -101,7 +104,7 @@ async def _run(loaded, k: int, questions: list[dict], latency_chunks: int, docs_
                 files[row.id] = path.name
             index_s = time.perf_counter() - t0
             passages = await _passages(ctx)
-            recall, misses, stale = await _recall(ctx, reader, files, passages, questions, k, modes)
+            recall, misses, stale, spread = await _recall(ctx, reader, files, passages, questions, k, modes)
             latency = await _latency(ctx, other, passages, questions, latency_chunks, loaded, vectors)
             vector_search = ctx.db.vector_search or "exact"
     finally:
@@ -111,7 +114,7 @@ async def _run(loaded, k: int, questions: list[dict], latency_chunks: int, docs_
             "questions": len(questions),
             "stale_questions": stale, "documents": len(files), "passages": len(passages),
             "chunk_chars": chunk_chars, "chunk_overlap_chars": overlap, "index_s": round(index_s, 2),
-            f"recall_at_{k}": recall, "missed": misses, "latency": latency}
+            f"recall_at_{k}": recall, "top_k_spread": spread, "missed": misses, "latency": latency}
 
 
 async def _passages(ctx) -> dict[int, tuple[str, str]]:
@@ -129,6 +132,7 @@ async def _recall(ctx, user, files: dict[str, str], passages: dict, questions: l
                   modes: tuple[str, ...]):
     hits = {m: 0 for m in modes}
     misses: dict[str, list[str]] = {m: [] for m in modes}
+    shown: dict[str, Counter] = {m: Counter() for m in modes}  # how many questions' top k hold each passage
     stale = 0
     ids = list(files)
     for q in questions:
@@ -139,13 +143,23 @@ async def _recall(ctx, user, files: dict[str, str], passages: dict, questions: l
             continue
         for mode in modes:
             found = await ctx.retriever.search(user, ids, q["question"], mode, k)
+            shown[mode].update(set(found))
             if relevant & set(found):
                 hits[mode] += 1
             else:
                 misses[mode].append(q["question"])
     counted = len(questions) - stale
     recall = {m: round(hits[m] / counted, 3) if counted else None for m in modes}
-    return recall, {m: v[:10] for m, v in misses.items()}, stale
+    return recall, {m: v[:10] for m, v in misses.items()}, stale, {m: _spread(shown[m], counted) for m in modes}
+
+
+def _spread(shown: Counter, questions: int) -> dict:
+    """How varied a ranking's top k is over the questions: distinct passages shown, and the share of
+    questions whose top k holds the most shown one. A ranking that shows the same few passages to every
+    question (hubs: vectors that all lie near a few passages) finds nothing however good the rest is."""
+    top = shown.most_common(1)
+    return {"distinct_passages": len(shown), "most_shown_share": round(top[0][1] / questions, 3) if top and questions
+            else None}
 
 
 async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, loaded, vectors: bool) -> dict:

@@ -475,6 +475,10 @@ class FilesSettings(Group):
     prompt_tokens: int = Field(1024, ge=0, description="Most prompt tokens the retrieved passages may take; the "
                                                        "conversation's history gets the rest of the budget.")
     rrf_k: int = Field(60, gt=0, description="The constant of reciprocal rank fusion (full-text and vector ranks).")
+    vector_weight: float = Field(1.0, ge=0, le=1, description="How much the vector ranking counts in the fusion, "
+                                                              "against 1 for the full-text ranking: 1 is plain "
+                                                              "reciprocal rank fusion; lower it for embeddings "
+                                                              "weaker than the words (docs/files.md has figures).")
     search_tool: bool = Field(True, description="Offer the chat's model the file_search tool (the user's files "
                                                 "and collections searched with a query of its own) once the user "
                                                 "has files; its passages are cited like the automatic ones.")

@@ -28,6 +28,12 @@ def test_bench_reports_recall_per_mode_and_latency(tiny_model_fp32):
     # The random model's vectors carry no meaning, but the words do: full-text finds most answers,
     # and fusing in meaningless vectors costs it little.
     assert recall["fulltext"] >= 0.5 and recall["hybrid"] >= recall["fulltext"] - 0.25
+    # How varied each ranking's top 5 is: full-text shows different passages to different questions.
+    spread = r["top_k_spread"]
+    assert set(spread) == set(recall)
+    for mode, s in spread.items():
+        assert 5 <= s["distinct_passages"] <= 12 * 5 and 0 < s["most_shown_share"] <= 1, (mode, s)
+    assert spread["fulltext"]["distinct_passages"] > 15 and spread["fulltext"]["most_shown_share"] < 0.5
     latency = r["latency"]
     assert latency["passages"] == 60 and latency["searches"] == 12
     parts = ("chat_default", "chat_hybrid", "fulltext", "question_embedding", "select_1")

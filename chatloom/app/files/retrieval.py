@@ -78,14 +78,18 @@ class Retriever:
             # Before any connection is held: the question's embedding may wait in the admission queue.
             found = await self._query_vector(user, query)
         rankings: list[list[int]] = []
+        weights: list[float] = []
         async with self._session(session) as s:
             if mode in ("fulltext", "hybrid"):
                 rankings.append(await fulltext(s, user.id, file_ids, query, CANDIDATES))
+                weights.append(1.0)
             if found is not None:
                 model, vector = found
                 rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES,
                                              self.files.db.vector_search))
-        return fuse(rankings, self.settings.files.rrf_k)[:limit]
+                # Alone (mode "vector") its order is all there is, whatever its weight.
+                weights.append(self.settings.files.vector_weight if weights else 1.0)
+        return fuse(rankings, self.settings.files.rrf_k, weights)[:limit]
 
     def _embeds(self, mode: str) -> bool:
         return mode in ("vector", "hybrid") and self.settings.files.embeddings

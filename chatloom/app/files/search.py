@@ -22,9 +22,12 @@ from chatloom.app.files.query import STOP_WORDS, fts5_parts, fts5_query, query_t
 from chatloom.store.vector_index import PG_COLUMN, PGVECTOR, SQLITE_VEC, pg_literal
 
 _POSTGRES_SCOPE = "SELECT id, text_fts AS v FROM file_chunks WHERE user_id = :user AND file_id IN :files"
+# CROSS JOIN: SQLite then runs the full-text query once and looks up each hit's passage. With a plain
+# JOIN its planner may start from the user's passages (their user_id index) and run the MATCH once per
+# passage: 0.4 s instead of milliseconds for 1,000 passages.
 _SQLITE_FULLTEXT = (
     "SELECT c.id AS id, {weight} * bm25(file_chunks_fts) AS s FROM file_chunks_fts "
-    "JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
+    "CROSS JOIN file_chunks c ON c.id = file_chunks_fts.rowid "
     "WHERE file_chunks_fts MATCH :{q} AND c.user_id = :user AND c.file_id IN :files")
 
 
@@ -96,12 +99,13 @@ async def nearest(session: AsyncSession, user_id: str, file_ids: list[str], vect
     return [rows[i][0] for i in order]
 
 
-def fuse(rankings: list[list[int]], k: int) -> list[int]:
-    """Reciprocal rank fusion of several best-first id lists; ties keep the first ranking's order."""
+def fuse(rankings: list[list[int]], k: int, weights: list[float] | None = None) -> list[int]:
+    """Reciprocal rank fusion of several best-first id lists, each ranking's terms times its weight
+    (default 1); ties keep the first ranking's order."""
     score: dict[int, float] = {}
-    for ranking in rankings:
+    for ranking, weight in zip(rankings, weights or [1.0] * len(rankings)):
         for rank, item in enumerate(ranking):
-            score[item] = score.get(item, 0.0) + 1.0 / (k + rank + 1)
+            score[item] = score.get(item, 0.0) + weight / (k + rank + 1)
     return sorted(score, key=lambda i: -score[i])
 
 

@@ -105,3 +105,35 @@ async def test_deleting_a_file_removes_its_vectors(client, app, db):
     assert (await client.delete(f"/files/{r.json()['id']}", headers=alice)).status_code == 204
     async with db.engine.connect() as conn:
         assert (await conn.execute(text(f"SELECT count({column}) FROM file_chunks"))).scalar() == 0
+
+
+async def test_a_passage_asked_for_by_its_own_text_comes_first(client, app, db):
+    """Through the product's whole path (the engine's vectors for passages and for the question, stored,
+    read back and ranked): every passage is the nearest to itself, and the vectors of different passages
+    differ. Vectors stored in another order, width or byte order than they are read, passages and questions
+    pooled differently, or a distance sorted the wrong way round all break it."""
+    from app_testing import signup
+
+    alice = await signup(client, "dora")
+    words = ["llamas graze", "ships sail", "kernels compile", "tokens stream", "quotas refill", "blobs persist"]
+    body = "\n\n".join(f"# Part {i}\n\n" + " ".join([w] * 60) + "." for i, w in enumerate(words))
+    r = await client.post("/files", headers=alice, files={"file": ("parts.md", body.encode())})
+    assert r.status_code == 201 and r.json()["status_details"] is None, r.text
+    passages = (await client.get(f"/files/{r.json()['id']}/passages", headers=alice)).json()
+    assert len(passages) >= 4
+    async with db.session() as session:
+        vectors = {v for (v,) in (await session.execute(
+            select(FileChunk.embedding).where(FileChunk.file_id == r.json()["id"]))).all()}
+    assert len(vectors) == len(passages)
+    for p in passages:
+        found = (await client.get("/files/search", headers=alice, params={"q": p["text"], "mode": "vector"})).json()
+        assert found[0]["text"] == p["text"], (p["ordinal"], [f["ordinal"] for f in found])
+
+
+def test_fusion_weighs_the_vector_ranking():
+    from chatloom.app.files.search import fuse
+
+    words, vectors = [1, 2, 3, 4], [9, 8, 1, 7]
+    assert fuse([words, vectors], 60)[:4] == [1, 9, 2, 8]  # plain RRF: the two interleave
+    assert fuse([words, vectors], 60, [1.0, 0.2])[:4] == [1, 2, 3, 4]  # weak vectors only break ties
+    assert fuse([words, vectors], 60, [1.0, 0.0]) == [1, 2, 3, 4, 9, 8, 7]
