@@ -5,8 +5,8 @@ drawn as it draws them; greedy answers of up to --max-tokens) is run through the
 process with the server's engine settings, stepping as fast as it can in wall-clock time. The same
 requests (arrival times, prompt token ids, and the output lengths the model really produced) are then
 replayed through the simulator with the step-time model calibrated in the same run, and the two
-throughputs, TTFT medians and TTFT 90th percentiles are compared. The HTTP layer is left out on both sides: this checks the
-step-time model and the replayed scheduler, not the web server.
+throughputs, TTFT medians and TTFT 90th percentiles are compared. The HTTP layer is left out on both
+sides: this checks the step-time model and the replayed scheduler, not the web server.
 """
 from __future__ import annotations
 

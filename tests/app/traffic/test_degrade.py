@@ -135,7 +135,8 @@ async def test_under_load_the_free_tier_moves_to_the_small_model_and_effort_drop
             assert backend.requests[-1].max_tokens == 16 + BUDGET_TOKENS["low"]  # the cap, plus low effort's thinking
             metrics = (await c.get("/metrics")).text
             assert "chatloom:degrade_level 3.0" in metrics
-            assert f'chatloom:degraded_requests_total{{step="small_model"}} {climb.count(ladder_order[1]) + 1}.0' in metrics
+            small = climb.count(ladder_order[1]) + 1  # the requests the small-model step applied to
+            assert f'chatloom:degraded_requests_total{{step="small_model"}} {small}.0' in metrics
             backend.kv = 0.1  # the burst is over: one step comes off per reading
             seen = []
             for _ in range(5):  # the first calm reading starts the (zero) hold
