@@ -126,10 +126,10 @@ def test_the_fit_keeps_the_spread_of_the_timed_steps_and_jitter_draws_from_it():
     ys = [(0.01 + 0.001 * s.decode_tokens) * rng.uniform(0.8, 1.6) for s in shapes]
     model = fit_linear(shapes, ys)
     q = model.fit["ratio_quantiles"]
-    assert len(q) == 21 and q == sorted(q) and 0.7 < q[0] < 0.9 and 1.2 < q[-1] < 1.7
+    assert len(q) == 20 and q == sorted(q) and 0.7 < q[0] < 0.9 and 1.4 < q[-1] < 1.6
     a, b = model.jitter(random.Random(5), 2000), model.jitter(random.Random(5), 2000)
-    assert a == b and q[0] <= min(a) and max(a) <= q[-1]
-    assert sorted(a)[1000] == pytest.approx(q[10], rel=0.05)  # the draws' median is the steps' median
+    assert a == b and set(a) == set(q)  # every slice drawn, nothing else
+    assert sum(a) / len(a) == pytest.approx(sum(q) / len(q), rel=0.02)  # each slice as likely
     # It survives a save and load; an exact fit (or a model without a fit) has no spread to draw.
     assert step_time_from_dict(model.to_dict()).jitter(random.Random(5), 3) == a[:3]
     exact = fit_linear(shapes, [0.01 + 0.001 * s.decode_tokens for s in shapes])
