@@ -34,7 +34,9 @@ pytestmark = [
     pytest.mark.timeout(300),
     # Opt-in until it passes run after run on a loaded machine: there its /admin/ops watcher can go
     # seconds without a snapshot, and the autoscaler may drain the replica in a moment when it serves
-    # nothing (it drains the least busy), so no snapshot shows it draining with an answer running.
+    # nothing (it drains the least busy), so no snapshot shows it draining with an answer running; and
+    # when the ramp measured fast tokens, a long answer can be sized past the point where the random
+    # model ends it itself (finish_reason "stop" at 182 tokens, once), which the test takes for a cut.
     pytest.mark.skipif(not os.environ.get("CHATLOOM_LIVE_CAPACITY"),
                        reason="set CHATLOOM_LIVE_CAPACITY=1 to run the live capacity test"),
 ]
