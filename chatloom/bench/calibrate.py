@@ -3,8 +3,9 @@
 Each step of the real engine is timed (schedule + forward + sample + detokenize, what a step costs
 a server) beside the batch shape its scheduler planned. The workload mixes phases so the fit can
 tell the terms apart: decode-only batches of many sizes, short and long contexts, chunked prefills
-alone and mixed with decodes. The fit (chatloom.sim.step_time.fit_linear) is least squares with
-non-negative coefficients.
+alone and mixed with decodes, and requests joining running batches of several sizes one at a time
+(the serving regime: one short prefill chunk beside the decodes). The fit
+(chatloom.sim.step_time.fit_linear) is least squares with non-negative coefficients.
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ PHASES = [
     (1, (16, 32), (12, 12)), (4, (16, 64), (12, 16)), (12, (32, 96), (12, 16)), (24, (32, 96), (12, 16)),
     (32, (40, 80), (8, 12)), (6, (200, 400), (8, 12)), (2, (700, 900), (4, 6)),
 ]
+
+# The serving regime: requests joining a running decode batch one at a time, so a step holds one short
+# prefill chunk beside the decodes, as under Poisson arrivals. (decode batch, joiners, prompt range.)
+STAGGERED = [(1, 4, (8, 48)), (2, 4, (8, 48)), (4, 4, (8, 48)), (8, 4, (8, 48)), (16, 4, (8, 48))]
+JOIN_EVERY = 3  # steps between joiners
 
 
 class TimedEngine:
@@ -71,6 +77,17 @@ def run_calibrate(loaded: LoadedModel, seed: int = 0, max_num_batched_tokens: in
                 prompt = [rng.randrange(low, vocab) for _ in range(rng.randint(plo, phi))]
                 timed.engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(olo, ohi), temperature=0,
                                                                 ignore_eos=True))
+            while timed.engine.has_unfinished_requests():
+                timed.step()
+        for batch, joiners, (plo, phi) in STAGGERED:
+            hold = SamplingParams(max_tokens=JOIN_EVERY * (joiners + 1), temperature=0, ignore_eos=True)
+            for _ in range(batch):
+                timed.engine.add_request([rng.randrange(low, vocab) for _ in range(rng.randint(16, 64))], hold)
+            for _ in range(joiners):
+                for _ in range(JOIN_EVERY):
+                    timed.step()
+                prompt = [rng.randrange(low, vocab) for _ in range(rng.randint(plo, phi))]
+                timed.engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
             while timed.engine.has_unfinished_requests():
                 timed.step()
     seconds = time.perf_counter() - t0

@@ -7,7 +7,7 @@ the fleet simulator runs the same ladder as the app, which applies the steps to 
 Two signals say how loaded the service is: how long requests wait in the admission queue (the oldest
 waiting now, or the longest admitted in the last few seconds) and how full the KV cache is. Each step
 has a threshold on each (the wait as a share of traffic.queue_max_wait_s); crossing either takes the
-step (and every step below it):
+step, after every step below it, one step a reading:
 
 1. `effort`: reasoning effort is capped (default: low), so thinking answers hold their slots shorter;
 2. `small_model`: the chosen tiers (default: free) are answered by a smaller configured model;
@@ -94,8 +94,11 @@ class DegradeLadder:
         sig = self.signals()
         target = max((i + 1 for i in range(len(STEPS)) if self._crossed(i, sig)), default=0)
         if target >= self.level:
+            # Up one step a reading, so each step is in force (and on /metrics) for at least one check
+            # interval before the next: the requests read in between get that step alone, even when the
+            # signal leapt past two thresholds at once (a gateway stalled on a busy machine).
             if target > self.level:
-                self.level = target
+                self.level += 1
             self._calm_since = None
         elif self._calm(self.level - 1, sig):
             if self._calm_since is None:

@@ -13,6 +13,8 @@ holds them, so no preemption is skipped. An arrival cuts a run short at the step
 """
 from __future__ import annotations
 
+import random
+import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -115,6 +117,9 @@ class SimReplica:
                                                background_yield="prefill", background_step_tokens=None),
                                self.kv)
         self.model = spec.step_time
+        # Each step's factor on the model's time (its spread, where the model has one), drawn from a
+        # stream of this replica's own so a run repeats exactly.
+        self._rng = random.Random(zlib.crc32(name.encode()))
         self.requests: dict[Sequence, SimRequest] = {}
         self.busy = False
         self.version = 0  # bumps when a planned step end is replaced (stale heap events are skipped)
@@ -237,14 +242,17 @@ class SimReplica:
         k = self._run_length(batch)
         if k > 1:
             ctx0 = sum(s.num_computed_tokens + 1 for s in batch.decodes)
-            durations = self.model.decode_run(len(batch.decodes), ctx0, k)
+            durations = self.model.decode_run(len(batch.decodes), ctx0, k).tolist()
+            factors = self.model.jitter(self._rng, k)
             t, ends = now, []
-            for d in durations.tolist():
-                t += d
+            for i, d in enumerate(durations):
+                t += d if factors is None else d * factors[i]
                 ends.append(t)
             self._run_ends = ends
         else:
-            self._run_ends = [now + self.model.step_time(shape_of(batch))]
+            factor = self.model.jitter(self._rng, 1)
+            d = self.model.step_time(shape_of(batch))
+            self._run_ends = [now + (d if factor is None else d * factor[0])]
         return self._run_ends[-1]
 
     def _run_length(self, batch: ScheduledBatch) -> int:

@@ -4,7 +4,9 @@ The simulator never runs a model: each step's duration comes from a step-time mo
 
 - `linear`: fitted by least squares to steps timed on the real engine (`chatloom bench calibrate`):
   t = c0 + c_decode*decode tokens + c_prefill*prefill tokens + c_decode_ctx*context read by decodes
-      + c_prefill_attn*(query x key pairs of prefill chunks) + c_prefill_seq*prefill chunks.
+      + c_prefill_attn*(query x key pairs of prefill chunks) + c_prefill_seq*prefill chunks
+      + c_mixed_decode*decodes in a step that also holds a prefill chunk,
+  and the spread of the timed steps around it, which the simulator draws each step's factor from.
 - `roofline`: written from published figures for hardware we do not have: a step costs the larger of
   its FLOPs over (peak FLOP/s x compute efficiency) and its bytes (weights once, plus the KV read)
   over (bandwidth x memory efficiency), plus a fixed per-step overhead (launches, all-reduce).
@@ -14,12 +16,16 @@ Both are saved as small JSON files, so a plan names the model it used.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-LINEAR_FEATURES = ("const", "decode_tokens", "prefill_tokens", "decode_ctx", "prefill_attn", "prefill_seqs")
+LINEAR_FEATURES = ("const", "decode_tokens", "prefill_tokens", "decode_ctx", "prefill_attn", "prefill_seqs",
+                   "mixed_decode_tokens")
+# Coefficients a model file written before they existed may lack (read as 0).
+OPTIONAL_FEATURES = ("mixed_decode_tokens",)
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,14 @@ class BatchShape:
     decode_ctx: int = 0          # sum over decodes of the context each one attends to
     prefill_attn: float = 0.0    # sum over prefill chunks of n * (start + (n + 1) / 2)
     prefill_seqs: int = 0        # number of prefill chunks
+    # Decodes in a step that also holds a prefill chunk: the engine runs such a step through the general
+    # PyTorch path, where a decode-only step takes the native decode stack, and there each decode row
+    # costs several times more (on this machine's CPU about 4x).
+    mixed_decode_tokens: int = 0
 
     def features(self) -> list[float]:
-        return [1.0, self.decode_tokens, self.prefill_tokens, self.decode_ctx, self.prefill_attn, self.prefill_seqs]
+        return [1.0, self.decode_tokens, self.prefill_tokens, self.decode_ctx, self.prefill_attn, self.prefill_seqs,
+                self.mixed_decode_tokens]
 
 
 class StepTimeModel:
@@ -48,6 +59,11 @@ class StepTimeModel:
         """Durations of k pure-decode steps of `num_decode` sequences whose summed context is ctx0 at
         the first step and grows by num_decode each step."""
         raise NotImplementedError
+
+    def jitter(self, rng: random.Random, k: int) -> list[float] | None:
+        """Factors for the durations of k steps, drawn from how much timed steps varied around the model;
+        None where the model carries no such spread (every step takes exactly its predicted time)."""
+        return None
 
     def to_dict(self) -> dict:
         raise NotImplementedError
@@ -64,15 +80,28 @@ class LinearStepTime(StepTimeModel):
     kind: str = "linear"
 
     def __post_init__(self) -> None:
+        self.coef = {**dict.fromkeys(OPTIONAL_FEATURES, 0.0), **self.coef}
         missing = [f for f in LINEAR_FEATURES if f not in self.coef]
         if missing:
             raise ValueError(f"linear step-time model lacks coefficients: {', '.join(missing)}")
         self._c = [float(self.coef[f]) for f in LINEAR_FEATURES]
+        q = [float(x) for x in self.fit.get("ratio_quantiles") or ()]
+        if q and (len(q) < 2 or any(b < a for a, b in zip(q, q[1:])) or q[0] <= 0):
+            raise ValueError("linear step-time model: fit.ratio_quantiles must rise and be positive")
+        # A spread that is no spread (a fit through its points) costs a draw per step for nothing.
+        self._ratios = q if q and q[-1] - q[0] > 1e-6 else None
+
+    def jitter(self, rng: random.Random, k: int) -> list[float] | None:
+        q = self._ratios
+        if q is None:
+            return None
+        n = len(q)  # each stored ratio is the middle of an equally likely slice of the timed steps
+        return [q[int(rng.random() * n)] for _ in range(k)]
 
     def step_time(self, shape: BatchShape) -> float:
         c = self._c
         return (c[0] + c[1] * shape.decode_tokens + c[2] * shape.prefill_tokens + c[3] * shape.decode_ctx
-                + c[4] * shape.prefill_attn + c[5] * shape.prefill_seqs)
+                + c[4] * shape.prefill_attn + c[5] * shape.prefill_seqs + c[6] * shape.mixed_decode_tokens)
 
     def decode_run(self, num_decode: int, ctx0: int, k: int) -> np.ndarray:
         c = self._c
@@ -186,11 +215,18 @@ def fit_linear(shapes: list[BatchShape], seconds: list[float], source: str = "")
     model = LinearStepTime(coef=coef, source=source)
     pred = np.array([model.step_time(s) for s in shapes])
     rel = np.abs(pred - y_abs) / np.maximum(y_abs, 1e-9)
-    model.fit = {"samples": len(shapes), "median_rel_error": round(float(np.median(rel)), 4),
+    # The spread of the timed steps around the model (timed / predicted): the simulator draws each step's
+    # factor from it, since a step's time is not a function of its shape alone (the allocator, the OS,
+    # other processes) and queueing turns that spread into the latency tail. Twenty slices of 5%, each
+    # kept as its middle ratio, so one stalled step (61x, once) weighs as one step, not as the end of a
+    # line that 5% of the draws run along.
+    ratios = y_abs / np.maximum(pred, 1e-9)
+    fit = {"samples": len(shapes), "median_rel_error": round(float(np.median(rel)), 4),
                  "p90_rel_error": round(float(np.quantile(rel, 0.9)), 4),
+                 "ratio_quantiles": [round(float(x), 4) for x in np.quantile(ratios, (np.arange(20) + 0.5) / 20)],
                  "r2": round(float(1 - ((pred - y_abs) ** 2).sum()
                                    / max(((y_abs - y_abs.mean()) ** 2).sum(), 1e-30)), 4)}
-    return model
+    return LinearStepTime(coef=coef, source=source, fit=fit)
 
 
 def shape_of(batch) -> BatchShape:
@@ -200,4 +236,5 @@ def shape_of(batch) -> BatchShape:
     for seq, n in batch.prefills:
         pre_tokens += n
         attn += n * (seq.num_computed_tokens + (n + 1) / 2)
-    return BatchShape(len(batch.decodes), pre_tokens, decode_ctx, attn, len(batch.prefills))
+    mixed = len(batch.decodes) if batch.prefills else 0
+    return BatchShape(len(batch.decodes), pre_tokens, decode_ctx, attn, len(batch.prefills), mixed)

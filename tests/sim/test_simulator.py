@@ -142,6 +142,19 @@ def test_fast_forward_gives_the_same_timings_as_single_steps(monkeypatch):
         assert fast[rid][2:] == slow[rid][2:]
 
 
+def test_a_spread_step_model_widens_the_ttft_tail_and_repeats_exactly():
+    spread = LinearStepTime(coef=STEP.coef, fit={"ratio_quantiles": [0.6, 0.8, 1.0, 1.4, 3.0]})
+    runs = {}
+    for name, model in (("flat", STEP), ("spread", spread), ("again", spread)):
+        spec = ReplicaSpec(num_blocks=400, step_time=model, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
+                           max_model_len=2048, model_key="test")
+        out = Simulator(spec, 1, None, None, SimConfig(duration_s=100.0, check_invariants=True), trace=_trace()).run()
+        runs[name] = sorted(r.first_token - r.arrival for r in out.requests)
+    assert runs["spread"] == runs["again"]
+    p90 = {k: v[int(0.9 * len(v))] for k, v in runs.items()}
+    assert p90["spread"] > 1.2 * p90["flat"]
+
+
 def test_summary_figures_follow_the_definitions():
     sim, out = run(small_spec(), 2, FewestQueued(), small_traffic(), duration=30.0)
     table = RequestTable.from_requests(out.requests)

@@ -14,14 +14,14 @@ from chatloom.sim.step_time import (BatchShape, LinearStepTime, fit_linear, load
 
 def test_fit_recovers_known_coefficients():
     true = {"const": 0.004, "decode_tokens": 0.0003, "prefill_tokens": 0.00005, "decode_ctx": 2e-7,
-            "prefill_attn": 1e-9, "prefill_seqs": 0.0005}
+            "prefill_attn": 2e-8, "prefill_seqs": 0.0005, "mixed_decode_tokens": 0.0009}
     model = LinearStepTime(coef=true)
     rng = random.Random(1)
     shapes, ys = [], []
     for _ in range(300):
         d = rng.randint(0, 64)
         p = rng.choice([0, 0, rng.randint(1, 512)])
-        shape = BatchShape(d, p, d * rng.randint(20, 2000), p * rng.randint(0, 1500), 1 if p else 0)
+        shape = BatchShape(d, p, d * rng.randint(20, 2000), p * rng.randint(0, 1500), 1 if p else 0, d if p else 0)
         shapes.append(shape)
         ys.append(model.step_time(shape) * (1 + rng.gauss(0, 0.02)))
     fitted = fit_linear(shapes, ys)
@@ -99,3 +99,41 @@ def test_bad_inputs_are_named(tmp_path):
         roofline_replica("llama-70b", "h100", 1)
     with pytest.raises(ValueError, match="unknown model"):
         roofline_replica("llama-9000b", "h100", 8)
+
+
+def test_a_model_file_without_the_mixed_decode_term_reads_as_zero():
+    coef = {"const": 0.01, "decode_tokens": 0.001, "prefill_tokens": 0.0001, "decode_ctx": 0.0, "prefill_attn": 0.0,
+            "prefill_seqs": 0.0}
+    model = step_time_from_dict({"kind": "linear", "coef": coef})
+    assert model.coef["mixed_decode_tokens"] == 0.0
+    assert model.step_time(BatchShape(4, 10, 400, 100, 1, 4)) == pytest.approx(0.01 + 0.004 + 0.001)
+
+
+def test_shape_of_counts_decodes_beside_a_prefill_apart():
+    from types import SimpleNamespace
+    from chatloom.sim.step_time import shape_of
+
+    seq = lambda computed: SimpleNamespace(num_computed_tokens=computed)  # noqa: E731
+    decode_only = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[])
+    mixed = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[(seq(32), 10)])
+    assert shape_of(decode_only).mixed_decode_tokens == 0
+    assert shape_of(mixed) == BatchShape(2, 10, 32, 10 * (32 + 5.5), 1, 2)
+
+
+def test_the_fit_keeps_the_spread_of_the_timed_steps_and_jitter_draws_from_it():
+    rng = random.Random(2)
+    shapes = [BatchShape(d, 0, d * 100, 0, 0) for d in range(1, 41) for _ in range(5)]
+    ys = [(0.01 + 0.001 * s.decode_tokens) * rng.uniform(0.8, 1.6) for s in shapes]
+    model = fit_linear(shapes, ys)
+    q = model.fit["ratio_quantiles"]
+    assert len(q) == 20 and q == sorted(q) and 0.7 < q[0] < 0.9 and 1.4 < q[-1] < 1.6
+    a, b = model.jitter(random.Random(5), 2000), model.jitter(random.Random(5), 2000)
+    assert a == b and set(a) == set(q)  # every slice drawn, nothing else
+    assert sum(a) / len(a) == pytest.approx(sum(q) / len(q), rel=0.02)  # each slice as likely
+    # It survives a save and load; an exact fit (or a model without a fit) has no spread to draw.
+    assert step_time_from_dict(model.to_dict()).jitter(random.Random(5), 3) == a[:3]
+    exact = fit_linear(shapes, [0.01 + 0.001 * s.decode_tokens for s in shapes])
+    assert exact.jitter(random.Random(5), 3) is None
+    assert LinearStepTime(coef=model.coef).jitter(random.Random(5), 3) is None
+    with pytest.raises(ValueError, match="ratio_quantiles"):
+        LinearStepTime(coef=model.coef, fit={"ratio_quantiles": [1.2, 0.9]})

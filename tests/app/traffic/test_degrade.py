@@ -36,7 +36,8 @@ def test_steps_rise_with_either_signal_and_fall_one_at_a_time_after_the_hold():
     assert d.update() == 0
     signal[0] = Signals(3.5, 0.1)  # 0.1 x 30 s passed: effort
     assert d.update() == 1 and d.active("effort") and not d.active("small_model")
-    signal[0] = Signals(0.0, 0.99)  # KV past every threshold: all three at once
+    signal[0] = Signals(0.0, 0.99)  # KV past every threshold: the steps in order, one a reading
+    assert d.update() == 2 and d.active("small_model") and not d.active("max_tokens")
     assert d.update() == 3 and d.active("max_tokens")
     signal[0] = Signals(0.0, 0.96)  # below the top KV threshold but not its clearing level (0.93)
     clock.now += 60
@@ -63,7 +64,7 @@ def test_steps_rise_with_either_signal_and_fall_one_at_a_time_after_the_hold():
 def test_a_burst_inside_the_hold_restarts_it():
     clock, signal = Clock(), [Signals(0.0, 0.99)]
     d = ladder(signal, clock)
-    assert d.update() == 3
+    assert [d.update() for _ in range(4)] == [1, 2, 3, 3]
     signal[0] = Signals(0.0, 0.1)
     d.update()
     clock.now += 8
@@ -121,15 +122,21 @@ async def test_under_load_the_free_tier_moves_to_the_small_model_and_effort_drop
             r = await c.post("/v1/chat/completions", json=body, headers=alice)
             assert r.status_code == 200 and "x-chatloom-degraded" not in r.headers
             assert backend.requests[-1].model in (None, "big")
-            backend.kv = 0.99  # the burst
-            r = await c.post("/v1/chat/completions", json=body, headers=alice)
-            assert r.status_code == 200, r.text
-            assert r.headers["x-chatloom-degraded"] == "effort,small_model,max_tokens"
+            backend.kv = 0.99  # the burst: the steps come in order, one a reading
+            climb = []
+            while not climb or climb[-1] != "effort,small_model,max_tokens":
+                assert len(climb) < 10, climb
+                r = await c.post("/v1/chat/completions", json=body, headers=alice)
+                assert r.status_code == 200, r.text
+                climb.append(r.headers["x-chatloom-degraded"])
+            ladder_order = ["effort", "effort,small_model", "effort,small_model,max_tokens"]
+            assert all(h in ladder_order for h in climb) and climb == sorted(climb, key=ladder_order.index), climb
             assert backend.requests[-1].model == "small"
             assert backend.requests[-1].max_tokens == 16 + BUDGET_TOKENS["low"]  # the cap, plus low effort's thinking
             metrics = (await c.get("/metrics")).text
             assert "chatloom:degrade_level 3.0" in metrics
-            assert 'chatloom:degraded_requests_total{step="small_model"} 1.0' in metrics
+            small = climb.count(ladder_order[1]) + 1  # the requests the small-model step applied to
+            assert f'chatloom:degraded_requests_total{{step="small_model"}} {small}.0' in metrics
             backend.kv = 0.1  # the burst is over: one step comes off per reading
             seen = []
             for _ in range(5):  # the first calm reading starts the (zero) hold
@@ -149,7 +156,10 @@ async def test_the_steps_come_off_when_the_load_falls_even_with_no_request_to_se
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             root = await signup(c, "root")
             backend.kv = 0.99
-            r = await c.post("/v1/chat/completions", json=body, headers=await signup(c, "alice"))
+            alice = await signup(c, "alice")
+            while (await c.get("/admin/ops", headers=root)).json()["degrade"]["level"] < 3:
+                await c.post("/v1/chat/completions", json=body, headers=alice)  # each a reading
+            r = await c.post("/v1/chat/completions", json=body, headers=alice)
             assert r.headers["x-chatloom-degraded"] == "small_model,max_tokens"
             backend.kv = 0.1  # the burst is over, and nobody asks for anything
             levels = [3]
