@@ -139,6 +139,16 @@ struct TileScratch {
   std::vector<__m512> best;
 };
 
+// Between the passes: each row's maximum score, and its scores turned into exponentials and summed.
+static void softmax_rows(int64_t nt, int64_t hq, const int32_t* lens, int64_t stride, TileScratch& sc) {
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t j = 0; j < hq; ++j) {
+      const int64_t row = i * hq + j;
+      sc.mx[row] = _mm512_reduce_max_ps(sc.best[row]);
+      sc.sum[row] = Avx2F32Ops::exp_shift(sc.scores.data() + row * stride, lens[i], sc.mx[row]);
+    }
+}
+
 // attend_tile_avx512's passes with `packed` queries' rows (each query's `group` heads) at a time: over
 // the positions all of them see, one K or V row serves them all (score_span_shared, weigh_span_shared);
 // each query's last positions past the shortest one's go through score_span and weigh_span alone. The
@@ -197,12 +207,7 @@ static void attend_tile_packed(int64_t nt, const int32_t* lens, int64_t max_len,
       });
     }
   }
-  for (int64_t i = 0; i < nt; ++i)
-    for (int64_t j = 0; j < hq; ++j) {
-      const int64_t row = i * hq + j;
-      sc.mx[row] = _mm512_reduce_max_ps(sc.best[row]);
-      sc.sum[row] = Avx2F32Ops::exp_shift(sc.scores.data() + row * stride, lens[i], sc.mx[row]);
-    }
+  softmax_rows(nt, hq, lens, stride, sc);
   for (int64_t hh = 0; hh < hkv; ++hh) {
     const int64_t j = hh * group;
     for (int64_t tb = 0; tb < max_len; tb += kTileSpan) {
@@ -274,12 +279,7 @@ static void attend_tile_avx512(const float* q, int64_t nt, const int32_t* lens, 
       });
     }
   }
-  for (int64_t i = 0; i < nt; ++i)
-    for (int64_t j = 0; j < hq; ++j) {
-      const int64_t row = i * hq + j;
-      sc.mx[row] = _mm512_reduce_max_ps(sc.best[row]);
-      sc.sum[row] = Avx2F32Ops::exp_shift(sc.scores.data() + row * stride, lens[i], sc.mx[row]);
-    }
+  softmax_rows(nt, hq, lens, stride, sc);
   for (int64_t hh = 0; hh < hkv; ++hh) {
     for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
       const int64_t j = hh * group + g0;
