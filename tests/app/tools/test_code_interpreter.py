@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -120,14 +121,18 @@ async def test_the_process_limit_is_the_runs_own(data_dir):
 
 async def test_no_process_of_the_sandbox_outlives_its_run(data_dir):
     registry = ToolRegistry([_interpreter(data_dir).tool()])
-    code = "import subprocess\nsubprocess.Popen(['sleep', '300'], start_new_session=True)\nimport time; time.sleep(120)"
+    # A duration no other process on the machine has in its command line (a shell's `sleep 300` would
+    # match a plain one).
+    duration = f"300.{random.randrange(10**6):06d}"
+    code = (f"import subprocess\nsubprocess.Popen(['sleep', '{duration}'], start_new_session=True)\n"
+            "import time; time.sleep(120)")
     r = await _run(registry, code)
     assert "time limit" in r.error
     # The kill is sent before the tool returns; the kernel may take a moment to finish the killed
     # processes off on a busy machine, so wait for them to be gone (a survivor is still a failure).
     deadline = time.monotonic() + 5.0
-    while (left := subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True).stdout.split()) \
-            and time.monotonic() < deadline:
+    while (left := subprocess.run(["pgrep", "-f", f"sleep {duration}"], capture_output=True,
+                                  text=True).stdout.split()) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert left == []
 
