@@ -136,6 +136,10 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await runner.close()  # running batch lines stop; their batches go on elsewhere or at the next start
+            # Nothing of this gateway is starting any more: an engine that outlives it (a shared one in the
+            # tests, a local replica) must not keep its batch work held.
+            traffic.admission.on_starting = None
+            backend.hold_background(False)
             await sweeper.stop()
             if hot.shared:
                 # SIGTERM: running answers get shutdown_grace_s to finish, then go to other gateways.

@@ -150,3 +150,31 @@ async def test_batch_work_waits_for_the_users_first_output_not_the_engines():
     assert told == [True, False]
     slot.release()
     assert told == [True, False]
+
+
+async def test_a_gateway_that_stops_while_a_request_is_starting_lets_the_engine_go(tmp_path):
+    """The engine may outlive the gateway (a local replica; the tests' shared engine): a gateway that stops
+    while an interactive request is still starting must not leave the engine holding batch work, or every
+    batch after it waits forever."""
+    from chatloom.app.main import create_app
+
+    from app_testing import make_settings
+    from traffic_testing import ScriptedBackend
+
+    class Recording(ScriptedBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.holds: list[bool] = []
+
+        def hold_background(self, held: bool) -> None:
+            self.holds.append(held)
+
+    backend = Recording()
+    app = create_app(make_settings(tmp_path), backend)
+    async with app.router.lifespan_context(app):
+        admission = app.state.ctx.traffic.admission
+        slot = await admission.admit(FREE, 1)  # admitted; its user has no output yet when the gateway stops
+        assert backend.holds == [True]
+    assert backend.holds[-1] is False
+    slot.release()
+    assert backend.holds[-1] is False
