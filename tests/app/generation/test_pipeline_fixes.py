@@ -298,6 +298,7 @@ async def test_batch_work_is_held_until_the_first_piece_passes_the_output_check(
     async with scripted(tmp_path, backend, moderation={"mode": "lexicon", "holdback_tokens": 4}) as (c, app, _, alice):
         r = await c.post(CHAT, headers=alice, json=chat("hi", stream=True))
         assert r.status_code == 200
-    # Held from admission until the first piece got past the 4 held back: not at the engine's first token.
-    assert [held for held, _ in backend.holds] == [True, False]
-    assert backend.holds[0][1] == 0 and backend.holds[1][1] >= 5
+        # Held from admission until the first piece got past the 4 held back: not at the engine's first token.
+        assert [held for held, _ in backend.holds] == [True, False]
+        assert backend.holds[0][1] == 0 and backend.holds[1][1] >= 5
+    assert backend.holds[-1][0] is False  # and let go when the gateway stops
