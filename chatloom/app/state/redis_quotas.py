@@ -191,7 +191,7 @@ class RedisQuotaStore(QuotaStore):
         self._extend = client.register_script(EXTEND)
         self._settle = client.register_script(SETTLE)
         self._state = client.register_script(STATE)
-        self._pending: set[asyncio.Task] = set()  # settles waiting for Redis to come back
+        self._pending: set[asyncio.Task] = set()  # settles waiting for Redis (kept referenced while they run)
 
     def _keys(self, user_id: str, day: str) -> list[str]:
         base = f"{self.prefix}:quota:{{{user_id}}}"
@@ -271,11 +271,6 @@ class RedisQuotaStore(QuotaStore):
             log.warning("quota settle of %s done once Redis was back", reservation.id)
             return
         log.warning("quota settle of %s given up: Redis did not come back", reservation.id)
-
-    async def wait_for_settles(self) -> None:
-        """Waits for the settles that met an outage (tests, and a gateway's shutdown)."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def state(self, user_id: str, tier: Tier) -> QuotaState:
         now = self.clock()
