@@ -29,7 +29,7 @@ from chatloom.app.batch import results
 from chatloom.app.batch.ended import Ended
 from chatloom.app.batch.lines import Endpoint, InputError, parse
 from chatloom.app.core.errors import ApiError
-from chatloom.app.state.background import stop_loop
+from chatloom.app.state.background import cancel_requested, stop_loop
 from chatloom.app.traffic import batch_class
 from chatloom.settings import Settings
 from chatloom.store import Database, User
@@ -97,7 +97,8 @@ class BatchRunner:
             except Exception:  # the database away: try again next time
                 log.exception("looking for batches to run")
             try:
-                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+                async with asyncio.timeout(self.settings.poll_s):
+                    await self._wake.wait()
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -251,7 +252,8 @@ class BatchRunner:
         """Returns when the batch is cancelled (by any gateway) or its window ends."""
         while True:
             try:
-                await asyncio.wait_for(self._poke.wait(), self.settings.poll_s)
+                async with asyncio.timeout(self.settings.poll_s):
+                    await self._poke.wait()
             except asyncio.TimeoutError:
                 pass
             current = await self._load(batch.id)
@@ -278,6 +280,8 @@ class BatchRunner:
             try:
                 return results.answered(row.custom_id, rid, 200, await endpoint.run(user, row.body, rid)), True
             except ApiError as exc:
+                if cancel_requested():  # the line was stopped, and a library lost the CancelledError
+                    raise asyncio.CancelledError from exc
                 if exc.code == batch_class.GAVE_WAY:
                     continue  # the admission queue lets it in again once interactive traffic leaves room
                 if exc.status in WAIT_AGAIN:

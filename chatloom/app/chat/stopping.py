@@ -31,7 +31,8 @@ class Stopping:
         if gen.summary_ids:  # a summary may be running under its own id
             self.backend.abort(f"{gen.message_id}-summary-{gen.summary_ids - 1}")
         try:
-            await asyncio.wait_for(gen.finished.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await gen.finished.wait()
         except asyncio.TimeoutError:
             log.warning("generation %s did not stop within %.0f s", gen.message_id, timeout)
         return gen
@@ -67,7 +68,8 @@ class Stopping:
         gen.abandoned = gen.stop_requested = True
         gen.run.stop()
         try:
-            await asyncio.wait_for(gen.finished.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await gen.finished.wait()
         except asyncio.TimeoutError:
             if gen.task is not None:
                 gen.task.cancel()

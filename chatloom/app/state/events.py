@@ -116,7 +116,8 @@ class MemoryEventLog(EventLog):
                 return
             changed = self._changed
             try:
-                await asyncio.wait_for(changed.wait(), heartbeat_s)
+                async with asyncio.timeout(heartbeat_s):
+                    await changed.wait()
             except asyncio.TimeoutError:
                 yield None
 

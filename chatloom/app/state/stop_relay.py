@@ -114,7 +114,8 @@ async def stop_anywhere(conversation_id: str, local_stop: LocalStop, jobs: Jobs,
             async for _ in event_log.read(0, heartbeat_s=1.0):
                 pass
         try:
-            await asyncio.wait_for(until_closed(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await until_closed()
         except asyncio.TimeoutError:
             log.warning("answer %s did not stop within %.0f s", job.message_id, timeout_s)
     return job.message_id

@@ -141,7 +141,8 @@ class ToolRegistry:
                 _check_args(args, tool.spec.parameters)
             elif not isinstance(args, dict):
                 raise ValueError("arguments must be a JSON object")
-            output = await asyncio.wait_for(tool.run(args, ctx), tool.timeout_s)
+            async with asyncio.timeout(tool.timeout_s):
+                output = await tool.run(args, ctx)
         except ToolFailure as exc:
             return ToolResult(call, exc.output[:tool.max_output_chars], str(exc), exc.details)
         except (ValueError, TypeError) as exc:

@@ -236,10 +236,12 @@ class AdmissionQueue:
                 await asyncio.shield(ticket.future)
             else:
                 remaining = self.max_wait_s - (time.monotonic() - ticket.enqueued)
-                await asyncio.wait_for(asyncio.shield(ticket.future), max(0.0, remaining))
+                # Not wait_for over a shield: on Python 3.11 it swallows a cancellation of this request
+                # that arrives as the slot is granted, and the request runs on for a client that is gone.
+                await asyncio.wait({ticket.future}, timeout=max(0.0, remaining))
+                if not ticket.future.done():
+                    raise asyncio.TimeoutError
         except asyncio.TimeoutError:
-            if ticket.future.done() and not ticket.future.cancelled():  # granted at the last moment
-                return ticket.future.result()
             self._leave(ticket)
             waited = time.monotonic() - ticket.enqueued
             if self.on_wait:

@@ -77,10 +77,9 @@ class Meter:
         # A new writer where none runs in this event loop (an app served by several loops in turn).
         if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._task = asyncio.create_task(self._run(), name="metering-writer")
-        try:
-            await asyncio.wait_for(asyncio.shield(done), self.wait_s)
-        except asyncio.TimeoutError:
-            pass
+        # asyncio.wait, not wait_for over a shield: on Python 3.11 that swallows a cancellation of the
+        # caller arriving as the write ends (a stopped batch line then ran on into the next one).
+        await asyncio.wait({done}, timeout=self.wait_s)
 
     @staticmethod
     async def write(session: AsyncSession, user_id: str, model: str, usage: Usage) -> None:
@@ -97,9 +96,8 @@ class Meter:
         if self._pending and (task is None or task.done() or task.get_loop() is not loop):
             task = self._task = asyncio.create_task(self._run(), name="metering-writer")
         if task is not None and not task.done() and task.get_loop() is loop:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout_s)
-            except asyncio.TimeoutError:
+            await asyncio.wait({task}, timeout=timeout_s)
+            if not task.done():
                 task.cancel()
                 try:
                     await task

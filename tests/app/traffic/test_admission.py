@@ -105,6 +105,21 @@ async def test_a_cancelled_waiter_leaves_the_queue():
     assert q.waiting == 0
 
 
+async def test_a_waiter_cancelled_as_its_slot_is_granted_hands_the_slot_back():
+    room = {"ok": False}
+    q = AdmissionQueue(lambda tokens: room["ok"], max_running=4, max_wait_s=5, poll_s=3600)
+    task = asyncio.create_task(q.admit(PRO, 10))
+    while q.waiting == 0:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)  # into its wait
+    room["ok"] = True
+    q._dispatch()  # the slot is granted ...
+    task.cancel()  # ... and the request is cancelled in the same turn of the loop
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert q.running == 0 and q.waiting == 0
+
+
 def traffic_app(tmp_path, backend, **settings):
     tiers = write_tiers(tmp_path, free={"max_concurrent": 50, "requests_per_minute": 1000},
                         pro={"max_concurrent": 50})

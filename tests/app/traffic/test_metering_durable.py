@@ -150,3 +150,19 @@ async def test_the_app_flushes_queued_usage_at_shutdown(settings, tiny_backend):
         assert await totals(db) == (1, 11, 13)
     finally:
         await db.close()
+
+
+async def test_a_caller_cancelled_as_its_record_is_written_stays_cancelled(db):
+    """The write ending and the caller's cancellation in one turn of the loop: the caller still ends
+    cancelled (a stopped batch line must not run on into the next line)."""
+    meter = Meter(db, wait_s=5.0)
+    never = asyncio.Event()
+    meter._run = never.wait  # no writer: the test ends the record's wait itself
+    task = asyncio.create_task(meter.record("usr_0", "m", Usage(prompt_tokens=3, completion_tokens=2)))
+    while not meter._waiters:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)  # into its wait
+    meter._waiters[0].set_result(None)  # written ...
+    task.cancel()  # ... and cancelled in the same turn
+    with pytest.raises(asyncio.CancelledError):
+        await task
