@@ -6,9 +6,14 @@ climbs from 20 MiB to 480 MiB while it imports and loads, which is start-up, not
 the median of a slot's counted samples in the last quarter of the traffic window over the median in
 the first quarter: a leak inside a process shows, and so does one that survives restarts.
 
-Gateways and replicas are measured with their children, every descriptor counted (a leaked socket
-is a leak). For Redis and PostgreSQL the main process alone, and no sockets: their backends and
-client connections follow the gateways' connection pools, which fill and empty with the load.
+Gateways and replicas are measured with their children. Their descriptors are judged without the
+live connections (TCP established or listening, Unix sockets connected or listening): how many of
+those a gateway holds follows the load and its pools' sizes, which a short run does not fill the same
+way in its first and last quarters. A leaked connection is still judged: every peer of a gateway or
+replica (replicas, Redis, PostgreSQL, the clients) is restarted or cut during the run, and a socket
+its peer closed that the process never closed stays in CLOSE_WAIT, no longer live. For Redis and
+PostgreSQL the main process alone, and no sockets: their backends and client connections follow the
+gateways' connection pools, which fill and empty with the load.
 """
 from __future__ import annotations
 
@@ -36,7 +41,13 @@ class Sample:
     pid: int
     rss: int
     fds: int
-    sockets: int = 0  # of fds: sockets (connections of its pools and clients, which follow the load)
+    sockets: int = 0  # of fds: sockets
+    live: int = 0  # of sockets: live connections (their number follows the load), left out of `held`
+
+    @property
+    def held(self) -> int:
+        """The descriptors judged: files, pipes, and sockets no longer live."""
+        return self.fds - self.live
 
 
 @dataclass
@@ -45,30 +56,63 @@ class SlotSamples:
     samples: list[Sample] = field(default_factory=list)
 
 
-def _fds(pid: int) -> tuple[int, int]:
-    """(descriptors, of which sockets)."""
+# /proc/net/tcp states: 01 established, 0A listening. /proc/net/unix states: 01 listening or unbound
+# (flag 00010000 marks a listener), 03 connected.
+_TCP_LIVE = {"01", "0A"}
+
+
+def live_socket_inodes(pid: int) -> set[str]:
+    """Inodes of the live sockets in `pid`'s network namespace (see the module's docstring)."""
+    live: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] in _TCP_LIVE:
+                live.add(cols[9])
+    try:
+        lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        lines = []
+    for line in lines:
+        cols = line.split()  # Num RefCount Protocol Flags Type St Inode [Path]
+        if len(cols) > 6 and (cols[5] == "03" or cols[3] == "00010000"):
+            live.add(cols[6])
+    return live
+
+
+def _fds(pid: int, live: set[str]) -> tuple[int, int, int]:
+    """(descriptors, of which sockets, of which live)."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return 0, 0
-    sockets = 0
+        return 0, 0, 0
+    sockets = alive = 0
     for name in names:
         try:
-            sockets += os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:")
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:
-            pass
-    return len(names), sockets
+            continue
+        if target.startswith("socket:["):
+            sockets += 1
+            alive += target[8:-1] in live
+    return len(names), sockets, alive
 
 
-def tree_fds(pid: int) -> tuple[int, int]:
-    total = sockets = 0
+def tree_fds(pid: int) -> tuple[int, int, int]:
+    """(descriptors, sockets, live sockets) of `pid` and its children."""
+    live = live_socket_inodes(pid)
+    total = sockets = alive = 0
     todo = [pid]
     while todo:
         p = todo.pop()
-        n, s = _fds(p)
-        total, sockets = total + n, sockets + s
+        n, s, a = _fds(p, live)
+        total, sockets, alive = total + n, sockets + s, alive + a
         todo.extend(_children(p))
-    return total, sockets
+    return total, sockets, alive
 
 
 class Sampler:
@@ -88,12 +132,12 @@ class Sampler:
                 continue
             rss = _status_kib(pid, "VmRSS") * 1024 if slot.service else tree_rss_bytes(pid)
             if slot.service:
-                n, sockets = _fds(pid)
-                fds, sockets = n - sockets, 0
+                n, sockets, _ = _fds(pid, set())
+                fds, sockets, live = n - sockets, 0, 0
             else:
-                fds, sockets = tree_fds(pid)
+                fds, sockets, live = tree_fds(pid)
             if rss:
-                self.series[name].samples.append(Sample(now, pid, rss, fds, sockets))
+                self.series[name].samples.append(Sample(now, pid, rss, fds, sockets, live))
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -115,9 +159,11 @@ def growth(series: SlotSamples, t0: float, window_s: float, min_samples: int = 3
     if len(first) < min_samples or len(last) < min_samples:
         return {**out, "rss_growth": None, "fds_growth": None}
     rss0, rss1 = statistics.median(s.rss for s in first), statistics.median(s.rss for s in last)
-    fds0, fds1 = statistics.median(s.fds for s in first), statistics.median(s.fds for s in last)
+    held0, held1 = statistics.median(s.held for s in first), statistics.median(s.held for s in last)
     return {**out, "rss_first_mib": round(rss0 / 2**20, 1), "rss_last_mib": round(rss1 / 2**20, 1),
-            "rss_growth": round(rss1 / rss0 - 1, 4), "fds_first": fds0, "fds_last": fds1,
-            "fds_growth": round(fds1 / fds0 - 1, 4) if fds0 else 0.0,
-            "sockets_first": statistics.median(s.sockets for s in first),
-            "sockets_last": statistics.median(s.sockets for s in last)}
+            "rss_growth": round(rss1 / rss0 - 1, 4), "fds_first": held0, "fds_last": held1,
+            "fds_growth": round(held1 / held0 - 1, 4) if held0 else 0.0,
+            "all_fds_first": statistics.median(s.fds for s in first),
+            "all_fds_last": statistics.median(s.fds for s in last),
+            "live_sockets_first": statistics.median(s.live for s in first),
+            "live_sockets_last": statistics.median(s.live for s in last)}
