@@ -143,7 +143,7 @@ def build_hot_state(settings: Settings) -> HotState:
                     quotas=RedisQuotaStore(hub.commands, prefix),
                     logs=RedisEventLogStore(hub.commands, hub.blocking, prefix, settings.chat.event_log_retention_s),
                     jobs=RedisJobs(hub.commands, gateway, prefix, settings.shared_state.job_lease_s, instance),
-                    stops=RedisStopRelay(hub.commands, hub.blocking, prefix),
+                    stops=RedisStopRelay(hub.commands, hub.blocking, prefix, on_back=hub.drop_idle),
                     fleet=FleetShares(hub.commands, gateway, prefix), attempts=RedisAttempts(hub.commands, prefix))
 
 

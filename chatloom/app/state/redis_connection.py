@@ -8,6 +8,8 @@ the gateway recovers without a restart.
 """
 from __future__ import annotations
 
+import logging
+
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -22,6 +24,8 @@ POOL_WAIT_S = 10.0  # longest wait for a free socket; Redis down fails at connec
 # Sockets per gateway for blocking reads: one per stream being read at once (XREAD BLOCK holds its socket).
 # redis-py's pool defaults to 100, which failed the 101st concurrent stream; this is Redis's own maxclients.
 BLOCKING_CONNECTIONS = 10_000
+
+log = logging.getLogger(__name__)
 
 
 class RedisHub:
@@ -50,6 +54,16 @@ class RedisHub:
     async def ping(self) -> None:
         """Raises if Redis does not answer within the timeout."""
         await self.commands.ping()
+
+    async def drop_idle(self) -> None:
+        """Close the idle pooled sockets (after Redis came back from a restart). redis-py finds a dead
+        socket only when it uses it, and its pools hand out the newest first: a socket left idle at
+        the bottom of a pool would otherwise stay open to a server that is gone, until the gateway stops."""
+        for client in (self.commands, self.blocking):
+            try:
+                await client.connection_pool.disconnect(inuse_connections=False)
+            except Exception as exc:  # noqa: BLE001 - closing a dead socket may fail; it is gone either way
+                log.debug("dropping idle Redis sockets: %r", exc)
 
     async def close(self) -> None:
         await self.commands.aclose()

@@ -40,9 +40,11 @@ class StopRelay:
 
 
 class RedisStopRelay(StopRelay):
-    def __init__(self, commands: redis.Redis, blocking: redis.Redis, prefix: str = "chatloom") -> None:
+    def __init__(self, commands: redis.Redis, blocking: redis.Redis, prefix: str = "chatloom",
+                 on_back: Callable[[], Awaitable[None]] | None = None) -> None:
         self.commands = commands
         self.blocking = blocking
+        self.on_back = on_back  # run when Redis is back after the listener lost it
         self.channel = f"{prefix}:stop"
         self._task: asyncio.Task | None = None
         self.listening = asyncio.Event()  # set while subscribed (tests wait for it)
@@ -63,6 +65,8 @@ class RedisStopRelay(StopRelay):
                     if lost_at is not None:
                         log.warning("stop relay listening again after %.1f s without Redis", time.monotonic() - lost_at)
                         lost_at = None
+                        if self.on_back is not None:
+                            await self.on_back()
                     async for message in pubsub.listen():
                         if message.get("type") != "message":
                             continue
