@@ -216,9 +216,14 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
       default: return &l.down;
     }
   };
+  // Each phase's input rows get a number of their own, unique in this process, so the int8 path
+  // quantizes them once per thread and knows them again without comparing them.
+  static std::atomic<int64_t> versions{0};
+  const int64_t version0 = versions.fetch_add(phases, std::memory_order_relaxed);
   const auto run_item = [&](int64_t k, int64_t item, AttentionScratch& scratch) {
+    const int64_t v = version0 + k;
     if (k == head_phase) {  // the task's logits, and each row's best of them
-      run_quantized_task(head_panels_, outp, t, logits_p, item);
+      run_quantized_task(head_panels_, outp, t, logits_p, item, v);
       const int64_t c0 = item * kTaskFeatures, c1 = std::min(vocab, c0 + kTaskFeatures);
       for (int64_t r = 0; r < t; ++r) {
         const float* row_logits = logits_p + r * vocab;
@@ -233,7 +238,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     const size_t i = k / kPerLayer;
     const TeamLayer& l = team_[i];
     switch (k % kPerLayer) {
-      case 0: run_quantized_task(l.qkv, hp, t, qkv_of(i), item); break;
+      case 0: run_quantized_task(l.qkv, hp, t, qkv_of(i), item, v); break;
       case 1: {
         const int64_t j = item / hkv_;
         const auto attend = [&](const auto* k_pool, const auto* v_pool) {
@@ -248,9 +253,9 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
           attend(static_cast<const float*>(k_raw[i]), static_cast<const float*>(v_raw[i]));
         break;
       }
-      case 2: run_quantized_task(l.o, attn_of(i), t, o_of(i), item); break;
-      case 3: run_quantized_task(l.gate_up, hp, t, gu_of(i), item); break;
-      default: run_quantized_task(l.down, actp, t, down_of(i), item); break;
+      case 2: run_quantized_task(l.o, attn_of(i), t, o_of(i), item, v); break;
+      case 3: run_quantized_task(l.gate_up, hp, t, gu_of(i), item, v); break;
+      default: run_quantized_task(l.down, actp, t, down_of(i), item, v); break;
     }
   };
   // What follows phase k once all its items are done, run by the thread that finished the last one.

@@ -754,8 +754,9 @@ int64_t quantized_tasks(const QuantizedPanels& w) {
   return (w.panels + kRowPanels - 1) / kRowPanels;
 }
 
-void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task) {
-  if (w.kq_offsets != nullptr) return run_kquant_task(w, x, m_dim, out, task);
+void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task,
+                        int64_t x_version) {
+  if (w.kq_offsets != nullptr) return run_kquant_task(w, x, m_dim, out, task, x_version);
 #ifdef CHATLOOM_HAVE_WIDE_PATH
   quantized_group16(x, m_dim, w.k_dim, w.codes, w.q4 ? 8 : kPanel, ScalePtr{w.scales, w.half_scales}, w.panels,
                     w.out_features, w.bias, w.q4, out, task);

@@ -127,11 +127,15 @@ QuantizedPanels quantized_panels(const torch::Tensor& codes, const torch::Tensor
 // kquant_linear's weights as tasks of 4 panels (checked as kquant_linear checks them).
 QuantizedPanels kquant_panels(const torch::Tensor& blob, const torch::Tensor& offsets, const torch::Tensor& kinds,
                               const c10::optional<torch::Tensor>& bias, int64_t out_features);
-void run_kquant_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task);
+void run_kquant_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task,
+                     int64_t x_version = -1);
 bool quantized_tasks_supported();
 int64_t quantized_tasks(const QuantizedPanels& w);
 // Rows x [m_dim, K] against task `task`'s panels, into their columns of out [m_dim, out_features].
-void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task);
+// `x_version` >= 0 names the rows for the int8 path, which then quantizes them once per thread
+// without comparing them (see kquant_int8_panels).
+void run_quantized_task(const QuantizedPanels& w, const float* x, int64_t m_dim, float* out, int64_t task,
+                        int64_t x_version = -1);
 
 // -- raw-pointer forms of the layer ops, for a caller that runs them on its own threads
 // (decode_team.cpp). The tensor functions above run these same functions, so the bits agree. --

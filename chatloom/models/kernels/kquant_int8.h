@@ -16,5 +16,8 @@ bool kquant_int8_supported();
 // out [m, N] = x [m, K] @ W^T (+ bias), every row of x quantized once, on the work pool.
 void kquant_int8_matmul(const KQuantInt8Weights& w, const float* x, int64_t m, float* out);
 // Panels [p0, p1) only, on the calling thread (the decode team's tasks); x is quantized by each
-// thread once per distinct input (a thread-local copy tells when it changed).
-void kquant_int8_panels(const KQuantInt8Weights& w, const float* x, int64_t m, int64_t p0, int64_t p1, float* out);
+// thread once per distinct input. `x_version` >= 0 names the input: the same version at the same
+// address is the same rows (the decode team numbers each step's phases). Without one (-1), a
+// thread-local copy of the rows tells when they changed.
+void kquant_int8_panels(const KQuantInt8Weights& w, const float* x, int64_t m, int64_t p0, int64_t p1, float* out,
+                        int64_t x_version = -1);

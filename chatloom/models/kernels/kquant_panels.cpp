@@ -349,12 +349,14 @@ QuantizedPanels kquant_panels(const torch::Tensor& blob, const torch::Tensor& of
   return q;
 }
 
-void run_kquant_task(const QuantizedPanels& q, const float* x, int64_t m_dim, float* out, int64_t task) {
+void run_kquant_task(const QuantizedPanels& q, const float* x, int64_t m_dim, float* out, int64_t task,
+                     int64_t x_version) {
 #ifdef CHATLOOM_HAVE_KQUANT_PANELS
   const Panels w{q.codes, q.kq_offsets, q.kq_kinds, q.panels, q.k_dim, q.out_features, q.bias};
   if (int8_kind(w.kinds[0])) {
     const KQuantInt8Weights iw{w.blob, w.offsets, w.kinds, w.panels, w.k_dim, w.out_features, w.bias};
-    kquant_int8_panels(iw, x, m_dim, task * kTaskPanels, std::min(q.panels, (task + 1) * kTaskPanels), out);
+    kquant_int8_panels(iw, x, m_dim, task * kTaskPanels, std::min(q.panels, (task + 1) * kTaskPanels), out,
+                       x_version);
     return;
   }
   few_rows_task(x, m_dim, w, task * kTaskPanels, std::min(q.panels, (task + 1) * kTaskPanels), out);
