@@ -68,7 +68,7 @@ LIVE_STATES = {"tcp:established", "tcp:listen", "unix:connected", "unix:listenin
 def socket_states(pid: int) -> dict[str, str]:
     """Each socket inode in `pid`'s network namespace and its state ("tcp:close_wait", "unix:connected")."""
     states: dict[str, str] = {}
-    for table in ("tcp", "tcp6"):
+    for table in ("tcp", "tcp6", "udp", "udp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
         except OSError:
@@ -76,16 +76,7 @@ def socket_states(pid: int) -> dict[str, str]:
         for line in lines:
             cols = line.split()
             if len(cols) > 9:
-                states[cols[9]] = "tcp:" + _TCP_STATES.get(cols[3], cols[3])
-    for table in ("udp", "udp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if len(cols) > 9:
-                states[cols[9]] = "udp"
+                states[cols[9]] = "udp" if table.startswith("udp") else "tcp:" + _TCP_STATES.get(cols[3], cols[3])
     try:
         lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
     except OSError:
