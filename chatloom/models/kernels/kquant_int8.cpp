@@ -539,8 +539,8 @@ void kquant_int8_panels(const KQuantInt8Weights& w, const float* x, int64_t m, i
                         int64_t x_version) {
 #ifdef CHATLOOM_HAVE_KQUANT_INT8
   // The decode team runs a matmul as tasks on its threads, each handed the same float rows: a thread
-  // quantizes them once. A versioned input is known by its version and address alone (comparing
-  // the rows costs a task 5-10% of its time); otherwise a copy tells the next matmul's rows apart.
+  // quantizes them once. A versioned input is known by its version and address alone (no second
+  // read of the rows per task); otherwise a copy tells the next matmul's rows apart.
   struct Cached {
     std::vector<float> rows;
     Activations a;
