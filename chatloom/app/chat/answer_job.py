@@ -65,8 +65,9 @@ class Generation:
     citations: list[dict] | None = None  # the passages of the user's files the prompt holds, numbered
 
     def answer_tokens(self) -> int:
-        """Answer tokens so far, as logged beside each piece for a gateway that may take this over."""
-        return self.tokens_before + self.run.usage.completion_tokens
+        """Answer tokens so far, every round's and those made before a takeover: logged beside each piece
+        for a gateway that may take this over, and reported when the answer is done."""
+        return self.tokens_before + self.run.answer_usage.completion_tokens
 
     def next_summary_id(self) -> str:
         self.summary_ids += 1
@@ -259,7 +260,7 @@ class AnswerJob:
                 await gen.log.append({
                     "done": True, "message_id": gen.message_id, "user_message_id": gen.user_message_id,
                     "conversation_id": gen.conversation_id, "status": status, "finish_reason": reason,
-                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens},
+                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": gen.answer_tokens()},
                     **({"citations": gen.citations} if gen.citations else {})})
         finally:
             if not lost:

@@ -33,6 +33,7 @@ class Stopping:
         try:
             async with asyncio.timeout(timeout):
                 await gen.finished.wait()
+                await gen.log.settled()  # a piece being published when it was discarded has landed or failed
         except asyncio.TimeoutError:
             log.warning("generation %s did not stop within %.0f s", gen.message_id, timeout)
         return gen
@@ -70,6 +71,7 @@ class Stopping:
         try:
             async with asyncio.timeout(timeout):
                 await gen.finished.wait()
+                await gen.log.settled()  # a piece being published when it was discarded has landed or failed
         except asyncio.TimeoutError:
             if gen.task is not None:
                 gen.task.cancel()

@@ -419,6 +419,11 @@ class Run:
         """Everything this run has cost so far: every round, and the work charged to it."""
         return self.usage + self._rounds + self._extra
 
+    @property
+    def answer_usage(self) -> Usage:
+        """The stream's own tokens over every round (tool calls), without the work charged to it."""
+        return self.usage + self._rounds
+
     def charge(self, usage: Usage) -> None:
         """Model work for this run done outside its stream (summaries): settled and metered with it."""
         self._extra = self._extra + usage

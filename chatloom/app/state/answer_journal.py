@@ -182,6 +182,11 @@ class JournaledLog(EventLog):
             self._task.cancel()
         self._idle.set()
 
+    async def settled(self) -> None:
+        """Wait until the publishing task has ended: after discard(), nothing more is written from here."""
+        if self._task is not None:
+            await asyncio.wait({self._task})
+
     @property
     def closed(self) -> bool:
         return self._closed

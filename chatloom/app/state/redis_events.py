@@ -1,19 +1,24 @@
 """Generation event logs on Redis Streams, so a stream started on one gateway resumes on any other.
 
-A log is two keys sharing its hash tag: the stream (`...:events`), whose entry ids are `0-1`,
-`0-2`, ... so they are the SSE event ids themselves, and a small state key (`...:state`, "open" or
-"closed") that says the log exists before its first event. Closing adds an end marker entry, so a
-reader learns of the end in order with the events, and gives both keys the retention time.
+A log is three keys sharing its hash tag: the stream (`...:events`), whose entry ids are `0-1`,
+`0-2`, ... so they are the SSE event ids themselves, a small state key (`...:state`, "open" or
+"closed") that says the log exists before its first event, and the writer key (`...:writer`), the
+token of the one process allowed to write. Closing adds an end marker entry, so a reader learns of
+the end in order with the events, and gives the keys the retention time.
 
-One writer per log: append writes an explicit id, and Redis refuses an id at or below the last
-one, so a writer that lost the job to another gateway (its lease lapsed) fails instead of
-interleaving; `open_for_writing` lets the new writer continue the numbering.
+One writer per log. `open_for_writing` (a gateway taking the job over) puts its own token in the
+writer key before it reads where the log ends, and every append and close checks the token in the
+same script as its XADD: from that moment the writer that lost the job (its lease lapsed while it
+still ran, as during a Redis restart) fails with LogTakenOver instead of squeezing in one more piece
+between what the new writer read and its first append. Appends also write explicit ids, which Redis
+refuses at or below the last one, so a writer that knows no token cannot interleave either.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+import uuid
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import redis.asyncio as redis
@@ -32,6 +37,33 @@ POLL_S = 5.0  # longest single wait, so a reader notices a log that expired unde
 # before the writer fails the answer and a reader ends its stream (its client resumes by event id).
 OUTAGE_S = 30.0
 BACKOFF_S = (0.05, 1.0)
+TAKEN = "TAKEN"  # the error a script answers when another writer holds the log
+
+# KEYS: stream, writer. ARGV: writer token, entry id, field, value, ...
+APPEND = """
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then return redis.error_reply('TAKEN another writer holds this log') end
+return redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 3))
+"""
+# KEYS: stream, writer, state. ARGV: writer token, entry id of the end marker, retention in ms.
+CLOSE = """
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then return redis.error_reply('TAKEN another writer holds this log') end
+redis.call('XADD', KEYS[1], ARGV[2], 'end', '1')
+redis.call('SET', KEYS[3], 'closed', 'PX', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+# KEYS: state, writer, stream. ARGV: the new writer's token, its time to live in s. Returns the last
+# entry's id ("0" for none), or nothing when the log is closed or gone.
+REOPEN = """
+if redis.call('GET', KEYS[1]) ~= 'open' then return false end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+if #last == 0 then return '0' end
+return last[1][1]
+"""
 
 
 async def _through_outage(call: Callable[[bool], Awaitable[T]], outage_s: float) -> T:
@@ -60,30 +92,43 @@ class LogTakenOver(RuntimeError):
 
 
 class RedisEventLog(EventLog):
-    def __init__(self, store: "RedisEventLogStore", key: str, next_id: int = 1, closed: bool = False) -> None:
+    """One answer's log; `writer` is this process's token for it (None: read only)."""
+
+    def __init__(self, store: "RedisEventLogStore", key: str, next_id: int = 1, closed: bool = False,
+                 writer: str | None = None) -> None:
         self.key = key
         self._store = store
         self._next = next_id
         self._closed = closed
+        self._writer = writer
 
     @property
     def stream(self) -> str:
         return self._store.stream_key(self.key)
 
-    async def append(self, data: dict, event: str | None = None, answer_tokens: int | None = None) -> int:
+    def _writing(self) -> str:
+        if self._writer is None:
+            raise RuntimeError(f"event log {self.key} was opened for reading")
         if self._closed:
             raise RuntimeError(f"event log {self.key} is closed")
+        return self._writer
+
+    async def append(self, data: dict, event: str | None = None, answer_tokens: int | None = None) -> int:
+        writer = self._writing()
         n = self._next
         fields = {"d": json.dumps(data, ensure_ascii=False)}
         if event:
             fields["e"] = event
         if answer_tokens is not None:
             fields["n"] = str(answer_tokens)
+        args = [writer, f"0-{n}", *(x for pair in fields.items() for x in pair)]
 
         async def add(retry: bool) -> None:
             try:
-                await self._store.commands.xadd(self.stream, fields, id=f"0-{n}")
+                await self._store.append_script(keys=[self.stream, self._store.writer_key(self.key)], args=args)
             except ResponseError as exc:
+                if str(exc).startswith(TAKEN):
+                    raise LogTakenOver(f"event log {self.key} has a newer writer") from None
                 # A retry may find its own entry: the first try reached Redis and only the reply was lost.
                 if "equal or smaller" in str(exc) and not (retry and await self._holds(n, fields["d"])):
                     raise LogTakenOver(f"event log {self.key} has a newer writer") from None
@@ -101,19 +146,20 @@ class RedisEventLog(EventLog):
         return bool(found) and found[0][1].get(b"d", b"").decode() == data
 
     async def close(self) -> None:
+        """End the log; a writer that lost it to another leaves it open for that one to end."""
         if self._closed:
             return
+        writer = self._writing()
         self._closed = True
         retention_ms = max(1, int(self._store.retention_s * 1000))
+        keys = [self.stream, self._store.writer_key(self.key), self._store.state_key(self.key)]
 
         async def end(retry: bool) -> None:
             try:
-                async with self._store.commands.pipeline(transaction=True) as pipe:
-                    pipe.xadd(self.stream, {"end": "1"}, id=f"0-{self._next}")
-                    pipe.set(self._store.state_key(self.key), "closed", px=retention_ms)
-                    pipe.pexpire(self.stream, retention_ms)
-                    await pipe.execute()
+                await self._store.close_script(keys=keys, args=[writer, f"0-{self._next}", retention_ms])
             except ResponseError as exc:
+                if str(exc).startswith(TAKEN):
+                    return
                 ended = await self._store.commands.xrange(self.stream, f"0-{self._next}", f"0-{self._next}")
                 if not (retry and "equal or smaller" in str(exc) and ended and END in ended[0][1]):
                     raise
@@ -176,6 +222,9 @@ class RedisEventLogStore(EventLogStore):
         self.prefix = prefix
         self.retention_s = retention_s
         self.outage_s = outage_s
+        self.append_script = commands.register_script(APPEND)
+        self.close_script = commands.register_script(CLOSE)
+        self.reopen_script = commands.register_script(REOPEN)
 
     def stream_key(self, key: str) -> str:
         return f"{self.prefix}:log:{{{key}}}:events"
@@ -183,15 +232,20 @@ class RedisEventLogStore(EventLogStore):
     def state_key(self, key: str) -> str:
         return f"{self.prefix}:log:{{{key}}}:state"
 
+    def writer_key(self, key: str) -> str:
+        return f"{self.prefix}:log:{{{key}}}:writer"
+
     def pointer_key(self, name: str) -> str:
         return f"{self.prefix}:logptr:{name}"
 
     async def create(self, key: str) -> EventLog:
+        writer = uuid.uuid4().hex
         async with self.commands.pipeline(transaction=True) as pipe:
             pipe.delete(self.stream_key(key))  # a fresh log, even if the key was used before
             pipe.set(self.state_key(key), "open", ex=OPEN_TTL_S)
+            pipe.set(self.writer_key(key), writer, ex=OPEN_TTL_S)
             await pipe.execute()
-        return RedisEventLog(self, key)
+        return RedisEventLog(self, key, writer=writer)
 
     async def get(self, key: str) -> EventLog | None:
         state = await self.commands.get(self.state_key(key))
@@ -200,16 +254,16 @@ class RedisEventLogStore(EventLogStore):
         return RedisEventLog(self, key, closed=state == b"closed")
 
     async def open_for_writing(self, key: str) -> RedisEventLog | None:
-        """An open log, to be continued by a gateway that took its job over (None: closed or gone)."""
-        state = await self.commands.get(self.state_key(key))
-        if state != b"open":
+        """An open log, to be continued by a gateway that took its job over (None: closed or gone). Its
+        previous writer can append nothing more once this returns, so what it reads next is the whole log."""
+        writer = uuid.uuid4().hex
+        last = await self.reopen_script(keys=[self.state_key(key), self.writer_key(key), self.stream_key(key)],
+                                        args=[writer, OPEN_TTL_S])
+        if last is None:
             return None
-        last = await self.commands.xrevrange(self.stream_key(key), count=1)
-        next_id = 1
-        if last:
-            entry_id = last[0][0].decode() if isinstance(last[0][0], bytes) else last[0][0]
-            next_id = int(entry_id.split("-")[1]) + 1
-        return RedisEventLog(self, key, next_id=next_id)
+        last = last.decode() if isinstance(last, bytes) else str(last)
+        next_id = int(last.split("-")[1]) + 1 if "-" in last else 1
+        return RedisEventLog(self, key, next_id=next_id, writer=writer)
 
     async def events(self, key: str) -> list[StreamEvent]:
         """Everything logged so far (no waiting): what a takeover continues from."""

@@ -101,6 +101,27 @@ async def test_a_writer_that_lost_its_job_cannot_append():
     await hub.close()
 
 
+async def test_a_writer_that_lost_its_job_is_fenced_off_before_the_new_one_writes():
+    """Between the new writer reading where the log ends and its first append, the old writer cannot
+    add a piece (it would be missing from what the new writer continues), nor end the log."""
+    hub = RedisHub(require_redis())
+    store = RedisEventLogStore(hub.commands, hub.blocking, f"test-{uuid.uuid4().hex[:8]}")
+    old = await store.create("g")
+    await old.append({"token": "a"})
+    new = await store.open_for_writing("g")
+    with pytest.raises(LogTakenOver):
+        await old.append({"token": "stale"})
+    await old.close()  # ends nothing: the log is the new writer's
+    assert (await store.get("g")).closed is False
+    assert [e.data for e in await store.events("g")] == [{"token": "a"}]
+    assert await new.append({"token": "b"}) == 2
+    await new.close()
+    assert await collect(await store.get("g")) == [(1, {"token": "a"}), (2, {"token": "b"})]
+    with pytest.raises(RuntimeError, match="reading"):
+        await (await store.get("g")).append({"token": "c"})
+    await hub.close()
+
+
 def test_sse_frames():
     assert frame({"token": "hé"}, 7) == 'id: 7\ndata: {"token": "hé"}\n\n'.encode()
     assert frame({"error": {}}, 2, "error") == b'id: 2\nevent: error\ndata: {"error": {}}\n\n'

@@ -8,10 +8,12 @@ import uuid
 from contextlib import AsyncExitStack
 
 import httpx
+import pytest
 
 from chatloom.app.chat.takeover import logged_answer_tokens
 from chatloom.app.main import create_app
 from chatloom.app.state.jobs import JobRecord
+from chatloom.app.state.redis_events import LogTakenOver
 from chatloom.app.chat.recovery import mark_interrupted
 from chatloom.store import AnswerChunks, Message, Messages
 
@@ -215,6 +217,9 @@ async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(
         # The continued part counts on from the frozen gateway's count, never over the budget.
         after = logged_answer_tokens(await app2.state.ctx.hot.logs.events(message_id))
         assert before[-1].answer_tokens < after <= 1500
+        # The end reports both gateways' tokens, as metered (gateway 1 metered none of them).
+        totals = (await g2.get("/usage", headers=alice)).json()["totals"]
+        assert done["usage"]["completion_tokens"] == totals["completion_tokens"] >= after
         assert await app2.state.ctx.hot.jobs.holder(cid) is None  # the conversation is free again
         first.cancel()
 
@@ -293,6 +298,31 @@ async def test_a_frozen_gateway_that_wakes_and_writes_does_not_leave_the_answer_
         assert saved["status"] == "error" and " zombie" in saved["text"]
         assert saved["text"] == "".join(e.data.get("token", "") for e in rest)
         assert await app2.state.ctx.hot.jobs.holder(cid) is None
+        first.cancel()
+
+
+async def test_a_frozen_gateway_that_wakes_cannot_write_to_a_taken_over_answer(tmp_path, db_url, tiny_backend):
+    """The frozen gateway wakes after gateway 2 took the answer over and tries to log one more piece
+    through its own log: the log refuses it, and gateway 2's continuation ends normally."""
+    async with AsyncExitStack() as stack:
+        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
+        app1, app2 = g1._transport.app, g2._transport.app
+        await app1.state.ctx.conversations.abandon(cid)
+        await app1.state.ctx.hot.keeper.close()
+        for _ in range(1000):  # until gateway 2 has taken it over
+            taken = app2.state.ctx.conversations.running(cid)
+            if taken is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert taken is not None, "gateway 2 never took the answer over"
+        with pytest.raises(LogTakenOver):
+            await gen.log.inner.append({"token": " zombie"})
+        rest = await _resume_on(g2, cid, alice, 0)
+        assert rest[-1].data.get("done") is True, rest[-3:]
+        assert [int(e.id) for e in rest] == list(range(1, len(rest) + 1))
+        saved = (await g2.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
+        assert saved["status"] == rest[-1].data["status"] and " zombie" not in saved["text"]
+        assert saved["text"] == "".join(e.data.get("token", "") for e in rest)
         first.cancel()
 
 
