@@ -297,6 +297,10 @@ class AnswerJob:
         """Close the log and let the job go."""
         try:
             await gen.log.close()
+            try:
+                await self.logs.pointer_ended(gen.conversation_id, gen.message_id)
+            except Exception as exc:  # harmless: the pointer keeps an open log's expiry
+                log.warning("could not shorten the stream pointer of %s: %s", gen.conversation_id, exc)
         finally:
             if self._running.get(gen.conversation_id) is gen:
                 del self._running[gen.conversation_id]

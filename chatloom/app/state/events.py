@@ -58,12 +58,15 @@ class EventLogStore(abc.ABC):
     async def get(self, key: str) -> EventLog | None: ...
 
     # A named pointer to a log (a conversation's newest generation), so a client that knows only the
-    # conversation can find the stream to resume. In Redis: a plain key with the same expiry as the log.
+    # conversation can find the stream to resume. It lasts as long as the log it points to.
     @abc.abstractmethod
     async def set_pointer(self, name: str, key: str) -> None: ...
 
     @abc.abstractmethod
     async def pointer(self, name: str) -> str | None: ...
+
+    async def pointer_ended(self, name: str, key: str) -> None:
+        """The log `key` has closed: a pointer `name` still at it expires with it (here: with the log)."""
 
 
 class MemoryEventLog(EventLog):

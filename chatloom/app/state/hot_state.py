@@ -100,6 +100,7 @@ class HotState:
                                                   "code": "gateway_lost", "status": 500},
                                         "message_id": record.message_id}, event="error")
                 await event_log.close()
+                await self.logs.pointer_ended(record.conversation_id, record.message_id)
         await settle_taken(self.quotas, record.spec)
 
     async def _end_open_log(self, record: JobRecord, message: Message | None) -> None:
@@ -119,6 +120,7 @@ class HotState:
                                     "usage": {"prompt_tokens": message.prompt_tokens or 0,
                                               "completion_tokens": message.tokens or 0}})
         await event_log.close()
+        await self.logs.pointer_ended(record.conversation_id, record.message_id)
 
     async def close(self) -> None:
         for closer in reversed(self._started):

@@ -64,6 +64,11 @@ local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
 if #last == 0 then return '0' end
 return last[1][1]
 """
+# KEYS: a pointer. ARGV: the log key it should point at, the time to live in ms.
+EXPIRE_POINTER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
 
 
 async def _through_outage(call: Callable[[bool], Awaitable[T]], outage_s: float) -> T:
@@ -225,6 +230,7 @@ class RedisEventLogStore(EventLogStore):
         self.append_script = commands.register_script(APPEND)
         self.close_script = commands.register_script(CLOSE)
         self.reopen_script = commands.register_script(REOPEN)
+        self.expire_pointer_script = commands.register_script(EXPIRE_POINTER)
 
     def stream_key(self, key: str) -> str:
         return f"{self.prefix}:log:{{{key}}}:events"
@@ -276,6 +282,11 @@ class RedisEventLogStore(EventLogStore):
 
     async def set_pointer(self, name: str, key: str) -> None:
         await self.commands.set(self.pointer_key(name), key, ex=OPEN_TTL_S)
+
+    async def pointer_ended(self, name: str, key: str) -> None:
+        """Give a pointer still at the closed log `key` the log's retention (it was set for an open log's day)."""
+        await self.expire_pointer_script(keys=[self.pointer_key(name)],
+                                         args=[key, max(1, int(self.retention_s * 1000))])
 
     async def pointer(self, name: str) -> str | None:
         key = await self.commands.get(self.pointer_key(name))

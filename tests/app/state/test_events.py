@@ -78,11 +78,32 @@ async def test_closed_logs_are_kept_for_the_retention_period(make_logs):
     await store.set_pointer("conv", "g")
     await log.append({"x": 1})
     await log.close()
+    await store.pointer_ended("conv", "g")
     assert (await store.get("g")).key == "g" and await store.pointer("conv") == "g"
     deadline = asyncio.get_running_loop().time() + 10
     while await store.get("g") is not None or await store.pointer("conv") is not None:
         assert asyncio.get_running_loop().time() < deadline, "the closed log outlived its retention"
         await asyncio.sleep(0.05)
+    if isinstance(store, RedisEventLogStore):  # every key is gone, the pointer too (not only hidden)
+        while await store.commands.keys(f"{store.prefix}:*"):
+            assert asyncio.get_running_loop().time() < deadline, await store.commands.keys(f"{store.prefix}:*")
+            await asyncio.sleep(0.05)
+
+
+async def test_a_pointer_moved_to_a_newer_log_keeps_its_expiry():
+    hub = RedisHub(require_redis())
+    store = RedisEventLogStore(hub.commands, hub.blocking, f"test-{uuid.uuid4().hex[:8]}", retention_s=1.0)
+    first = await store.create("a")
+    await store.set_pointer("conv", "a")
+    second = await store.create("b")
+    await store.set_pointer("conv", "b")  # the next answer started before the first's log closed
+    await first.close()
+    await store.pointer_ended("conv", "a")
+    assert await store.commands.pttl(store.pointer_key("conv")) > 3_600_000
+    await second.close()
+    await store.pointer_ended("conv", "b")
+    assert 0 < await store.commands.pttl(store.pointer_key("conv")) <= 1000
+    await hub.close()
 
 
 async def test_a_writer_that_lost_its_job_cannot_append():
