@@ -77,6 +77,8 @@ class MyUsage(BaseModel):
     tier: str
     limits: TierLimits
     remaining_tokens_this_minute: int
+    tokens_counted_today: int = Field(description="What today's (UTC) token quota counts so far: settled requests "
+                                              "at their discounts, running ones at what they reserved.")
 
 
 class FeedbackIn(BaseModel):

@@ -234,11 +234,11 @@ class Run:
         if summaries:
             try:  # straight to the store: a miss here is no refusal (no 429 counted)
                 reservation = await self.traffic.quotas.reserve(self.ask.user.id, tier,
-                                                                self.charged(budget + summaries))
+                                                                self.charged(budget + summaries), self.ask.batch)
             except QuotaExceeded:
                 summaries = 0
         if reservation is None:
-            reservation = await self.traffic.reserve(self.ask.user, tier, self.charged(budget))
+            reservation = await self.traffic.reserve(self.ask.user, tier, self.charged(budget), self.ask.batch)
         if not self.continuing:  # a taken-over run was admitted on its first gateway
             try:
                 self.refuse_if_full(tokens)
@@ -256,7 +256,8 @@ class Run:
         self._fit(tokens)
         if self._reservation is None:
             self.budget = tokens + self.max_tokens * self.ask.n
-            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, self.charged(self.budget))
+            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, self.charged(self.budget),
+                                                           self.ask.batch)
         elif not self.continuing:  # a continued answer's tokens were reserved when it began
             self._within_budget(tokens)
         if self.stopped:

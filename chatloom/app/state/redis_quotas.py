@@ -10,6 +10,8 @@ on one shard):
 - `req`: request start times (requests per minute);
 - `act`: running reservations, scored by when they stop counting (a gateway that died mid-answer
   does not hold a concurrency slot forever);
+- `bat`: running batch reservations, scored the same way: they count against the day only, so they
+  are in none of `win`, `req` and `act`;
 - `day:<date>`: the tokens of one UTC day;
 - `seeded:<date>`: when that day's count was started.
 
@@ -40,8 +42,10 @@ from chatloom.app.traffic.tiers import Tier
 
 # Drop what left the minute window (tokens stay while the reservation still runs), then read the figures.
 _PRUNE_AND_READ = """
-local win, tok, req, act, day = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local win, tok, req, act, day, bat = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7]
 local now = tonumber(ARGV[1])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', bat, '-inf', now)) do redis.call('HDEL', tok, id) end
+redis.call('ZREMRANGEBYSCORE', bat, '-inf', now)
 local old = redis.call('ZRANGEBYSCORE', win, '-inf', now - 60)
 for _, id in ipairs(old) do
   if not redis.call('ZSCORE', act, id) then redis.call('HDEL', tok, id) end
@@ -80,9 +84,10 @@ end
 """
 
 _CHECK = """
-local function check(tokens, new_request)
+local function check(tokens, new_request, batch)
   if tokens > tpm then return 1 end
   if day_used + tokens > tpd then return 2 end
+  if batch then return 0 end
   if new_request and active >= max_conc then return 3 end
   if new_request and nreq >= rpm then return 4 end
   if used + tokens > tpm then return 5 end
@@ -102,13 +107,21 @@ end
 RESERVE = _SEED_DAY + _PRUNE_AND_READ + _WAIT_FOR + """
 local id, tokens = ARGV[2], tonumber(ARGV[3])
 local tpm, tpd, rpm, max_conc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local hold_s = tonumber(ARGV[8])
+local hold_s, batch = tonumber(ARGV[8]), ARGV[10] == '1'
 """ + _CHECK + """
-local kind = check(tokens, true)
+local kind = check(tokens, true, batch)
 if kind ~= 0 then
   local wait = 0
   if kind == 5 then wait = wait_for(tokens, tpm) end
   return {tostring(kind), tostring(wait), """ + _FIGURES + """}
+end
+if batch then
+  redis.call('HSET', tok, id, tokens)
+  redis.call('ZADD', bat, now + hold_s, id)
+  redis.call('INCRBY', day, tokens)
+  redis.call('EXPIRE', day, 2 * 86400)
+  for _, k in ipairs({tok, bat}) do redis.call('EXPIRE', k, math.max(120, hold_s + 60)) end
+  return {'0', '0', """ + _FIGURES + """}
 end
 redis.call('ZADD', win, now, id)
 redis.call('HSET', tok, id, tokens)
@@ -124,7 +137,7 @@ EXTEND = _PRUNE_AND_READ + _WAIT_FOR + """
 local id, extra = ARGV[2], tonumber(ARGV[3])
 local tpm, tpd, rpm, max_conc = tonumber(ARGV[4]), tonumber(ARGV[5]), 0, 0
 """ + _CHECK + """
-local kind = check(extra, false)
+local kind = check(extra, false, ARGV[6] == '1')
 if kind ~= 0 then
   local wait = 0
   if kind == 5 then wait = wait_for(extra, tpm) end
@@ -138,9 +151,10 @@ return {'0', '0', """ + _FIGURES + """}
 
 # Settling happens once, whichever gateway does it: only the call that removes the running entry counts.
 SETTLE = """
-local tok, act, day, seeded = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local tok, act, day, seeded, bat = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, used, reserved, created = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if redis.call('ZREM', act, id) == 0 then
+local running, batch = redis.call('ZREM', act, id), redis.call('ZREM', bat, id)
+if running == 0 and batch == 0 then
   -- Unknown here: settled already, or made before the day's count was started again from metering.
   local since = tonumber(redis.call('GET', seeded) or 'nil')
   if since and created < since and redis.call('HEXISTS', tok, id) == 0 then
@@ -151,7 +165,11 @@ if redis.call('ZREM', act, id) == 0 then
   return 0
 end
 local current = tonumber(redis.call('HGET', tok, id) or reserved)
-if redis.call('HEXISTS', tok, id) == 1 then redis.call('HSET', tok, id, used) end
+if batch == 1 then
+  redis.call('HDEL', tok, id)  -- in no minute window
+elseif redis.call('HEXISTS', tok, id) == 1 then
+  redis.call('HSET', tok, id, used)
+end
 local day_used = tonumber(redis.call('GET', day) or '0')
 if redis.call('EXISTS', day) == 1 then
   redis.call('SET', day, math.max(0, day_used + used - current), 'KEEPTTL')
@@ -196,7 +214,7 @@ class RedisQuotaStore(QuotaStore):
     def _keys(self, user_id: str, day: str) -> list[str]:
         base = f"{self.prefix}:quota:{{{user_id}}}"
         return [f"{base}:win", f"{base}:tok", f"{base}:req", f"{base}:act", f"{base}:day:{day}",
-                f"{base}:seeded:{day}"]
+                f"{base}:seeded:{day}", f"{base}:bat"]
 
     @staticmethod
     def _figures(reply: list) -> tuple[int, float, int, int, int, int, float | None, float | None]:
@@ -212,18 +230,19 @@ class RedisQuotaStore(QuotaStore):
             raise refusal(kind, tier, tokens, used, day_used, now, oldest if oldest is not None else now,
                           wait if kind == TOKENS_PER_MINUTE else 0.0, state)
 
-    async def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
+    async def reserve(self, user_id: str, tier: Tier, tokens: int, batch: bool = False) -> Reservation:
         now = self.clock()
-        reservation = Reservation(user_id, tokens, now, _today(now))
+        reservation = Reservation(user_id, tokens, now, _today(now), batch=batch)
         args = [repr(now), reservation.id, tokens, tier.tokens_per_minute, tier.tokens_per_day,
                 tier.requests_per_minute, tier.max_concurrent, repr(self.hold_s)]
         keys = self._keys(user_id, reservation.day)
         # A missing count (the day's first request, or Redis lost it, whether this gateway had seen it or
         # not) starts from metering's figure: the script answers -1 and asks for it.
-        reply = await self._reserve(keys=keys, args=[*args, "" if self.day_floor else "0"])
+        flag = "1" if batch else "0"
+        reply = await self._reserve(keys=keys, args=[*args, "" if self.day_floor else "0", flag])
         if _text(reply[0]) == "-1":
             floor = await self.day_floor(user_id, reservation.day)
-            reply = await self._reserve(keys=keys, args=[*args, str(max(0, int(floor)))])
+            reply = await self._reserve(keys=keys, args=[*args, str(max(0, int(floor))), flag])
         self._raise_if_refused(reply, tier, tokens, now)
         return reservation
 
@@ -234,7 +253,7 @@ class RedisQuotaStore(QuotaStore):
         now = self.clock()
         reply = await self._extend(keys=self._keys(reservation.user_id, reservation.day),
                                    args=[repr(now), reservation.id, extra, tier.tokens_per_minute,
-                                         tier.tokens_per_day])
+                                         tier.tokens_per_day, "1" if reservation.batch else "0"])
         self._raise_if_refused(reply, tier, extra, now)
         reservation.tokens = tokens
 
@@ -255,8 +274,8 @@ class RedisQuotaStore(QuotaStore):
             task.add_done_callback(self._pending.discard)
 
     async def _settle_now(self, reservation: Reservation, used_tokens: int) -> None:
-        _win, tok, _req, act, day, seeded = self._keys(reservation.user_id, reservation.day)
-        await self._settle(keys=[tok, act, day, seeded],
+        _win, tok, _req, act, day, seeded, bat = self._keys(reservation.user_id, reservation.day)
+        await self._settle(keys=[tok, act, day, seeded, bat],
                            args=[reservation.id, used_tokens, reservation.tokens, repr(reservation.created)])
         reservation.settled = True
 

@@ -134,9 +134,9 @@ class Traffic:
         retry = max(1, math.ceil(exc.retry_after))
         return ApiError(429, str(exc), exc.code, headers={"Retry-After": str(retry), **exc.state.headers()})
 
-    async def reserve(self, user: User, tier: Tier, tokens: int) -> Reservation:
+    async def reserve(self, user: User, tier: Tier, tokens: int, batch: bool = False) -> Reservation:
         try:
-            return await self.quotas.reserve(user.id, tier, tokens)
+            return await self.quotas.reserve(user.id, tier, tokens, batch)
         except QuotaExceeded as exc:
             raise self._refusal(exc) from None
 

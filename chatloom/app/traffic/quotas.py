@@ -5,6 +5,11 @@ against the user's per-minute and per-day budgets at once, so any number of conc
 can never be granted more than the limit. When the generation ends (finished, stopped, failed)
 the reservation is settled to the tokens really used, giving back the rest.
 
+A batch reservation (a Batch API request) counts against the day's tokens only: the batch class
+already runs only on capacity interactive traffic leaves idle, `batch.concurrency` at a time, so it
+takes none of the user's requests per minute, tokens per minute or concurrent generations, and a
+user's chat is never refused because their own batch is running.
+
 `QuotaStore` is the interface (async, so a store may live in another server); `MemoryQuotaStore`
 keeps the counters in this process; `chatloom.app.state.redis_quotas.RedisQuotaStore` keeps them
 in Redis, one Lua script per call, so the check-and-reserve stays atomic across any number of gateways.
@@ -48,6 +53,7 @@ class QuotaState:
     limit_tokens: int
     remaining_tokens: int
     reset_tokens_s: float
+    day_used: int = 0  # what the day's quota counts so far (running reservations in full)
 
     def headers(self) -> dict[str, str]:
         return {"x-ratelimit-limit-requests": str(self.limit_requests),
@@ -77,14 +83,15 @@ class Reservation:
     created: float
     day: str
     settled: bool = False
+    batch: bool = False  # counted against the day only
     _entry: list = field(default_factory=list, repr=False)  # [time, tokens] in the minute window
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names it in a shared store
 
 
 class QuotaStore(abc.ABC):
     @abc.abstractmethod
-    async def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
-        """Count `tokens` against the user's budgets now, or raise QuotaExceeded."""
+    async def reserve(self, user_id: str, tier: Tier, tokens: int, batch: bool = False) -> Reservation:
+        """Count `tokens` against the user's budgets now (`batch`: the day's only), or raise QuotaExceeded."""
 
     @abc.abstractmethod
     async def extend(self, reservation: Reservation, tier: Tier, tokens: int) -> None:
@@ -112,12 +119,14 @@ TOO_BIG, PER_DAY, CONCURRENCY, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = range(1,
 
 
 def refusal_kind(tier: Tier, tokens: int, new_request: bool, minute_used: int, day_used: int, active: int,
-                 requests: int) -> int | None:
+                 requests: int, batch: bool = False) -> int | None:
     """Which limit `tokens` more would break (None: none). Shared by every store, so all refuse alike."""
     if tokens > tier.tokens_per_minute:
         return TOO_BIG
     if day_used + tokens > tier.tokens_per_day:
         return PER_DAY
+    if batch:
+        return None
     if new_request and active >= tier.max_concurrent:
         return CONCURRENCY
     if new_request and requests >= tier.requests_per_minute:
@@ -155,7 +164,7 @@ def quota_state(tier: Tier, minute_used: int, day_used: int, requests: int, newe
     reset_requests = (oldest_request + MINUTE - now) if requests and oldest_request is not None else 0.0
     remaining_tokens = min(tier.tokens_per_minute - minute_used, tier.tokens_per_day - day_used)
     return QuotaState(tier.requests_per_minute, tier.requests_per_minute - requests, reset_requests,
-                      tier.tokens_per_minute, remaining_tokens, reset_tokens)
+                      tier.tokens_per_minute, remaining_tokens, reset_tokens, day_used)
 
 
 def _today(now: float) -> str:
@@ -219,19 +228,23 @@ class MemoryQuotaStore(QuotaStore):
                 return t + MINUTE - now
         return MINUTE
 
-    def _check(self, c: _UserCounters, tier: Tier, tokens: int, now: float, new_request: bool) -> None:
+    def _check(self, c: _UserCounters, tier: Tier, tokens: int, now: float, new_request: bool,
+               batch: bool = False) -> None:
         used = self._minute_used(c)
-        kind = refusal_kind(tier, tokens, new_request, used, c.day_tokens, c.active, len(c.requests))
+        kind = refusal_kind(tier, tokens, new_request, used, c.day_tokens, c.active, len(c.requests), batch)
         if kind is not None:
             wait = self._wait_for(c, now, tokens, tier.tokens_per_minute) if kind == TOKENS_PER_MINUTE else 0.0
             oldest = c.requests[0] if c.requests else now
             raise refusal(kind, tier, tokens, used, c.day_tokens, now, oldest, wait, self._state(c, tier, now))
 
     @_locked
-    async def reserve(self, user_id: str, tier: Tier, tokens: int) -> Reservation:
+    async def reserve(self, user_id: str, tier: Tier, tokens: int, batch: bool = False) -> Reservation:
         now = self.clock()
         c = self._counters(user_id, now)
-        self._check(c, tier, tokens, now, new_request=True)
+        self._check(c, tier, tokens, now, new_request=True, batch=batch)
+        if batch:
+            c.day_tokens += tokens
+            return Reservation(user_id, tokens, now, c.day, batch=True)
         entry = [now, tokens]
         c.minute.append(entry)
         c.requests.append(now)
@@ -246,8 +259,9 @@ class MemoryQuotaStore(QuotaStore):
             return
         now = self.clock()
         c = self._counters(reservation.user_id, now)
-        self._check(c, tier, extra, now, new_request=False)
-        reservation._entry[1] += extra
+        self._check(c, tier, extra, now, new_request=False, batch=reservation.batch)
+        if reservation._entry:
+            reservation._entry[1] += extra
         c.day_tokens += extra
         reservation.tokens = tokens
 
@@ -258,10 +272,11 @@ class MemoryQuotaStore(QuotaStore):
         reservation.settled = True
         now = self.clock()
         c = self._counters(reservation.user_id, now)
-        c.active = max(0, c.active - 1)
         delta = used_tokens - reservation.tokens
-        # The entry may have left the minute window already; changing it then changes nothing.
-        reservation._entry[1] = used_tokens
+        if not reservation.batch:
+            c.active = max(0, c.active - 1)
+            # The entry may have left the minute window already; changing it then changes nothing.
+            reservation._entry[1] = used_tokens
         if reservation.day == c.day:
             c.day_tokens = max(0, c.day_tokens + delta)
 

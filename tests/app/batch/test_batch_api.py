@@ -134,7 +134,7 @@ async def test_batch_tokens_count_at_the_discount(app, alice, settings):
     body = jsonl((await sdk.files.content(done.output_file_id)).content)[0]["response"]["body"]
     ctx = app.state.ctx
     state = await ctx.traffic.quotas.state(await _user_id(ctx, source.id), ctx.traffic.tiers.for_user("free"))
-    used = state.limit_tokens - state.remaining_tokens
+    used = state.day_used  # batch lines count against the day only
     # Cached prompt tokens count at their own discount first; then the batch pays a quarter, rounded up.
     cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     full = body["usage"]["total_tokens"] - int(cached * settings.traffic.cached_input_discount)

@@ -168,6 +168,29 @@ async def test_a_line_the_quota_could_never_take_fails_instead_of_waiting(tmp_pa
         assert refused["response"]["body"]["error"]["code"] == "request_too_large"
 
 
+async def test_a_running_batch_takes_none_of_its_owners_per_minute_limits(tmp_path):
+    """More lines than the tier's requests per minute end in seconds, and their owner chats beside them on
+    a tier that runs one generation at a time: batch lines count against the day's tokens only."""
+    tiers = write_tiers(tmp_path, free={"requests_per_minute": 3, "max_concurrent": 1})
+    backend = ScriptedBackend(WORDS, delay_s=0.01)
+    settings = make_settings(tmp_path, traffic={"tiers_file": tiers}, batch={"concurrency": 2},
+                             sampling={"max_tokens": 100})
+    app = create_app(settings, backend)
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        alice = await signup(client, "alice")
+        batch_id = await start_batch(client, alice, 8)
+        while backend.running == 0:  # a batch line is in the engine
+            await asyncio.sleep(0.005)
+        r = await client.post("/v1/chat/completions", headers=alice, json={
+            "model": "scripted", "messages": [{"role": "user", "content": "now"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        batch = await wait_batch(client, alice, batch_id, lambda b: b["status"] == "completed", timeout=30)
+        assert batch["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
+        usage = (await client.get("/usage", headers=alice)).json()
+        assert usage["totals"]["requests"] == 9  # every line metered, and the chat
+
+
 async def test_lines_left_when_the_window_ends_go_to_the_error_file(tmp_path):
     settings = make_settings(tmp_path, batch={"concurrency": 1, "poll_s": 0.05}, sampling={"max_tokens": 100})
     app = create_app(settings, ScriptedBackend(WORDS, delay_s=0.01))

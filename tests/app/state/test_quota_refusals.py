@@ -141,9 +141,9 @@ async def test_the_reservation_covers_the_system_prompt_and_the_tool_description
         asked: list[tuple[str, int]] = []
         reserve, extend = quotas.reserve, quotas.extend
 
-        async def recording_reserve(user_id, tier, tokens):
+        async def recording_reserve(user_id, tier, tokens, batch=False):
             asked.append(("reserve", tokens))
-            return await reserve(user_id, tier, tokens)
+            return await reserve(user_id, tier, tokens, batch)
 
         async def recording_extend(reservation, tier, tokens):
             asked.append(("extend", tokens))

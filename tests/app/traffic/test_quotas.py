@@ -141,6 +141,35 @@ async def test_requests_per_minute(make_store):
     await store.reserve("other-user", tier, 1)  # users do not share counters
 
 
+async def test_batch_reservations_count_against_the_day_only(make_store):
+    """A running batch takes none of the user's requests, tokens per minute or concurrent generations:
+    their chat goes on beside it. Its tokens count against the day's quota, and settle like any other."""
+    clock = Clock()
+    store = make_store(clock)
+    tier = small_tier(tokens_per_minute=100, tokens_per_day=1000, requests_per_minute=2, max_concurrent=1)
+    running = [await store.reserve("u", tier, 90, batch=True) for _ in range(5)]  # more than any minute allows
+    assert all(r.batch for r in running)
+    state = await store.state("u", tier)
+    assert state.remaining_requests == 2 and state.remaining_tokens == 100
+    chat = await store.reserve("u", tier, 90)  # the user's own chat is not refused
+    await store.extend(running[0], tier, 95)  # a batch prompt found larger: the day's count only
+    await store.settle(chat, 40)
+    for r in running:
+        await store.settle(r, 10)
+    await store.settle(running[0], 10)  # settling twice changes nothing
+    clock.t += 61
+    # The day holds the chat's 40 and the batch's 5 x 10 (90): 9 more of 100 in one minute, then 10 more.
+    for _ in range(9):
+        await store.settle(await store.reserve("u", tier, 100, batch=True), 100)
+    with pytest.raises(QuotaExceeded) as refused:
+        await store.reserve("u", tier, 20, batch=True)
+    assert refused.value.code == "insufficient_quota" and "990 of 1000" in str(refused.value)
+    await store.reserve("u", tier, 10, batch=True)
+    with pytest.raises(QuotaExceeded) as too_big:  # larger than a minute's tokens: as for any request
+        await store.reserve("other", tier, 101, batch=True)
+    assert too_big.value.code == "rate_limit_exceeded"
+
+
 def app_with(tmp_path, backend, **settings):
     return create_app(make_settings(tmp_path, **settings), backend)
 

@@ -32,7 +32,7 @@ async def my_usage(ctx: Ctx, user: CurrentUser, session: SessionDep,
                         requests_per_minute=tier.requests_per_minute, max_concurrent=tier.max_concurrent,
                         max_tokens=tier.max_tokens, models=list(tier.models) if tier.models else None)
     return MyUsage(**report.model_dump(), tier=tier.name, limits=limits,
-                   remaining_tokens_this_minute=max(0, state.remaining_tokens))
+                   remaining_tokens_this_minute=max(0, state.remaining_tokens), tokens_counted_today=state.day_used)
 
 
 async def _own_answer(session, user_id: str, message_id: str) -> Message:
