@@ -48,6 +48,17 @@ async def start_batch(client: httpx.AsyncClient, headers: dict, n: int) -> str:
     return r.json()["id"]
 
 
+async def chat_beside_a_batch(client: httpx.AsyncClient, backend: ScriptedBackend, headers: dict, n: int) -> str:
+    """Start a batch of `n` lines, and once one of them is in the engine, chat: the chat must get its answer."""
+    batch_id = await start_batch(client, headers, n)
+    while backend.running == 0:
+        await asyncio.sleep(0.005)
+    r = await client.post("/v1/chat/completions", headers=headers, json={
+        "model": "scripted", "messages": [{"role": "user", "content": "now"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    return batch_id
+
+
 async def wait_batch(client, headers, batch_id, done, timeout: float = 30) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -70,12 +81,7 @@ async def test_a_batch_request_gives_way_to_interactive_work(tmp_path):
     async with app.router.lifespan_context(app), \
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         alice = await signup(client, "alice")
-        batch_id = await start_batch(client, alice, 3)
-        while backend.running == 0:  # a batch line is in the engine
-            await asyncio.sleep(0.005)
-        r = await client.post("/v1/chat/completions", headers=alice, json={
-            "model": "scripted", "messages": [{"role": "user", "content": "now"}], "max_tokens": 2})
-        assert r.status_code == 200, r.text
+        batch_id = await chat_beside_a_batch(client, backend, alice, 3)
         # The batch request stopped for it (not finished: 20 words at 20 ms each), and ran again after it.
         assert len(backend.aborted) == 1
         prompts = [req.messages[-1]["content"] for req in backend.requests]
@@ -179,12 +185,7 @@ async def test_a_running_batch_takes_none_of_its_owners_per_minute_limits(tmp_pa
     async with app.router.lifespan_context(app), \
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         alice = await signup(client, "alice")
-        batch_id = await start_batch(client, alice, 8)
-        while backend.running == 0:  # a batch line is in the engine
-            await asyncio.sleep(0.005)
-        r = await client.post("/v1/chat/completions", headers=alice, json={
-            "model": "scripted", "messages": [{"role": "user", "content": "now"}], "max_tokens": 2})
-        assert r.status_code == 200, r.text
+        batch_id = await chat_beside_a_batch(client, backend, alice, 8)
         batch = await wait_batch(client, alice, batch_id, lambda b: b["status"] == "completed", timeout=30)
         assert batch["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
         usage = (await client.get("/usage", headers=alice)).json()

@@ -183,6 +183,17 @@ async def _answer_on_the_first_of_two(stack: AsyncExitStack, tmp_path, db_url: s
     raise AssertionError(f"the answer never logged {events} events")
 
 
+async def _freeze_until_taken_over(app1, app2, cid: str) -> None:
+    """Gateway 1 drops its copy of the answer and stops renewing its lease; returns once gateway 2 runs it."""
+    await app1.state.ctx.conversations.abandon(cid)
+    await app1.state.ctx.hot.keeper.close()
+    for _ in range(1000):
+        if app2.state.ctx.conversations.running(cid) is not None:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("gateway 2 never took the answer over")
+
+
 async def _resume_on(g2: httpx.AsyncClient, cid: str, headers: dict, last: int) -> list:
     """The rest of the answer read on gateway 2 after event `last`; a stream that never ends fails the test."""
     r = await asyncio.wait_for(g2.get(f"/conversations/{cid}/stream", headers={**headers, "Last-Event-ID": str(last)}),
@@ -275,14 +286,7 @@ async def test_a_frozen_gateway_that_wakes_and_writes_does_not_leave_the_answer_
         g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
         app1, app2 = g1._transport.app, g2._transport.app
         message_id = gen.message_id
-        await app1.state.ctx.conversations.abandon(cid)
-        await app1.state.ctx.hot.keeper.close()
-        for _ in range(1000):  # until gateway 2 has taken it over
-            taken = app2.state.ctx.conversations.running(cid)
-            if taken is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert taken is not None, "gateway 2 never took the answer over"
+        await _freeze_until_taken_over(app1, app2, cid)
         logs = app1.state.ctx.hot.logs
         for _ in range(100):  # the stale writer squeezes one entry in after the newest
             newest = (await logs.events(message_id))[-1].id
@@ -307,14 +311,7 @@ async def test_a_frozen_gateway_that_wakes_cannot_write_to_a_taken_over_answer(t
     async with AsyncExitStack() as stack:
         g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url, tiny_backend)
         app1, app2 = g1._transport.app, g2._transport.app
-        await app1.state.ctx.conversations.abandon(cid)
-        await app1.state.ctx.hot.keeper.close()
-        for _ in range(1000):  # until gateway 2 has taken it over
-            taken = app2.state.ctx.conversations.running(cid)
-            if taken is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert taken is not None, "gateway 2 never took the answer over"
+        await _freeze_until_taken_over(app1, app2, cid)
         with pytest.raises(LogTakenOver):
             await gen.log.inner.append({"token": " zombie"})
         rest = await _resume_on(g2, cid, alice, 0)
