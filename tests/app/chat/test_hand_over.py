@@ -16,9 +16,15 @@ class _Run:
         self.events.append(f"stop {self.cid}")
 
 
+class _Log:
+    async def settled(self) -> None:
+        """Nothing is being published: the fake answers write their last piece themselves."""
+
+
 class _Generation:
     def __init__(self, events: list[str], cid: str) -> None:
         self.run = _Run(events, cid)
+        self.log = _Log()
         self.finished = asyncio.Event()
         self.abandoned = self.stop_requested = False
         self.task = None
