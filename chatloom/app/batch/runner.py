@@ -24,6 +24,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Awaitable, Callable, Mapping
 
 from sqlalchemy import delete, update
+from sqlalchemy.exc import DBAPIError
 
 from chatloom.app.batch import results
 from chatloom.app.batch.ended import Ended
@@ -94,7 +95,9 @@ class BatchRunner:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the database away: try again next time
+            except (DBAPIError, OSError) as exc:  # the database away: try again next time
+                log.warning("looking for batches to run skipped: %s: %s", type(exc).__name__, exc)
+            except Exception:
                 log.exception("looking for batches to run")
             try:
                 async with asyncio.timeout(self.settings.poll_s):
@@ -221,8 +224,9 @@ class BatchRunner:
         async with self.db.session() as session:
             for row in await Batches(session).pending_lines(batch.id, limit=None):
                 queue.put_nowait(row)
-        # One of the user's concurrent generations stays free for their interactive requests.
-        width = min(self.settings.concurrency, max(1, self.user_slots(user) - 1), max(1, queue.qsize()))
+        # At most as many lines at once as the user's tier runs generations; they take none of the user's
+        # own slots (batch requests count against the day's quota only), so their chat is never held up.
+        width = min(self.settings.concurrency, max(1, self.user_slots(user)), max(1, queue.qsize()))
         ended = Ended(self.db, batch.id, self.quiet)
         workers = [asyncio.create_task(self._worker(endpoint, user, queue, ended)) for _ in range(width)]
         watch = asyncio.create_task(self._watch(batch))
