@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
+from typing import Callable
 
 from chatloom.settings import Settings
 
@@ -49,6 +51,8 @@ async def serve_h2(app, settings: Settings, tls_cert: str, tls_key: str,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(quiet_tls_closes_at_shutdown(stop.is_set))
     try:
         await serve(app, hypercorn_config(settings, tls_cert, tls_key), shutdown_trigger=stop.wait)
     except Exception as exc:
@@ -58,6 +62,21 @@ async def serve_h2(app, settings: Settings, tls_cert: str, tls_key: str,
         # dropped) out of serve() when it closes HTTP/2 connections with SSE streams open at shutdown. The
         # shutdown itself has run by then (answers finished or handed over): a clean stop, not a crash.
         log.warning("HTTP/2 connections open at shutdown were closed with errors: %s", _summary(exc))
+    finally:
+        loop.set_exception_handler(previous)
+
+
+def quiet_tls_closes_at_shutdown(stopping: Callable[[], bool]):
+    """The event loop's error handler while Hypercorn serves: a TLS error from closing a connection once
+    the server is stopping (a client that sent data after the close, say) is one debug line, not an
+    ERROR traceback from asyncio for every connection a drain closes. Anything else goes to asyncio."""
+    def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if stopping() and isinstance(exc, ssl.SSLError):
+            log.debug("TLS connection closed with an error at shutdown: %s", exc)
+            return
+        loop.default_exception_handler(context)
+    return handle
 
 
 def _summary(exc: BaseException) -> str:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import ssl
 import subprocess
 import time
 
 import httpx
 import pytest
 
-from chatloom.app.http_server import serve_h2
+from chatloom.app.http_server import quiet_tls_closes_at_shutdown, serve_h2
 from chatloom.app.main import create_app
 from chatloom.cli.main import main as cli_main
 
@@ -133,3 +135,25 @@ async def aenumerate(items):
     async for item in items:
         yield n, item
         n += 1
+
+
+def test_tls_errors_of_connections_closed_at_shutdown_are_not_errors(caplog):
+    """A drain closes every open connection; a TLS error from one then is a debug line, while the same
+    error before the server stops, or another error at shutdown, still reaches asyncio's handler."""
+    stopping = False
+    handle = quiet_tls_closes_at_shutdown(lambda: stopping)
+    loop = asyncio.new_event_loop()
+    tls_error = ssl.SSLError(1, "[SSL: APPLICATION_DATA_AFTER_CLOSE_NOTIFY] application data after close notify")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            handle(loop, {"message": "Unhandled exception in client_connected_cb", "exception": tls_error})
+            assert [r.levelno for r in caplog.records] == [logging.ERROR]  # serving: asyncio reports it
+            caplog.clear()
+            stopping = True
+            handle(loop, {"message": "Unhandled exception in client_connected_cb", "exception": tls_error})
+            assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+            caplog.clear()
+            handle(loop, {"message": "Task exception was never retrieved", "exception": RuntimeError("bug")})
+            assert [r.levelno for r in caplog.records] == [logging.ERROR]
+    finally:
+        loop.close()
