@@ -16,11 +16,10 @@ through the same stages, in this order:
 `stream()` yields typed pieces, a union of small frozen dataclasses: `Thinking` and `AnswerText` as text
 arrives, then exactly one `Finished` (finish reason, `Usage`, `Timings`). An ask of n > 1 choices is read
 with `stream_choices()` instead: each piece comes as a `Choice` with its index, and each choice ends with
-its own `Finished` (choice_stream.py holds one choice's state). Fronts match on the piece type
-and ignore types they do not know, so new kinds can be added without breaking them: `ToolCall` is one
-(a whole call the model made, picked out of its text when the ask has tools; see tool_calls.py).
-An ask may carry a `constraint` (JSON mode, a schema...) that the engine enforces token by token. Prompts are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`); continuing an answer from
-text already produced (after a crash or a lost replica) is another prompt kind to add here.
+its own `Finished` (choice_stream.py holds one choice's state). Fronts match on the piece type and
+ignore types they do not know: `ToolCall` is one (a whole call the model made, see tool_calls.py). An
+ask may carry a `constraint` (JSON mode, a schema...) that the engine enforces token by token. Prompts
+are a union too (`ChatPrompt`, `TextPrompt`, `TokenPrompt`).
 
 `Run.stop()` may be called from any task: it leaves the queue (admit raises `GenerationStopped`) or
 aborts the backend request (the stream ends with finish reason 'abort'). `Run.charge(usage)` adds model
@@ -36,8 +35,8 @@ After that, admit() and resume() fit each round into what is left of the budget 
 max_tokens) instead of asking for more; a later round that no longer fits raises `BudgetSpent` and
 the answer ends as 'length'. Summaries have an allowance of their own (summary_admission.py).
 close() settles the reservation down to the tokens really used. docs/quotas.md states the rule.
-A batch ask (`Ask.batch`) runs in the admission queue's batch class and its tokens, reserved and settled,
-count at `[batch] quota_discount` (`Run.charged`); metering records the tokens really used.
+A batch ask (`Ask.batch`) runs in the admission queue's batch class; its tokens count against the day's
+quota only, at `[batch] quota_discount` (`Run.charged`). Metering records the tokens really used.
 """
 from __future__ import annotations
 
@@ -117,9 +116,7 @@ class Run:
     """One generation's trip; see the module docstring for the order of the calls."""
 
     def __init__(self, pipeline: Pipeline, ask: Ask, limits: Limits) -> None:
-        self.pipeline = pipeline
-        self.ask = ask
-        self.limits = limits
+        self.pipeline, self.ask, self.limits = pipeline, ask, limits
         self.request_id = ask.request_id or f"gen-{uuid.uuid4().hex}"
         self.max_tokens = limits.max_tokens  # lowered when the prompt leaves less room
         self.usage = Usage()  # of the stream, so far (settled even if the run fails half-way), every choice's
@@ -136,9 +133,7 @@ class Run:
         self._slot: Slot | None = None
         self._queued: asyncio.Future | None = None
         self._prepared: tuple[Prompt, Prompt, int] | None = None  # (as given, as sent, its tokens)
-        self._streaming = False
-        self._released = False
-        self._closed = False
+        self._streaming = self._released = self._closed = False
         self.continuing = False  # taken over from a gateway that died (see adopt)
         self.resume_of, self.keeps_kv = None, False  # the tool round resumed; keep this one's KV (tool_kv.py)
         self.gave_way = False  # a batch run stopped for interactive work (see give_way)
@@ -256,8 +251,8 @@ class Run:
         self._fit(tokens)
         if self._reservation is None:
             self.budget = tokens + self.max_tokens * self.ask.n
-            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier, self.charged(self.budget),
-                                                           self.ask.batch)
+            self._reservation = await self.traffic.reserve(self.ask.user, self.limits.tier,
+                                                           self.charged(self.budget), self.ask.batch)
         elif not self.continuing:  # a continued answer's tokens were reserved when it began
             self._within_budget(tokens)
         if self.stopped:
@@ -421,8 +416,7 @@ class Run:
         return self.usage + self._rounds + self._extra
 
     @property
-    def answer_usage(self) -> Usage:
-        """The stream's own tokens over every round (tool calls), without the work charged to it."""
+    def answer_usage(self) -> Usage:  # every round's stream (tool calls), not the work charged to it
         return self.usage + self._rounds
 
     def charge(self, usage: Usage) -> None:
