@@ -2,7 +2,6 @@
 the same pixel values, the same prompt tokens, the same image embeddings and the same greedy tokens."""
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import pytest
@@ -11,12 +10,10 @@ import torch
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.models import load_model
 from chatloom.models.chat_template import render_chat
-from chatloom.models.vision.images import content_hash
-from chatloom.models.vision.prompt import expand_images
 
 import tiny_vision as tv
 
-MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
+MESSAGES = tv.ONE_IMAGE_QUESTION
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +30,6 @@ def hf(folder):
 @pytest.fixture(scope="module")
 def loaded(folder):
     return load_model(str(folder), "fp32")
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.mark.parametrize("size,mode", [((71, 47), "RGB"), ((20, 90), "RGB"), ((16, 16), "RGB"),
@@ -63,7 +54,7 @@ def test_prompt_tokens_match_the_processor(hf, loaded):
                                              {"type": "image"}, {"type": "text", "text": "?"}]}]
     text = render_chat(loaded.tokenizer.chat_template, messages)
     want = processor(text=text, images=images, return_tensors="pt")["input_ids"][0].tolist()
-    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(i)), i) for i in images])
+    ids, placed = tv.expand(loaded, text, images)
     assert ids == want
     image_token = loaded.vision.image_token_id
     assert [p for image in placed for p in image.positions] == [i for i, t in enumerate(ids) if t == image_token]
@@ -92,7 +83,7 @@ def test_greedy_tokens_match_transformers(hf, loaded, size):
     want = out[0, inputs["input_ids"].shape[1]:].tolist()
 
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=16))
-    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(image)), image)])
+    ids, placed = tv.expand(loaded, text, [image])
     assert ids == inputs["input_ids"][0].tolist()
     rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), images=placed)
     got = None

@@ -2,7 +2,6 @@
 offline: the same pixel values, prompt tokens, image embeddings and greedy tokens."""
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import pytest
@@ -11,13 +10,11 @@ import torch
 from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.models import load_model
 from chatloom.models.chat_template import render_chat
-from chatloom.models.vision.images import content_hash
-from chatloom.models.vision.prompt import expand_images
 
 import tiny_llava as tl
 import tiny_vision as tv
 
-MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
+MESSAGES = tv.ONE_IMAGE_QUESTION
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +31,6 @@ def hf(folder):
 @pytest.fixture(scope="module")
 def loaded(folder):
     return load_model(str(folder), "fp32")
-
-
-def _png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
 
 
 def generate(engine: LLMEngine, ids: list[int], placed, n: int = 12) -> list[int]:
@@ -96,7 +87,7 @@ def test_prompt_tokens_match_the_processor(hf, loaded):
                                              {"type": "image"}, {"type": "text", "text": "?"}]}]
     text = render_chat(loaded.tokenizer.chat_template, messages, add_generation_prompt=True)
     want = hf[1](text=text, images=images, return_tensors="pt")["input_ids"][0].tolist()
-    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(i)), i) for i in images])
+    ids, placed = tv.expand(loaded, text, images)
     assert ids == want
     assert [i.num_tokens for i in placed] == [16, 16]
 
@@ -107,7 +98,7 @@ def test_greedy_tokens_match_transformers(hf, loaded, size):
     text = render_chat(loaded.tokenizer.chat_template, MESSAGES, add_generation_prompt=True)
     want_ids, want = hf_greedy(hf, text, image)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=16))
-    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(image)), image)])
+    ids, placed = tv.expand(loaded, text, [image])
     assert ids == want_ids
     assert generate(engine, ids, placed) == want
     # Without the image the answer differs: the embeddings are what the model read.
@@ -146,7 +137,7 @@ def test_gguf_with_its_mmproj_gives_the_folders_tokens(hf, gguf_pair):
     image = tv.test_image(71, 47, seed=3)
     text = render_chat(loaded.tokenizer.chat_template, MESSAGES, add_generation_prompt=True)
     want_ids, want = hf_greedy(hf, text, image)
-    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(image)), image)])
+    ids, placed = tv.expand(loaded, text, [image])
     assert ids == want_ids
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=16))
     assert generate(engine, ids, placed) == want
@@ -160,7 +151,7 @@ def test_a_vocabulary_without_an_image_token_gets_placeholders(gguf_pair):
     loaded.vision.image_token_in_vocab = False
     image = tv.test_image(40, 40)
     text = "USER: <image>\nhi ASSISTANT:"
-    ids, placed = expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(_png(image)), image)])
+    ids, placed = tv.expand(loaded, text, [image])
     first = loaded.tokenizer.encode("USER: ", add_special=True)
     assert ids[:len(first)] == first
     assert placed[0].positions == list(range(len(first), len(first) + 16))

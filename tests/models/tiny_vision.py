@@ -2,6 +2,7 @@
 tokenizer, image processor and chat template in one Hugging Face folder, as the hub ships SmolVLM."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -71,3 +72,20 @@ def test_image(width: int = 71, height: int = 47, seed: int = 0, mode: str = "RG
     channels = len(mode)
     pixels = rng.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
     return Image.fromarray(pixels if channels > 1 else pixels[..., 0], mode)
+
+
+# A user turn asking about one image, as both vision families' tests send it.
+ONE_IMAGE_QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
+
+
+def png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def expand(loaded, text: str, images: list[Image.Image]):
+    """The prompt's token ids with each image's tokens in place, and where each image goes (as the server does)."""
+    from chatloom.models.vision.images import content_hash
+    from chatloom.models.vision.prompt import expand_images
+    return expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(png(i)), i) for i in images])
