@@ -90,9 +90,9 @@ async def test_a_gateway_refuses_past_the_daily_quota_after_redis_lost_it(tmp_pa
         assert r.json()["error"]["code"] == "insufficient_quota"
 
 
-async def test_a_count_seen_only_by_refusals_is_started_from_metering_too(redis_hub):
-    """A user over quota gets only refusals from a gateway (started after the user's last grant): the
-    count it refused against is one it has seen, and losing it must not reopen the quota."""
+async def _one_grant_metered(redis_hub, tokens: int):
+    """A fresh prefix, a gateway's store that granted user u `tokens` today, and the metering floor that
+    recorded them: (prefix, that store, the floor function)."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
     metered = {"u": 0}
 
@@ -100,9 +100,15 @@ async def test_a_count_seen_only_by_refusals_is_started_from_metering_too(redis_
         return metered[user_id]
 
     first = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)
-    r = await first.reserve("u", TIER, 1000)
-    await first.settle(r, 1000)
-    metered["u"] = 1000
+    await first.settle(await first.reserve("u", TIER, tokens), tokens)
+    metered["u"] = tokens
+    return prefix, first, floor
+
+
+async def test_a_count_seen_only_by_refusals_is_started_from_metering_too(redis_hub):
+    """A user over quota gets only refusals from a gateway (started after the user's last grant): the
+    count it refused against is one it has seen, and losing it must not reopen the quota."""
+    prefix, first, floor = await _one_grant_metered(redis_hub, 1000)
     later = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)  # a gateway restarted since
     with pytest.raises(QuotaExceeded):
         await later.reserve("u", TIER, 10)
@@ -114,16 +120,7 @@ async def test_a_count_seen_only_by_refusals_is_started_from_metering_too(redis_
 async def test_a_gateway_that_never_saw_the_count_starts_it_from_metering(redis_hub):
     """The count is lost before a gateway started after the user's last grant reserves for them: it has
     never seen the count, and must still start it from metering. Before, it started it from 0."""
-    prefix = f"t{uuid.uuid4().hex[:8]}"
-    metered = {"u": 0}
-
-    async def floor(user_id: str, day: str) -> int:
-        return metered[user_id]
-
-    first = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)
-    r = await first.reserve("u", TIER, 950)
-    await first.settle(r, 950)
-    metered["u"] = 950
+    prefix, first, floor = await _one_grant_metered(redis_hub, 950)
     await _forget_everything(redis_hub, prefix)
     fresh = RedisQuotaStore(redis_hub.commands, prefix, day_floor=floor)  # started after the loss
     with pytest.raises(QuotaExceeded) as refused:
