@@ -113,6 +113,7 @@ class Message(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer's prompt cost
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)  # what the answer generated (metered)
     reasoning: Mapped[str | None] = mapped_column(Text)  # the thinking before the answer (reasoning requests)
     # While an answer is written: when its writer began it (or, for answers of versions before `writer`
     # existed, last saved it). Only answers with no writer are judged by its age.

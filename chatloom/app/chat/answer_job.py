@@ -272,7 +272,7 @@ class AnswerJob:
         values = {"text": text, "tokens": self._count(text), "status": status,
                   "reasoning": "".join(out.thinking) or None, "tool_steps": out.steps or None,
                   "finish_reason": None if out.error else reason, "interrupted_reason": None,
-                  "prompt_tokens": gen.run.usage.prompt_tokens or None}
+                  "prompt_tokens": gen.run.usage.prompt_tokens or None, "completion_tokens": gen.answer_tokens()}
         if gen.citations:
             values["citations"] = gen.citations
         if out.error is not None:

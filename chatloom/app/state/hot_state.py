@@ -117,8 +117,9 @@ class HotState:
             await event_log.append({"done": True, "message_id": message.id, "user_message_id": message.parent_id,
                                     "conversation_id": message.conversation_id, "status": message.status,
                                     "finish_reason": message.finish_reason,
-                                    "usage": {"prompt_tokens": message.prompt_tokens or 0,
-                                              "completion_tokens": message.tokens or 0}})
+                                    "usage": {"prompt_tokens": message.prompt_tokens or 0, "completion_tokens":
+                                              message.completion_tokens if message.completion_tokens is not None
+                                              else message.tokens or 0}})
         await event_log.close()
         await self.logs.pointer_ended(record.conversation_id, record.message_id)
 

@@ -231,6 +231,8 @@ async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(
         # The end reports both gateways' tokens, as metered (gateway 1 metered none of them).
         totals = (await g2.get("/usage", headers=alice)).json()["totals"]
         assert done["usage"]["completion_tokens"] == totals["completion_tokens"] >= after
+        async with app2.state.ctx.db.session() as session:  # kept with the answer for a later end event
+            assert (await session.get(Message, message_id)).completion_tokens == totals["completion_tokens"]
         assert await app2.state.ctx.hot.jobs.holder(cid) is None  # the conversation is free again
         first.cancel()
 
@@ -277,6 +279,28 @@ async def test_a_taken_over_answer_already_ended_elsewhere_closes_its_stream(tmp
         saved = (await g2.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
         assert saved["status"] == "interrupted"
         first.cancel()
+
+
+async def test_the_end_another_gateway_writes_reports_the_tokens_generated(tmp_path, db_url):
+    """An answer saved by its gateway, whose log that gateway could not end (the job was taken over
+    meanwhile): the gateway that ends the log reports the tokens generated and metered, not a re-count
+    of the saved text (a random model's text re-tokenizes to more tokens)."""
+    async with AsyncExitStack() as stack:
+        g1, _ = await gateways(stack, tmp_path, db_url, require_redis(), ScriptedBackend())
+        app1 = g1._transport.app
+        alice = await signup(g1, "alice")
+        cid = await new_conversation(g1, alice)
+        async with app1.state.ctx.db.session() as s:
+            q = await Messages(s).add(cid, None, "user", "tell me", 2)
+            a = await Messages(s).add(cid, q.id, "assistant", "a saved answer", 20, "scripted", status="complete")
+            a.finish_reason, a.prompt_tokens, a.completion_tokens = "stop", 5, 7
+            await s.commit()
+        hot = app1.state.ctx.hot
+        event_log = await hot.logs.create(a.id)
+        await event_log.append({"token": "a saved answer"})
+        await hot.fail_job(JobRecord(cid, "gone", a.id, spec={}), "its gateway stopped", app1.state.ctx.db)
+        done = (await hot.logs.events(a.id))[-1].data
+        assert done["done"] is True and done["usage"] == {"prompt_tokens": 5, "completion_tokens": 7}
 
 
 async def test_a_frozen_gateway_that_wakes_and_writes_does_not_leave_the_answer_hanging(tmp_path, db_url, tiny_backend):
