@@ -127,7 +127,12 @@ class Message(Base):
     # The passages of uploaded files the answer's prompt held: [{"n", "file_id", "filename", "chunk_id",
     # "ordinal", "page", "char_start", "char_end", "text"}] (app/files/retrieval.py).
     citations: Mapped[list | None] = mapped_column(JSON)
+    # A user message's Idempotency-Key (the sender's own name for this send): a send repeated after a lost
+    # reply finds the message the first one stored instead of storing, answering and billing it twice.
+    client_key: Mapped[str | None] = mapped_column(String(100))
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("uq_messages_conversation_client_key", "conversation_id", "client_key", unique=True),)
 
 
 class AnswerChunk(Base):

@@ -127,14 +127,25 @@ class Messages:
         self.s = session
 
     async def add(self, conversation_id: str, parent_id: str | None, role: str, text: str, tokens: int,
-                  model: str | None = None, status: str = "complete", writer: str | None = None) -> Message:
+                  model: str | None = None, status: str = "complete", writer: str | None = None,
+                  client_key: str | None = None) -> Message:
         now = utcnow()
         msg = Message(conversation_id=conversation_id, parent_id=parent_id, role=role, text=text, tokens=tokens,
                       model=model, status=status, created=now, writer=writer,
-                      heartbeat=now if writer is not None else None)
+                      heartbeat=now if writer is not None else None, client_key=client_key)
         self.s.add(msg)
         await self.s.flush()
         return msg
+
+    async def by_client_key(self, conversation_id: str, client_key: str) -> Message | None:
+        """The user message a send with this Idempotency-Key stored in the conversation, if any."""
+        return await self.s.scalar(select(Message).where(Message.conversation_id == conversation_id,
+                                                         Message.client_key == client_key))
+
+    async def first_answer(self, message_id: str) -> Message | None:
+        """The oldest answer to a user message: the one its send started."""
+        return await self.s.scalar(select(Message).where(Message.parent_id == message_id,
+                                                         Message.role == "assistant").order_by(Message.id).limit(1))
 
     async def get(self, conversation_id: str, message_id: str) -> Message | None:
         return await self.s.scalar(select(Message).where(

@@ -67,6 +67,11 @@ export async function request(method, path, { body, raw = false, headers = {}, s
 
 const enc = encodeURIComponent;
 
+// A random key for one send (crypto.randomUUID needs a secure context; getRandomValues does not).
+export function sendKey() {
+  return Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, '0')).join('');
+}
+
 export const api = {
   signup: (username, password) => request('POST', '/auth/signup', { body: { username, password } }),
   login: (username, password) => request('POST', '/auth/login', { body: { username, password } }),
@@ -80,7 +85,11 @@ export const api = {
   remove: (id) => request('DELETE', `/conversations/${enc(id)}`),
 
   // These three answer with an event stream: the caller reads the Response.
-  send: (id, body, signal) => request('POST', `/conversations/${enc(id)}/messages`, { body, raw: true, signal }),
+  // `key` (Idempotency-Key): the same for every try of one send, so a retry after a lost reply is answered
+  // with the first try's answer instead of sending the message twice.
+  send: (id, body, signal, key) => request('POST', `/conversations/${enc(id)}/messages`, {
+    body, raw: true, signal, headers: key ? { 'Idempotency-Key': key } : {},
+  }),
   regenerate: (id, messageId, body, signal) =>
     request('POST', `/conversations/${enc(id)}/messages/${enc(messageId)}/regenerate`, { body, raw: true, signal }),
   continueAnswer: (id, messageId, body, signal) =>

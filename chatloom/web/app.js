@@ -1,7 +1,7 @@
 // The chat app's entry point: holds the state and wires the screens (auth, sidebar, messages,
 // composer) to the API. Rendering lives in messages.js / sidebar.js, streaming in run.js.
 import { setupAccount, setupSso, takeSsoResult } from './account.js';
-import { api, session, setUnauthorizedHandler } from './api.js';
+import { api, sendKey, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
 import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
 import { clearImages, pendingImages, setupMicrophone } from './images.js';
@@ -431,7 +431,8 @@ async function sendFromComposer() {
   if (images.length) body.images = images;
   if (last?.role === 'assistant') body.parent_id = last.id;
   const convId = state.convId;
-  await generate(() => api.send(convId, body), {
+  const key = sendKey(); // every retry of this send keeps it
+  await generate(() => api.send(convId, body, undefined, key), {
     onStarted: () => { input.value = ''; autosize(); clearImages(); },
   });
 }

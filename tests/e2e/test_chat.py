@@ -217,6 +217,37 @@ def test_quota_429_is_a_message_with_a_countdown(page):
     assert notice.is_hidden()
 
 
+def test_a_retry_after_a_lost_reply_sends_the_message_once(page):
+    """The server stores and answers the message but the reply never reaches the page; the notice's
+    Retry sends it again with the same Idempotency-Key, and the page shows the first send's answer."""
+    sign_up(page)
+    keys = []
+
+    def lose_the_reply(route):
+        route.fetch()  # the message reaches the server, which stores and answers it
+        keys.append(route.request.headers.get("idempotency-key"))
+        route.abort()  # ...and the page never hears back
+
+    page.route("**/conversations/*/messages", lose_the_reply)
+    send(page, "was this sent twice")
+    notice = page.locator("#notice")
+    notice.wait_for()
+    assert "Cannot reach the server" in notice.inner_text()
+    page.unroute("**/conversations/*/messages")
+    keys_sent = []
+    page.on("request", lambda r: keys_sent.append(r.headers.get("idempotency-key"))
+            if r.method == "POST" and r.url.endswith("/messages") else None)
+    page.wait_for_selector("#notice-retry:not([disabled])", timeout=10_000)
+    page.click("#notice-retry")
+    wait_idle(page, 0)
+    assert "was this sent twice" in answer_text(page)
+    assert keys_sent == keys and len(keys[0]) == 32  # the retry kept the first try's key
+    page.reload()
+    page.wait_for_selector(ASSISTANT)
+    assert page.locator("#messages .message.user").count() == 1
+    assert page.locator(ASSISTANT).count() == 1
+
+
 def test_busy_503_from_the_server_is_a_message(page):
     sign_up(page)
     page.route("**/conversations/*/messages", lambda route: route.fulfill(

@@ -26,6 +26,7 @@ import asyncio
 import re
 from dataclasses import dataclass
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatloom.app.chat.answer_job import AnswerJob, Generation
@@ -34,6 +35,7 @@ from chatloom.app.chat.conversation_prompt import Draft, PromptAssembler, branch
 from chatloom.app.chat.message_images import delete_blobs, image_tokens, save_images
 from chatloom.app.chat.prompt import Turn
 from chatloom.app.chat.recall import relevant_turns
+from chatloom.app.chat.resend import AlreadySent
 from chatloom.app.chat.stopping import Stopping
 from chatloom.app.chat.takeover import TakeOver
 from chatloom.app.tools.builtins import builtin_registry
@@ -119,14 +121,17 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         return True
 
     async def send(self, session: AsyncSession, conv: Conversation, text: str, options: GenerationOptions,
-                   parent_id: object = UNSET, images: list[ImageData] | tuple = ()) -> Generation:
+                   parent_id: object = UNSET, images: list[ImageData] | tuple = (),
+                   client_key: str | None = None) -> Generation:
         """Save a user message (under parent_id, or at the end of the active branch), with `images` (read
-        and checked; kept with the message), and start its answer."""
+        and checked; kept with the message), and start its answer. With `client_key` (the request's
+        Idempotency-Key), AlreadySent when another send with that key stored its message first."""
         if images and self.blobs is None:
             raise ApiError(400, "this server keeps no images in conversations", "unsupported_content", "images")
         if len(text) > self.settings.chat.max_message_chars:
             raise ApiError(400, f"the message is too long: {len(text)} characters, at most "
                            f"{self.settings.chat.max_message_chars} allowed", "message_too_long", "text")
+        conversation_id = conv.id  # read now: a failed write leaves the row unreadable until a rollback
         self._claim(conv.id)
         run = None
         claimed = False
@@ -149,7 +154,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
                                                 summary, context=context_text(passages), session=session,
                                                 recall=recall)
             messages = Messages(session)
-            user_msg = await messages.add(conv.id, parent, "user", text, text_tokens)
+            user_msg = await messages.add(conv.id, parent, "user", text, text_tokens, client_key=client_key)
             if images:
                 written = await save_images(session, self.blobs, options.user.id, user_msg.id, list(images))
             answer = await messages.add(conv.id, user_msg.id, "assistant", "", 0, run.limits.model,
@@ -166,6 +171,12 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
                 raise
             return await self._start(conv.id, user_msg.id, answer.id, run, planned=planned,
                                      citations=citations(passages))
+        except IntegrityError:
+            await session.rollback()
+            await self._give_back(conversation_id, claimed, run)
+            if client_key is not None and await Messages(session).by_client_key(conversation_id, client_key):
+                raise AlreadySent() from None
+            raise
         except BaseException:
             await self._give_back(conv.id, claimed, run)
             raise

@@ -49,7 +49,7 @@ async def read_store(url: str) -> Stored:
         users = {r["username"]: dict(r) for r in await conn.fetch("SELECT id, username, tier FROM users")}
         messages = {r["id"]: dict(r) for r in await conn.fetch(
             "SELECT m.id, m.conversation_id, m.role, m.text, m.tokens, m.status, m.finish_reason, m.prompt_tokens, "
-            "m.error, c.user_id FROM messages m JOIN conversations c ON c.id = m.conversation_id")}
+            "m.completion_tokens, m.error, c.user_id FROM messages m JOIN conversations c ON c.id = m.conversation_id")}
         usage = {r["user_id"]: dict(r) for r in await conn.fetch(
             "SELECT user_id, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens, "
             "sum(completion_tokens) AS completion_tokens, sum(cached_tokens) AS cached_tokens FROM usage "
@@ -165,7 +165,8 @@ def metering_matches(ledger: Ledger, stored: Stored, chat_users: set[str]) -> Ch
             completion == seen if not unseen else seen <= completion <= seen + sum(unseen))
         if not ok:
             failures.append({"user": name, "metered": [prompt, completion], "stored_prompt": prompts.get(name, 0),
-                             "done_completion": seen, "answers_not_seen_ending": len(unseen)})
+                             "done_completion": seen, "answers_not_seen_ending": len(unseen),
+                             **_where_metering_differs(mine, stored, user, used)})
     told: dict[str, list[int]] = {}
     for c in ledger.openai:
         t = told.setdefault(c.user, [0, 0])
@@ -179,6 +180,32 @@ def metering_matches(ledger: Ledger, stored: Stored, chat_users: set[str]) -> Ch
         if metered[0] < p or metered[1] < c:
             failures.append({"user": name, "metered": metered, "told_clients": [p, c]})
     return Check("metering equals stored answers", not failures, figures, failures)
+
+
+def _where_metering_differs(mine: list, stored: Stored, user: dict | None, used: dict | None) -> dict:
+    """For a user whose metering failed: whether the usage rows or the done events disagree with the
+    answers as saved (each keeps the completion tokens its usage row was written with), and which answers'
+    done events reported other counts than their saved rows."""
+    saved = [m for m in stored.messages.values()
+             if user is not None and m["user_id"] == user["id"] and m["role"] == "assistant"]
+    by_id = {m["id"]: m for m in saved}
+    differing = []
+    for a in mine:
+        if not (a.end and a.end.get("event") == "done" and a.end.get("usage")):
+            continue
+        row = by_id.get(a.message_id)
+        said = a.end["usage"]["completion_tokens"]
+        if row is None or row["completion_tokens"] != said:
+            differing.append({"message_id": a.message_id, "done": said, "saved": row and row["completion_tokens"],
+                              "status": row and row["status"], "connections": a.connections})
+    followed = {a.message_id for a in mine}
+    unfollowed = [m for m in saved if m["id"] not in followed]  # stored, but no client ever learned of it
+    return {"saved_completion": sum(m["completion_tokens"] or 0 for m in saved),
+            "saved_answers_no_client_followed": len(unfollowed),
+            "their_completion": sum(m["completion_tokens"] or 0 for m in unfollowed),
+            "saved_answers_with_usage": sum(1 for m in saved if m["completion_tokens"] is not None),
+            "metered_requests": int(used["requests"]) if used else 0,
+            "done_differs_from_saved": differing[:20], "done_differs_count": len(differing)}
 
 
 def fault_windows(ledger: Ledger, grace_s: float = RECOVERY_S) -> list[tuple[float, float]]:

@@ -147,6 +147,8 @@ class Traffic:
     async def _turn(self, user: User, conversation: str, rng: random.Random) -> httpx.Response | None:
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + f" #{rng.getrandbits(40):x}"
         body = {"text": text, "max_tokens": rng.randint(16, 64)}
+        # Sent again after a lost reply, the key makes any gateway that stores it late find it stored instead.
+        headers = {**user.headers, "Idempotency-Key": f"{rng.getrandbits(64):016x}"}
         plan = rng.random()
         cut_after = rng.randint(1, 6) if plan < 0.3 else None
         stop_after = rng.randint(2, 8) if 0.3 <= plan < 0.4 else None
@@ -154,10 +156,16 @@ class Traffic:
             answer = None
             try:
                 async with self._stream_client(name, cut_after is not None) as client, client.stream(
-                        "POST", f"/conversations/{conversation}/messages", headers=user.headers, json=body) as r:
+                        "POST", f"/conversations/{conversation}/messages", headers=headers, json=body) as r:
                     if r.status_code != 200:
                         await r.aread()
                         self.ledger.reply(time.monotonic(), name, "messages", r.status_code, r.headers, _json(r))
+                        if r.status_code == 409 and (_json(r) or {}).get("error", {}).get("code") == "already_sent":
+                            # stored by the send whose reply was lost; its stream is gone: follow it stored
+                            _, answer = await self._look_up(user, conversation, text, body["max_tokens"], rng)
+                            if answer is not None:
+                                await self._follow(answer, name, user, rng)
+                            return None
                         self.ledger.refused_messages += 1
                         return r
                     self.ledger.reply(time.monotonic(), name, "messages", 200)

@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy import select
 
+from chatloom.app.chat import resend
 from chatloom.app.chat.message_images import image_ids
 from chatloom.app.core.image_input import ImageReader, reading_images, require_vision
 from chatloom.app.chat.branches import Tree
@@ -110,13 +111,21 @@ def _options(user, body: GenerationIn | None) -> GenerationOptions:
 
 
 @router.post("/{conversation_id}/messages", response_class=EventStreamResponse,
-             responses=ANSWER_STREAM | CONVERSATION_ANSWER)
+             responses=ANSWER_STREAM | CONVERSATION_ANSWER | errors(400, 422))
 async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, session: SessionDep,
-                       user: CurrentUser) -> EventStreamResponse:
+                       user: CurrentUser, idempotency_key: str | None = Header(
+                           None, alias=resend.HEADER,
+                           description="The sender's name for this send (a UUID, say): sent again with the same "
+                                       "key after a lost reply, the message is stored and answered once, and the "
+                                       "repeat streams the first send's answer from its start.")
+                       ) -> EventStreamResponse:
     """Save the message and stream the answer: data: {"token"} events, then data: {"done": true, ...}.
     Omit parent_id to continue the active branch; give an earlier assistant message's id (or null
     for the first message) to branch off, as an edit does. `images` (data URLs) are shown to a model that
     reads images, before the text, and stay with the message for the rest of the conversation."""
+    key, conversation_id = resend.checked_key(idempotency_key), conv.id
+    if key is not None and (earlier := await resend.earlier_send(session, conversation_id, key, body.text)):
+        return await _replay(ctx, session, conversation_id, *earlier)
     parent = body.parent_id if "parent_id" in body.model_fields_set else UNSET
     images = []
     if body.images:  # read and checked before anything is saved
@@ -124,8 +133,27 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
         reader = ImageReader(ctx.settings.vision, "images")
         await reader.fetch(body.images)
         images = await reading_images(True, lambda: [reader.data_url(url) for url in body.images])
-    gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images)
+    try:
+        gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images, key)
+    except resend.AlreadySent:  # a concurrent send with this key stored it first
+        earlier = await resend.earlier_send(session, conversation_id, key, body.text)
+        if earlier is None:  # deleted in between
+            raise ApiError(409, "this message was sent by another request at the same time", "already_sent",
+                           resend.HEADER) from None
+        return await _replay(ctx, session, conversation_id, *earlier)
     return stream_response(gen)
+
+
+async def _replay(ctx: Ctx, session: SessionDep, conversation_id: str, user_message_id: str,
+                  answer_id: str) -> EventStreamResponse:
+    """A repeated send's reply: the first send's answer, streamed from its first event."""
+    await session.close()  # a long-lived stream must not hold a database connection
+    log = await ctx.conversations.logs.get(answer_id)
+    if log is None:
+        raise ApiError(409, "this message was already sent and answered, and its answer's stream is no longer "
+                       f"kept: read the conversation for answer {answer_id}", "already_sent", resend.HEADER)
+    return _sse(log, 0, {"X-Conversation-Id": conversation_id, "X-Message-Id": answer_id,
+                         "X-User-Message-Id": user_message_id, "Idempotent-Replayed": "true"})
 
 
 @router.post("/{conversation_id}/messages/{message_id}/regenerate", response_class=EventStreamResponse,
