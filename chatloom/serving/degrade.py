@@ -14,7 +14,9 @@ step, after every step below it, one step a reading:
 3. `max_tokens`: the chosen tiers' answers are capped shorter.
 
 Only after these does the admission queue refuse (503, or 529 on the Anthropic API), as it always
-has when its wait would pass traffic.queue_max_wait_s. A step is undone once both signals have stayed
+has when its wait would pass traffic.queue_max_wait_s. A request the queue would refuse at once while a
+step is left takes that step instead (`step_up`) and waits its turn, so a burst that arrives all at once,
+faster than the readings see anyone wait, still meets every step before the first refusal. A step is undone once both signals have stayed
 below its thresholds' clearing levels (a share of the wait threshold, a margin under the KV one) for
 `hold_s`, one step at a time, so the ladder does not flap around a threshold. The app reads the signals
 each request and every `check_interval_s` besides, so the steps come off when the load has gone even if
@@ -109,6 +111,16 @@ class DegradeLadder:
         else:
             self._calm_since = None
         return self.level
+
+    def step_up(self) -> bool:
+        """Take the next step now, outside the readings (the admission queue is about to refuse a request
+        at once: a burst came faster than the readings see waits); False when every step is taken."""
+        if not self.settings.enabled or self.level >= len(STEPS):
+            return False
+        self.level += 1
+        self._calm_since = None
+        self._checked = self.clock()  # the next reading comes an interval later
+        return True
 
     def active(self, step: str) -> bool:
         return self.level > STEPS.index(step)

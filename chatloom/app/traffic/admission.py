@@ -12,7 +12,8 @@ The queue is bounded by what it can serve in time. Each generation's run time is
 ends; the service rate is the running slots over the mean run time. An arriving request whose
 expected wait (the requests ahead of it in its tier's order, or its tier's reserved share of the
 admissions, whichever is sooner) exceeds `max_wait_s` is refused at once with QueueFull (a 503 with
-Retry-After) instead of waiting out the timeout. `refuse_if_full` makes that decision synchronously,
+Retry-After) instead of waiting out the timeout, unless `before_refusing` takes a step of the degrade
+ladder for it instead (then it waits, and times out if the cheaper answers do not make room in time). `refuse_if_full` makes that decision synchronously,
 before a ticket, a future or a task exists for the request, so callers can refuse a burst's excess in
 the same step that received it (a refusal then costs microseconds, not a turn of the event loop behind
 every other arrival). Until a few runs are measured nothing is refused early: the wait for a slot is
@@ -128,6 +129,10 @@ class AdmissionQueue:
         self.batch_busy_slots = batch_busy_slots
         self.poll_s = poll_s
         self.on_wait = on_wait  # metrics: (ticket, seconds waited, admitted?)
+        # Asked before refusing an arrival at once, with its expected wait: True lets it wait instead (the
+        # degrade ladder took a step, control.py); None: refuse.
+        # `joining`: the request joins the queue if not refused (enqueue), else it is only being checked early.
+        self.before_refusing: Callable[[float, bool], bool] | None = None
         self._waiting: list[Ticket] = []
         self._running: dict[str, int] = {INTERACTIVE: 0, REASONING: 0, BATCH: 0}
         self._pending_tokens = 0
@@ -217,7 +222,7 @@ class AdmissionQueue:
         """Join the queue now, in the caller's step (or raise QueueFull); then wait(ticket) for the slot.
         Joining synchronously matters under a burst: the next arrival, handled in the same turn of the
         event loop, already counts this one when it asks refuse_if_full."""
-        self.refuse_if_full(tier, prompt_tokens, kind)
+        self.refuse_if_full(tier, prompt_tokens, kind, joining=True)
         ticket = Ticket(tier, prompt_tokens, kind, next(self._seq), on_position=on_position)
         ticket.future = asyncio.get_running_loop().create_future()
         self._waiting.append(ticket)
@@ -262,9 +267,10 @@ class AdmissionQueue:
         else:
             self._leave(ticket)
 
-    def refuse_if_full(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE) -> None:
+    def refuse_if_full(self, tier: Tier, prompt_tokens: int, kind: str = INTERACTIVE, joining: bool = False) -> None:
         """Raise QueueFull if a request arriving now could not start at once and, at the measured pace,
-        would not get in within max_wait_s. Synchronous and side-effect free unless it refuses."""
+        would not get in within max_wait_s. Synchronous, and side-effect free unless it refuses or (when
+        `joining`: the request joins the queue next) the degrade ladder steps instead."""
         if kind == BATCH:
             return  # batch requests wait as long as it takes
         arrival = Ticket(tier, prompt_tokens, kind, seq=_ARRIVING)
@@ -273,6 +279,8 @@ class AdmissionQueue:
         expected = self.expected_wait(arrival)
         if expected is None or expected <= self.max_wait_s:
             return
+        if self.before_refusing is not None and self.before_refusing(expected, joining):
+            return  # the degrade ladder took a step instead: this request waits (and may still time out)
         if self.on_wait:
             self.on_wait(arrival, 0.0, False)
         retry = int(min(60, max(1, math.ceil(expected - self.max_wait_s))))

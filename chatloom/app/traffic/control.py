@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 from chatloom.app.traffic.admission import INTERACTIVE, AdmissionQueue, QueueTimeout, Slot, Ticket
 from chatloom.app.core.errors import ApiError
-from chatloom.app.traffic.degrade import APPLIED, DegradeLadder, RecentMax, Signals
+from chatloom.app.traffic.degrade import APPLIED, STEPS, DegradeLadder, RecentMax, Signals
 from chatloom.app.traffic.metrics import Metrics, Slo
 from chatloom.app.traffic.moderation import LexiconModerator, ModerationUnavailable, Moderator, NoModerator, OutputGuard
 from chatloom.app.traffic.remote_moderation import RemoteModerator
@@ -224,6 +224,16 @@ def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic
     ladder = DegradeLadder(settings.degrade, settings.traffic.queue_max_wait_s, signals) if settings.degrade.enabled else None
     if ladder is not None:
         metrics.degrade_level.set_function(lambda: ladder.level)
+
+        def before_refusing(expected_s: float, joining: bool) -> bool:
+            """Degrade before refusing: a burst faster than the readings takes the next step, not a 503
+            (once per request: as it joins the queue; its early check only sees whether a step is left)."""
+            if not joining:
+                return ladder.level < len(STEPS)
+            recent_wait.add(expected_s)  # the wait it would have had: the readings keep the steps while it lasts
+            return ladder.step_up()
+
+        admission.before_refusing = before_refusing
     return Traffic(settings=settings, tiers=TierTable.load(settings.traffic.tiers_file, default=settings.traffic.default_tier),
                    quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings),
                    metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.traffic.reasoning_max_effort,

@@ -1,5 +1,6 @@
 """Degrade before refusing: the ladder's steps rise with load, apply to the requests they name, show in
-the response and on /metrics, and come down one at a time once load has stayed low."""
+the response and on /metrics, come before the queue refuses even a burst that arrives all at once, and
+come down one at a time once load has stayed low."""
 from __future__ import annotations
 
 import asyncio
@@ -7,14 +8,19 @@ import asyncio
 import httpx
 import pytest
 
+from chatloom.app.core.errors import ApiError
 from chatloom.app.main import create_app
 from chatloom.app.traffic.reasoning import BUDGET_TOKENS
+from chatloom.app.traffic.tiers import DEFAULT_TIERS
 from chatloom.app.traffic.degrade import DegradeLadder, RecentMax, Signals
 from chatloom.serving import BackendStats
 from chatloom.settings.tree import DegradeSettings
 
 from app_testing import make_settings, signup
 from traffic_testing import ScriptedBackend
+
+
+FREE, PRO = DEFAULT_TIERS["free"], DEFAULT_TIERS["pro"]
 
 
 class Clock:
@@ -142,7 +148,11 @@ async def test_under_load_the_free_tier_moves_to_the_small_model_and_effort_drop
             for _ in range(5):  # the first calm reading starts the (zero) hold
                 r = await c.post("/v1/chat/completions", json=body, headers=alice)
                 seen.append(r.headers.get("x-chatloom-degraded"))
-            assert seen == ["effort,small_model,max_tokens", "effort,small_model", "effort", None, None]
+            # One step a reading; the gateway also reads every 0.1 s between requests, so on a slow machine
+            # a request may see two readings' steps come off.
+            order = ["effort,small_model,max_tokens", "effort,small_model", "effort", None]
+            assert seen[0] == order[0] and seen[-2:] == [None, None], seen
+            assert [order.index(h) for h in seen] == sorted(order.index(h) for h in seen), seen
             assert backend.requests[-1].model in (None, "big")
 
 
@@ -172,3 +182,41 @@ async def test_the_steps_come_off_when_the_load_falls_even_with_no_request_to_se
                 await asyncio.sleep(0.02)
             assert levels == [3, 2, 1, 0]  # one step at a time
             assert "chatloom:degrade_level 0.0" in (await c.get("/metrics", headers=root)).text
+
+
+async def test_a_burst_faster_than_the_readings_meets_every_step_before_the_first_refusal(tmp_path):
+    """All at once, in one turn of the event loop: no reading sees anyone wait, so before, the queue
+    refused the excess at level 0. Each arrival it would refuse now takes the next step instead and
+    waits; once every step is taken the excess is refused at once, as before."""
+    app = create_app(make_settings(tmp_path, moderation={"mode": "off"}, traffic={"admission_max_running": 2,
+                                                                                  "queue_max_wait_s": 1.0},
+                                   degrade={"check_interval_s": 60.0}), ScriptedBackend(["fine"]))
+    async with app.router.lifespan_context(app):
+        traffic = app.state.ctx.traffic
+        queue, the_ladder = traffic.admission, traffic.ladder
+        for _ in range(4):  # the pace: 2 slots, 0.1 s a run, about 20 admissions a second
+            slot = await queue.admit(FREE, 1)
+            slot.started()
+            await asyncio.sleep(0.1)
+            slot.release()
+        held = [await queue.admit(PRO, 1) for _ in range(2)]
+        assert the_ladder.level == 0
+        tickets, levels_at_refusal, waited_at = [], [], []
+        for _ in range(100):  # no await in this loop
+            level = the_ladder.level
+            try:
+                traffic.refuse_if_full(PRO, 1)  # the early check, as a request's reservation makes it
+                tickets.append(queue.enqueue(PRO, 1))
+                if the_ladder.level > level:
+                    waited_at.append(len(tickets))
+            except ApiError as exc:
+                assert exc.code == "queue_full"
+                levels_at_refusal.append(the_ladder.level)
+        assert the_ladder.level == 3 and len(waited_at) == 3  # one step per arrival it would have refused
+        assert levels_at_refusal and set(levels_at_refusal) == {3}  # no refusal before the last step
+        assert len(tickets) + len(levels_at_refusal) == 100
+        assert waited_at == sorted(waited_at) and waited_at[-1] - waited_at[0] == 2  # three arrivals in a row
+        for t in tickets:
+            queue.abandon(t)
+        for s in held:
+            s.release()

@@ -106,7 +106,9 @@ async def test_an_arrival_that_can_start_now_is_never_refused():
 
 async def test_a_conversation_message_the_queue_cannot_take_is_refused_before_anything_is_saved(tmp_path):
     backend = ScriptedBackend(["word "] * 10, delay_s=0.05)  # each answer holds its slot about 0.5 s
-    app = create_app(make_settings(tmp_path, traffic={"admission_max_running": 1, "queue_max_wait_s": 0.2}), backend)
+    # The degrade ladder off: with it, the first arrivals the queue would refuse take its steps instead.
+    app = create_app(make_settings(tmp_path, traffic={"admission_max_running": 1, "queue_max_wait_s": 0.2},
+                                   degrade={"enabled": False}), backend)
     body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}]}
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
