@@ -115,7 +115,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await db.migrate()
+        await db.migrate(wait_s=settings.server.db_start_wait_s)
         await start_hot_state(hot, ctx.conversations, db, traffic.admission.max_running)
         await runner.start()  # batches: this gateway's, and those whose gateway stopped
         # Answers left running by a dead process: alone, the sweeper marks them interrupted now, before the

@@ -28,6 +28,9 @@ class ServerSettings(Group):
     data_dir: str = Field("./data", description="Folder for the SQLite database, the JWT secret and uploaded files (blobs/).")
     db_url: str | None = Field(None, description="Database URL; default: SQLite at data_dir/chatloom.db. "
                                                  "postgresql+asyncpg://... for PostgreSQL.")
+    db_start_wait_s: float = Field(60.0, ge=0, description="How long a starting gateway waits for a database "
+                                                          "it cannot reach yet (PostgreSQL restarting, say), "
+                                                          "retrying, before it gives up.")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="Log level.")
     max_body_bytes: int = Field(1_000_000, gt=0, description="Larger request bodies get 413 before parsing.")
     metrics_public: bool = Field(True, description="Serve GET /metrics without a token (as vLLM does).")

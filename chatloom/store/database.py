@@ -1,13 +1,16 @@
 """The database handle: engine, sessions, SQLite tuning and migrations at start."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from chatloom.store.vector_index import PGVECTOR, SQLITE_VEC, ensure_pgvector, load_sqlite_vec
@@ -78,8 +81,25 @@ class Database:
     def session(self) -> AsyncSession:
         return self.sessions()
 
-    async def migrate(self) -> None:
-        """Bring the schema to the newest revision."""
+    async def migrate(self, wait_s: float = 0.0) -> None:
+        """Bring the schema to the newest revision; for up to `wait_s`, retry while the database cannot be
+        reached (refused, restarting, shutting down), so a gateway started beside a restarting PostgreSQL
+        waits for it instead of exiting. Any other error, and the last one after `wait_s`, is raised."""
+        deadline = time.monotonic() + wait_s
+        pause = 0.25
+        while True:
+            try:
+                return await self._migrate()
+            except Exception as exc:
+                if not unreachable(exc) or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("database not reachable yet (%s); retrying for up to %.0f s more",
+                            first_line(exc), deadline - time.monotonic())
+                await self.engine.dispose()  # no pooled connection from before the outage is reused
+                await asyncio.sleep(pause)
+                pause = min(2.0, pause * 2)
+
+    async def _migrate(self) -> None:
         def upgrade(sync_conn) -> None:
             command.upgrade(alembic_config(sync_conn), "head")
 
@@ -99,3 +119,32 @@ class Database:
 
     async def close(self) -> None:
         await self.engine.dispose()
+
+
+# SQLSTATE classes of a database that is there but not serving now: 08 connection exception, 57P operator
+# intervention (shutting down, starting up, terminated by an administrator).
+_TRANSIENT_SQLSTATES = ("08", "57P")
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says the database cannot be reached now, rather than that the request was wrong."""
+    if isinstance(exc, (OSError, asyncio.TimeoutError)):
+        return True
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    cause: BaseException | None = exc.orig
+    while cause is not None:  # the driver's own exception may sit under the DB-API adapter's
+        state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+        if isinstance(state, str) and state.startswith(_TRANSIENT_SQLSTATES):
+            return True
+        if isinstance(cause, OSError):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
