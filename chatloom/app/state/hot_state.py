@@ -96,6 +96,7 @@ class HotState:
             event_log = await self.logs.open_for_writing(record.message_id) \
                 if isinstance(self.logs, RedisEventLogStore) else None
             if event_log is not None:
+                await self._send_unsent_text(event_log, record.message_id, text)
                 await event_log.append({"error": {"message": f"generation failed: {reason}", "type": "server_error",
                                                   "code": "gateway_lost", "status": 500},
                                         "message_id": record.message_id}, event="error")
@@ -109,6 +110,8 @@ class HotState:
             if isinstance(self.logs, RedisEventLogStore) else None
         if event_log is None:
             return  # closed already, as it should be
+        if message is not None:
+            await self._send_unsent_text(event_log, record.message_id, message.text or "")
         if message is None:
             await event_log.append({"error": {"message": "the answer was deleted", "type": "invalid_request_error",
                                               "code": "not_found", "status": 404},
@@ -122,6 +125,15 @@ class HotState:
                                               else message.tokens or 0}})
         await event_log.close()
         await self.logs.pointer_ended(record.conversation_id, record.message_id)
+
+    async def _send_unsent_text(self, event_log, message_id: str, saved: str) -> None:
+        """Before the last event, the end of the saved text that the log never carried: its writer
+        journaled a batch (answer_journal.py) and died, or was fenced, before publishing it, and the
+        save (or a sweep's fold) kept it. Readers then end with the text that is stored."""
+        logged = "".join(e.data.get("token", "") for e in await self.logs.events(message_id)
+                         if isinstance(e.data, dict))
+        if len(saved) > len(logged) and saved.startswith(logged):
+            await event_log.append({"token": saved[len(logged):]})
 
     async def close(self) -> None:
         for closer in reversed(self._started):
