@@ -18,7 +18,7 @@ import logging
 from chatloom.app.chat.answer_job import Generation, Outcome
 from chatloom.app.generation.pipeline import Ask, Pipeline
 from chatloom.app.state.answer_journal import AnswerJournal, JournaledLog
-from chatloom.app.state.events import EventLogStore
+from chatloom.app.state.events import EventLogStore, logged_text
 from chatloom.app.state.job_keeper import reservation_of
 from chatloom.app.state.jobs import JobRecord, Jobs
 from chatloom.serving import Backend, Usage
@@ -33,11 +33,6 @@ def can_continue(backend: Backend) -> bool:
         return backend.tokenizer is not None
     except Exception:
         return False
-
-
-def logged_text(events: list) -> str:
-    """The answer text a log's events carry (what readers were shown)."""
-    return "".join(e.data.get("token", "") for e in events if isinstance(e.data, dict))
 
 
 def logged_answer_tokens(events: list) -> int | None:

@@ -159,3 +159,8 @@ class MemoryEventLogStore(EventLogStore):
 
     def __len__(self) -> int:
         return len(self._logs)
+
+
+def logged_text(events: list) -> str:
+    """The answer text a log's events carry (what readers were shown)."""
+    return "".join(e.data.get("token", "") for e in events if isinstance(e.data, dict))

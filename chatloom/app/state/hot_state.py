@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
 from chatloom.app.core.errors import error_response
-from chatloom.app.state.events import EventLogStore, MemoryEventLogStore
+from chatloom.app.state.events import EventLogStore, MemoryEventLogStore, logged_text
 from chatloom.app.state.fleet_shares import FleetShares
 from chatloom.app.state.job_keeper import JobKeeper, settle_taken
 from chatloom.app.state.jobs import JobRecord, Jobs, MemoryJobs, RedisJobs, new_instance_id
@@ -80,7 +80,7 @@ class HotState:
         logged = ""
         if isinstance(self.logs, RedisEventLogStore) and record.message_id:
             events = await self.logs.events(record.message_id)
-            logged = "".join(e.data.get("token", "") for e in events if isinstance(e.data, dict))
+            logged = logged_text(events)
         if record.message_id:
             async with db.session() as session:
                 # The database holds at least what readers were sent (answer_journal.py), even when Redis
@@ -96,7 +96,7 @@ class HotState:
             event_log = await self.logs.open_for_writing(record.message_id) \
                 if isinstance(self.logs, RedisEventLogStore) else None
             if event_log is not None:
-                await self._send_unsent_text(event_log, record.message_id, text)
+                await self._send_unsent_text(event_log, logged, text)
                 await event_log.append({"error": {"message": f"generation failed: {reason}", "type": "server_error",
                                                   "code": "gateway_lost", "status": 500},
                                         "message_id": record.message_id}, event="error")
@@ -111,7 +111,8 @@ class HotState:
         if event_log is None:
             return  # closed already, as it should be
         if message is not None:
-            await self._send_unsent_text(event_log, record.message_id, message.text or "")
+            logged = logged_text(await self.logs.events(record.message_id))
+            await self._send_unsent_text(event_log, logged, message.text or "")
         if message is None:
             await event_log.append({"error": {"message": "the answer was deleted", "type": "invalid_request_error",
                                               "code": "not_found", "status": 404},
@@ -126,12 +127,11 @@ class HotState:
         await event_log.close()
         await self.logs.pointer_ended(record.conversation_id, record.message_id)
 
-    async def _send_unsent_text(self, event_log, message_id: str, saved: str) -> None:
-        """Before the last event, the end of the saved text that the log never carried: its writer
-        journaled a batch (answer_journal.py) and died, or was fenced, before publishing it, and the
-        save (or a sweep's fold) kept it. Readers then end with the text that is stored."""
-        logged = "".join(e.data.get("token", "") for e in await self.logs.events(message_id)
-                         if isinstance(e.data, dict))
+    @staticmethod
+    async def _send_unsent_text(event_log, logged: str, saved: str) -> None:
+        """Before the last event, the end of the saved text that the log (`logged`: its text) never
+        carried: its writer journaled a batch (answer_journal.py) and died, or was fenced, before
+        publishing it, and the save (or a sweep's fold) kept it. Readers then end with the stored text."""
         if len(saved) > len(logged) and saved.startswith(logged):
             await event_log.append({"token": saved[len(logged):]})
 
