@@ -12,14 +12,21 @@ same script as its XADD: from that moment the writer that lost the job (its leas
 still ran, as during a Redis restart) fails with LogTakenOver instead of squeezing in one more piece
 between what the new writer read and its first append. Appends also write explicit ids, which Redis
 refuses at or below the last one, so a writer that knows no token cannot interleave either.
+
+A writer keeps what it wrote. Redis restarted without its data (or with a snapshot older than the
+log's tail) loses the log's last entries, and appending the next one would leave a gap: a reader
+resuming after the last event it saw would skip what was lost. So every append and close first
+checks that the stream ends where the writer left it; where it ends earlier the writer puts the lost
+entries back, with their ids, and the state and writer keys with them, before going on.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import redis.asyncio as redis
 from redis.exceptions import ResponseError
@@ -28,6 +35,7 @@ from chatloom.app.state.events import EventLog, EventLogStore, StreamEvent
 from chatloom.app.state.redis_connection import UNAVAILABLE
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 END = b"end"
 # An open log of a gateway that died and whose job nobody took over still goes away after this long.
@@ -39,22 +47,39 @@ OUTAGE_S = 30.0
 BACKOFF_S = (0.05, 1.0)
 TAKEN = "TAKEN"  # the error a script answers when another writer holds the log
 
-# KEYS: stream, writer. ARGV: writer token, entry id, field, value, ...
-APPEND = """
+LOST = "LOST"  # the error a script answers when the stream ends before the entry preceding the new one
+# Every write starts here: another writer's token fails it.
+_FENCE = """
 local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= ARGV[1] then return redis.error_reply('TAKEN another writer holds this log') end
+"""
+# A stream that ends before entry N - 1 (ARGV[2] is 0-N) answers LOST with its last entry's sequence
+# number (0: empty or gone).
+_NO_GAP = """
+local n = tonumber(string.sub(ARGV[2], 3))
+if n > 1 then
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  local seq = 0
+  if #last > 0 then seq = tonumber(string.sub(last[1][1], 3)) end
+  if seq < n - 1 then return redis.error_reply('LOST ' .. seq) end
+end
+"""
+# KEYS: stream, writer. ARGV: writer token, entry id, field, value, ...
+_APPEND = """
 return redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 3))
 """
+APPEND = _FENCE + _NO_GAP + _APPEND
+APPEND_OVER_GAP = _FENCE + _APPEND
 # KEYS: stream, writer, state. ARGV: writer token, entry id of the end marker, retention in ms.
-CLOSE = """
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[1] then return redis.error_reply('TAKEN another writer holds this log') end
+_CLOSE = """
 redis.call('XADD', KEYS[1], ARGV[2], 'end', '1')
 redis.call('SET', KEYS[3], 'closed', 'PX', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+CLOSE = _FENCE + _NO_GAP + _CLOSE
+CLOSE_OVER_GAP = _FENCE + _CLOSE
 # KEYS: state, writer, stream. ARGV: the new writer's token, its time to live in s. Returns the last
 # entry's id ("0" for none), or nothing when the log is closed or gone.
 REOPEN = """
@@ -63,6 +88,24 @@ redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
 if #last == 0 then return '0' end
 return last[1][1]
+"""
+# KEYS: stream, writer, state. ARGV: writer token, the state's time to live in s, then per lost entry
+# its id and its fields as one JSON object. Puts back what a writer wrote and Redis lost.
+RESTORE = _FENCE + """
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+redis.call('SET', KEYS[3], 'open', 'EX', ARGV[2])
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local seq = 0
+if #last > 0 then seq = tonumber(string.sub(last[1][1], 3)) end
+for i = 3, #ARGV, 2 do
+  if tonumber(string.sub(ARGV[i], 3)) > seq then
+    local fields = {}
+    for k, v in pairs(cjson.decode(ARGV[i + 1])) do fields[#fields + 1] = k; fields[#fields + 1] = v end
+    redis.call('XADD', KEYS[1], ARGV[i], unpack(fields))
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
 """
 # KEYS: a pointer. ARGV: the log key it should point at, the time to live in ms.
 EXPIRE_POINTER = """
@@ -100,12 +143,14 @@ class RedisEventLog(EventLog):
     """One answer's log; `writer` is this process's token for it (None: read only)."""
 
     def __init__(self, store: "RedisEventLogStore", key: str, next_id: int = 1, closed: bool = False,
-                 writer: str | None = None) -> None:
+                 writer: str | None = None, written: dict[int, dict[str, str]] | None = None) -> None:
         self.key = key
         self._store = store
         self._next = next_id
         self._closed = closed
         self._writer = writer
+        # Every entry of the log this writer knows (id -> fields), to put back what Redis loses.
+        self._written: dict[int, dict[str, str]] = written or {}
 
     @property
     def stream(self) -> str:
@@ -129,8 +174,9 @@ class RedisEventLog(EventLog):
         args = [writer, f"0-{n}", *(x for pair in fields.items() for x in pair)]
 
         async def add(retry: bool) -> None:
+            keys = [self.stream, self._store.writer_key(self.key)]
             try:
-                await self._store.append_script(keys=[self.stream, self._store.writer_key(self.key)], args=args)
+                await self._checked(self._store.append_script, self._store.append_over_gap_script, keys, args)
             except ResponseError as exc:
                 if str(exc).startswith(TAKEN):
                     raise LogTakenOver(f"event log {self.key} has a newer writer") from None
@@ -143,8 +189,37 @@ class RedisEventLog(EventLog):
                 await self._store.commands.expire(self.stream, OPEN_TTL_S)
 
         await _through_outage(add, self._store.outage_s)
+        self._written[n] = fields
         self._next = n + 1
         return n
+
+    async def _checked(self, script: Any, over_gap: Any, keys: list[str], args: list) -> None:
+        """Run an append or close script; where the stream lost entries before this one, put them back
+        first. Entries this writer never knew cannot be put back: the gap stays, and the write goes on."""
+        try:
+            await script(keys=keys, args=args)
+            return
+        except ResponseError as exc:
+            if not str(exc).startswith(LOST):
+                raise
+        await self.put_back()
+        try:
+            await script(keys=keys, args=args)
+        except ResponseError as exc:
+            if not str(exc).startswith(LOST):
+                raise
+            log.warning("event log %s lost entries this writer never had: %s", self.key, exc)
+            await over_gap(keys=keys, args=args)
+
+    async def put_back(self) -> int:
+        """Restore the log's state, this writer's token and the entries Redis lost after the stream's
+        last one (all of them when the stream is gone); returns how many entries this writer knows."""
+        entries = [x for n in sorted(self._written) for x in (f"0-{n}", json.dumps(self._written[n]))]
+        await self._store.restore_script(
+            keys=[self.stream, self._store.writer_key(self.key), self._store.state_key(self.key)],
+            args=[self._writer, OPEN_TTL_S, *entries])
+        log.warning("event log %s: Redis lost entries; put back from the writer's copy", self.key)
+        return len(self._written)
 
     async def _holds(self, n: int, data: str) -> bool:
         found = await self._store.commands.xrange(self.stream, f"0-{n}", f"0-{n}")
@@ -161,7 +236,8 @@ class RedisEventLog(EventLog):
 
         async def end(retry: bool) -> None:
             try:
-                await self._store.close_script(keys=keys, args=[writer, f"0-{self._next}", retention_ms])
+                await self._checked(self._store.close_script, self._store.close_over_gap_script, keys,
+                                    [writer, f"0-{self._next}", retention_ms])
             except ResponseError as exc:
                 if str(exc).startswith(TAKEN):
                     return
@@ -170,6 +246,7 @@ class RedisEventLog(EventLog):
                     raise
 
         await _through_outage(end, self._store.outage_s)
+        self._written.clear()
 
     @property
     def closed(self) -> bool:
@@ -229,6 +306,9 @@ class RedisEventLogStore(EventLogStore):
         self.outage_s = outage_s
         self.append_script = commands.register_script(APPEND)
         self.close_script = commands.register_script(CLOSE)
+        self.append_over_gap_script = commands.register_script(APPEND_OVER_GAP)
+        self.close_over_gap_script = commands.register_script(CLOSE_OVER_GAP)
+        self.restore_script = commands.register_script(RESTORE)
         self.reopen_script = commands.register_script(REOPEN)
         self.expire_pointer_script = commands.register_script(EXPIRE_POINTER)
 
@@ -269,7 +349,9 @@ class RedisEventLogStore(EventLogStore):
             return None
         last = last.decode() if isinstance(last, bytes) else str(last)
         next_id = int(last.split("-")[1]) + 1 if "-" in last else 1
-        return RedisEventLog(self, key, next_id=next_id, writer=writer)
+        written = {int(entry_id.decode().split("-")[1]): {k.decode(): v.decode() for k, v in fields.items()}
+                   for entry_id, fields in await self.commands.xrange(self.stream_key(key), "-", f"0-{next_id - 1}")}
+        return RedisEventLog(self, key, next_id=next_id, writer=writer, written=written)
 
     async def events(self, key: str) -> list[StreamEvent]:
         """Everything logged so far (no waiting): what a takeover continues from."""
