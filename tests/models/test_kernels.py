@@ -263,3 +263,13 @@ def test_bundled_model_keeps_its_gguf_quantization(smollm2):
     # The embedding is kept in its Q8_0 blocks too; its rows are the head's, bit for bit.
     every_row = torch.arange(model.config.vocab_size)
     assert torch.equal(model.lm_head.weight, model.embed_tokens(every_row))
+
+
+def test_the_library_is_named_by_its_sources_and_the_cpu_it_was_built_for():
+    from chatloom.models.kernels import cpu_signature, library_name
+
+    cpu = cpu_signature()
+    assert cpu  # the model and flags -march=native reads (or the platform's name)
+    assert library_name(b"sources", cpu) == library_name(b"sources", cpu)
+    assert library_name(b"sources", cpu) != library_name(b"sources", cpu + b" avx512_vp2intersect")
+    assert library_name(b"sources", cpu) != library_name(b"other sources", cpu)

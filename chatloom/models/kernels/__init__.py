@@ -36,7 +36,7 @@ def load_kernels():
             return _module
         here = Path(__file__).parent
         sources_bytes = b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))
-        name = f"chatloom_kernels_{hashlib.sha1(sources_bytes).hexdigest()[:10]}"
+        name = library_name(sources_bytes, cpu_signature())
         cache = Path(runtime.kernel_cache or Path.home() / ".cache" / "chatloom" / "kernels")
         # A finished library depends only on the sources, so a checkout whose sources match one
         # built before loads that library instead of compiling again.
@@ -47,7 +47,8 @@ def load_kernels():
             else:
                 # The build folder is per checkout: ninja records absolute source paths, so two
                 # checkouts sharing one would keep rebuilding each other's objects.
-                checkout = hashlib.sha1(str(here.resolve()).encode() + b"\0" + sources_bytes).hexdigest()[:10]
+                checkout_key = str(here.resolve()).encode() + b"\0" + sources_bytes + cpu_signature()
+                checkout = hashlib.sha1(checkout_key).hexdigest()[:10]
                 build_dir = cache / checkout
                 _module = _build(name, sorted(here.glob("*.cpp")), build_dir)
                 _publish(build_dir / f"{name}.so", finished)
@@ -55,6 +56,25 @@ def load_kernels():
             log.warning("C++ kernels unavailable, using the PyTorch attention path: %s", exc)
             _failed = True
     return _module
+
+
+def library_name(sources: bytes, cpu: bytes) -> str:
+    """The compiled library's name: its sources and, as it is built with -march=native, the CPU (a
+    library built on one CPU may not run on another sharing the cache folder)."""
+    return f"chatloom_kernels_{hashlib.sha1(sources + cpu).hexdigest()[:10]}"
+
+
+def cpu_signature() -> bytes:
+    """The CPU as the compiler's -march=native sees it: its model and instruction set flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.machine().encode() + platform.processor().encode()
+    first = text.split("\n\n", 1)[0]
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags")
+    return "\n".join(line for line in first.splitlines() if line.split(":", 1)[0].strip() in wanted).encode()
 
 
 def _build(name: str, sources: list[Path], build_dir: Path):

@@ -33,7 +33,21 @@ constexpr int64_t kFewRows = 12;
 constexpr int64_t kTaskPanels = 4;
 // Rows per block of the many-row path: a multiple of both wide tiles' rows (10 and 8).
 constexpr int64_t kRowBlock = 80;
-constexpr int64_t kAhead = 1024;
+// How far ahead the kernels prefetch the weights, per CPU maker (measured with `chatloom bench
+// kquant-matmul`, GB/s of the panels' bytes over the float32 kernel's in the same run). One row: on
+// the 2-core EPYC (Zen 5) one thread streamed the most at 6 KiB into L1, and at 4 and 8 KiB Q6_K fell
+// to two thirds of that; on the 2-core Xeon (Emerald Rapids) 12 KiB into L2 streamed 0.85-0.90 of the
+// float32 rate where 6 KiB into L1 streamed 0.78-0.83. Several rows: 1 KiB on Zen 5; on the Xeon
+// 4 KiB, where at 1 KiB Q6_K streamed half the float32 rate at 4 and 8 rows (0.71-0.88 at 4 KiB).
+struct Prefetch {
+  int64_t row_ahead;  // one-row kernel
+  bool row_to_l2;     // its prefetches go to L2 (_MM_HINT_T1), not L1
+  int64_t ahead;      // the kernels of several rows
+};
+const Prefetch kPrefetch = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? Prefetch{12288, true, 4096} : Prefetch{6144, false, 1024};
+}();
 
 // The quantized rows: q [m, K] (each 8 depths in the order above), per block of 32 the scale s and
 // s * sum(q), and per 16 depths -32 * sum(q) (Q6_K's code offset, the integer sums' starting value).
@@ -145,7 +159,7 @@ __attribute__((noinline)) CHATLOOM_VNNI void tile(const RowPtrs& x, const KQuant
           const int64_t at = kQ4KCodes + (g * 4 + wd) * 64, k8 = sb * kSuper + g * 32 + wd * 8;
 #pragma GCC unroll 4
           for (int i = 0; i < NP; ++i) {
-            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kAhead), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kPrefetch.ahead), _MM_HINT_T0);
             const __m512i v = word(b[i] + at);
             const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
 #pragma GCC unroll 6
@@ -181,8 +195,8 @@ __attribute__((noinline)) CHATLOOM_VNNI void tile(const RowPtrs& x, const KQuant
           const int64_t at = kQ6KLow + (g * 2 + wd) * 64, k8 = sb * kSuper + g * 16 + wd * 8;
 #pragma GCC unroll 4
           for (int i = 0; i < NP; ++i) {
-            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kAhead), _MM_HINT_T0);
-            if (wd == 0) _mm_prefetch(reinterpret_cast<const char*>(b[i] + kQ6KHigh + g * 64 + kAhead), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kPrefetch.ahead), _MM_HINT_T0);
+            if (wd == 0) _mm_prefetch(reinterpret_cast<const char*>(b[i] + kQ6KHigh + g * 64 + kPrefetch.ahead), _MM_HINT_T0);
             const __m512i v = word(b[i] + at), h = word(b[i] + kQ6KHigh + g * 64);
             // The high bits of depths 2b (lo) and 2b + 1 (hi) of this word: fields 2 wd and 2 wd + 1.
             const __m512i hl = wd == 0 ? _mm512_slli_epi16(h, 4) : h;
@@ -218,10 +232,6 @@ __attribute__((noinline)) CHATLOOM_VNNI void tile(const RowPtrs& x, const KQuant
   }
 }
 
-// How far ahead the one-row kernel prefetches. On the 2-core EPYC (Zen 5) one thread streamed the
-// most at 6 KiB for both kinds; at 4 and 8 KiB Q6_K fell to two thirds of that.
-constexpr int64_t kRowAhead = 6144;
-
 // One row against one panel: tile<1, 1>'s float steps in the same order (so the same bits), with
 // less work per code word and the panel's bytes prefetched as one stream. A decode step at one
 // sequence is this kernel against every weight, and it is bound by how fast one thread pulls the
@@ -231,14 +241,20 @@ constexpr int64_t kRowAhead = 6144;
 // mask, no shift) in sums of their own, divided by 16, exactly, once per sub-block. The integer sums
 // run as two chains each so that the dot products' latency stays hidden with one panel.
 //
-// Prefetches run kRowAhead bytes ahead of the super-block being read, one line per slot, the slots
+// Prefetches run kPrefetch.row_ahead bytes ahead of the super-block being read, one line per slot, the slots
 // spread over the super-block (a word of codes, and a sub-block's scales) so that together they
 // cover every line of the stream, headers included, once.
 template <int KIND>
 CHATLOOM_VNNI void row_tile(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p, float* out) {
   const uint8_t* base = w.blob + w.offsets[p];
   const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
-  const auto ahead = [](const uint8_t* at) { _mm_prefetch(reinterpret_cast<const char*>(at + kRowAhead), _MM_HINT_T0); };
+  const int64_t distance = kPrefetch.row_ahead;
+  const bool to_l2 = kPrefetch.row_to_l2;
+  const auto ahead = [distance, to_l2](const uint8_t* at) {
+    const char* line = reinterpret_cast<const char*>(at + distance);
+    if (to_l2) _mm_prefetch(line, _MM_HINT_T1);
+    else _mm_prefetch(line, _MM_HINT_T0);
+  };
   __m512 acc = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < w.k_dim / kSuper; ++sb) {
     const uint8_t* b = base + sb * (KIND == kQ4K ? kQ4KBytes : kQ6KBytes);
@@ -298,12 +314,12 @@ CHATLOOM_VNNI void row_tile(const RowPtrs& x, const KQuantInt8Weights& w, int64_
   _mm512_mask_storeu_ps(out + col, mask, _mm512_add_ps(acc, bv));
 }
 
-// Panels [p0, p0 + np) of one kind against one row. Their first kRowAhead bytes are prefetched at
+// Panels [p0, p0 + np) of one kind against one row. Their first kPrefetch.row_ahead bytes are prefetched at
 // once: a task's stream starts cold, and its panels' own prefetches only run ahead of what they read.
 template <int KIND>
 CHATLOOM_VNNI void row_run(const RowPtrs& x, const KQuantInt8Weights& w, int64_t p0, int64_t np, float* out) {
   const uint8_t* first = w.blob + w.offsets[p0];
-  const int64_t bytes = std::min<int64_t>(kRowAhead, w.offsets[p0 + np] - w.offsets[p0]);
+  const int64_t bytes = std::min<int64_t>(kPrefetch.row_ahead, w.offsets[p0 + np] - w.offsets[p0]);
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(first + at), _MM_HINT_T0);
   for (int64_t i = 0; i < np; ++i) row_tile<KIND>(x, w, p0 + i, out);
 }
@@ -360,14 +376,14 @@ CHATLOOM_VNNI void wide_tile(const RowPtrs& x, const KQuantInt8Weights& w, int64
         for (int i = 0; i < NP; ++i) {
           if constexpr (KIND == kQ4K) {
             const int64_t at = kQ4KCodes + (g * 4 + wd) * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kAhead), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kPrefetch.ahead), _MM_HINT_T0);
             const __m512i v = word(b[i] + at);
             lo[i] = _mm512_and_si512(v, low4);
             hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           } else {
             const int64_t at = kQ6KLow + (g * 2 + wd) * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kAhead), _MM_HINT_T0);
-            if (wd == 0) _mm_prefetch(reinterpret_cast<const char*>(b[i] + kQ6KHigh + g * 64 + kAhead), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b[i] + at + kPrefetch.ahead), _MM_HINT_T0);
+            if (wd == 0) _mm_prefetch(reinterpret_cast<const char*>(b[i] + kQ6KHigh + g * 64 + kPrefetch.ahead), _MM_HINT_T0);
             const __m512i v = word(b[i] + at), h = word(b[i] + kQ6KHigh + g * 64);
             const __m512i hl = wd == 0 ? _mm512_slli_epi16(h, 4) : h;
             const __m512i hh = wd == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
