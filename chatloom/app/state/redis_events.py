@@ -214,7 +214,8 @@ class RedisEventLog(EventLog):
     async def put_back(self) -> int:
         """Restore the log's state, this writer's token and the entries Redis lost after the stream's
         last one (all of them when the stream is gone); returns how many entries this writer knows."""
-        entries = [x for n in sorted(self._written) for x in (f"0-{n}", json.dumps(self._written[n]))]
+        entries = [x for n in sorted(self._written)
+                   for x in (f"0-{n}", json.dumps(self._written[n], ensure_ascii=False))]
         await self._store.restore_script(
             keys=[self.stream, self._store.writer_key(self.key), self._store.state_key(self.key)],
             args=[self._writer, OPEN_TTL_S, *entries])
