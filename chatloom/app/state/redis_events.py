@@ -55,14 +55,15 @@ if holder and holder ~= ARGV[1] then return redis.error_reply('TAKEN another wri
 """
 # A stream that ends before entry N - 1 (ARGV[2] is 0-N) answers LOST with its last entry's sequence
 # number (0: empty or gone).
-_NO_GAP = """
+# The stream's (KEYS[1]) last entry's sequence number as `seq` (0: empty or gone).
+_LAST_SEQ = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local seq = 0
+if #last > 0 then seq = tonumber(string.sub(last[1][1], 3)) end
+"""
+_NO_GAP = _LAST_SEQ + """
 local n = tonumber(string.sub(ARGV[2], 3))
-if n > 1 then
-  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-  local seq = 0
-  if #last > 0 then seq = tonumber(string.sub(last[1][1], 3)) end
-  if seq < n - 1 then return redis.error_reply('LOST ' .. seq) end
-end
+if n > 1 and seq < n - 1 then return redis.error_reply('LOST ' .. seq) end
 """
 # KEYS: stream, writer. ARGV: writer token, entry id, field, value, ...
 _APPEND = """
@@ -91,12 +92,9 @@ return last[1][1]
 """
 # KEYS: stream, writer, state. ARGV: writer token, the state's time to live in s, then per lost entry
 # its id and its fields as one JSON object. Puts back what a writer wrote and Redis lost.
-RESTORE = _FENCE + """
+RESTORE = _FENCE + _LAST_SEQ + """
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 redis.call('SET', KEYS[3], 'open', 'EX', ARGV[2])
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local seq = 0
-if #last > 0 then seq = tonumber(string.sub(last[1][1], 3)) end
 for i = 3, #ARGV, 2 do
   if tonumber(string.sub(ARGV[i], 3)) > seq then
     local fields = {}
@@ -211,16 +209,15 @@ class RedisEventLog(EventLog):
             log.warning("event log %s lost entries this writer never had: %s", self.key, exc)
             await over_gap(keys=keys, args=args)
 
-    async def put_back(self) -> int:
+    async def put_back(self) -> None:
         """Restore the log's state, this writer's token and the entries Redis lost after the stream's
-        last one (all of them when the stream is gone); returns how many entries this writer knows."""
+        last one (all of them when the stream is gone)."""
         entries = [x for n in sorted(self._written)
                    for x in (f"0-{n}", json.dumps(self._written[n], ensure_ascii=False))]
         await self._store.restore_script(
             keys=[self.stream, self._store.writer_key(self.key), self._store.state_key(self.key)],
             args=[self._writer, OPEN_TTL_S, *entries])
         log.warning("event log %s: Redis lost entries; put back from the writer's copy", self.key)
-        return len(self._written)
 
     async def _holds(self, n: int, data: str) -> bool:
         found = await self._store.commands.xrange(self.stream, f"0-{n}", f"0-{n}")

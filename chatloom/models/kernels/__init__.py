@@ -36,10 +36,11 @@ def load_kernels():
             return _module
         here = Path(__file__).parent
         sources_bytes = b"".join(p.read_bytes() for p in sorted(here.glob("*.[ch]*")))
-        name = library_name(sources_bytes, cpu_signature())
+        cpu = cpu_signature()
+        name = library_name(sources_bytes, cpu)
         cache = Path(runtime.kernel_cache or Path.home() / ".cache" / "chatloom" / "kernels")
-        # A finished library depends only on the sources, so a checkout whose sources match one
-        # built before loads that library instead of compiling again.
+        # A finished library depends only on the sources and the CPU, so a checkout whose sources match
+        # one built before on this kind of CPU loads that library instead of compiling again.
         finished = cache / "built" / f"{name}.so"
         try:
             if finished.exists():
@@ -47,7 +48,7 @@ def load_kernels():
             else:
                 # The build folder is per checkout: ninja records absolute source paths, so two
                 # checkouts sharing one would keep rebuilding each other's objects.
-                checkout_key = str(here.resolve()).encode() + b"\0" + sources_bytes + cpu_signature()
+                checkout_key = str(here.resolve()).encode() + b"\0" + sources_bytes + cpu
                 checkout = hashlib.sha1(checkout_key).hexdigest()[:10]
                 build_dir = cache / checkout
                 _module = _build(name, sorted(here.glob("*.cpp")), build_dir)
