@@ -138,7 +138,8 @@ class Messages:
         return msg
 
     async def by_client_key(self, conversation_id: str, client_key: str) -> Message | None:
-        """The user message a send with this Idempotency-Key stored in the conversation, if any."""
+        """The message a send (its user message) or a regeneration (its answer) with this Idempotency-Key
+        stored in the conversation, if any."""
         return await self.s.scalar(select(Message).where(Message.conversation_id == conversation_id,
                                                          Message.client_key == client_key))
 

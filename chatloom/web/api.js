@@ -85,13 +85,15 @@ export const api = {
   remove: (id) => request('DELETE', `/conversations/${enc(id)}`),
 
   // These three answer with an event stream: the caller reads the Response.
-  // `key` (Idempotency-Key): the same for every try of one send, so a retry after a lost reply is answered
-  // with the first try's answer instead of sending the message twice.
+  // `key` (Idempotency-Key): the same for every try of one send or regeneration, so a retry after a lost
+  // reply is answered with the first try's answer instead of sending the message (or answering) twice.
   send: (id, body, signal, key) => request('POST', `/conversations/${enc(id)}/messages`, {
     body, raw: true, signal, headers: key ? { 'Idempotency-Key': key } : {},
   }),
-  regenerate: (id, messageId, body, signal) =>
-    request('POST', `/conversations/${enc(id)}/messages/${enc(messageId)}/regenerate`, { body, raw: true, signal }),
+  regenerate: (id, messageId, body, signal, key) =>
+    request('POST', `/conversations/${enc(id)}/messages/${enc(messageId)}/regenerate`, {
+      body, raw: true, signal, headers: key ? { 'Idempotency-Key': key } : {},
+    }),
   continueAnswer: (id, messageId, body, signal) =>
     request('POST', `/conversations/${enc(id)}/messages/${enc(messageId)}/continue`, { body, raw: true, signal }),
   resume: (id, messageId, lastEventId, signal) => request('GET', `/conversations/${enc(id)}/stream?message_id=${enc(messageId)}`, {

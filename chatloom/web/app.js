@@ -206,8 +206,14 @@ async function openConversation(id, leaf = null) {
 const messageActions = {
   thoughtOf: (id) => state.thoughts.get(id),
   showSibling: (id) => openConversation(state.convId, id),
-  edit: (m, text) => generate(() => api.send(state.convId, { text, parent_id: m.parent_id ?? null, ...options() })),
-  regenerate: (m) => generate(() => api.regenerate(state.convId, m.id, options())),
+  edit: (m, text) => {
+    const key = sendKey(); // every retry of this edit keeps it
+    return generate(() => api.send(state.convId, { text, parent_id: m.parent_id ?? null, ...options() }, undefined, key));
+  },
+  regenerate: (m) => {
+    const key = sendKey();
+    return generate(() => api.regenerate(state.convId, m.id, options(), undefined, key));
+  },
   continue: (m) => generate(() => api.continueAnswer(state.convId, m.id, options())),
   copy: (text) => navigator.clipboard?.writeText(text).catch(() => {}),
   feedback: async (m, rating, button) => {
@@ -370,9 +376,10 @@ async function finish(run) {
   if (run.error) {
     const later = run.errorStatus === 429 || run.errorStatus === 503;
     const text = describeError({ status: run.errorStatus, message: run.error });
+    const retryKey = sendKey(); // one new answer, however often its start is retried
     showNotice(later ? text : `The answer failed: ${text}`, later ? {
       retryAfter: run.retryAfter,
-      onRetry: () => generate(() => api.regenerate(run.convId, run.messageId, options())),
+      onRetry: () => generate(() => api.regenerate(run.convId, run.messageId, options(), undefined, retryKey)),
     } : {});
   }
   if (run.convId === state.convId) {

@@ -248,6 +248,35 @@ def test_a_retry_after_a_lost_reply_sends_the_message_once(page):
     assert page.locator(ASSISTANT).count() == 1
 
 
+def test_a_retry_after_a_lost_regenerate_reply_makes_one_new_answer(page):
+    """As for a send: the retry of a regeneration whose reply was lost keeps its key, so the server
+    streams the answer it already started instead of making a third sibling."""
+    sign_up(page)
+    send_and_wait(page, "hello there")
+    keys = []
+
+    def lose_the_reply(route):
+        route.fetch()
+        keys.append(route.request.headers.get("idempotency-key"))
+        route.abort()
+
+    page.route("**/messages/*/regenerate", lose_the_reply)
+    page.click(f"{ASSISTANT} >> nth=-1 >> .regenerate")
+    notice = page.locator("#notice")
+    notice.wait_for()
+    page.unroute("**/messages/*/regenerate")
+    keys_sent = []
+    page.on("request", lambda r: keys_sent.append(r.headers.get("idempotency-key"))
+            if r.method == "POST" and r.url.endswith("/regenerate") else None)
+    page.wait_for_selector("#notice-retry:not([disabled])", timeout=10_000)
+    page.click("#notice-retry")
+    wait_idle(page, 1)
+    assert keys_sent == keys and len(keys[0]) == 32
+    page.reload()
+    page.wait_for_selector(ASSISTANT)
+    wait_js(page, "document.querySelector('#messages .message.assistant .position')?.innerText === '2/2'")
+
+
 def test_busy_503_from_the_server_is_a_message(page):
     sign_up(page)
     page.route("**/conversations/*/messages", lambda route: route.fulfill(

@@ -221,8 +221,11 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
         return parent_id  # type: ignore[return-value]
 
     async def regenerate(self, session: AsyncSession, conv: Conversation, message_id: str,
-                         options: GenerationOptions) -> Generation:
-        """A new answer beside an assistant message (or under a user message)."""
+                         options: GenerationOptions, client_key: str | None = None) -> Generation:
+        """A new answer beside an assistant message (or under a user message). With `client_key` (the
+        request's Idempotency-Key, kept with the new answer), AlreadySent when another regeneration with
+        that key stored its answer first."""
+        conversation_id = conv.id  # read now: a failed write leaves the row unreadable until a rollback
         self._claim(conv.id)
         run = None
         claimed = False
@@ -243,13 +246,20 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
                                                                     conv.summary_upto), context=context_text(passages),
                                                 session=session, recall=recall)
             answer = await Messages(session).add(conv.id, question_id, "assistant", "", 0, run.limits.model,
-                                                 status="incomplete", writer=self.jobs.instance)
+                                                 status="incomplete", writer=self.jobs.instance,
+                                                 client_key=client_key)
             await Conversations(session).touch(conv.id, current_leaf_id=answer.id)
             await session.commit()
             return await self._start(conv.id, question_id, answer.id, run, planned=planned,
                                      citations=citations(passages))
+        except IntegrityError:
+            await session.rollback()
+            await self._give_back(conversation_id, claimed, run)
+            if client_key is not None and await Messages(session).by_client_key(conversation_id, client_key):
+                raise AlreadySent() from None
+            raise
         except BaseException:
-            await self._give_back(conv.id, claimed, run)
+            await self._give_back(conversation_id, claimed, run)
             raise
 
     async def _give_back(self, conversation_id: str, claimed: bool, run: Run | None) -> None:

@@ -172,9 +172,13 @@ async def drain(service: ConversationService, deadline_s: float) -> None:
 
 async def continue_answer(service: ConversationService, session, conv, message_id: str, options) -> Generation:
     """Resume an interrupted (or stopped, or cut-off) answer from its saved text, in the same message."""
+    conversation_id = conv.id  # read now: a failed write leaves the row unreadable until a rollback
     service._claim(conv.id)
     run = None
+    claimed = False
     try:
+        # Across the fleet too: an "incomplete" answer may be one another gateway is still writing.
+        claimed = await service._claim_fleet(conv.id)
         run = await service.pipeline.open(options.ask(""))
         target = await Messages(session).get(conv.id, message_id)
         if target is None:
@@ -195,7 +199,5 @@ async def continue_answer(service: ConversationService, session, conv, message_i
         await session.commit()
         return await service._start(conv.id, target.parent_id, target.id, run, prefix=target.text, planned=planned)
     except BaseException:
-        service._unclaim(conv.id)
-        if run is not None:
-            await run.close()
+        await service._give_back(conversation_id, claimed, run)
         raise

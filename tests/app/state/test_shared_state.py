@@ -80,9 +80,14 @@ async def test_stop_on_one_gateway_stops_the_answer_running_on_the_other(tmp_pat
             if gen is not None and len(await app1.state.ctx.hot.logs.events(gen.message_id)) >= 1:
                 break
             await asyncio.sleep(0.01)
-        # A second answer in the same conversation on the other gateway: refused while the first runs.
+        # A second answer in the same conversation on the other gateway: refused while the first runs,
+        # whether sent, regenerated, or continued from the running answer's text (it is "incomplete" while
+        # written, so only the fleet's claim tells that another gateway writes it).
         r = await g2.post(f"/conversations/{cid}/messages", headers=alice, json={"text": "again"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "generation_in_progress"
+        for action in ("regenerate", "continue"):
+            r = await g2.post(f"/conversations/{cid}/messages/{gen.message_id}/{action}", headers=alice, json={})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "generation_in_progress", (action, r.text)
         t0 = asyncio.get_running_loop().time()
         r = await g2.post(f"/conversations/{cid}/stop", headers=alice)
         assert r.status_code == 200 and r.json()["stopped"] is True

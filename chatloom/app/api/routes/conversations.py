@@ -146,22 +146,37 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
 
 async def _replay(ctx: Ctx, session: SessionDep, conversation_id: str, user_message_id: str,
                   answer_id: str) -> EventStreamResponse:
-    """A repeated send's reply: the first send's answer, streamed from its first event."""
+    """A repeated send's (or regeneration's) reply: the first one's answer, streamed from its first event."""
     await session.close()  # a long-lived stream must not hold a database connection
     log = await ctx.conversations.logs.get(answer_id)
     if log is None:
-        raise ApiError(409, "this message was already sent and answered, and its answer's stream is no longer "
+        raise ApiError(409, "this request was already answered, and its answer's stream is no longer "
                        f"kept: read the conversation for answer {answer_id}", "already_sent", resend.HEADER)
     return _sse(log, 0, {"X-Conversation-Id": conversation_id, "X-Message-Id": answer_id,
                          "X-User-Message-Id": user_message_id, "Idempotent-Replayed": "true"})
 
 
 @router.post("/{conversation_id}/messages/{message_id}/regenerate", response_class=EventStreamResponse,
-             responses=ANSWER_STREAM | CONVERSATION_ANSWER)
+             responses=ANSWER_STREAM | CONVERSATION_ANSWER | errors(400, 422))
 async def regenerate(message_id: str, ctx: Ctx, conv: OwnedConversation, session: SessionDep, user: CurrentUser,
-                     body: GenerationIn | None = None) -> EventStreamResponse:
+                     body: GenerationIn | None = None, idempotency_key: str | None = Header(
+                         None, alias=resend.HEADER,
+                         description="The sender's name for this regeneration (a UUID, say): sent again with "
+                                     "the same key after a lost reply, one new answer is made and billed, and "
+                                     "the repeat streams it from its start.")
+                     ) -> EventStreamResponse:
     """Stream a new answer beside an assistant message (or a new answer to a user message)."""
-    gen = await ctx.conversations.regenerate(session, conv, message_id, _options(user, body))
+    key, conversation_id = resend.checked_key(idempotency_key), conv.id
+    if key is not None and (earlier := await resend.earlier_regeneration(session, conversation_id, key, message_id)):
+        return await _replay(ctx, session, conversation_id, *earlier)
+    try:
+        gen = await ctx.conversations.regenerate(session, conv, message_id, _options(user, body), key)
+    except resend.AlreadySent:  # a concurrent regeneration with this key stored its answer first
+        earlier = await resend.earlier_regeneration(session, conversation_id, key, message_id)
+        if earlier is None:  # deleted in between
+            raise ApiError(409, "this answer was started by another request at the same time", "already_sent",
+                           resend.HEADER) from None
+        return await _replay(ctx, session, conversation_id, *earlier)
     return stream_response(gen)
 
 
