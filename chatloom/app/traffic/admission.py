@@ -3,7 +3,10 @@
 The engine's own KV room decides when the next request starts: a waiting request is let in only
 when the backend says its prompt's blocks are free (and nothing is already queued inside the
 engine). Among the waiting, higher tiers go first, but a tier with a reserved share keeps at least
-that share of recent admissions, so the free tier slows under load and never starves. Reasoning
+that share of recent admissions, so the free tier slows under load and never starves. Within a tier,
+requests go by their deadline: arrival plus their class's time-to-first-token target (`ttft_target`), so
+a chat message starts before a reasoning request that came earlier but whose target (its thinking is
+hidden) leaves it time; with equal targets that is arrival order. Reasoning
 requests (long hidden thinking) may hold at most `reasoning_share` of the running slots, so they
 cannot crowd out interactive chat. A request that waits longer than `max_wait_s` leaves with
 QueueTimeout (a 503) having cost no model work.
@@ -68,6 +71,7 @@ class Ticket:
     future: asyncio.Future | None = None
     position: int = 0
     on_position: Callable[[int], Awaitable[None]] | None = None
+    deadline: float = math.inf  # when its class's TTFT target runs out (set by the queue)
 
 
 class Slot:
@@ -120,8 +124,12 @@ class AdmissionQueue:
     def __init__(self, has_room: Callable[[int], bool], max_running: int, max_wait_s: float = 30.0,
                  reasoning_share: float = 0.5, share_window: int = 20, poll_s: float = 0.02,
                  on_wait: Callable[[Ticket, float, bool], None] | None = None, batch_share: float = 0.5,
-                 batch_busy_slots: int | None = None) -> None:
+                 batch_busy_slots: int | None = None,
+                 ttft_target: Callable[[Tier, str], float | None] | None = None) -> None:
         self.has_room = has_room
+        # Seconds to the first token a request of (tier, kind) is meant to get (its class's target); None: no
+        # target, and such requests go by arrival after those whose target runs out within max_wait_s.
+        self.ttft_target = ttft_target
         self.max_running = max(1, max_running)
         self.max_wait_s = max_wait_s
         self.reasoning_share = reasoning_share
@@ -223,7 +231,7 @@ class AdmissionQueue:
         Joining synchronously matters under a burst: the next arrival, handled in the same turn of the
         event loop, already counts this one when it asks refuse_if_full."""
         self.refuse_if_full(tier, prompt_tokens, kind, joining=True)
-        ticket = Ticket(tier, prompt_tokens, kind, next(self._seq), on_position=on_position)
+        ticket = self._ticket(tier, prompt_tokens, kind, next(self._seq), on_position)
         ticket.future = asyncio.get_running_loop().create_future()
         self._waiting.append(ticket)
         self._dispatch()
@@ -273,7 +281,7 @@ class AdmissionQueue:
         `joining`: the request joins the queue next) the degrade ladder steps instead."""
         if kind == BATCH:
             return  # batch requests wait as long as it takes
-        arrival = Ticket(tier, prompt_tokens, kind, seq=_ARRIVING)
+        arrival = self._ticket(tier, prompt_tokens, kind, _ARRIVING)
         if self._could_start(arrival):
             return
         expected = self.expected_wait(arrival)
@@ -285,6 +293,13 @@ class AdmissionQueue:
             self.on_wait(arrival, 0.0, False)
         retry = int(min(60, max(1, math.ceil(expected - self.max_wait_s))))
         raise QueueFull(expected, self.max_wait_s, retry)
+
+    def _ticket(self, tier: Tier, prompt_tokens: int, kind: str, seq: int,
+                on_position: Callable[[int], Awaitable[None]] | None = None) -> Ticket:
+        ticket = Ticket(tier, prompt_tokens, kind, seq, on_position=on_position)
+        target = self.ttft_target(tier, kind) if self.ttft_target is not None else None
+        ticket.deadline = ticket.enqueued + (target if target is not None else self.max_wait_s)
+        return ticket
 
     def _could_start(self, arrival: Ticket) -> bool:
         """Whether _dispatch would grant `arrival` at once if it joined the queue now."""
@@ -313,7 +328,8 @@ class AdmissionQueue:
         wait = (ahead + 1) / rate
         share = ticket.tier.reserved_share if ticket.kind != BATCH else 0.0
         if share > 0:  # its tier is guaranteed this share of admissions, however many outrank it
-            same = sum(1 for t in self._waiting if t.tier.name == ticket.tier.name and t.seq < ticket.seq)
+            same = sum(1 for t in self._waiting if t.tier.name == ticket.tier.name
+                       and (t.deadline, t.seq) < (ticket.deadline, ticket.seq))
             wait = min(wait, (same + 1) / (rate * share))
         return wait
 
@@ -358,12 +374,12 @@ class AdmissionQueue:
         room appeared for all."""
         candidates = self._waiting if arriving is None else [*self._waiting, arriving]
         eligible = [t for t in candidates if self._eligible(t)]
-        # Batch after every interactive tier, whatever its own tier.
-        by_priority = sorted(eligible, key=lambda t: (t.kind == BATCH, -t.tier.priority, t.seq))
+        # Batch after every interactive tier, whatever its own tier; within a tier, the nearest deadline first.
+        by_priority = sorted(eligible, key=lambda t: (t.kind == BATCH, -t.tier.priority, t.deadline, t.seq))
         starved = self._starved_tier([t for t in eligible if t.kind != BATCH])
         if starved is None:
             return by_priority
-        first = min((t for t in eligible if t.tier.name == starved), key=lambda t: t.seq)
+        first = min((t for t in eligible if t.tier.name == starved), key=lambda t: (t.deadline, t.seq))
         return [first] + [t for t in by_priority if t is not first]
 
     def _starved_tier(self, eligible: list[Ticket]) -> str | None:

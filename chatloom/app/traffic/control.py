@@ -92,7 +92,7 @@ class Traffic:
             a.fleet.local_max_running = a.max_running
 
     def slo_class(self, tier: Tier, kind: str) -> str:
-        return f"{kind}:{tier.name}" if kind == INTERACTIVE else kind
+        return slo_class(tier, kind)
 
     # -- tiers ------------------------------------------------------------------------
     def tier(self, user: User) -> Tier:
@@ -199,6 +199,11 @@ def build_moderator(settings: Settings) -> Moderator:
     raise ValueError(f"unknown moderation {name!r} (use 'lexicon', 'openai' or 'off')")
 
 
+def slo_class(tier: Tier, kind: str) -> str:
+    """The traffic class a request is measured in: 'interactive:<tier>', 'reasoning' or 'batch'."""
+    return f"{kind}:{tier.name}" if kind == INTERACTIVE else kind
+
+
 def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic:
     if settings.traffic.reasoning_max_effort not in EFFORTS:
         raise ValueError(f"reasoning_max_effort must be one of {', '.join(EFFORTS)}")
@@ -213,7 +218,8 @@ def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic
 
     admission = AdmissionQueue(backend.has_room, settings.traffic.admission_max_running or settings.engine.max_num_seqs,
                                settings.traffic.queue_max_wait_s, settings.traffic.reasoning_share, on_wait=on_wait,
-                               batch_share=settings.batch.slot_share, batch_busy_slots=settings.batch.busy_slots)
+                               batch_share=settings.batch.slot_share, batch_busy_slots=settings.batch.busy_slots,
+                               ttft_target=lambda tier, kind: metrics.slo_for(slo_class(tier, kind)).ttft_s)
     metrics.queue_waiting.set_function(lambda: admission.waiting)
     metrics.queue_running.set_function(lambda: admission.running)
 

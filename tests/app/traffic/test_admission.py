@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from chatloom.app.traffic.admission import REASONING, AdmissionQueue, QueueTimeout
+from chatloom.app.traffic.admission import BATCH, INTERACTIVE, REASONING, AdmissionQueue, QueueTimeout
 from chatloom.app.main import create_app
 from chatloom.engine import EngineConfig
 from chatloom.app.traffic.tiers import DEFAULT_TIERS
@@ -86,6 +86,50 @@ async def test_reasoning_requests_keep_to_their_share():
     r3 = await asyncio.wait_for(third, 1)
     for s in (r2, r3, chat):
         s.release()
+
+
+async def test_within_a_tier_the_nearest_ttft_deadline_goes_first():
+    """A chat message overtakes a reasoning request of its tier that came first while the reasoning
+    request's target leaves it time; tiers still outrank each other, and equal targets keep arrival order."""
+    targets = {INTERACTIVE: 2.0, REASONING: 10.0}
+    q = AdmissionQueue(lambda tokens: True, max_running=1, max_wait_s=30,
+                       ttft_target=lambda tier, kind: targets[kind])
+    running = await q.admit(PRO, 1)
+    reasoning = q.enqueue(PLUS, 1, REASONING)
+    chat = q.enqueue(PLUS, 1)
+    chat_later = q.enqueue(PLUS, 1)
+    pro_reasoning = q.enqueue(PRO, 1, REASONING)
+    assert reasoning.deadline > chat.deadline  # 10 s from its arrival against 2 s from a later one
+    assert q._order() == [pro_reasoning, chat, chat_later, reasoning]
+    assert q.expected_wait(reasoning) is None  # (nothing measured yet)
+    granted = []
+    running.release()
+    for ticket in (pro_reasoning, chat, chat_later, reasoning):
+        slot = await q.wait(ticket)
+        granted.append(slot.ticket)
+        slot.release()
+    assert granted == [pro_reasoning, chat, chat_later, reasoning]
+
+
+async def test_without_targets_a_tier_waits_in_arrival_order():
+    q = AdmissionQueue(lambda tokens: True, max_running=1, max_wait_s=30)
+    running = await q.admit(PRO, 1)
+    tickets = [q.enqueue(PLUS, 1, REASONING), q.enqueue(PLUS, 1), q.enqueue(PLUS, 1, REASONING)]
+    assert q._order() == tickets
+    running.release()
+    for ticket in tickets:
+        (await q.wait(ticket)).release()
+
+
+async def test_the_gateway_orders_its_queue_by_the_configured_class_targets(tmp_path):
+    app = traffic_app(tmp_path, ScriptedBackend(["x"]), traffic={"slo_ttft_s": 3.0, "slo_classes": {
+        "interactive:free": {"ttft_s": 6.0}, "reasoning": {"ttft_s": 20.0}}})
+    async with app.router.lifespan_context(app):
+        target = app.state.ctx.traffic.admission.ttft_target
+        assert target(FREE, INTERACTIVE) == 6.0  # its own class
+        assert target(PRO, INTERACTIVE) == 3.0  # the service-wide target
+        assert target(PRO, REASONING) == target(FREE, REASONING) == 20.0
+        assert target(FREE, BATCH) == 3.0
 
 
 async def test_a_request_that_waits_too_long_leaves_with_queue_timeout():
