@@ -172,10 +172,7 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             return await self._start(conv.id, user_msg.id, answer.id, run, planned=planned,
                                      citations=citations(passages))
         except IntegrityError:
-            await session.rollback()
-            await self._give_back(conversation_id, claimed, run)
-            if client_key is not None and await Messages(session).by_client_key(conversation_id, client_key):
-                raise AlreadySent() from None
+            await self._write_refused(session, conversation_id, claimed, run, client_key)
             raise
         except BaseException:
             await self._give_back(conv.id, claimed, run)
@@ -253,14 +250,20 @@ class ConversationService(AnswerJob, Stopping, TakeOver):
             return await self._start(conv.id, question_id, answer.id, run, planned=planned,
                                      citations=citations(passages))
         except IntegrityError:
-            await session.rollback()
-            await self._give_back(conversation_id, claimed, run)
-            if client_key is not None and await Messages(session).by_client_key(conversation_id, client_key):
-                raise AlreadySent() from None
+            await self._write_refused(session, conversation_id, claimed, run, client_key)
             raise
         except BaseException:
             await self._give_back(conversation_id, claimed, run)
             raise
+
+    async def _write_refused(self, session: AsyncSession, conversation_id: str, claimed: bool, run: Run | None,
+                             client_key: str | None) -> None:
+        """The database refused a send's or regeneration's rows: roll back, give back what was taken, and
+        raise AlreadySent when the refusal was another request having stored the same Idempotency-Key."""
+        await session.rollback()
+        await self._give_back(conversation_id, claimed, run)
+        if client_key is not None and await Messages(session).by_client_key(conversation_id, client_key):
+            raise AlreadySent() from None
 
     async def _give_back(self, conversation_id: str, claimed: bool, run: Run | None) -> None:
         """Undo what send or regenerate took before its job started: the claim, the job lease, the run."""

@@ -31,6 +31,19 @@ async def _until_metered(app, cid, requests: int) -> None:
         await asyncio.sleep(0.01)
 
 
+def _look_up_late(monkeypatch, name: str) -> list[str]:
+    """resend.<name> misses its first look-up, as a request past the route's look-up before the first one
+    committed would; the keys it was asked for are listed."""
+    earlier, calls = getattr(resend, name), []
+
+    async def late_look_up(session, conversation_id, key, other):
+        calls.append(key)
+        return None if len(calls) == 1 else await earlier(session, conversation_id, key, other)
+
+    monkeypatch.setattr(resend, name, late_look_up)
+    return calls
+
+
 async def test_a_repeated_send_streams_the_first_answer_and_is_stored_and_metered_once(client, app, alice):
     cid = await new_conversation(client, alice)
     first = await _post(client, alice, cid, "What is a paged KV cache?", "send-1")
@@ -79,7 +92,7 @@ async def test_a_malformed_key_is_400_and_stores_nothing(client, app, alice):
     assert (await _counts(app, cid))[0] == 0
 
 
-async def test_a_send_that_loses_the_race_for_its_key_stores_nothing(client, app, alice):
+async def test_a_send_that_loses_the_race_for_its_key_stores_nothing(client, app, alice, monkeypatch):
     """Two sends with one key, the second past the route's look-up before the first committed (a gateway
     paused meanwhile, say): the database's unique key refuses the second, which gives back its claim and
     run, and the route replays the first."""
@@ -99,18 +112,8 @@ async def test_a_send_that_loses_the_race_for_its_key_stores_nothing(client, app
             raise AssertionError("the second send with the key was stored")
     assert await _counts(app, cid) == (2, 1)
     assert ctx.conversations.running(cid) is None  # its claim was given back: the conversation takes sends
-    earlier = resend.earlier_send
-    calls = []
-
-    async def late_look_up(session, conversation_id, key, text):
-        calls.append(key)
-        return None if len(calls) == 1 else await earlier(session, conversation_id, key, text)
-
-    resend.earlier_send = late_look_up
-    try:
-        again = await _post(client, alice, cid, "hello there", "race")
-    finally:
-        resend.earlier_send = earlier
+    calls = _look_up_late(monkeypatch, "earlier_send")
+    again = await _post(client, alice, cid, "hello there", "race")
     assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
     assert again.headers["x-message-id"] == first.headers["x-message-id"] and len(calls) == 2
     nxt = await _post(client, alice, cid, "next", "after-race")
@@ -192,7 +195,7 @@ async def test_a_key_used_for_another_request_is_422_on_regenerate_and_on_send(c
     assert await _counts(app, cid) == (5, 3)
 
 
-async def test_a_regeneration_that_loses_the_race_for_its_key_stores_nothing(client, app, alice):
+async def test_a_regeneration_that_loses_the_race_for_its_key_stores_nothing(client, app, alice, monkeypatch):
     cid = await new_conversation(client, alice)
     sent = await _post(client, alice, cid, "hello there", "send")
     await _until_metered(app, cid, 1)
@@ -211,18 +214,8 @@ async def test_a_regeneration_that_loses_the_race_for_its_key_stores_nothing(cli
             raise AssertionError("the second regeneration with the key was stored")
     assert await _counts(app, cid) == (3, 2)
     assert ctx.conversations.running(cid) is None  # its claim was given back
-    earlier = resend.earlier_regeneration
-    calls = []
-
-    async def late_look_up(session, conversation_id, key, message_id):
-        calls.append(key)
-        return None if len(calls) == 1 else await earlier(session, conversation_id, key, message_id)
-
-    resend.earlier_regeneration = late_look_up
-    try:
-        again = await _regenerate(client, alice, cid, sent.headers["x-message-id"], "race")
-    finally:
-        resend.earlier_regeneration = earlier
+    calls = _look_up_late(monkeypatch, "earlier_regeneration")
+    again = await _regenerate(client, alice, cid, sent.headers["x-message-id"], "race")
     assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
     assert again.headers["x-message-id"] == first.headers["x-message-id"] and len(calls) == 2
     assert await _counts(app, cid) == (3, 2)
