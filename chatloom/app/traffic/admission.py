@@ -45,33 +45,17 @@ import itertools
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from chatloom.app.traffic.queue_errors import QueueFull, QueueTimeout  # noqa: F401 (imported from here)
+from chatloom.app.traffic.queue_ticket import BATCH, INTERACTIVE, REASONING, Ticket  # noqa: F401 (as above)
 from chatloom.app.traffic.tiers import Tier
 
-INTERACTIVE = "interactive"
-REASONING = "reasoning"
-BATCH = "batch"
 
 
 MIN_MEASURED_RUNS = 3  # runs measured before the queue refuses early
 _ARRIVING = 2 ** 62  # the seq of a request not yet in the queue: after every waiting one
 YIELD_INTERVAL_S = 0.25  # between two batch requests asked to give way (an abort frees blocks within a step)
-
-
-@dataclass(eq=False)
-class Ticket:
-    tier: Tier
-    prompt_tokens: int
-    kind: str = INTERACTIVE
-    seq: int = 0
-    enqueued: float = field(default_factory=time.monotonic)
-    future: asyncio.Future | None = None
-    position: int = 0
-    on_position: Callable[[int], Awaitable[None]] | None = None
-    deadline: float = math.inf  # when its class's TTFT target runs out (set by the queue)
 
 
 class Slot:
