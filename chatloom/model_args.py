@@ -60,13 +60,23 @@ def bf16_matmul(choice: bool | None) -> bool:
     return environment_settings().model.bf16_matmul
 
 
+def weight_cache_folder():
+    """The folder that keeps packed K-quant weights between starts (CHATLOOM_MODEL__WEIGHT_CACHE, default
+    auto: $XDG_CACHE_HOME/chatloom/weights), or None where the settings turn it off."""
+    from chatloom.models.panel_cache import cache_folder
+    from chatloom.settings import environment_settings
+
+    return cache_folder(environment_settings().model.weight_cache)
+
+
 def load_from_args(args: argparse.Namespace, kv_cache_bytes=0):
     """The model the flags name, loaded; `kv_cache_bytes` (bytes, or a function of the model's config)
     is the KV pool the caller will allocate, checked with the weights against available memory."""
     from chatloom.models import load_model
 
     loaded = load_model(args.model, args.dtype, int8_matmul=int8_matmul(args.int8_matmul),
-                        kv_cache_bytes=kv_cache_bytes, bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)))
+                        kv_cache_bytes=kv_cache_bytes, bf16_matmul=bf16_matmul(getattr(args, "bf16_matmul", None)),
+                        weight_cache=weight_cache_folder())
     if getattr(args, "mmproj", None):
         from chatloom.models.vision.mmproj import attach_mmproj
 

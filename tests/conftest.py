@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -20,6 +23,12 @@ torch.set_num_threads(1)
 os.environ.setdefault("CHATLOOM_ACCOUNTS__SIGNUPS_PER_ADDRESS", "1000000")
 os.environ.setdefault("CHATLOOM_ACCOUNTS__LOGIN_FAILURES_PER_ADDRESS", "1000000")
 os.environ.setdefault("CHATLOOM_ACCOUNTS__LOGIN_FAILURES_PER_ACCOUNT", "1000000")
+# Commands and servers the suite starts keep packed K-quant weights (model.weight_cache) in a folder of the
+# run's own, never in the user's cache; tests/models/test_panel_cache.py tests the cache itself.
+if "CHATLOOM_MODEL__WEIGHT_CACHE" not in os.environ:
+    _weight_cache = tempfile.mkdtemp(prefix="chatloom-tests-")
+    atexit.register(shutil.rmtree, _weight_cache, True)
+    os.environ["CHATLOOM_MODEL__WEIGHT_CACHE"] = os.path.join(_weight_cache, "weights")
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,15 @@ kinds 2 and 3 instead of 0 and 1, Q6_K's high code bits in that kernel's order.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from chatloom.models.quant_layout import PANEL, SUPER_BLOCK, QuantizedWeight, _k_scales_mins
+
+if TYPE_CHECKING:
+    from chatloom.models.panel_cache import PanelCache
 
 PANEL_KINDS = {"Q4_K": 0, "Q6_K": 1}
 INT8_KINDS = 2  # added to a kind for the int8-activation kernel
@@ -113,33 +118,44 @@ def _pack_rows(w: QuantizedWeight, int8: bool = False) -> np.ndarray:
     return out
 
 
-def pack_kquant_panels(parts: list[QuantizedWeight], int8: bool = False
+def pack_kquant_panels(parts: list[QuantizedWeight], int8: bool = False, cache: "PanelCache | None" = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of `parts` stacked (a fused QKV or gate/up) as kquant_linear's blob (uint8), the panels'
     offsets into it (int64 [P + 1]) and kinds (uint8 [P]); with `int8`, for the int8-activation
-    kernel. Needs kquant_panels_fit(parts)."""
+    kernel. Needs kquant_panels_fit(parts). With a `cache` (panel_cache.py) the blob is mapped from
+    the file an earlier start wrote, or packed into a new one."""
     if not kquant_panels_fit(parts):
         raise ValueError("super-block panels need Q4_K or Q6_K parts of whole panels")
-    from chatloom.models.weight_repack import pack_panels  # the same bytes, in C++
+    kinds = [PANEL_KINDS[p.kind] + (INT8_KINDS if int8 else 0) for p in parts for _ in range(-(-p.rows // PANEL))]
+    sizes = [SUPER_BYTES[p.kind] for p in parts for _ in range(-(-p.rows // PANEL))]
+    offsets = np.concatenate([[0], np.cumsum(np.array(sizes, np.int64) * (parts[0].cols // SUPER_BLOCK))])
 
-    native = pack_panels(parts, SUPER_BYTES, int8)
+    def pack(some: list[QuantizedWeight], out: torch.Tensor | None = None) -> torch.Tensor:
+        return _pack_blob(some, int8, out)
+
+    blob = pack(parts) if cache is None else cache.blob(parts, int8, int(offsets[-1]), pack)
+    return blob, torch.from_numpy(offsets.astype(np.int64)), torch.tensor(kinds, dtype=torch.uint8)
+
+
+def _pack_blob(parts: list[QuantizedWeight], int8: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """The panels' bytes of `parts`, in C++ where the kernels are built, else in numpy (the same bytes);
+    written into `out` where given."""
+    from chatloom.models.weight_repack import pack_panels
+
+    native = pack_panels(parts, SUPER_BYTES, int8, out)
     if native is not None:
-        return native
-    blocks, kinds = [], []
+        return native[0]
+    blocks = []
     for part in parts:
         raw = np.ascontiguousarray(part.raw).reshape(part.rows, -1)
         for r0 in range(0, part.rows, _CHUNK_ROWS):
             r1 = min(part.rows, r0 + _CHUNK_ROWS)
-            chunk = QuantizedWeight(part.kind, raw[r0:r1], r1 - r0, part.cols)
-            packed = _pack_rows(chunk, int8)
-            blocks.append(packed.reshape(-1))
-            kinds += [PANEL_KINDS[part.kind] + (INT8_KINDS if int8 else 0)] * packed.shape[0]
-    sizes = [SUPER_BYTES[k] for p in parts for k in [p.kind] for _ in range(-(-p.rows // PANEL))]
-    offsets = np.concatenate([[0], np.cumsum(np.array(sizes, np.int64) * (parts[0].cols // SUPER_BLOCK))])
-    blob = np.concatenate(blocks)
-    assert offsets[-1] == blob.size
-    return (torch.from_numpy(blob), torch.from_numpy(offsets.astype(np.int64)),
-            torch.tensor(kinds, dtype=torch.uint8))
+            blocks.append(_pack_rows(QuantizedWeight(part.kind, raw[r0:r1], r1 - r0, part.cols), int8).reshape(-1))
+    blob = torch.from_numpy(np.concatenate(blocks))
+    if out is None:
+        return blob
+    out.copy_(blob)
+    return out
 
 
 def _unwords(words: np.ndarray, per_word: int, bits: int) -> np.ndarray:

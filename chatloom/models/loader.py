@@ -15,6 +15,7 @@ from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.hf_config import read_config_file
 from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.kernels import load_kernels
+from chatloom.models.panel_cache import PanelCache
 from chatloom.models.memory_check import check_fits, dense_weight_bytes, gguf_weight_bytes, vision_weight_bytes
 from chatloom.models.packed_linear import (QUANTIZED_KINDS, kernels_can_pack, kquant_int8_supported,
                                           kquant_matmul_supported)
@@ -128,7 +129,7 @@ def gguf_layout(reader, torch_dtype: torch.dtype, int8_matmul: bool | None,
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
                int8_matmul: bool | None = False,
                kv_cache_bytes: int | Callable[[ModelConfig], int] = 0,
-               bf16_matmul: bool = False) -> LoadedModel:
+               bf16_matmul: bool = False, weight_cache: Path | None = None) -> LoadedModel:
     """Load a registry model, GGUF file or Hugging Face folder. `int8_matmul` multiplies
     quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) with int8 activations (faster, slightly
     less exact; off by default; commands resolve their flag and CHATLOOM_MODEL__INT8_MATMUL once, in
@@ -136,7 +137,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
     the CPU has it; off by default, resolved like int8 in chatloom/model_args.py). `int8_matmul=None` decides by
     the file: on for a GGUF file whose matmul weights are mostly K-quants, where the CPU runs their int8
     kernel, as llama.cpp multiplies them; off otherwise. Before any weight is read, the weights plus `kv_cache_bytes` (or what it
-    returns for the model's config) are checked against the memory available: ModelError if they do not fit."""
+    returns for the model's config) are checked against the memory available: ModelError if they do not fit.
+    `weight_cache` is a folder that keeps a GGUF file's K-quant layers packed between starts
+    (panel_cache.py; None packs them at every start, as library callers and tests do by default)."""
     t0 = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
     if spec == "tiny-random":
@@ -147,6 +150,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         return LoadedModel(spec, model, tok, cfg, time.perf_counter() - t0)
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
     quantized = None
+    panel_cache = None
     norm_offset = 0.0
     float_bytes = torch.empty(0, dtype=torch_dtype).element_size()
 
@@ -180,10 +184,14 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
         weights = gguf_loader.read_weights(reader, cfg.architecture)
         quantized = gguf_loader.read_quantized(reader, cfg.architecture)
         _log_dequantized(weights.kinds(), torch_dtype)
+        if weight_cache is not None and super_blocks:
+            panel_cache = PanelCache(weight_cache)
     else:
         raise _unknown(spec)
     model = build_model(cfg, weights.get, torch_dtype, quantized, bool(int8_matmul), norm_offset,
-                        bf16_matmul=bf16_matmul)
+                        bf16_matmul=bf16_matmul, panel_cache=panel_cache)
+    if panel_cache is not None and (panel_cache.mapped or panel_cache.written):
+        log.info(panel_cache.summary())
     model_id = spec if spec in REGISTRY else path.stem
     return LoadedModel(model_id, model, tok, cfg, time.perf_counter() - t0)
 

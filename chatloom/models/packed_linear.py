@@ -13,7 +13,7 @@ layout for them where the CPU has AVX-512, and with int8 activations where it ha
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from chatloom.models.quant_layout import (GROUP, PANEL, QUANT_BLOCK, QUANTIZED_K
                                           QuantizedWeight, from_float_kernel_layout, from_int8_layout,
                                           pack_quantized, q4_0_as_q4_1, quantized_layout, to_float_kernel_layout,
                                           to_int8_layout)
+
+if TYPE_CHECKING:
+    from chatloom.models.panel_cache import PanelCache
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -286,8 +289,8 @@ class KQuantLinear(KernelLinear):
 
     @classmethod
     def from_parts(cls, parts: list[QuantizedWeight], out_features: int, bias: torch.Tensor | None,
-                   kernels, int8_activations: bool = False) -> "KQuantLinear":
-        return cls(*pack_kquant_panels(parts, int8_activations), parts[0].cols, out_features, bias, kernels)
+                   kernels, int8_activations: bool = False, cache: PanelCache | None = None) -> "KQuantLinear":
+        return cls(*pack_kquant_panels(parts, int8_activations, cache), parts[0].cols, out_features, bias, kernels)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -309,7 +312,8 @@ class KQuantLinear(KernelLinear):
 
 
 def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]] | None = None,
-                 int8_activations: bool = False, bf16_weights: bool = False) -> bool:
+                 int8_activations: bool = False, bf16_weights: bool = False,
+                 panel_cache: PanelCache | None = None) -> bool:
     """Replace every float32 nn.Linear in `model` by a PackedLinear, or by a QuantizedLinear
     where `quantized` gives the layer's weight as stored in a GGUF file (by module name;
     several parts for a fused layer). Returns False (and changes nothing) when the kernels
@@ -321,7 +325,8 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
     (dequantized) weight in bfloat16 and multiplies through bf16_linear; int8 activations win
     where both are asked for.
 
-    A head tied to the embedding gets its own packed copy; the embedding keeps its table."""
+    A head tied to the embedding gets its own packed copy; the embedding keeps its table. Super-block
+    panels come from `panel_cache` where given (panel_cache.py)."""
     kernels = load_kernels()
     if not kernels_can_pack(kernels):
         return False
@@ -347,7 +352,8 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, list[QuantizedWeight]
         if bf16_weights and child.in_features % 2 == 0:
             return BF16Linear.from_weight(child.weight, child.bias, kernels)
         if superblocks(parts, child):
-            return KQuantLinear.from_parts(parts, child.out_features, child.bias, kernels, int8_activations)
+            return KQuantLinear.from_parts(parts, child.out_features, child.bias, kernels, int8_activations,
+                                           panel_cache)
         if parts and quantizable(parts, child.in_features, child.out_features):
             codes, scales = pack_quantized(parts)
             if int8_activations and parts[0].kind == "Q4_0" and quantized_layout(parts) == "int8":

@@ -27,11 +27,8 @@ def as_bytes(raw: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def mapped_alone(raw: np.ndarray) -> np.ndarray | None:
-    """The same bytes as `raw`, a view of a memory-mapped file, through a mapping of their own (read-only),
-    or None where `raw` is not a contiguous view of a mapped file. Nothing is copied: a table kept this
-    way costs no new memory, its pages are the file's in the page cache, and it keeps only its own part
-    of the file mapped (the model file's mapping can go once loading is done)."""
+def file_span(raw: np.ndarray) -> tuple[str, int] | None:
+    """(file name, byte offset) of `raw` where it is a contiguous view of a memory-mapped file, else None."""
     if not raw.flags.c_contiguous:
         return None
     base = raw.base
@@ -42,7 +39,18 @@ def mapped_alone(raw: np.ndarray) -> np.ndarray | None:
     start = raw.__array_interface__["data"][0] - base.__array_interface__["data"][0]
     if start < 0 or start + raw.nbytes > base.nbytes:
         return None
-    return np.memmap(base.filename, dtype=raw.dtype, mode="r", offset=base.offset + start, shape=raw.shape)
+    return base.filename, base.offset + start
+
+
+def mapped_alone(raw: np.ndarray) -> np.ndarray | None:
+    """The same bytes as `raw`, a view of a memory-mapped file, through a mapping of their own (read-only),
+    or None where `raw` is not a contiguous view of a mapped file. Nothing is copied: a table kept this
+    way costs no new memory, its pages are the file's in the page cache, and it keeps only its own part
+    of the file mapped (the model file's mapping can go once loading is done)."""
+    span = file_span(raw)
+    if span is None:
+        return None
+    return np.memmap(span[0], dtype=raw.dtype, mode="r", offset=span[1], shape=raw.shape)
 
 
 def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -53,16 +61,19 @@ def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tens
     return kernels.dequantize_blocks(as_bytes(raw), kind).reshape(shape)
 
 
-def pack_panels(parts: list[QuantizedWeight], super_bytes: dict[str, int], int8: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def pack_panels(parts: list[QuantizedWeight], super_bytes: dict[str, int], int8: bool = False,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """kquant_panels.pack_kquant_panels on the kernels: (blob, offsets, kinds), or None without them.
-    `parts` must fit (kquant_panels_fit); with `int8`, the int8-activation kernel's kinds."""
+    `parts` must fit (kquant_panels_fit); with `int8`, the int8-activation kernel's kinds. The blob is
+    written into `out` (uint8, of the blob's size) where given."""
     kernels = load_kernels()
     if kernels is None or not hasattr(kernels, "kquant_pack_panels"):
         return None
     nb = parts[0].cols // SUPER_BLOCK
     sizes = [super_bytes[p.kind] * nb * -(-p.rows // PANEL) for p in parts]
-    blob = torch.empty(sum(sizes), dtype=torch.uint8)
+    blob = torch.empty(sum(sizes), dtype=torch.uint8) if out is None else out
+    if blob.numel() != sum(sizes):
+        raise ValueError(f"the panels take {sum(sizes)} bytes, not {blob.numel()}")
     kinds, start = [], 0
     for part, size in zip(parts, sizes):
         kind = _PANEL_KINDS[part.kind] + (_INT8_KINDS if int8 else 0)

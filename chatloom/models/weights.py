@@ -8,6 +8,7 @@ import torch
 
 from chatloom.models.kernels import load_kernels
 from chatloom.models.packed_linear import QuantizedWeight, kernels_can_pack, pack_linears, quantizable
+from chatloom.models.panel_cache import PanelCache
 from chatloom.models.config import ModelConfig, ModelError
 from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.quantized_embedding import QuantizedEmbedding, can_keep
@@ -79,14 +80,15 @@ def _weight_sources(cfg: ModelConfig) -> dict[str, list[list[str]]]:
 def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
                 quantized: Mapping[str, QuantizedWeight] | None = None,
                 int8_matmul: bool = False, norm_offset: float = 0.0,
-                bf16_matmul: bool = False) -> LlamaForCausalLM:
+                bf16_matmul: bool = False, panel_cache: PanelCache | None = None) -> LlamaForCausalLM:
     """Create the model and fill every parameter from `get`, fusing QKV and gate/up.
 
     `quantized` holds the GGUF-quantized form of weights (by Hugging Face name); in a
     float32 model, layers whose weights are all there keep them quantized, and multiply with
     int8 activations when `int8_matmul` (see pack_linears); `bf16_matmul` keeps every layer's weight in
     bfloat16 instead. `norm_offset` is added to every
-    RMSNorm weight (Gemma's checkpoints store w for a norm that multiplies by 1 + w)."""
+    RMSNorm weight (Gemma's checkpoints store w for a norm that multiplies by 1 + w). `panel_cache`
+    keeps the super-block panels of K-quant layers between starts (panel_cache.py)."""
     with _no_init():
         model = LlamaForCausalLM(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -171,7 +173,7 @@ def build_model(cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype,
         pack_linears(model, {key[: -len(".weight")]: [quantized[n] for n in names]
                              for key, names in chosen.items()
                              if key.endswith(".weight") and all(n in quantized for n in names)},
-                     int8_activations=int8_matmul, bf16_weights=bf16_matmul)
+                     int8_activations=int8_matmul, bf16_weights=bf16_matmul, panel_cache=panel_cache)
     return model
 
 

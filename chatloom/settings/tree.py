@@ -63,6 +63,11 @@ class ModelSettings(Group):
                                                         "otherwise; false keeps every file exact.")
     bf16_matmul: bool = Field(False, description="Keep float weights in bfloat16 for the matmuls "
                                                  "(commands with --bf16-matmul).")
+    weight_cache: str = Field("auto", description="Folder that keeps a GGUF file's K-quant layers in the "
+                                                  "kernels' packed layout, so that later starts map them "
+                                                  "instead of packing them again (docs/models.md): `auto` is "
+                                                  "$XDG_CACHE_HOME/chatloom/weights, else "
+                                                  "~/.cache/chatloom/weights; empty or `off` packs at every start.")
     mmproj: str | None = Field(None, description="A LLaVA image encoder and projector as llama.cpp's `mmproj` "
                                                  "GGUF file, for a GGUF decoder (docs/vision-and-voice.md).")
 
