@@ -25,8 +25,8 @@ import logging
 import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -183,7 +183,7 @@ class PanelCache:
                 _remove_orphans(folder)
             else:
                 folder.mkdir(parents=True, exist_ok=True)
-                tmp = folder / f".{SOURCE_FILE}.{os.getpid()}"
+                tmp = folder / f".{SOURCE_FILE}.{os.getpid()}.tmp"
                 tmp.write_text(json.dumps(identity, indent=1))
                 os.replace(tmp, folder / SOURCE_FILE)
                 self._sweep(identity["path"], keep=folder)
