@@ -53,8 +53,9 @@ async def earlier_send(session: AsyncSession, conversation_id: str, key: str, te
 
 async def earlier_regeneration(session: AsyncSession, conversation_id: str, key: str,
                                message_id: str) -> tuple[str, str] | None:
-    """(question id, answer id) of the answer a regeneration with this key started, None when none did; 422 when the key was used
-    for something else: a message, or a new answer to another question than `message_id`'s."""
+    """(question id, answer id) of the answer a regeneration with this key started, None when none did;
+    422 when the key was used for something else: a message, or a new answer to another question than
+    `message_id`'s."""
     messages = Messages(session)
     sent = await messages.by_client_key(conversation_id, key)
     if sent is None:

@@ -53,14 +53,14 @@ _FENCE = """
 local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= ARGV[1] then return redis.error_reply('TAKEN another writer holds this log') end
 """
-# A stream that ends before entry N - 1 (ARGV[2] is 0-N) answers LOST with its last entry's sequence
-# number (0: empty or gone).
 # The stream's (KEYS[1]) last entry's sequence number as `seq` (0: empty or gone).
 _LAST_SEQ = """
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local seq = 0
 if #last > 0 then seq = tonumber(string.sub(last[1][1], 3)) end
 """
+# A stream that ends before entry N - 1 (ARGV[2] is 0-N) answers LOST with its last entry's sequence
+# number (0: empty or gone).
 _NO_GAP = _LAST_SEQ + """
 local n = tonumber(string.sub(ARGV[2], 3))
 if n > 1 and seq < n - 1 then return redis.error_reply('LOST ' .. seq) end

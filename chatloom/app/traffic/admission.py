@@ -16,8 +16,8 @@ ends; the service rate is the running slots over the mean run time. An arriving 
 expected wait (the requests ahead of it in its tier's order, or its tier's reserved share of the
 admissions, whichever is sooner) exceeds `max_wait_s` is refused at once with QueueFull (a 503 with
 Retry-After) instead of waiting out the timeout, unless `before_refusing` takes a step of the degrade
-ladder for it instead (then it waits, and times out if the cheaper answers do not make room in time). `refuse_if_full` makes that decision synchronously,
-before a ticket, a future or a task exists for the request, so callers can refuse a burst's excess in
+ladder for it instead (then it waits, and times out if the cheaper answers do not make room in time).
+`refuse_if_full` makes that decision synchronously, before a ticket, a future or a task exists for the request, so callers can refuse a burst's excess in
 the same step that received it (a refusal then costs microseconds, not a turn of the event loop behind
 every other arrival). Until a few runs are measured nothing is refused early: the wait for a slot is
 bounded below only by how soon running generations end, and without a measured pace that bound is
@@ -50,7 +50,6 @@ from typing import Awaitable, Callable
 from chatloom.app.traffic.queue_errors import QueueFull, QueueTimeout  # noqa: F401 (imported from here)
 from chatloom.app.traffic.queue_ticket import BATCH, INTERACTIVE, REASONING, Ticket  # noqa: F401 (as above)
 from chatloom.app.traffic.tiers import Tier
-
 
 
 MIN_MEASURED_RUNS = 3  # runs measured before the queue refuses early

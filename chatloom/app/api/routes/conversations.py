@@ -3,6 +3,7 @@ resume a stream from any event id (all answers stream as SSE from the generation
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
 from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy import select
@@ -124,23 +125,38 @@ async def send_message(body: MessageIn, ctx: Ctx, conv: OwnedConversation, sessi
     for the first message) to branch off, as an edit does. `images` (data URLs) are shown to a model that
     reads images, before the text, and stay with the message for the rest of the conversation."""
     key, conversation_id = resend.checked_key(idempotency_key), conv.id
-    if key is not None and (earlier := await resend.earlier_send(session, conversation_id, key, body.text)):
-        return await _replay(ctx, session, conversation_id, *earlier)
-    parent = body.parent_id if "parent_id" in body.model_fields_set else UNSET
-    images = []
-    if body.images:  # read and checked before anything is saved
-        require_vision(ctx.backend, body.model)
-        reader = ImageReader(ctx.settings.vision, "images")
-        await reader.fetch(body.images)
-        images = await reading_images(True, lambda: [reader.data_url(url) for url in body.images])
+
+    async def start() -> Generation:
+        parent = body.parent_id if "parent_id" in body.model_fields_set else UNSET
+        images = []
+        if body.images:  # read and checked before anything is saved
+            require_vision(ctx.backend, body.model)
+            reader = ImageReader(ctx.settings.vision, "images")
+            await reader.fetch(body.images)
+            images = await reading_images(True, lambda: [reader.data_url(url) for url in body.images])
+        return await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images, key)
+
+    return await _answer_once(ctx, session, conversation_id, key,
+                              lambda: resend.earlier_send(session, conversation_id, key, body.text), start,
+                              "this message was sent by another request at the same time")
+
+
+async def _answer_once(ctx: Ctx, session: SessionDep, conversation_id: str, key: str | None,
+                       earlier: Callable[[], Awaitable[tuple[str, str] | None]],
+                       start: Callable[[], Awaitable[Generation]], raced: str) -> EventStreamResponse:
+    """One answer per Idempotency-Key: a key seen before (`earlier` finds its request's user message and
+    answer) replays that answer; otherwise `start` begins a new one, and where a concurrent request
+    stored the same key first (AlreadySent) its answer is replayed instead, or 409 `raced` if it is
+    gone already."""
+    if key is not None and (found := await earlier()):
+        return await _replay(ctx, session, conversation_id, *found)
     try:
-        gen = await ctx.conversations.send(session, conv, body.text, _options(user, body), parent, images, key)
-    except resend.AlreadySent:  # a concurrent send with this key stored it first
-        earlier = await resend.earlier_send(session, conversation_id, key, body.text)
-        if earlier is None:  # deleted in between
-            raise ApiError(409, "this message was sent by another request at the same time", "already_sent",
-                           resend.HEADER) from None
-        return await _replay(ctx, session, conversation_id, *earlier)
+        gen = await start()
+    except resend.AlreadySent:
+        found = await earlier()
+        if found is None:  # deleted in between
+            raise ApiError(409, raced, "already_sent", resend.HEADER) from None
+        return await _replay(ctx, session, conversation_id, *found)
     return stream_response(gen)
 
 
@@ -167,17 +183,11 @@ async def regenerate(message_id: str, ctx: Ctx, conv: OwnedConversation, session
                      ) -> EventStreamResponse:
     """Stream a new answer beside an assistant message (or a new answer to a user message)."""
     key, conversation_id = resend.checked_key(idempotency_key), conv.id
-    if key is not None and (earlier := await resend.earlier_regeneration(session, conversation_id, key, message_id)):
-        return await _replay(ctx, session, conversation_id, *earlier)
-    try:
-        gen = await ctx.conversations.regenerate(session, conv, message_id, _options(user, body), key)
-    except resend.AlreadySent:  # a concurrent regeneration with this key stored its answer first
-        earlier = await resend.earlier_regeneration(session, conversation_id, key, message_id)
-        if earlier is None:  # deleted in between
-            raise ApiError(409, "this answer was started by another request at the same time", "already_sent",
-                           resend.HEADER) from None
-        return await _replay(ctx, session, conversation_id, *earlier)
-    return stream_response(gen)
+    return await _answer_once(
+        ctx, session, conversation_id, key,
+        lambda: resend.earlier_regeneration(session, conversation_id, key, message_id),
+        lambda: ctx.conversations.regenerate(session, conv, message_id, _options(user, body), key),
+        "this answer was started by another request at the same time")
 
 
 @router.post("/{conversation_id}/stop", response_model=StopOut, responses=OWN_CONVERSATION | errors(503))
