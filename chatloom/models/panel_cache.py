@@ -13,8 +13,8 @@ A file found is checked before use by packing each part's first panel again and 
 which catches a changed layout (new kernels) as well as a source rewritten in place. A file is written
 beside its final name, preallocated (a full disk is an error here, never a fault while the panels are
 written through the mapping), then synced and renamed on a thread of its own while the server starts, so
-a crash leaves no half-written file under the final name. When the source changes, the folder of its earlier version is removed; anything going wrong
-with the cache means packing in memory, as without it.
+a crash leaves no half-written file under the final name. When the source changes, the folder of its
+earlier version is removed; anything going wrong with the cache means packing in memory, as without it.
 """
 from __future__ import annotations
 

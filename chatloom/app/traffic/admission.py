@@ -17,11 +17,12 @@ expected wait (the requests ahead of it in its tier's order, or its tier's reser
 admissions, whichever is sooner) exceeds `max_wait_s` is refused at once with QueueFull (a 503 with
 Retry-After) instead of waiting out the timeout, unless `before_refusing` takes a step of the degrade
 ladder for it instead (then it waits, and times out if the cheaper answers do not make room in time).
-`refuse_if_full` makes that decision synchronously, before a ticket, a future or a task exists for the request, so callers can refuse a burst's excess in
-the same step that received it (a refusal then costs microseconds, not a turn of the event loop behind
-every other arrival). Until a few runs are measured nothing is refused early: the wait for a slot is
-bounded below only by how soon running generations end, and without a measured pace that bound is
-zero, so any earlier refusal would be a guess that refuses work a fast engine could do.
+`refuse_if_full` makes that decision synchronously, before a ticket, a future or a task exists for the
+request, so callers can refuse a burst's excess in the same step that received it (a refusal then costs
+microseconds, not a turn of the event loop behind every other arrival). Until a few runs are measured
+nothing is refused early: the wait for a slot is bounded below only by how soon running generations
+end, and without a measured pace that bound is zero, so any earlier refusal would be a guess that
+refuses work a fast engine could do.
 With several gateways, `fleet` (a hotstate.fleet_shares.FleetShares) adds the other gateways'
 generations and admissions to both shares.
 
