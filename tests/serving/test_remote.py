@@ -13,7 +13,7 @@ import pytest
 from chatloom.engine.sampling_params import SamplingParams
 from chatloom.serving import Constraint
 from chatloom.serving.backend import BackendNotReady, BadGenerationRequest, GenerationRequest
-from chatloom.serving.remote import RemoteBackend, ReplicaError, ReplicaModelMismatch, Timeouts
+from chatloom.serving.remote import RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts
 
 CHAT = [{"role": "user", "content": "Tell me about the sea"}]
 
@@ -197,3 +197,67 @@ async def test_a_slow_tokenize_on_a_busy_replica_is_waited_for():
     finally:
         await client.close()
         srv.shutdown()
+
+
+class _BrokenStreams(BaseHTTPRequestHandler):
+    """A replica whose answer goes wrong in the way `self.server.mode` names."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        mode = self.server.mode
+        if mode == "refused":
+            body = b'{"error": {"message": "max_tokens is too large", "code": "invalid_request"}}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        chunk = b'data: {"choices": [{"text": "a", "token_ids": [7], "finish_reason": null}]}\n\n'
+        self.wfile.write(chunk)
+        self.wfile.flush()
+        if mode == "silent":
+            time.sleep(1.5)
+        # "cut": the connection closes here, mid-answer
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("mode, error, message", [
+    ("refused", BadGenerationRequest, "max_tokens is too large"),
+    ("cut", ReplicaError, "ended without \\[DONE\\]|connection broke"),
+    ("silent", ReplicaTimeout, "no answer in time"),
+])
+async def test_a_stream_that_goes_wrong_fails_with_a_clear_error(mode, error, message):
+    from http.server import ThreadingHTTPServer
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _BrokenStreams)
+    srv.mode = mode
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    client = RemoteBackend(f"http://127.0.0.1:{srv.server_address[1]}", "tiny-random",
+                           timeouts=Timeouts(between_chunks=0.5))
+    pieces = []
+    try:
+        with pytest.raises(error, match=message):
+            async for piece in client.stream_tokens([1, 2, 3], SamplingParams(max_tokens=4)):
+                pieces.append(piece.token_ids)
+        assert pieces == ([] if mode == "refused" else [[7]])  # what came before the fault was passed on
+    finally:
+        await client.close()
+        srv.shutdown()
+
+
+async def test_a_stream_to_a_closed_port_says_so():
+    client = RemoteBackend("http://127.0.0.1:9", "tiny-random", timeouts=Timeouts(stream_connect=1.0))
+    try:
+        with pytest.raises(ReplicaError, match="connection refused"):
+            async for _ in client.stream_tokens([1, 2, 3], SamplingParams(max_tokens=4)):
+                pass
+    finally:
+        await client.close()
