@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -169,34 +170,45 @@ async def test_bad_servers_give_clear_errors_fast(fleet, garbage_server, silent_
     assert issubclass(ReplicaModelMismatch, ReplicaError)
 
 
+def _send_json(handler: BaseHTTPRequestHandler, status: int, body: bytes) -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler], mode: str | None = None):
+    """`handler` served on a loopback port in threads of its own (`mode` on the server for it to read): the URL."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.mode = mode
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+
+
 class _SlowTokenizer(BaseHTTPRequestHandler):
     """A saturated replica: /tokenize answers, but later than a health probe may take."""
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         time.sleep(0.8)
-        body = b'{"tokens": [1, 2, 3], "count": 3}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        _send_json(self, 200, b'{"tokens": [1, 2, 3], "count": 3}')
 
     def log_message(self, *a):
         pass
 
 
 async def test_a_slow_tokenize_on_a_busy_replica_is_waited_for():
-    from http.server import ThreadingHTTPServer
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _SlowTokenizer)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    client = RemoteBackend(f"http://127.0.0.1:{srv.server_address[1]}", "tiny-random",
-                           timeouts=Timeouts(connect=1.0, probe=0.2))
-    try:
-        assert await client.tokenize(prompt="hello") == [1, 2, 3]
-    finally:
-        await client.close()
-        srv.shutdown()
+    with _serving(_SlowTokenizer) as url:
+        client = RemoteBackend(url, "tiny-random", timeouts=Timeouts(connect=1.0, probe=0.2))
+        try:
+            assert await client.tokenize(prompt="hello") == [1, 2, 3]
+        finally:
+            await client.close()
 
 
 class _BrokenStreams(BaseHTTPRequestHandler):
@@ -208,12 +220,7 @@ class _BrokenStreams(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         mode = self.server.mode
         if mode == "refused":
-            body = b'{"error": {"message": "max_tokens is too large", "code": "invalid_request"}}'
-            self.send_response(400)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _send_json(self, 400, b'{"error": {"message": "max_tokens is too large", "code": "invalid_request"}}')
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -236,21 +243,16 @@ class _BrokenStreams(BaseHTTPRequestHandler):
     ("silent", ReplicaTimeout, "no answer in time"),
 ])
 async def test_a_stream_that_goes_wrong_fails_with_a_clear_error(mode, error, message):
-    from http.server import ThreadingHTTPServer
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _BrokenStreams)
-    srv.mode = mode
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    client = RemoteBackend(f"http://127.0.0.1:{srv.server_address[1]}", "tiny-random",
-                           timeouts=Timeouts(between_chunks=0.5))
-    pieces = []
-    try:
-        with pytest.raises(error, match=message):
-            async for piece in client.stream_tokens([1, 2, 3], SamplingParams(max_tokens=4)):
-                pieces.append(piece.token_ids)
-        assert pieces == ([] if mode == "refused" else [[7]])  # what came before the fault was passed on
-    finally:
-        await client.close()
-        srv.shutdown()
+    with _serving(_BrokenStreams, mode) as url:
+        client = RemoteBackend(url, "tiny-random", timeouts=Timeouts(between_chunks=0.5))
+        pieces = []
+        try:
+            with pytest.raises(error, match=message):
+                async for piece in client.stream_tokens([1, 2, 3], SamplingParams(max_tokens=4)):
+                    pieces.append(piece.token_ids)
+            assert pieces == ([] if mode == "refused" else [[7]])  # what came before the fault was passed on
+        finally:
+            await client.close()
 
 
 async def test_a_stream_to_a_closed_port_says_so():
