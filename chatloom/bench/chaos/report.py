@@ -1,6 +1,9 @@
 """The chaos run's result: one JSON document, and a table of the invariants and the faults."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from chatloom.bench.chaos.invariants import RECOVERY_S, Check
 from chatloom.bench.chaos.ledger import Ledger
 
@@ -29,6 +32,32 @@ def summary(checks: list[Check], ledger: Ledger, t0: float, meta: dict) -> dict:
                     "by_status": _by_status(ledger), "by_route": _by_route(ledger),
                     "no_reply_by_error": _no_reply_by_error(ledger)},
     }
+
+
+# A log record starts with our format's timestamp or with uvicorn's level prefix; the lines up to the
+# next start (a traceback) belong to it.
+_RECORD_START = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|[A-Z]+:\s)")
+_ERROR_LEVEL = re.compile(r"^(\S+ \S+ )?(ERROR|CRITICAL)\b|^(ERROR|CRITICAL):")
+
+
+def logged_errors(folder: Path, per_log: int = 5, lines_each: int = 40) -> dict[str, list[str]]:
+    """The processes' error records, the first few of each log, those with a traceback first: what
+    explains a failed invariant once the run's folder is gone."""
+    out: dict[str, list[str]] = {}
+    for log in sorted(folder.glob("*.log")):
+        records: list[list[str]] = []
+        for line in log.read_text(errors="replace").splitlines():
+            if _RECORD_START.match(line) or not records:
+                records.append([line])
+            else:
+                records[-1].append(line)
+        traced = [r for r in records if any(x.startswith("Traceback") for x in r[1:])]
+        # Those with a traceback first: the expected errors of a fault (the database down) are many.
+        errors = ["\n".join(r[:lines_each]) for r in traced + [r for r in records if _ERROR_LEVEL.match(r[0])
+                                                                and r not in traced]]
+        if errors:
+            out[log.stem] = errors[:per_log]
+    return out
 
 
 def _no_reply(ledger: Ledger, start: float, end: float) -> int:
@@ -89,4 +118,6 @@ def table(result: dict) -> str:
     lines += ["", f"requests {t['requests']}: {t['replies']} replied, {t['no_reply']} no reply; answers {t['answers']} "
               f"({t['answers_found_after_lost_reply']} found after a lost reply, {t['unknown_submissions']} "
               f"messages unknowable); client renewals {result.get('client_renewals', {})}"]
+    for process, records in result.get("log_errors", {}).items():
+        lines += ["", f"{process}.log, first errors:", *records]
     return "\n".join(lines)

@@ -22,7 +22,7 @@ import httpx
 from chatloom.bench.chaos import invariants as inv
 from chatloom.bench.chaos.faults import Injector, schedule
 from chatloom.bench.chaos.ledger import Ledger
-from chatloom.bench.chaos.report import summary
+from chatloom.bench.chaos.report import logged_errors, summary
 from chatloom.bench.chaos.resources import Sampler, Slot
 from chatloom.bench.chaos.topology import MODEL, Topology
 from chatloom.bench.chaos.traffic import Traffic, User
@@ -116,6 +116,8 @@ async def _drive(topology: Topology, config: ChaosConfig, progress) -> dict:
     meta = {"client_renewals": traffic.clients.renewals, "config": asdict(config), "window_s": config.window_s, "folders": [str(topology.folder),
             str(topology.pg_folder)], "tmpfs": topology.tmpfs,
             "tmpfs_error": topology.tmpfs_error, "planned_faults": [asdict(p) for p in plan]}
+    if not all(c.ok for c in checks):  # the folder goes when the run ends: keep what explains a failure
+        meta["log_errors"] = logged_errors(topology.folder)
     return summary(checks, ledger, t0, meta)
 
 
