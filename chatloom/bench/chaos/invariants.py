@@ -239,9 +239,11 @@ def no_unexpected_5xx(ledger: Ledger, grace_s: float = RECOVERY_S) -> Check:
         in_fault = any(a <= r.t <= b for a, b in windows)
         if r.status == 503 and r.retry_after and r.code and (in_fault or r.code == "queue_full"):
             documented += 1
-        else:
+        else:  # which gateway, inside which faults' windows: where to look in the logs
             failures.append({"route": r.route, "status": r.status, "code": r.code, "retry_after": r.retry_after,
-                             "in_fault_window": in_fault})
+                             "in_fault_window": in_fault, "gateway": r.gateway,
+                             "faults": [f"{f.kind} {f.target}" for f, (a, b) in zip(ledger.faults, windows)
+                                        if a <= r.t <= b]})
     return Check("no 5xx but documented 503s", not failures,
                  {"replies": len(ledger.replies), "documented_503": documented, "other_5xx": len(failures),
                   "transport_errors": sum(1 for r in ledger.replies if r.status == 0)}, failures)
