@@ -8,9 +8,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
 from chatloom.argtypes import positive_float, positive_int
 from chatloom.model_args import add_kv_cache_dtype_arg, add_model_args
+
+if TYPE_CHECKING:
+    from chatloom.settings import Settings
 
 
 def _settings(args: argparse.Namespace):
@@ -22,7 +26,8 @@ def _settings(args: argparse.Namespace):
 # The flags these commands take, and the setting each one sets (over the file and the environment).
 SETTING_FLAGS = {"db": "server.db_url", "redis": "shared_state.redis_url", "host": "server.host",
                  "port": "server.port", "model": "model.name", "dtype": "model.dtype",
-                 "int8_matmul": "model.int8_matmul", "mmproj": "model.mmproj", "kv_cache_gb": "engine.kv_cache_gb",
+                 "int8_matmul": "model.int8_matmul", "mmproj": "model.mmproj", "speech_model": "speech.model",
+                 "kv_cache_gb": "engine.kv_cache_gb",
                  "num_blocks": "engine.num_blocks", "max_num_seqs": "engine.max_num_seqs",
                  "max_num_batched_tokens": "engine.max_num_batched_tokens", "kv_cache_dtype": "engine.kv_cache_dtype",
                  "speculative": "engine.speculative", "num_speculative_tokens": "engine.num_speculative_tokens",
@@ -36,6 +41,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                                                "postgresql+asyncpg://... for PostgreSQL)")
 
 
+def check_model_kinds(settings: Settings) -> None:
+    """Refuse, before anything starts, a Whisper folder given as the chat model and a speech model that is
+    not a Whisper folder: the speech model would otherwise fail only at its first request."""
+    from pathlib import Path
+
+    from chatloom.models.speech.whisper import is_whisper_folder
+
+    if settings.model.name and is_whisper_folder(Path(settings.model.name)):
+        raise ValueError(f"{settings.model.name} is a Whisper speech model, not a chat model: "
+                         f"serve it with --speech-model (or [speech] model)")
+    speech = settings.speech.model
+    if speech is None:
+        return
+    if not Path(speech).exists():
+        raise ValueError(f"speech model not found: {speech}")
+    if not is_whisper_folder(Path(speech)):
+        raise ValueError(f"speech model {speech} is not a Whisper folder "
+                         f"(a Hugging Face folder whose config.json has model_type whisper)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
@@ -46,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from chatloom.cli.fleet import fleet_for_serve
 
     settings = _settings(args)
+    check_model_kinds(settings)
     tls = (args.tls_cert, args.tls_key)
     if any(tls) and not all(tls):
         raise ValueError("--tls-cert and --tls-key go together (HTTP/2 needs both)")
@@ -160,6 +186,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     add_model_args(p, from_settings=True)
+    p.add_argument("--speech-model", default=None, metavar="PATH",
+                   help="a Whisper Hugging Face folder for speech to text (POST /v1/audio/transcriptions)")
     # Engine sizing: the defaults are the engine's own (chatloom/engine/config.py), not repeated here.
     p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV pool size in GiB")
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks (overrides GiB)")
