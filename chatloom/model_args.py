@@ -30,7 +30,7 @@ def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -
                         f"slightly less exact (see README; default: ${INT8_ENV}, else on for K-quant files "
                         f"where the CPU has AVX-512 VNNI)")
     p.add_argument("--mmproj", default=None, metavar="PATH",
-                   help="a GGUF decoder's image encoder and projector, llama.cpp's mmproj file (LLaVA)")
+                   help="a GGUF decoder's image encoder and projector, llama.cpp's mmproj file (LLaVA, SmolVLM)")
 
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:

@@ -68,8 +68,8 @@ class ModelSettings(Group):
                                                   "instead of packing them again (docs/models.md): `auto` is "
                                                   "$XDG_CACHE_HOME/chatloom/weights, else "
                                                   "~/.cache/chatloom/weights; empty or `off` packs at every start.")
-    mmproj: str | None = Field(None, description="A LLaVA image encoder and projector as llama.cpp's `mmproj` "
-                                                 "GGUF file, for a GGUF decoder (docs/vision-and-voice.md).")
+    mmproj: str | None = Field(None, description="A LLaVA or SmolVLM image encoder and projector as llama.cpp's "
+                                                 "`mmproj` GGUF file, for a GGUF decoder (docs/vision-and-voice.md).")
 
 
 class EngineSettings(Group):

@@ -77,50 +77,11 @@ def write_gguf_pair(folder: Path, model_path: Path, mmproj_path: Path) -> tuple[
     import numpy as np
     from safetensors.torch import load_file
 
-    import tiny_checkpoints as tc
-
     cfg = json.loads((folder / "config.json").read_text())
     text, vision = cfg["text_config"], cfg["vision_config"]
     weights = load_file(str(folder / "model.safetensors"))
     decoder = {k[len("language_model."):]: v for k, v in weights.items() if k.startswith("language_model.")}
-    tok = build_tokenizer()
-    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
-
-    w = gguf.GGUFWriter(str(model_path), "llama")
-    w.add_name("tiny-llava")
-    w.add_context_length(text["max_position_embeddings"])
-    w.add_embedding_length(text["hidden_size"])
-    w.add_block_count(text["num_hidden_layers"])
-    w.add_feed_forward_length(text["intermediate_size"])
-    w.add_head_count(text["num_attention_heads"])
-    w.add_head_count_kv(text["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
-    w.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
-    w.add_rope_dimension_count(text["head_dim"])
-    w.add_file_type(0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([])
-    w.add_eos_token_id(tokens.index("</s>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    for name, t in decoder.items():
-        if name in tc._GGUF_GLOBAL:
-            gname = tc._GGUF_GLOBAL[name]
-        else:
-            parts = name.split(".")
-            gname = f"blk.{parts[2]}.{tc._GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
-        arr = t.numpy()
-        if gname.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = text["num_attention_heads"] if "attn_q" in gname else text["num_key_value_heads"]
-            arr = tc.permute_for_gguf(t, heads)
-        w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_decoder_gguf(model_path, "tiny-llava", text, decoder, build_tokenizer(), SPECIALS, "</s>", CHAT_TEMPLATE)
 
     keep = vision["num_hidden_layers"] + 1 + cfg["vision_feature_layer"]  # layers before the feature layer
     p = gguf.GGUFWriter(str(mmproj_path), "clip")
@@ -168,3 +129,52 @@ def write_gguf_pair(folder: Path, model_path: Path, mmproj_path: Path) -> tuple[
     p.write_tensors_to_file()
     p.close()
     return model_path, mmproj_path
+
+
+def write_decoder_gguf(path: Path, name: str, text: dict, decoder: dict[str, torch.Tensor], tok: Tokenizer,
+                       specials: list[str], eos: str, chat_template: str) -> Path:
+    """A vision model's Llama decoder as llama.cpp's converter writes it: a GGUF text model (F32, Q/K rows
+    permuted) with the same vocabulary, its special tokens as control tokens. `decoder` holds the
+    Hugging Face names under model.* and lm_head."""
+    import gguf
+    import numpy as np
+
+    import tiny_checkpoints as tc
+
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_context_length(text["max_position_embeddings"])
+    w.add_embedding_length(text["hidden_size"])
+    w.add_block_count(text["num_hidden_layers"])
+    w.add_feed_forward_length(text["intermediate_size"])
+    w.add_head_count(text["num_attention_heads"])
+    w.add_head_count_kv(text["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    w.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(text["head_dim"])
+    w.add_file_type(0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([])
+    w.add_eos_token_id(tokens.index(eos))
+    w.add_add_bos_token(False)
+    w.add_chat_template(chat_template)
+    for hf_name, t in decoder.items():
+        if hf_name in tc._GGUF_GLOBAL:
+            gname = tc._GGUF_GLOBAL[hf_name]
+        else:
+            parts = hf_name.split(".")
+            gname = f"blk.{parts[2]}.{tc._GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+        arr = t.numpy()
+        if gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = text["num_attention_heads"] if "attn_q" in gname else text["num_key_value_heads"]
+            arr = tc.permute_for_gguf(t, heads)
+        w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -89,3 +89,80 @@ def expand(loaded, text: str, images: list[Image.Image]):
     from chatloom.models.vision.images import content_hash
     from chatloom.models.vision.prompt import expand_images
     return expand_images(loaded.vision, loaded.tokenizer, text, [(content_hash(png(i)), i) for i in images])
+
+
+_SIGLIP_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.out_proj": "attn_out", "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up",
+                 "mlp.fc2": "ffn_down"}
+
+
+def _mmproj_name(name: str) -> str | None:
+    """The projector file's name for an Idefics3 checkpoint's vision or connector weight (None: the decoder's)."""
+    if name == "model.connector.modality_projection.proj.weight":
+        return "mm.model.fc.weight"
+    prefix = "model.vision_model."
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):]
+    if rest.startswith("encoder.layers."):
+        parts = rest.split(".")
+        return f"v.blk.{parts[2]}.{_SIGLIP_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+    return {"embeddings.patch_embedding.weight": "v.patch_embd.weight",
+            "embeddings.patch_embedding.bias": "v.patch_embd.bias",
+            "embeddings.position_embedding.weight": "v.position_embd.weight",
+            "post_layernorm.weight": "v.post_ln.weight", "post_layernorm.bias": "v.post_ln.bias"}[rest]
+
+
+def write_idefics3_gguf_pair(folder: Path, model_path: Path, mmproj_path: Path, longest_edge: bool = True,
+                             edit: dict | None = None) -> tuple[Path, Path]:
+    """The checkpoint in `folder` as llama.cpp splits SmolVLM: the decoder as a GGUF text model (the same
+    vocabulary, image tokens included) and the SigLIP encoder and connector as an `mmproj` GGUF with
+    clip.projector_type idefics3, the scale factor and the processor's longest edge, as llama.cpp's
+    converter writes them. `longest_edge` False leaves clip.vision.preproc_image_size out; `edit` maps
+    projector tensor names to an array to write instead, or to None to leave the tensor out."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from tiny_llava import write_decoder_gguf
+
+    cfg = json.loads((folder / "config.json").read_text())
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    processor = json.loads((folder / "processor_config.json").read_text())["image_processor"]
+    weights = load_file(str(folder / "model.safetensors"))
+    decoder = {("model." + k[len("model.text_model."):] if k.startswith("model.text_model.") else k): v
+               for k, v in weights.items() if _mmproj_name(k) is None}
+    write_decoder_gguf(model_path, "tiny-smolvlm", text, decoder, build_tokenizer(), SPECIALS, "<end_of_utterance>",
+                       CHAT_TEMPLATE)
+
+    p = gguf.GGUFWriter(str(mmproj_path), "clip")
+    p.add_bool("clip.has_vision_encoder", True)
+    p.add_string("clip.projector_type", "idefics3")
+    p.add_uint32("clip.vision.projection_dim", text["hidden_size"])
+    p.add_uint32("clip.vision.image_size", vision["image_size"])
+    p.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    p.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    p.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    p.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    p.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    p.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    p.add_array("clip.vision.image_mean", processor["image_mean"])
+    p.add_array("clip.vision.image_std", processor["image_std"])
+    p.add_uint32("clip.vision.projector.scale_factor", cfg["scale_factor"])
+    p.add_bool("clip.use_gelu", True)
+    if longest_edge:
+        p.add_uint32("clip.vision.preproc_image_size", processor["size"]["longest_edge"])
+    edit = edit or {}
+    for name, t in weights.items():
+        gname = _mmproj_name(name)
+        if gname is None:
+            continue
+        arr = edit.get(gname, t.numpy())
+        if arr is not None:
+            p.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+    p.write_header_to_file()
+    p.write_kv_data_to_file()
+    p.write_tensors_to_file()
+    p.close()
+    return model_path, mmproj_path

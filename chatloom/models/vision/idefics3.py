@@ -147,6 +147,22 @@ class Idefics3Vision(nn.Module):
         """Tiles `indices` of a prepared image, encoded together -> [len(indices) * piece_tokens, hidden]."""
         return self.finish_pieces(self.run_layers(self.embed_pieces(prepared, indices), 0, self.encoder_layers))
 
+    def load(self, names: dict[str, str], get: Callable[[str], torch.Tensor | None],
+             dtype: torch.dtype) -> "Idefics3Vision":
+        """Fill the weights: `names` maps ours to the file's (a checkpoint's or a projector file's)."""
+        state = {}
+        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        for ours, theirs in names.items():
+            tensor = get(theirs)
+            if tensor is None:
+                raise ModelError(f"weight {theirs!r} is missing from the model file")
+            if tuple(tensor.shape) != shapes[ours]:
+                raise ModelError(f"weight {theirs} has shape {tuple(tensor.shape)}, expected {shapes[ours]} "
+                                 "(the weights do not match the model's config)")
+            state[ours] = tensor.to(dtype)
+        self.load_state_dict(state, strict=True)
+        return self.eval().requires_grad_(False)
+
 
 def build_vision(cfg, folder: Path, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype):
     """The image side of a vision-language folder with its weights from `get` (checkpoint names):
@@ -158,18 +174,7 @@ def build_vision(cfg, folder: Path, get: Callable[[str], torch.Tensor | None], d
     names = SiglipVisionTransformer.weight_names(cfg.vision, "model.vision_model.")
     names = {f"vision_model.{k}": v for k, v in names.items()}
     names["proj.weight"] = "model.connector.modality_projection.proj.weight"
-    state = {}
-    shapes = {k: tuple(v.shape) for k, v in vision.state_dict().items()}
-    for ours, theirs in names.items():
-        tensor = get(theirs)
-        if tensor is None:
-            raise ModelError(f"weight {theirs!r} is missing from the model file")
-        if tuple(tensor.shape) != shapes[ours]:
-            raise ModelError(f"weight {theirs} has shape {tuple(tensor.shape)}, expected {shapes[ours]} "
-                             "(the weights do not match the model's config)")
-        state[ours] = tensor.to(dtype)
-    vision.load_state_dict(state, strict=True)
-    return vision.eval().requires_grad_(False)
+    return vision.load(names, get, dtype)
 
 
 def text_weight_getter(get: Callable[[str], torch.Tensor | None]) -> Callable[[str], torch.Tensor | None]:

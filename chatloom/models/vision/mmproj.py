@@ -1,11 +1,13 @@
-"""A LLaVA image side from llama.cpp's projector file (`mmproj`), beside a GGUF decoder.
+"""A GGUF decoder's image side from llama.cpp's projector file (`mmproj`), LLaVA's here.
 
-llama.cpp splits a LLaVA model in two GGUF files: the decoder (an ordinary text model) and the CLIP
-encoder with its projector (general.architecture "clip", clip.projector_type "mlp"). Its converter keeps
-only the encoder layers LLaVA reads (LLaVA-1.5: all but the last) and drops the class token's output,
-so the image embeddings are the last stored layer's patch outputs through mm.0, GELU, mm.2. The file's
-names are read with the `gguf` package; the image is preprocessed as transformers' CLIPImageProcessor
-does (shortest edge to the encoder's size, centre crop) with the file's mean and std.
+llama.cpp splits a vision-language model in two GGUF files: the decoder (an ordinary text model) and the
+vision encoder with its projector (general.architecture "clip"). `load_mmproj` reads clip.projector_type:
+"idefics3" files (SmolVLM) are read by mmproj_idefics3.py, "mlp" files (LLaVA) here.
+
+For LLaVA, llama.cpp's converter keeps only the encoder layers LLaVA reads (LLaVA-1.5: all but the
+last) and drops the class token's output, so the image embeddings are the last stored layer's patch
+outputs through mm.0, GELU, mm.2. The image is preprocessed as transformers' CLIPImageProcessor does
+(shortest edge to the encoder's size, centre crop) with the file's mean and std.
 
 The decoder's vocabulary may lack an image token (llama.cpp's own LLaVA files have none): the prompt
 then holds placeholders at the image's places (prompt.py), which only the image embeddings fill.
@@ -13,58 +15,17 @@ then holds placeholders at the image's places (prompt.py), which only the image 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
 from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.tokenizer import TextTokenizer
+from chatloom.models.vision.idefics3 import Idefics3Vision
 from chatloom.models.vision.llava import LlavaConfig, LlavaVision
 from chatloom.models.vision.llava_encoder import CLIP_DEFAULTS
 from chatloom.models.vision.llava_processor import CLIP_MEAN, CLIP_STD, ClipImageProcessor
-from chatloom.models.vision.siglip import SiglipConfig
-
-_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16 (GGMLQuantizationType values)
-
-
-class _Projector:
-    def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
-        try:
-            self.reader = GGUFReader(str(path))
-        except (OSError, ValueError, IndexError) as exc:
-            raise ModelError(f"cannot read the projector file {path}: {exc}") from None
-        self.path = path
-        self.tensors = {t.name: t for t in self.reader.tensors}
-
-    def value(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    def tensor(self, name: str) -> torch.Tensor | None:
-        t = self.tensors.get(name)
-        if t is None:
-            return None
-        if int(t.tensor_type) in _FLOAT_TYPES:
-            return torch.from_numpy(np.array(t.data, dtype=np.float32))
-        from gguf.quants import dequantize
-
-        return torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
-
-
-def _encoder_config(p: _Projector) -> SiglipConfig:
-    def need(key: str) -> Any:
-        v = p.value(f"clip.vision.{key}")
-        if v is None:
-            raise ModelError(f"the projector file {p.path.name} lacks clip.vision.{key}")
-        return v
-    return SiglipConfig(hidden_size=int(need("embedding_length")), intermediate_size=int(need("feed_forward_length")),
-                        num_layers=int(need("block_count")), num_heads=int(need("attention.head_count")),
-                        image_size=int(need("image_size")), patch_size=int(need("patch_size")),
-                        layer_norm_eps=float(p.value("clip.vision.attention.layer_norm_epsilon",
-                                                     CLIP_DEFAULTS["layer_norm_eps"])),
-                        hidden_act="gelu" if p.value("clip.use_gelu", False) else "quick_gelu")
+from chatloom.models.vision.mmproj_file import ProjectorFile, encoder_config
+from chatloom.models.vision.mmproj_idefics3 import IDEFICS3_MARK, load_idefics3_mmproj
 
 
 def _names(layers: int) -> dict[str, str]:
@@ -85,27 +46,37 @@ def _names(layers: int) -> dict[str, str]:
     return names
 
 
-def load_mmproj(path: str | Path, text: ModelConfig, tokenizer, dtype: torch.dtype) -> LlavaVision:
-    """The image side of a LLaVA decoder (`text`, `tokenizer`) from its llama.cpp projector file."""
+def load_mmproj(path: str | Path, text: ModelConfig, tokenizer: TextTokenizer,
+                dtype: torch.dtype) -> LlavaVision | Idefics3Vision:
+    """The image side of a GGUF decoder (`text`, `tokenizer`) from its llama.cpp projector file."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"no such projector file: {path}")
-    p = _Projector(path)
+    p = ProjectorFile(path)
     if p.value("general.architecture") != "clip" or not p.value("clip.has_vision_encoder", False):
         raise ModelError(f"{path.name} is not a vision projector file (general.architecture clip with a "
                          "vision encoder)")
-    kind = p.value("clip.projector_type") or p.value("clip.vision.projector_type")
-    if kind is None and p.value("clip.has_llava_projector", False):
-        kind = "mlp"
+    kind = p.kind
+    if kind == "idefics3":
+        return load_idefics3_mmproj(p, text, tokenizer, dtype)
     if kind != "mlp":
-        raise ModelError(f"projector type {kind!r} in {path.name} is not supported (LLaVA's mlp)")
+        raise ModelError(f"projector type {kind!r} in {path.name} is not supported (LLaVA's mlp, SmolVLM's "
+                         "idefics3)")
+    return _load_llava(p, text, tokenizer, dtype)
+
+
+def _load_llava(p: ProjectorFile, text: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype) -> LlavaVision:
+    name = p.path.name
+    if tokenizer.tokenizer.token_to_id(IDEFICS3_MARK) is not None:
+        raise ModelError(f"{name} is a LLaVA (mlp) projector, but the decoder's vocabulary has Idefics3's "
+                         f"{IDEFICS3_MARK}: give a SmolVLM decoder its idefics3 projector file")
     if "v.post_ln.weight" in p.tensors:
-        raise ModelError(f"{path.name} keeps the encoder's final LayerNorm, which LLaVA's mlp projector does not "
+        raise ModelError(f"{name} keeps the encoder's final LayerNorm, which LLaVA's mlp projector does not "
                          "read; convert it with llama.cpp's LLaVA converter")
-    vision = _encoder_config(p)
-    width = p.tensors.get("mm.2.weight")
-    if width is None or int(width.shape[-1]) != text.hidden_size:
-        raise ModelError(f"the projector {path.name} does not fit the decoder (its output is not "
+    vision = encoder_config(p, "gelu" if p.value("clip.use_gelu", False) else "quick_gelu",
+                            CLIP_DEFAULTS["layer_norm_eps"])
+    if p.out_width("mm.2.weight") != text.hidden_size:
+        raise ModelError(f"the projector {name} does not fit the decoder (its output is not "
                          f"{text.hidden_size} wide)")
     image_token = tokenizer.tokenizer.token_to_id("<image>")
     # Without one, the unknown token stands in: the text itself never tokenizes to it.
@@ -121,7 +92,7 @@ def load_mmproj(path: str | Path, text: ModelConfig, tokenizer, dtype: torch.dty
 
 
 def attach_mmproj(loaded, path: str | Path) -> None:
-    """Give a loaded GGUF decoder (a LoadedModel) its image side from `path`."""
+    """Give a loaded GGUF decoder (a LoadedModel) its image side from `path` (LLaVA's or SmolVLM's)."""
     if loaded.vision is not None:
         raise ModelError(f"model {loaded.id} already has an image encoder; --mmproj is for GGUF decoders")
     loaded.vision = load_mmproj(path, loaded.config, loaded.tokenizer, loaded.dtype)
