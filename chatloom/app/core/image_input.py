@@ -112,13 +112,18 @@ class ImageReader:
         if len(self.images) >= self.settings.max_images_per_request:
             raise self._refuse(f"at most {self.settings.max_images_per_request} images per request",
                                "too_many_images")
-        if len(data) > self.settings.max_image_bytes:
-            raise self._refuse(f"the image has {len(data)} bytes; at most {self.settings.max_image_bytes} are "
-                               "accepted", "image_too_large")
-        try:
-            image = read_image(data, self.settings.max_image_pixels)
-        except ImageError as exc:
-            code = "image_too_large" if "pixels" in str(exc) else "invalid_image"
-            raise self._refuse(f"image {len(self.images) + 1}: {exc}", code) from None
+        image = self.check(data, f"image {len(self.images) + 1}")
         self.images.append(image)
         return image
+
+    def check(self, data: bytes, what: str) -> ImageData:
+        """`data` decoded, or a 400 naming `what` and its problem: too many bytes or pixels, not an image
+        (sniffed from the bytes), corrupt. Not counted among the request's images."""
+        if len(data) > self.settings.max_image_bytes:
+            raise self._refuse(f"{what} has {len(data)} bytes; at most {self.settings.max_image_bytes} are "
+                               "accepted", "image_too_large")
+        try:
+            return read_image(data, self.settings.max_image_pixels)
+        except ImageError as exc:
+            code = "image_too_large" if "pixels" in str(exc) else "invalid_image"
+            raise self._refuse(f"{what}: {exc}", code) from None

@@ -2,7 +2,9 @@
 
 Rows live in the shared `files` table and bytes in the blob store (store/files.py keeps the two
 together). Each purpose has its own size limit ([files] max_bytes): a larger upload is a 413 naming the
-limit, and nothing is stored. Another user's file is a 404, as if it did not exist.
+limit, and nothing is stored. A `vision` upload must be an image that a request could use (the chat
+path's checks, core/image_input.py): else a 400 naming the problem, and nothing is stored. Another
+user's file is a 404, as if it did not exist.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from chatloom.app.api.batch_schemas import FileDeleted, FileList, FileOut
 from chatloom.app.api.deps import Ctx, CurrentUser, SessionDep
 from chatloom.app.api.openapi_responses import errors
 from chatloom.app.core.errors import ApiError, not_found
+from chatloom.app.core.image_input import ImageReader, reading_images
+from chatloom.settings.tree import VisionSettings
 from chatloom.store.blobs import BlobNotFound, BlobTooLarge
 from chatloom.store.files import StoredFiles
 from chatloom.store.models import FILE_PURPOSES
@@ -40,13 +44,27 @@ async def upload_file(ctx: Ctx, user: CurrentUser, session: SessionDep, file: An
     if file.size is not None and file.size > limit:
         raise _too_large(file.size, limit, purpose)
     try:
-        row = await StoredFiles(session, ctx.blobs).save(user.id, file.filename or "upload", purpose, file.file,
-                                                         max_bytes=limit, content_type=file.content_type)
+        data, content_type = file.file, file.content_type
+        if purpose == "vision":  # refused now, not when a request first uses it
+            data, content_type = await _vision_image(ctx.settings.vision, file, limit)
+        row = await StoredFiles(session, ctx.blobs).save(user.id, file.filename or "upload", purpose, data,
+                                                         max_bytes=limit, content_type=content_type)
     except BlobTooLarge:
         raise _too_large(file.size, limit, purpose) from None
     finally:
         await file.close()
     return FileOut.of(row)
+
+
+async def _vision_image(settings: VisionSettings, file: UploadFile, limit: int) -> tuple[bytes, str]:
+    """The upload's bytes and media type, sniffed from its content with the chat path's image checks;
+    400 naming the problem (not an image, corrupt, too many bytes or pixels), 413 past the purpose's limit."""
+    data = await file.read(limit + 1)
+    if len(data) > limit:
+        raise _too_large(None, limit, "vision")
+    image = await reading_images(True, ImageReader(settings, "file").check, data,
+                                 "the file (purpose vision)")
+    return data, image.media_type
 
 
 def _too_large(size: int | None, limit: int, purpose: str) -> ApiError:
