@@ -1,13 +1,17 @@
 """Images and voice in the browser (Chromium): pasted, dropped and chosen images wait as thumbnails and
 go with the message, stay in the conversation after a reload, and are refused by name for a model that
-reads none; the microphone records (Chromium's fake capture device playing a committed WAV), the
-recording is transcribed by a tiny Whisper and the text lands in the input box."""
+reads none; the microphone records (Chromium's fake capture device playing a 440 Hz tone the test writes), the
+server hears that tone, the recording is transcribed by a tiny Whisper and the text lands in the input
+box."""
 from __future__ import annotations
 
 import base64
 import io
 import sys
+import wave
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 from PIL import Image
@@ -23,7 +27,18 @@ from scripted_backend import ScriptedBackend
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 import tiny_whisper as tw  # noqa: E402
 
-WAV = Path(__file__).resolve().parent / "data" / "speech.wav"
+TONE_HZ = 440.0
+
+
+def write_tone(path: Path, seconds: float = 3.0, rate: int = 48_000) -> Path:
+    """A 16-bit mono WAV of a TONE_HZ sine: what the fake microphone plays (in a loop)."""
+    t = np.arange(int(seconds * rate)) / rate
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes((0.5 * 32767 * np.sin(2 * np.pi * TONE_HZ * t)).astype("<i2").tobytes())
+    return path
 
 
 class SeeingBackend(ScriptedBackend):
@@ -52,24 +67,37 @@ def png(color: tuple[int, int, int], size=(40, 30)) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def seeing(tmp_path_factory):
+def heard() -> list:
+    """The audio each transcription request carried, as the server decoded it (16 kHz samples)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def seeing(tmp_path_factory, heard):
+    from chatloom.models.speech.features import decode_audio
     from chatloom.models.speech.whisper import load_whisper
     from chatloom.serving.speech import SpeechBackend
+
+    class ListeningSpeech(SpeechBackend):
+        async def transcribe(self, data: bytes, language: str | None = None, max_seconds: float = 3600.0):
+            heard.append(decode_audio(data, max_seconds))
+            return await super().transcribe(data, language, max_seconds)
 
     root = tmp_path_factory.mktemp("e2e-vision")
     whisper = load_whisper(tw.write_whisper_folder(root / "tiny-whisper"))
     backend = SeeingBackend()
     settings = make_settings(root, sampling={"max_tokens": 50}, server={"max_body_bytes": 4_000_000})
-    with LiveServer(create_app(settings, backend, speech=SpeechBackend(whisper))) as live:
+    with LiveServer(create_app(settings, backend, speech=ListeningSpeech(whisper))) as live:
         yield live, backend
 
 
 @pytest.fixture(scope="module")
-def media_browser():
+def media_browser(tmp_path_factory):
     from playwright.sync_api import sync_playwright
 
+    tone = write_tone(tmp_path_factory.mktemp("e2e-audio") / "tone.wav")
     args = CHROMIUM_ARGS + ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                            f"--use-file-for-fake-audio-capture={WAV}"]
+                            f"--use-file-for-fake-audio-capture={tone}"]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
         yield browser
@@ -141,7 +169,7 @@ def test_a_model_that_reads_no_images_says_so(vpage):
     assert page.locator("#image-tray .thumb").count() == 0
 
 
-def test_the_microphone_records_and_puts_the_transcript_in_the_box(vpage):
+def test_the_microphone_records_and_puts_the_transcript_in_the_box(vpage, heard):
     page = vpage
     sign_up(page)
     page.wait_for_selector("#mic:not([hidden])")
@@ -157,3 +185,9 @@ def test_the_microphone_records_and_puts_the_transcript_in_the_box(vpage):
     wait_js(page, "!document.getElementById('mic').disabled")
     assert page.input_value("#input") == ("Note: " + text if text else "Note:")
     assert page.console_errors == []
+    # What the server heard is the tone the microphone played, about as long as the recording.
+    samples = heard[-1]
+    assert 0.5 <= len(samples) / 16_000 <= 5.0, len(samples)
+    spectrum = np.abs(np.fft.rfft(samples))
+    peak_hz = np.argmax(spectrum[1:]) + 1
+    assert abs(peak_hz * 16_000 / len(samples) - TONE_HZ) < 10, peak_hz * 16_000 / len(samples)
