@@ -161,8 +161,10 @@ class Sandbox:
         for p in interpreter_paths(self.python):
             parents(p)
             args += ["--ro-bind", p, p]
-            if self.data_dir == Path(p) or Path(p) in self.data_dir.parents:  # never the data folder
-                args += ["--tmpfs", str(self.data_dir)]
+        # Never the data folder, wherever it sits: inside /usr, a system folder or an interpreter's own.
+        # An empty tmpfs over it, after every bind that could show it.
+        if any(self.data_dir == Path(p) or Path(p) in self.data_dir.parents for p in _bound(args)):
+            args += ["--tmpfs", str(self.data_dir)]
         for inside in (SCRATCH, INSIDE_RUNNER):
             parents(inside)
         args += ["--bind", str(scratch), SCRATCH, "--bind", str(plots), PLOTS,
@@ -255,6 +257,11 @@ def _system_binds() -> list[str]:
         elif os.path.isdir(link):
             args += ["--ro-bind", link, link]
     return args
+
+
+def _bound(args: list[str]) -> list[str]:
+    """The places inside the sandbox that a bwrap command line binds from the host."""
+    return [args[i + 2] for i, arg in enumerate(args[:-2]) if arg in ("--bind", "--ro-bind")]
 
 
 def _kill(pid: int) -> None:

@@ -10,13 +10,17 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from chatloom.app.generation.tool_calls import ToolCall
 from chatloom.app.tools.code_interpreter import CodeInterpreter
 from chatloom.app.tools.registry import ToolContext, ToolRegistry
+from chatloom.app.tools.sandbox import interpreter_paths
 from chatloom.settings.tree import ToolsSettings
 
 from app_testing import (ToolCallingBackend, app_client, call_text, done_of, make_settings, new_conversation,
@@ -106,6 +110,29 @@ async def test_every_way_out_fails_inside_and_is_a_tool_error(attempt, data_dir,
     # The sandbox works again at once.
     again = await _run(registry, "print('still here')")
     assert again.error is None and again.output.strip() == "stdout:\nstill here"
+
+
+@pytest.mark.parametrize("inside", ["the interpreter's folder", "/usr"])
+async def test_a_data_folder_inside_a_folder_the_sandbox_shows_is_hidden(inside):
+    # /tmp is hidden whole; these are bound into the sandbox, so only the data folder's own guard keeps it out.
+    base = interpreter_paths(sys.executable)[0] if inside != "/usr" else "/usr/local/share"
+    if not os.access(base, os.W_OK):
+        pytest.skip(f"cannot write to {base} here")
+    data = Path(tempfile.mkdtemp(prefix="chatloom-test-data-", dir=base))
+    try:
+        data.chmod(0o755)  # readable by the run's user id: the permissions alone would not keep it out
+        (data / "chatloom.db").write_text("SECRET-ROW")
+        registry = ToolRegistry([_interpreter(data).tool()])
+        db = str(data / "chatloom.db")
+        r = await _run(registry, f"import os\nprint(os.path.isdir({base!r}))\nprint(open({db!r}).read())")
+        assert r.output.startswith("stdout:\nTrue\n")  # the folder around it is there
+        assert r.error == f"the code failed: FileNotFoundError: [Errno 2] No such file or directory: '{db}'"
+        assert "SECRET-ROW" not in r.output
+        r = await _run(registry, f"import os; print(os.listdir({str(data)!r}))")
+        assert r.error is None and r.output.strip() == "stdout:\n[]"
+    finally:
+        shutil.rmtree(data)
+    assert not data.exists()
 
 
 async def test_the_process_limit_is_the_runs_own(data_dir):
