@@ -96,7 +96,7 @@ def _text_streams(engine: LLMEngine, loaded: LoadedModel, streams: int, max_toke
             "encoder_work": work, "encoder_s": encoder_s, "wall_s": wall}
 
 
-def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_tokens: int = 32,
+def run_vision(loaded: LoadedModel, rounds: int = 4, streams: int = 4, max_tokens: int = 32,
                image_every: int = 4, image_side: int = 512, seed: int = 0,
                config: EngineConfig | None = None) -> dict:
     if loaded.vision is None:
@@ -108,9 +108,17 @@ def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_token
         cold.append(_ttft(engine, loaded, QUESTIONS[0], image))
         warm.append(_ttft(engine, loaded, QUESTIONS[1], image))
     quiet, busy = [], []
-    for r in range(rounds):  # alternated: the machine's load changes from minute to minute
-        quiet.append(_text_streams(engine, loaded, streams, max_tokens, 0, seed))
-        busy.append(_text_streams(engine, loaded, streams, max_tokens, image_every, seed + 1 + r))
+    # Alternated, as quiet-busy then busy-quiet pairs: the machine's load changes from minute to minute,
+    # and a load that keeps rising (or falling) would otherwise count against (or for) the busy rounds.
+    order = []
+    for r in range(rounds):
+        first_quiet = r % 2 == 0
+        for images in (False, True) if first_quiet else (True, False):
+            order.append("busy" if images else "quiet")
+            if images:
+                busy.append(_text_streams(engine, loaded, streams, max_tokens, image_every, seed + 1 + r))
+            else:
+                quiet.append(_text_streams(engine, loaded, streams, max_tokens, 0, seed))
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
 
     def median(runs: list[dict], key: str) -> float:
@@ -138,7 +146,8 @@ def run_vision(loaded: LoadedModel, rounds: int = 3, streams: int = 4, max_token
                          "encoder_slices": sum(run["encoder_slices"] for run in busy),
                          "encoder_piece_equivalents": sum(run["encoder_work"] for run in busy) / piece_work,
                          "encoder_share": sum(run["encoder_s"] for run in busy) / wall if wall else None,
-                         # Each round's p90, quiet and busy alternately: how far the load moved them.
+                         # Each round's p90, in the order each kind ran: how far the load moved them.
+                         "round_order": order,
                          "itl_p90_quiet_rounds_s": [run["itl_p90_s"] for run in quiet],
                          "itl_p90_with_images_rounds_s": [run["itl_p90_s"] for run in busy]},
         "encoder_runs": engine.runner.encoder_runs,

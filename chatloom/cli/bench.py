@@ -55,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("vision", help="a vision model: TTFT of a second question about an image, and text "
                                       "streams' inter-token p90 while images are encoded")
     _common(p)
-    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=4,
+                   help="pairs of a quiet and a busy round, in turn quiet first and busy first (default 4)")
     p.add_argument("--streams", type=positive_int, default=4, help="text-only streams decoding together")
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--image-every", type=positive_int, default=4, help="a request with a new image every N steps")

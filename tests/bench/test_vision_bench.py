@@ -36,6 +36,13 @@ def test_the_vision_bench_measures_both_questions_and_the_text_streams(folder):
     assert streams["encoder_piece_equivalents"] >= streams["encoder_pieces"]
 
 
+def test_rounds_run_in_pairs_that_take_turns_going_first(folder):
+    result = run_vision(load_model(str(folder)), rounds=2, streams=2, max_tokens=2, image_every=2)
+    # A load that rises through the run weighs on quiet and busy rounds alike.
+    assert result["text_streams"]["round_order"] == ["quiet", "busy", "busy", "quiet"]
+    assert len(result["text_streams"]["itl_p90_quiet_rounds_s"]) == 2
+
+
 def test_without_pacing_the_streams_wait_for_every_piece(folder):
     from chatloom.engine import EngineConfig
 
