@@ -2,9 +2,12 @@
 or `python mcp_test_server.py http PORT`. Its `vault_code` tool answers with a code derived from a
 secret only this process knows (MCP_TEST_SECRET), so a chat answer that contains the code shows the
 call went through the server. `hang` writes the server's pid to a file and waits, for killing it
-mid-call; `header` echoes an HTTP request header (the configured headers reach the server)."""
+mid-call; `slow` writes its pid and sleeps (asynchronously: the server keeps answering others), for a
+call that runs past the caller's timeout; `header` echoes an HTTP request header (the configured
+headers reach the server)."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import sys
@@ -29,6 +32,15 @@ def hang(pid_file: str) -> str:
         f.write(str(os.getpid()))
     time.sleep(60)
     return "woke up"
+
+
+@server.tool()
+async def slow(seconds: float, pid_file: str) -> str:
+    """Write this server's pid to a file, then sleep for some seconds."""
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    await asyncio.sleep(seconds)
+    return f"slept {seconds:g} s"
 
 
 @server.tool()

@@ -1,7 +1,8 @@
 """MCP servers as chat tools: a real server written with the SDK (mcp_test_server.py), over stdio and
 over streamable HTTP. The chat's answer carries a result only that server can give; the server's
-tools reach the model with their schemas; killing the server mid-call, or a server that is down or
-answers garbage, is a tool error the model reads, never a failed answer."""
+tools reach the model with their schemas; killing the server mid-call, a call that runs past the
+timeout, or a server that is down or answers garbage, is a tool error the model reads, never a failed
+answer."""
 from __future__ import annotations
 
 import asyncio
@@ -60,9 +61,9 @@ def _stdio() -> dict:
     return {"name": "vault", "command": [sys.executable, SERVER, "stdio"], "env": {"MCP_TEST_SECRET": SECRET}}
 
 
-def _settings(tmp_path, server: dict):
+def _settings(tmp_path, server: dict, timeout_s: float = 30.0):
     return make_settings(tmp_path, chat={"tools": ""}, sampling={"max_tokens": 2000},
-                         tools={"mcp_servers": [server], "mcp_timeout_s": 30.0})
+                         tools={"mcp_servers": [server], "mcp_timeout_s": timeout_s})
 
 
 async def _ask_vault(tmp_path, server: dict) -> None:
@@ -79,7 +80,8 @@ async def _ask_vault(tmp_path, server: dict) -> None:
         vault = next(t["function"] for t in offered if t["function"]["name"] == "vault__vault_code")
         assert vault["parameters"]["properties"]["label"]["type"] == "string"
         assert vault["parameters"]["required"] == ["label"]
-        assert {t["function"]["name"] for t in offered} == {"vault__vault_code", "vault__hang", "vault__header"}
+        assert {t["function"]["name"] for t in offered} == {"vault__vault_code", "vault__hang", "vault__slow",
+                                                         "vault__header"}
 
 
 async def test_a_stdio_server_answers_in_the_chat(tmp_path):
@@ -118,6 +120,49 @@ async def test_killing_a_stdio_server_mid_call_is_a_tool_error(tmp_path):
 async def test_killing_an_http_server_mid_call_is_a_tool_error(tmp_path, http_server):
     proc, url = http_server
     await _kill_mid_call(tmp_path, {"name": "vault", "url": url}, lambda pid: proc.kill())
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie counts: it runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+async def _too_slow(tmp_path, server: dict, timeout_s: float) -> int:
+    """A call that runs past the timeout, then a normal call in the same conversation; the slow call's server pid."""
+    pid_file = tmp_path / "slow.pid"
+    async with app_client(_settings(tmp_path, server, timeout_s), ToolCallingBackend()) as (client, app, alice):
+        cid = await new_conversation(client, alice)
+        # The tool sleeps far past the timeout: the answer ends when the timeout does, not when the tool would.
+        _, events = await asyncio.wait_for(
+            send(client, alice, cid, call_text("vault__slow", seconds=120, pid_file=str(pid_file))), 60)
+        assert pid_file.read_text()  # the call reached the server
+        reason = f"the MCP server vault failed: no answer within {timeout_s:g} s"
+        assert _result(events)["error"] == reason
+        assert tokens_of(events) == f"Result: error: {reason}" and done_of(events)["status"] == "complete"
+        _, events = await send(client, alice, cid, call_text("vault__vault_code", label="after"))
+        assert _result(events)["error"] is None and tokens_of(events) == f"Result: {_code('after')}"
+        metrics = (await client.get("/metrics")).text
+        assert 'chatloom:tool_calls_total{outcome="error",tool="mcp"} 1.0' in metrics
+        assert 'chatloom:tool_calls_total{outcome="ok",tool="mcp"} 1.0' in metrics
+    return int(pid_file.read_text())
+
+
+async def test_a_stdio_call_past_the_timeout_is_a_tool_error_and_its_server_is_stopped(tmp_path):
+    # Each stdio call starts the server: the timeout leaves room for Python to start and import the SDK.
+    pid = await _too_slow(tmp_path, _stdio(), 6.0)
+    deadline = time.monotonic() + 10
+    while not _gone(pid):  # the timed-out call's server was stopped, not left sleeping
+        assert time.monotonic() < deadline, f"the slow MCP server {pid} is still running"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_http_call_past_the_timeout_is_a_tool_error_and_the_server_answers_again(tmp_path, http_server):
+    proc, url = http_server
+    assert await _too_slow(tmp_path, {"name": "vault", "url": url}, 2.0) == proc.pid
+    assert proc.poll() is None  # the same server, still up
 
 
 async def test_a_server_down_or_answering_garbage_is_a_tool_error(tmp_path):
