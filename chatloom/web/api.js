@@ -117,6 +117,17 @@ export const api = {
   },
   conversationFiles: (id) => request('GET', `/conversations/${enc(id)}/files`),
   fileText: (id) => request('GET', `/files/${enc(id)}/text`),
+  files: (collectionId) => request('GET', collectionId ? `/files?collection_id=${enc(collectionId)}` : '/files'),
+  deleteFile: (id) => request('DELETE', `/files/${enc(id)}`),
+  collections: () => request('GET', '/collections'),
+  createCollection: (name) => request('POST', '/collections', { body: { name } }),
+  deleteCollection: (id) => request('DELETE', `/collections/${enc(id)}`),
+  addToCollection: (id, fileId) => request('POST', `/collections/${enc(id)}/files`, { body: { file_id: fileId } }),
+  // ref: { file_id } or { collection_id }
+  attach: (convId, ref) => request('POST', `/conversations/${enc(convId)}/files`, { body: ref }),
+  detachFile: (convId, fileId) => request('DELETE', `/conversations/${enc(convId)}/files/${enc(fileId)}`),
+  detachCollection: (convId, collectionId) =>
+    request('DELETE', `/conversations/${enc(convId)}/collections/${enc(collectionId)}`),
 
   feedback: (messageId, rating) => request('POST', `/messages/${enc(messageId)}/feedback`, { body: { rating } }),
   models: () => request('GET', '/v1/models'),

@@ -5,6 +5,7 @@ import { api, sendKey, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
 import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
 import { clearImages, pendingImages, setupMicrophone } from './images.js';
+import { setupLibrary } from './library.js';
 import { renderBranch, streamingMessage, updateStreaming } from './messages.js';
 import { describeError, hideNotice, setupNotice, showNotice } from './notice.js';
 import { Run } from './run.js';
@@ -64,6 +65,7 @@ async function enterApp() {
   $('auth').hidden = true;
   $('app').hidden = false;
   $('username').textContent = state.user?.username || '';
+  $('username').title = state.user?.username || '';
   $('ops-link').hidden = !state.user?.is_admin; // the API refuses everyone else anyway
   loadModels();
   refreshUsage();
@@ -487,6 +489,7 @@ function wire() {
     takesImages: () => state.vision?.has($('model').value) ?? false });
   setupMicrophone({ notice: (message) => showNotice(message), onText: insertSpeech });
   setupPassageDialog();
+  setupLibrary({ conversationId: () => state.convId, ensureConversation });
   $('search').addEventListener('keydown', (e) => {
     if (e.key === 'Escape' && $('search').value) { e.stopPropagation(); $('search').value = ''; refreshConversations(); }
   });

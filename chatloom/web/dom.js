@@ -20,3 +20,14 @@ export const $ = (id) => document.getElementById(id);
 export function nearBottom(node, slack = 80) {
   return node.scrollHeight - node.scrollTop - node.clientHeight < slack;
 }
+
+// Ask before a destructive act: `box`'s contents become "question Yes No" until one is chosen.
+// Focus lands on No, so a keyboard user's next Enter does nothing for good by accident.
+export function askFirst(box, question, onYes) {
+  const before = [...box.childNodes];
+  const no = el('button', { type: 'button', class: 'link no', text: 'No',
+    onclick: () => box.replaceChildren(...before) });
+  box.replaceChildren(el('span', { class: 'muted', text: question }),
+    el('button', { type: 'button', class: 'link danger yes', text: 'Yes', onclick: onYes }), no);
+  no.focus();
+}

@@ -1,10 +1,11 @@
 // Files in the chat: the attach button, drag and drop onto the page, and pasted files upload to
 // POST /files into the open conversation (created first when there is none); the conversation's files
-// show as chips above the composer. A citation under an answer opens its passage inside the whole
-// document text, highlighted.
+// and collections show as chips above the composer, each with × to detach it. A citation under an
+// answer opens its passage inside the whole document, highlighted.
 import { ApiError, api } from './api.js';
 import { $, el } from './dom.js';
 import { addImages, isImage } from './images.js';
+import { describeError, showNotice } from './notice.js';
 
 // Images among them go to the next message instead (images.js), for a model that reads them.
 // hooks: { conversationId() -> id|null, ensureConversation() -> Promise<id>, notice(message),
@@ -79,8 +80,16 @@ export async function showAttachments(convId) {
   if (!convId) { chips.replaceChildren(); chips.hidden = true; return; }
   let attached = { files: [], collections: [] };
   try { attached = await api.conversationFiles(convId); } catch { /* a server without files: no chips */ }
-  chips.replaceChildren(...attached.files.map((f) => el('span', { class: 'chip', title: f.status_details || f.content_type, dataset: { id: f.id } }, f.filename)),
-    ...attached.collections.map((c) => el('span', { class: 'chip collection' }, c.name)));
+  const chip = (name, props, detach) => el('span', props, name, el('button', { type: 'button', class: 'chip-remove',
+    title: `Detach ${name}`, 'aria-label': `Detach ${name} from this chat`, text: '×', onclick: async () => {
+      try { await detach(); } catch (err) { showNotice(`Could not detach ${name}: ${describeError(err)}`); }
+      await showAttachments(convId);
+    } }));
+  chips.replaceChildren(
+    ...attached.files.map((f) => chip(f.filename, { class: 'chip', title: f.status_details || f.content_type,
+      dataset: { id: f.id } }, () => api.detachFile(convId, f.id))),
+    ...attached.collections.map((c) => chip(c.name, { class: 'chip collection', title: 'Collection',
+      dataset: { id: c.id } }, () => api.detachCollection(convId, c.id))));
   chips.hidden = !chips.children.length;
 }
 
