@@ -1,6 +1,6 @@
-// The account's own places: the share button of a conversation, the settings panel (custom instructions,
-// memories, shared links, export and import) and single sign-on on the login screen.
-import { request, session } from './api.js';
+// The account's own places: sharing a conversation (whole, or up to a message), the settings panel
+// (custom instructions, memories, shared links, export and import) and single sign-on on the login screen.
+import { api, request, session } from './api.js';
 import { $, el } from './dom.js';
 import { describeError, showNotice } from './notice.js';
 
@@ -31,13 +31,17 @@ export async function setupSso() {
 
 // -- sharing ----------------------------------------------------------------------------
 
-async function share(conversationId) {
+// A link to the conversation's active branch, or (messageId) to the branch from its start up to that
+// message: what follows it stays private.
+export async function share(conversationId, messageId = null) {
   if (!conversationId) { showNotice('Send a message first: an empty chat has nothing to share.'); return; }
   try {
-    const link = await request('POST', `/conversations/${enc(conversationId)}/shares`);
+    const link = await api.share(conversationId, messageId);
     const url = new URL(link.url, location.origin).href;
     const input = $('share-url');
     input.value = url;
+    $('share-scope').textContent = messageId
+      ? `up to the chosen message (${link.message_count} messages)` : 'as it is now';
     $('share-dialog').showModal();
     input.select();
   } catch (err) {

@@ -128,6 +128,9 @@ export const api = {
   detachFile: (convId, fileId) => request('DELETE', `/conversations/${enc(convId)}/files/${enc(fileId)}`),
   detachCollection: (convId, collectionId) =>
     request('DELETE', `/conversations/${enc(convId)}/collections/${enc(collectionId)}`),
+  // The active branch, or the branch from the root up to messageId.
+  share: (convId, messageId) => request('POST', `/conversations/${enc(convId)}/shares`,
+    messageId ? { body: { message_id: messageId } } : {}),
 
   feedback: (messageId, rating) => request('POST', `/messages/${enc(messageId)}/feedback`, { body: { rating } }),
   models: () => request('GET', '/v1/models'),

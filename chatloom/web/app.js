@@ -1,6 +1,6 @@
 // The chat app's entry point: holds the state and wires the screens (auth, sidebar, messages,
 // composer) to the API. Rendering lives in messages.js / sidebar.js, streaming in run.js.
-import { setupAccount, setupSso, takeSsoResult } from './account.js';
+import { setupAccount, setupSso, share, takeSsoResult } from './account.js';
 import { api, sendKey, session, setUnauthorizedHandler } from './api.js';
 import { $, nearBottom } from './dom.js';
 import { setupPassageDialog, setupUploads, showAttachments, uploadsSettled } from './files.js';
@@ -218,6 +218,7 @@ const messageActions = {
   },
   continue: (m) => generate(() => api.continueAnswer(state.convId, m.id, options())),
   copy: (text) => navigator.clipboard?.writeText(text).catch(() => {}),
+  share: (m) => share(state.convId, m.id),
   feedback: async (m, rating, button) => {
     try {
       await api.feedback(m.id, rating);

@@ -7,6 +7,7 @@ const PATHS = {
   up: 'M7 11v9H4v-9h3zm0 0 4-7a2 2 0 0 1 3 2l-1 4h6a2 2 0 0 1 2 2.3l-1.3 6A2 2 0 0 1 17.7 20H7',
   down: 'M7 13V4H4v9h3zm0 0 4 7a2 2 0 0 0 3-2l-1-4h6a2 2 0 0 0 2-2.3l-1.3-6A2 2 0 0 0 17.7 4H7',
   menu: 'M4 6h16M4 12h16M4 18h16',
+  share: 'M4 13v7h16v-7M12 3v12M7 8l5-5 5 5',
 };
 
 export function icon(name) {

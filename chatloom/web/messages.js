@@ -1,5 +1,5 @@
 // The message view: one branch of the conversation tree, as bubbles with their tools
-// (‹ 2/3 › between siblings, edit for questions, copy / regenerate / thumbs for answers).
+// (‹ 2/3 › between siblings, edit for questions, copy / regenerate / thumbs / share up to here for answers).
 import { el } from './dom.js';
 import { sourcesOf } from './files.js';
 import { icon } from './icons.js';
@@ -96,7 +96,9 @@ function assistantMessage(m, actions, busy, convId) {
       onclick: () => actions.copy(m.text) }, icon('copy')),
     el('button', { type: 'button', class: 'regenerate', title: 'Regenerate', 'aria-label': 'Regenerate', disabled: busy,
       onclick: () => actions.regenerate(m) }, icon('regenerate')),
-    thumb('up', 'Good answer'), thumb('down', 'Bad answer'));
+    thumb('up', 'Good answer'), thumb('down', 'Bad answer'),
+    el('button', { type: 'button', class: 'share-upto', title: 'Share the chat up to this answer',
+      'aria-label': 'Share up to here', onclick: () => actions.share(m) }, icon('share')));
   // The thinking is stored with the answer; the one this page watched streaming is used until a reload.
   const thought = m.reasoning || actions.thoughtOf?.(m.id);
   const thinking = thought ? el('details', { class: 'thinking' }, el('summary', {}, 'Thought about it'),

@@ -41,6 +41,34 @@ def test_share_a_conversation_and_open_the_link_signed_out(page, browser, server
         fresh.close()
 
 
+def test_share_up_to_an_earlier_answer(page, browser, server):
+    sign_up(page)
+    send_and_wait(page, "The first question")
+    send_and_wait(page, "The second question, kept private")
+    first = page.locator("#messages .message.assistant").first
+    answer = first.locator(".bubble").inner_text()
+    first.get_by_role("button", name="Share up to here").click()
+    page.wait_for_selector("#share-dialog[open]")
+    assert page.inner_text("#share-scope") == "up to the chosen message (2 messages)"
+    url = page.input_value("#share-url")
+    page.click("#share-close")
+
+    fresh = browser.new_context(base_url=server.url)  # signed out
+    try:
+        other = fresh.new_page()
+        other.goto(url)
+        other.wait_for_selector("#shared-messages .message.assistant")
+        texts = other.locator("#shared-messages .message").all_inner_texts()
+        assert [t.strip() for t in texts] == ["The first question", answer.strip()]
+        assert "kept private" not in other.content()
+    finally:
+        fresh.close()
+
+    page.click("#share")  # the top bar's Share still shares the whole branch
+    page.wait_for_selector("#share-dialog[open]")
+    assert page.inner_text("#share-scope") == "as it is now"
+
+
 def test_settings_keep_instructions_and_memories(page):
     page.goto("/")
     page.wait_for_selector("#auth:not([hidden])")
