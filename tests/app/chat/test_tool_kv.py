@@ -1,5 +1,6 @@
 """The tool loops (the chat's, and the Responses API's built-in tools) keep a round's KV cache, ask the backend
-to hold or evict it while the tools run, resume from it, and let it go when the answer ends."""
+to hold or evict it while the tools run, resume from it, and let it go when the answer ends; /metrics counts
+what a real engine did with it."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,11 @@ import pytest
 
 from chatloom.app.tools.registry import ToolRegistry
 from chatloom.engine import EngineConfig
-from chatloom.serving import GenerationRequest, LocalBackend
+from chatloom.engine.held_rounds import common_prefix
+from chatloom.serving import BackendStats, GenerationRequest, LocalBackend
 
-from app_testing import ToolCallingBackend, app_client, call_text, done_of, make_settings, new_conversation, send
+from app_testing import (ToolCallingBackend, app_client, call_text, done_of, make_settings, new_conversation, send,
+                         tokens_of)
 from fake_web import fake_web
 
 
@@ -129,6 +132,9 @@ class EngineBeside(ToolCallingBackend):
         super().release_kv(request_id)
         self.real.release_kv(request_id)
 
+    def stats(self) -> BackendStats:
+        return self.real.stats()
+
 
 @pytest.mark.parametrize("policy", ["hold", "evict"])
 async def test_a_responses_builtin_tool_runs_beside_the_blocks_its_round_holds(tmp_path, monkeypatch, policy,
@@ -163,5 +169,46 @@ async def test_a_responses_builtin_tool_runs_beside_the_blocks_its_round_holds(t
                 await asyncio.sleep(0.01)
         stats = real.engine.snapshot().kv_holds
         assert stats.adopted == (1 if policy == "hold" else 0) and stats.resumes == 1
+    finally:
+        await real.close()
+
+
+def _counter(metrics: str, name: str) -> float:
+    """The value of one chatloom:kv_tool_* sample on a /metrics page."""
+    return float(next(line for line in metrics.splitlines() if line.startswith(f"chatloom:kv_tool_{name}{{"))
+                 .rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("policy", ["hold", "evict"])
+async def test_metrics_count_the_holds_and_evictions_of_a_real_engine_during_a_chat_tool_call(
+        tmp_path, policy, tiny_model_fp32):
+    real = LocalBackend(tiny_model_fp32, engine_config=EngineConfig(num_blocks=128, block_size=16))
+    await real.start()
+    backend = EngineBeside(real)
+    names = ("holds_total", "evictions_total", "reprefilled_tokens_total", "block_seconds_total",
+             "pressure_releases_total", "timeouts_total", "blocks_held")
+    try:
+        settings = make_settings(tmp_path, chat={"tools": "calculator"}, sampling={"max_tokens": 200},
+                                 tools={"kv_policy": policy})
+        async with app_client(settings, backend) as (client, app, alice):
+            before = (await client.get("/metrics")).text
+            assert [_counter(before, n) for n in names] == [0.0] * len(names)
+            _, events = await send(client, alice, await new_conversation(client, alice), "calculate 6 * 7")
+            assert tokens_of(events) == "Result: 42" and done_of(events)["status"] == "complete"
+            # The answer's last round keeps its blocks until the engine's next step lets them go.
+            async with asyncio.timeout(30):
+                while _counter(after := (await client.get("/metrics")).text, "blocks_held"):
+                    await asyncio.sleep(0.01)
+        seen = {n: _counter(after, n) for n in names}
+        first, second = backend.requests
+        shared = common_prefix(real.encode_messages(first.messages), real.encode_messages(second.messages))
+        if policy == "hold":
+            # The resume adopted every block it shares with the round: nothing computed again.
+            assert seen["block_seconds_total"] > 0
+            assert {**seen, "block_seconds_total": 0} == {n: 0.0 for n in names} | {"holds_total": 1.0}
+        else:
+            # The full blocks came back from the prefix cache; the shared tokens of the partial one did not.
+            assert shared % 16, "the shared prompt fills whole blocks: no partial block is left to lose"
+            assert seen == {n: 0.0 for n in names} | {"evictions_total": 1.0, "reprefilled_tokens_total": shared % 16}
     finally:
         await real.close()
