@@ -91,6 +91,9 @@ class Sampler:
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
                 if banned:
+                    if not banned_any and logits.is_inference():
+                        # The forward ran in inference mode, whose tensors refuse in-place writes here.
+                        logits = logits.clone()
                     try:
                         logits[row, banned] = float("-inf")
                     except (IndexError, RuntimeError) as exc:

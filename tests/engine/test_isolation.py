@@ -181,3 +181,20 @@ def test_greedy_picks_from_the_forward_give_the_same_tokens(min_tokens):
     tokens, failures = Sampler(seed=0).sample(logits.clone(), seqs, [7], argmax, picks)
     assert tokens == expected[0] and set(failures) == set(expected[1]) == {2}
     assert (tokens[0] == 7) == (min_tokens == 0)
+
+
+def test_stop_tokens_are_banned_in_logits_a_forward_made_in_inference_mode():
+    """The forward runs under torch.inference_mode, whose tensors refuse the in-place ban outside it:
+    min_tokens must still hold (it once failed the request on replicas running without the C++ kernels)."""
+    import torch
+
+    from chatloom.engine.sampler import Sampler
+    from chatloom.engine.sequence import Sequence
+
+    with torch.inference_mode():
+        logits = torch.zeros(2, 20)
+        logits[:, 7] = 5.0  # the end-of-sequence token leads every row
+    seqs = [Sequence("held", [1, 2], SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2)),
+            Sequence("free", [1, 2], SamplingParams(max_tokens=4, temperature=0.0))]
+    tokens, failures = Sampler(seed=0).sample(logits, seqs, [7])
+    assert failures == {} and tokens[0] != 7 and tokens[1] == 7
