@@ -1,5 +1,6 @@
 // The account's own places: sharing a conversation (whole, or up to a message), the settings panel
-// (custom instructions, memories, shared links, export and import) and single sign-on on the login screen.
+// (custom instructions, memories, shared links, connected sign-on identities, export and import) and
+// single sign-on on the login screen.
 import { api, request, session } from './api.js';
 import { $, el } from './dom.js';
 import { describeError, showNotice } from './notice.js';
@@ -8,21 +9,35 @@ const enc = encodeURIComponent;
 
 // -- single sign-on ---------------------------------------------------------------------
 
+let ssoInfo = null;
+// The outcome of connecting an identity from the settings, read from the address on return.
+let linkResult = null;
+
 // After /auth/sso/callback the app opens at /#sso_token=... (signed in) or /#sso_error=... (the reason it
 // failed): keep the token, drop both from the address bar, and return the error for the login screen.
+// Back from connecting an identity, /#sso_linked=1 or /#sso_link_error=...: still signed in, so the
+// outcome is kept for the settings panel instead.
 export function takeSsoResult() {
   const params = new URLSearchParams(location.hash.slice(1));
   const token = params.get('sso_token');
   const error = params.get('sso_error');
-  if (!token && !error) return null;
+  if (params.has('sso_linked') || params.has('sso_link_error')) {
+    linkResult = { error: params.get('sso_link_error') };
+  } else if (!token && !error) return null;
   if (token) session.token = token;
   history.replaceState(null, '', location.pathname + location.search);
   return error;
 }
 
+// "Connect <provider>" names the provider as the login button does ("Sign in with Example ID").
+function providerName() {
+  return (ssoInfo?.label || '').replace(/^sign in with\s+/i, '') || 'single sign-on';
+}
+
 export async function setupSso() {
   let info;
   try { info = await request('GET', '/auth/sso'); } catch { return; }
+  ssoInfo = info;
   const button = $('sso-button');
   button.hidden = !info.enabled;
   if (info.enabled) button.textContent = info.label;
@@ -83,13 +98,42 @@ function settingsError(err) {
   box.hidden = !err;
 }
 
+function identityRow(identity, reload) {
+  return el('li', { class: 'linked-identity', dataset: { id: identity.id } },
+    el('span', { text: identity.email || identity.issuer }),
+    el('span', { class: 'muted', text: ` at ${identity.issuer}` }),
+    el('button', { type: 'button', class: 'link danger', text: 'Disconnect', onclick: async () => {
+      try { await request('DELETE', `/auth/sso/identities/${enc(identity.id)}`); await reload(); }
+      catch (err) { settingsError(err); }
+    } }));
+}
+
+async function loadIdentities() {
+  ssoInfo ??= await request('GET', '/auth/sso');
+  const identities = await request('GET', '/auth/sso/identities');
+  $('sso-settings').hidden = !ssoInfo?.enabled && !identities.length;
+  $('sso-connect').hidden = !ssoInfo?.enabled;
+  $('sso-connect').textContent = `Connect ${providerName()}`;
+  $('identity-list').replaceChildren(...(identities.length ? identities.map((i) => identityRow(i, loadSettings))
+    : [el('li', { class: 'muted', text: 'No identity connected.' })]));
+}
+
+// Leave for the provider; its callback links the identity to this account and brings the browser back.
+async function connectSso() {
+  try {
+    const { url } = await request('POST', '/auth/sso/connect');
+    location.assign(url);
+  } catch (err) { settingsError(err); }
+}
+
 async function loadSettings() {
   settingsError(null);
   // Not editable until the saved text is in: typing before it arrives would be overwritten by it.
   $('instructions').disabled = true;
   try {
     const [instructions, memories, links] = await Promise.all([
-      request('GET', '/me/instructions'), request('GET', '/memories'), request('GET', '/shares')]);
+      request('GET', '/me/instructions'), request('GET', '/memories'), request('GET', '/shares'),
+      loadIdentities()]);
     $('instructions').value = instructions.text;
     $('instructions').disabled = false;
     $('memory-list').replaceChildren(...memories.map((m) => memoryRow(m, loadSettings)));
@@ -136,7 +180,16 @@ export function setupAccount({ conversationId, onImported }) {
   });
   $('share-close').addEventListener('click', () => { $('share-dialog').close(); $('share-copy').textContent = 'Copy'; });
   $('open-settings').addEventListener('click', () => { $('settings-dialog').showModal(); loadSettings(); });
-  $('settings-close').addEventListener('click', () => $('settings-dialog').close());
+  $('settings-close').addEventListener('click', () => {
+    $('settings-dialog').close();
+    $('sso-link-status').textContent = '';
+  });
+  $('sso-connect').addEventListener('click', connectSso);
+  if (linkResult && session.token) {
+    $('sso-link-status').textContent = linkResult.error ? '' : 'Connected: you can now sign in with it.';
+    $('settings-dialog').showModal();
+    loadSettings().then(() => { if (linkResult.error) settingsError(new Error(linkResult.error)); });
+  }
   $('instructions-save').addEventListener('click', async () => {
     try {
       await request('PUT', '/me/instructions', { body: { text: $('instructions').value } });

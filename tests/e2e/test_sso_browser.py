@@ -1,7 +1,8 @@
 """Single sign-on in Chromium: an OpenID Connect provider built with authlib's server side runs on loopback
 (discovery, authorization code with PKCE, an RS256-signed ID token, JWKS); the login screen's button goes
 there and back, and the person lands in the app as the tier their group maps to. A wrong state or the
-provider's refusal brings the login screen back with the reason."""
+provider's refusal brings the login screen back with the reason. A password account connects the
+provider in its settings, and signing in with the provider then opens that same account."""
 from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -9,7 +10,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import pytest
 
 from app_testing import LiveServer, make_settings
-from browser_testing import DESKTOP, wait_js
+from browser_testing import DESKTOP, sign_up, unique_name, wait_js
 from oidc_testing import CLIENT_ID, CLIENT_SECRET, Client, Person, Provider
 from scripted_backend import ScriptedBackend
 from test_chat import send_and_wait
@@ -106,3 +107,43 @@ def test_a_wrong_state_or_the_providers_refusal_shows_the_reason(sso_page, sso):
     sso_page.wait_for_selector("#app:not([hidden])")
     assert sso_page.inner_text("#username") == "frank"
     assert sso_page.console_errors == []
+
+
+def test_a_password_account_connects_sso_in_settings_and_signs_in_with_it(sso_page, sso):
+    provider, gateway = sso
+    page = sso_page
+    username = sign_up(page, unique_name("linked"))
+    send_and_wait(page, "hello from a password account")
+    wait_js(page, "document.querySelectorAll('.conversation').length === 1")
+
+    # Settings: no identity yet; connect the provider, and come back to the settings, connected.
+    provider.user = Person("browser-person-3", "grace@example.com", preferred_username="grace-idp")
+    page.click("#open-settings")
+    page.wait_for_selector("#sso-settings:not([hidden])")
+    assert page.inner_text("#identity-list") == "No identity connected."
+    assert page.inner_text("#sso-connect") == "Connect Example ID"
+    page.click("#sso-connect")
+    page.wait_for_selector("#settings-dialog[open] #identity-list .linked-identity")
+    assert "grace@example.com" in page.inner_text("#identity-list .linked-identity")
+    assert page.inner_text("#sso-link-status").startswith("Connected")
+    assert "sso_linked" not in page.url and page.inner_text("#username") == username
+    page.click("#settings-close")
+
+    # Signed out, then in with the provider: the same account and its conversation.
+    page.click("#logout")
+    click_sso(page)
+    page.wait_for_selector("#app:not([hidden])")
+    assert page.inner_text("#username") == username
+    wait_js(page, "document.querySelectorAll('.conversation').length === 1")
+    assert page.inner_text(".conversation .open") == "hello from a password account"
+
+    # Another password account cannot take the identity: the settings say why, and nothing changes.
+    page.click("#logout")
+    sign_up(page, unique_name("other"))
+    page.click("#open-settings")
+    page.wait_for_selector("#sso-connect:not([hidden])")
+    page.click("#sso-connect")
+    page.wait_for_selector("#settings-dialog[open] #settings-error:not([hidden])")
+    assert "already linked to another account" in page.inner_text("#settings-error")
+    assert page.inner_text("#identity-list") == "No identity connected."
+    assert page.console_errors == []

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from chatloom.app.api.schemas import STRICT, iso
+from chatloom.store import Identity as IdentityRow
 from chatloom.store import Memory, SharedLink
 
 
@@ -131,3 +132,24 @@ class SsoInfo(BaseModel):
     enabled: bool = Field(description="single sign-on is offered: GET /auth/sso/login starts it")
     label: str | None = Field(description="the text of its button")
     local_login: bool = Field(description="username and password sign-in (and sign-up) are available")
+
+
+class SsoConnectOut(BaseModel):
+    """A connecting flow, begun: send the browser to `url`; the state cookie that binds it was set."""
+
+    url: str = Field(description="the identity provider's authorization URL")
+
+
+class LinkedIdentityOut(BaseModel):
+    """An identity at the provider that signs in to this account."""
+
+    id: str
+    issuer: str
+    email: str | None = Field(description="the email the provider gave at the last connect or sign-in")
+    created: str | None = Field(description="when it was linked")
+    last_login: str | None = Field(description="its last single sign-on to this account")
+
+    @classmethod
+    def of(cls, row: IdentityRow) -> "LinkedIdentityOut":
+        return cls(id=row.id, issuer=row.issuer, email=row.email, created=iso(row.created),
+                   last_login=iso(row.last_login))

@@ -40,6 +40,15 @@ class SignIn:
 
 
 @dataclass(frozen=True)
+class LinkTo:
+    """A flow begun from a signed-in account to connect an identity to it: the account, and its session
+    version then (signing out everywhere meanwhile ends the flow)."""
+
+    user_id: str
+    session_version: int
+
+
+@dataclass(frozen=True)
 class Identity:
     """The verified person: the ID token's claims, with the userinfo endpoint's where it has one."""
 
@@ -128,17 +137,34 @@ class OidcClient:
                                  code_challenge_method="S256", timeout=HTTP_TIMEOUT_S,
                                  token_endpoint_auth_method="client_secret_basic" if self.client_secret else "none")
 
-    async def begin(self, redirect_uri: str) -> SignIn:
+    async def begin(self, redirect_uri: str, link_to: LinkTo | None = None) -> SignIn:
         meta = await self.metadata()
         state, nonce, verifier = generate_token(32), generate_token(32), generate_token(64)
         async with self._client(redirect_uri) as client:
             url, _ = client.create_authorization_url(meta["authorization_endpoint"], state=state,
                                                      code_verifier=verifier, nonce=nonce)
         now = int(time.time())
-        cookie = pyjwt.encode({"purpose": STATE_PURPOSE, "state": state, "nonce": nonce, "verifier": verifier,
-                               "redirect_uri": redirect_uri, "iat": now, "exp": now + self.state_ttl_s},
-                              self._secret, STATE_ALGORITHM)
-        return SignIn(url, cookie)
+        pending = {"purpose": STATE_PURPOSE, "state": state, "nonce": nonce, "verifier": verifier,
+                   "redirect_uri": redirect_uri, "iat": now, "exp": now + self.state_ttl_s}
+        if link_to is not None:  # signed with the rest, so the callback cannot be pointed at another account
+            pending["link_user"], pending["link_version"] = link_to.user_id, link_to.session_version
+        return SignIn(url, pyjwt.encode(pending, self._secret, STATE_ALGORITHM))
+
+    def link_of(self, cookie: str | None) -> LinkTo | None:
+        """The account a validly signed state cookie connects to; None for a sign-in or an unreadable cookie.
+        Expiry is not checked here: finish() refuses an expired cookie, and an expired connecting flow's
+        error should still go back to the settings rather than to the login screen."""
+        if not cookie:
+            return None
+        try:
+            pending = pyjwt.decode(cookie, self._secret, algorithms=[STATE_ALGORITHM],
+                                   options={"verify_exp": False})
+        except pyjwt.PyJWTError:
+            return None
+        user, version = pending.get("link_user"), pending.get("link_version")
+        if pending.get("purpose") != STATE_PURPOSE or not isinstance(user, str) or not isinstance(version, int):
+            return None
+        return LinkTo(user, version)
 
     # -- coming back ----------------------------------------------------------------------------------
     def _pending(self, cookie: str | None, state: str) -> dict[str, Any]:

@@ -1,15 +1,21 @@
 """The account a verified single sign-on identity signs in to: the one already linked to it, else the
 one whose email it verifiably owns (linked now, not duplicated), else a new one; then the provider's
-role claim sets admin and tier, at every sign-in."""
+role claim sets admin and tier, at every sign-in.
+
+A signed-in account can also connect an identity to itself (`connect`), which is how a password
+account gets single sign-on without matching on an email the user typed; the role claim applies there
+as at a sign-in, since the identity speaks for the account from then on. `disconnect` removes one,
+unless the account would be left with no way to sign in."""
 from __future__ import annotations
 
 import re
 import secrets
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatloom.app.core.errors import ApiError
+from chatloom.app.core.errors import ApiError, not_found
 from chatloom.app.core.oidc import Identity
 from chatloom.settings.tree import SsoSettings
 from chatloom.store import Identity as IdentityRow
@@ -41,6 +47,61 @@ async def account_for(session: AsyncSession, who: Identity, sso: SsoSettings) ->
     _map_roles(user, who, sso)
     await session.flush()
     return user
+
+
+async def connect(session: AsyncSession, user: User, who: Identity, sso: SsoSettings) -> IdentityRow:
+    """Link the identity to `user` (already linked to it: refreshed); flushed, not committed. An identity
+    linked to another account is refused (409) and nothing changes."""
+    link = await session.scalar(select(IdentityRow).where(IdentityRow.issuer == who.issuer,
+                                                          IdentityRow.subject == who.subject))
+    if link is not None and link.user_id != user.id:
+        raise _taken()
+    if link is None:
+        link = IdentityRow(user_id=user.id, issuer=who.issuer, subject=who.subject)
+        session.add(link)
+    link.email = who.email
+    if user.email is None:  # the provider's verified email, so later sign-ins by email find this account
+        user.email = await _unclaimed(session, who)
+    _map_roles(user, who, sso)
+    try:
+        await session.flush()
+    except IntegrityError:  # another account linked it (or took the email) in the meantime
+        raise _taken() from None
+    return link
+
+
+def _taken() -> ApiError:
+    return ApiError(409, "this single sign-on identity is already linked to another account on this server; "
+                    "sign in with it to use that account, or disconnect it there first", "sso_identity_taken")
+
+
+async def linked(session: AsyncSession, user_id: str) -> list[IdentityRow]:
+    return list(await session.scalars(select(IdentityRow).where(IdentityRow.user_id == user_id)
+                                      .order_by(IdentityRow.created, IdentityRow.id)))
+
+
+async def disconnect(session: AsyncSession, user: User, identity_id: str, sso: SsoSettings) -> IdentityRow:
+    """Unlink one of the account's identities; flushed, not committed. Refused (409) where the account
+    would be left with no way to sign in."""
+    rows = await linked(session, user.id)
+    row = next((r for r in rows if r.id == identity_id), None)
+    if row is None:
+        raise not_found("linked identity")
+    rest = [r for r in rows if r.id != identity_id]
+    passwords_on = not (sso.enabled and not sso.local_login)
+    sso_on = bool(sso.enabled and sso.issuer and sso.client_id)
+    if not ((user.password_hash and passwords_on) or (rest and sso_on)):
+        why = ["password sign-in is turned off on this server (sso.local_login = false)" if user.password_hash
+               else "the account has no password"]
+        why.append("single sign-on is not set up on this server" if rest else "this is its only linked identity")
+        raise ApiError(409, "disconnecting this identity would leave the account with no way to sign in: "
+                       + " and ".join(why), "sso_last_sign_in")
+    await session.delete(row)
+    # An email only an identity vouched for goes with it, so that sign-in by email does not link it again.
+    if user.email and user.email == row.email and not any(r.email == user.email for r in rest):
+        user.email = None
+    await session.flush()
+    return row
 
 
 def _map_roles(user: User, who: Identity, sso: SsoSettings) -> None:
