@@ -59,6 +59,10 @@ class ServerInfo:
 
     models: list[str]
     max_model_len: int | None
+    # A chatloom replica orders its queue by the request's `priority` and runs batch work only in steps
+    # interactive work leaves idle. vLLM takes the same field only when started with priority scheduling
+    # (and refuses it otherwise), so it is sent to chatloom replicas alone.
+    takes_priority: bool = False
 
 
 @dataclass
@@ -111,6 +115,10 @@ class RemoteBackend(Backend):
     def __repr__(self) -> str:
         return f"RemoteBackend({self.base_url!r}, model={self.model!r})"
 
+    def _priority(self, priority: int) -> dict:
+        """The request body's priority field, where the server takes one and it is not the default."""
+        return {"priority": priority} if priority and self._info is not None and self._info.takes_priority else {}
+
     # -- probing ----------------------------------------------------------------------
     async def _get_json(self, path: str, **kw) -> dict:
         try:
@@ -132,7 +140,8 @@ class RemoteBackend(Backend):
                                        f"not {self.model!r}")
         card = next((m for m in data if m["id"] == (self.model or models[0])), {})
         length = card.get("max_model_len")
-        self._info = ServerInfo(models, length if isinstance(length, int) and length > 0 else None)
+        self._info = ServerInfo(models, length if isinstance(length, int) and length > 0 else None,
+                                takes_priority=card.get("owned_by") == "chatloom")
         if self.model is None and models:
             self.model = models[0]
         return self._info
@@ -254,11 +263,12 @@ class RemoteBackend(Backend):
             raise ReplicaError(f"{where}: the stream was closed ({type(exc).__name__})") from None
 
     async def stream_tokens(self, prompt_ids: list[int], params: SamplingParams,
-                            request_id: str | None = None, logprobs: int | None = None) -> AsyncIterator[TokenChunk]:
+                            request_id: str | None = None, logprobs: int | None = None,
+                            priority: int = 0) -> AsyncIterator[TokenChunk]:
         """Generate from a token-id prompt; every chunk carries its token ids (and, with `logprobs`, the
-        log probabilities the server gives for them)."""
+        log probabilities the server gives for them). `priority` as GenerationRequest's (lower runs first)."""
         body = {"model": self.model, "prompt": prompt_ids, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True}, **sampling_to_body(params)}
+                "stream_options": {"include_usage": True}, **sampling_to_body(params), **self._priority(priority)}
         if params.keep_kv and request_id is not None:  # kept under the request's id when it ends
             body["kv_handle"] = request_id
         if logprobs is not None:
@@ -399,7 +409,7 @@ class RemoteBackend(Backend):
                    else await self.tokenize(prompt=request.prompt))
         else:
             raise BadGenerationRequest("a request needs messages or a prompt", param="messages")
-        async for piece in self.stream_tokens(ids, params, request.request_id, request.logprobs):
+        async for piece in self.stream_tokens(ids, params, request.request_id, request.logprobs, request.priority):
             if piece.finish_reason is None:
                 yield Delta(piece.text, logprobs=piece.logprobs)
             else:
@@ -411,7 +421,8 @@ class RemoteBackend(Backend):
     async def _stream_chat(self, request: GenerationRequest, params: SamplingParams) -> AsyncIterator[Delta]:
         """A chat request as chat completions (no local tokenizer): its n choices and logprobs passed through."""
         body = {"model": self.model, "messages": request.messages, "stream": True,
-                "stream_options": {"include_usage": True}, **sampling_to_body(params)}
+                "stream_options": {"include_usage": True}, **sampling_to_body(params),
+                **self._priority(request.priority)}
         if request.n > 1:
             body["n"] = request.n
         if request.logprobs is not None:

@@ -219,7 +219,7 @@ def create_replica_app(backend: LocalBackend) -> FastAPI:
                             param="prompt")
         return ids
 
-    async def run(ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator:
+    async def run(ids: list[int], params: SamplingParams, request_id: str, priority: int) -> AsyncIterator:
         """Engine outputs, with the request's own problems (too long, bad ids) raised before streaming."""
         eng = engine()
         window = backend.context_window
@@ -227,7 +227,7 @@ def create_replica_app(backend: LocalBackend) -> FastAPI:
             raise _Rejected(400, f"the prompt has {len(ids)} tokens; this model's context window is "
                                  f"{window} tokens and the answer needs room too", code="context_length_exceeded",
                             param="prompt")
-        stream = eng.stream(ids, params, request_id=request_id)
+        stream = eng.stream(ids, params, request_id=request_id, priority=priority)
         try:
             first = await stream.__anext__()
         except InvalidRequest as exc:
@@ -259,7 +259,9 @@ def create_replica_app(backend: LocalBackend) -> FastAPI:
         # A round whose KV cache is kept is named by its handle, which hold and resume refer to.
         request_id = body["kv_handle"] if params.keep_kv else \
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}-{next(ids_counter)}"
-        first, stream = await run(ids, params, request_id)
+        # vLLM's field: lower runs first; at the engine's background_priority or above, batch work.
+        priority = _number(body, "priority", int, 0)
+        first, stream = await run(ids, params, request_id, priority)
         created = int(time.time())
         model = backend.default_model
         with_ids = bool(body.get("return_token_ids"))

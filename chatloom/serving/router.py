@@ -419,7 +419,7 @@ class Router(Backend):
                 self._current[rid] = (replica, sub_id)
                 replica.inflight += 1
                 try:
-                    async for piece in replica.client.stream_tokens(prompt, sub, sub_id):
+                    async for piece in replica.client.stream_tokens(prompt, sub, sub_id, priority=request.priority):
                         if rid in self._aborted:
                             break
                         text = answer.add(piece.token_ids, piece.text, piece.finish_reason is not None)

@@ -15,6 +15,7 @@ from chatloom.engine.sampling_params import SamplingParams
 from chatloom.serving import Constraint
 from chatloom.serving.backend import BackendNotReady, BadGenerationRequest, GenerationRequest
 from chatloom.serving.remote import RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts
+from fleet_testing import start_replicas
 
 CHAT = [{"role": "user", "content": "Tell me about the sea"}]
 
@@ -263,3 +264,58 @@ async def test_a_stream_to_a_closed_port_says_so():
                 pass
     finally:
         await client.close()
+
+
+@pytest.fixture(scope="module")
+def one_slot_replica():
+    """A replica that runs one request at a time: the order it takes the queued ones in is visible."""
+    (rep,) = start_replicas(1, extra=["--max-num-seqs", "1"])
+    yield rep
+    rep.stop()
+
+
+@pytest.mark.parametrize("through", ["remote", "router"])
+async def test_a_batch_priority_reaches_the_replica_and_an_interactive_request_goes_first(one_slot_replica,
+                                                                                         tiny_tokenizer, through):
+    from chatloom.serving.router import Router
+
+    client = RemoteBackend(one_slot_replica.url, "tiny-random", tokenizer=tiny_tokenizer)
+    backend = client if through == "remote" else Router("tiny-random", [one_slot_replica.url],
+                                                        tokenizer=tiny_tokenizer)
+    batch = GenerationRequest(prompt="a batch line", max_tokens=4, temperature=0, priority=1000)
+    firsts: list[str] = []
+
+    async def first_token(name: str, request: GenerationRequest) -> None:
+        async for _ in backend.stream(request):
+            firsts.append(name)
+            return
+
+    try:
+        await client.start()
+        if backend is not client:
+            await backend.start()
+        assert client._info is not None and client._info.takes_priority
+        running = client.stream_tokens(tiny_tokenizer.encode("hold the only slot"),
+                                       SamplingParams(max_tokens=200, min_tokens=200, temperature=0), priority=1000)
+        await running.__anext__()  # the slot is taken until this one ends
+        waiting = asyncio.create_task(first_token("batch", batch))
+        while (await client.load()).num_requests_waiting < 1:  # the batch request is queued first
+            await asyncio.sleep(0.02)
+        interactive = asyncio.create_task(first_token("interactive", GenerationRequest(
+            prompt="a question", max_tokens=4, temperature=0)))
+        while (await client.load()).num_requests_waiting < 2:
+            await asyncio.sleep(0.02)
+        async for _ in running:  # the slot frees: the interactive request, though later, runs first
+            pass
+        await asyncio.gather(waiting, interactive)
+        assert firsts == ["interactive", "batch"]
+    finally:
+        await client.close()
+        if backend is not client:
+            await backend.close()
+
+
+async def test_a_priority_that_is_not_an_integer_is_a_400(fleet):
+    with httpx.Client(base_url=fleet[0].url, timeout=30) as http:
+        r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "priority": "high"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
