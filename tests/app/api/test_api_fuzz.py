@@ -210,6 +210,10 @@ def _fuzz_operation(operation, mode: GenerationMode, known: Known, tally: Tally)
         # An operation without parameters or a body has nothing to break.
 
 
+NEEDS_PROVIDER = {"GET /auth/sso/login", "GET /auth/sso/callback", "POST /auth/sso/connect",
+                  "DELETE /auth/sso/identities/{identity_id}"}
+
+
 @pytest.fixture
 def app(tmp_path):
     tiers = write_tiers(tmp_path, free=ROOMY, plus=ROOMY, pro=ROOMY)
@@ -250,7 +254,10 @@ def test_api_fuzz_finds_no_server_errors_and_no_undeclared_answers(app):
     assert len(operations) >= MIN_OPERATIONS and len(tally.by_operation) == len(operations), summary
     assert all(n >= 5 for n in tally.by_operation.values()), tally.by_operation
     assert tally.cases >= 10 * len(operations), summary
-    assert len(tally.succeeded) >= 0.9 * len(operations), sorted(set(tally.by_operation) - tally.succeeded)
+    # Single sign-on's steps need an identity provider, which this app has none of: they are still called
+    # (and must answer as declared) but cannot succeed here.
+    possible = [op for op in operations if f"{op.method.upper()} {op.path}" not in NEEDS_PROVIDER]
+    assert len(tally.succeeded) >= 0.9 * len(possible), sorted(set(tally.by_operation) - tally.succeeded)
 
 
 def test_the_schema_declares_errors_streams_and_metrics_as_sent(tmp_path):
