@@ -7,8 +7,8 @@ which only chooses among kinds that are all read as text. pypdf reads PDFs, pyth
 BeautifulSoup HTML.
 
 Limits: an encrypted or unreadable file is a 400; a file whose text passes `max_extracted_chars`, or a
-DOCX whose parts unpack to more than `max_archive_ratio` times its size, is refused as a decompression
-bomb (413) before its text is kept.
+DOCX whose parts (a PDF whose pages' drawing operators) unpack to more than `max_archive_ratio` times its
+size, is refused as a decompression bomb (413) before its text is kept.
 """
 from __future__ import annotations
 
@@ -138,16 +138,50 @@ def decode_text(data: bytes) -> str:
     return text
 
 
+def _drawn_bytes(page, budget: int) -> int:
+    """The unpacked size of what drawing `page` reads (its content streams and the form XObjects they
+    use, nested), counted until it passes `budget`."""
+    from pypdf.generic import IndirectObject
+
+    total, seen = 0, set()
+    contents = page.get_contents()
+    total += len(contents.get_data()) if contents is not None else 0
+    pending = [page.get("/Resources")]
+    while pending and total <= budget:
+        resources = pending.pop()
+        resources = resources.get_object() if resources is not None else None
+        xobjects = resources.get("/XObject") if hasattr(resources, "get") else None
+        for ref in (xobjects.get_object().values() if xobjects is not None else ()):
+            key = (ref.idnum, ref.generation) if isinstance(ref, IndirectObject) else id(ref)
+            form = ref.get_object()
+            if key in seen or form.get("/Subtype") != "/Form":
+                continue
+            seen.add(key)
+            total += len(form.get_data())
+            pending.append(form.get("/Resources"))
+    return total
+
+
 def _pdf(data: bytes, limits: Limits) -> Extracted:
     from pypdf import PdfReader
-    from pypdf.errors import PyPdfError
+    from pypdf.errors import LimitReachedError, PyPdfError
 
+    # Text extraction parses every drawing operator, about 2 s of CPU per unpacked megabyte: a few
+    # kilobytes of compressed operators would otherwise hold a worker for minutes. The budget is the
+    # DOCX one: the file's size times max_archive_ratio, at least 1 MB, at most 20 bytes per character kept.
+    budget = int(min(max(limits.max_archive_ratio * len(data), 1_000_000), 20 * limits.max_chars))
     try:
         reader = PdfReader(io.BytesIO(data))
         # Encrypted with an owner password only (an empty user password: every viewer opens it without
         # asking) is readable; a PDF that needs a password to open is not.
         if reader.is_encrypted and not reader.decrypt(""):
             raise ApiError(400, "the PDF is encrypted; upload it without a password", "encrypted_file", "file")
+        drawn = 0
+        for page in reader.pages:
+            drawn += _drawn_bytes(page, budget - drawn)
+            if drawn > budget:
+                raise ApiError(413, f"the PDF's pages unpack to more than {budget} bytes from {len(data)}: refused "
+                               "as a decompression bomb", "file_too_large", "file")
         parts: list[str] = []
         starts: list[int] = []
         size = 0
@@ -160,6 +194,9 @@ def _pdf(data: bytes, limits: Limits) -> Extracted:
                 raise _bomb(limits)
     except ApiError:
         raise
+    except LimitReachedError:  # one stream past pypdf's own cap on what it unpacks
+        raise ApiError(413, "a stream of the PDF unpacks to more than the reader allows: refused as a decompression "
+                       "bomb", "file_too_large", "file") from None
     except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError, RecursionError,
             AssertionError, ZeroDivisionError) as exc:
         raise ApiError(400, f"the PDF cannot be read ({type(exc).__name__}: {str(exc)[:200]})", "corrupt_file",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
+import zlib
 
 
 def make_pdf(pages: list[str]) -> bytes:
@@ -20,6 +21,36 @@ def make_pdf(pages: list[str]) -> bytes:
         objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
                        f"/Contents {5 + 2 * i} 0 R >>".encode())
         objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+    out = io.BytesIO()
+    out.write(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objects, 1):
+        offsets.append(out.tell())
+        out.write(b"%d 0 obj\n" % i + body + b"\nendobj\n")
+    xref = out.tell()
+    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
+    for off in offsets:
+        out.write(b"%010d 00000 n \n" % off)
+    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
+    return out.getvalue()
+
+
+def make_pdf_bomb(unpacked: int = 4_000_000, in_form: bool = False) -> bytes:
+    """A one-page PDF whose drawing operators (one short text line, repeated) unpack to `unpacked` bytes
+    from a few kilobytes: in the page's content stream, or in a form XObject the page draws."""
+    line = b"BT /F1 12 Tf 72 720 Td (a) Tj ET\n"
+    packed = zlib.compress(line * (unpacked // len(line)), 9)
+    bomb = b"<< /Length %d /Filter /FlateDecode%s >>\nstream\n" % (
+        len(packed), b" /Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >>"
+        if in_form else b"") + packed + b"\nendstream"
+    page_stream = b"/X1 Do" if in_form else b""
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [4 0 R] /Count 1 >>",
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >>"
+               + (b" /XObject << /X1 6 0 R >>" if in_form else b"") + b" >> /Contents 5 0 R >>",
+               b"<< /Length %d >>\nstream\n" % len(page_stream) + page_stream + b"\nendstream" if in_form else bomb]
+    if in_form:
+        objects.append(bomb)
     out = io.BytesIO()
     out.write(b"%PDF-1.4\n")
     offsets = []

@@ -10,7 +10,7 @@ from sqlalchemy import func, select, text
 from chatloom.store.models import Base
 
 from app_testing import RecordingBackend, app_client, done_of, make_settings, new_conversation, send, signup
-from file_samples import (ELF, PNG, make_docx, make_docx_bomb, make_encrypted_pdf, make_pdf,
+from file_samples import (ELF, PNG, make_docx, make_docx_bomb, make_encrypted_pdf, make_pdf, make_pdf_bomb,
                           understate_sizes)
 
 LLAMAS = ("# Camelids\n\nThe llama is a domesticated South American camelid, used as a pack animal by Andean "
@@ -119,12 +119,15 @@ async def test_pdf_and_docx_text_is_extracted_with_pages(client, alice):
     ("broken.pdf", b"%PDF-1.7\n1 0 obj << /Type /Catalog", 400, "corrupt_file"),
     ("locked.pdf", None, 400, "encrypted_file"),
     ("bomb.docx", None, 413, "file_too_large"),
+    ("bomb.pdf", None, 413, "file_too_large"),  # 4 MB of drawing operators from 12 KB: minutes to parse
+    ("form-bomb.pdf", None, 413, "file_too_large"),  # the same, in a form the page draws
     ("liar.docx", None, 400, "corrupt_file"),  # the bomb, its sizes understated: read only as far as it claims
     ("empty.txt", b"", 400, "empty_file"),
     ("archive.zip", b"PK\x03\x04" + b"\x00" * 40, 400, "corrupt_file"),
 ])
 async def test_bad_files_are_refused_and_nothing_is_kept(client, app, alice, name, data, status, code):
-    data = {"locked.pdf": make_encrypted_pdf, "bomb.docx": make_docx_bomb,
+    data = {"locked.pdf": make_encrypted_pdf, "bomb.docx": make_docx_bomb, "bomb.pdf": make_pdf_bomb,
+            "form-bomb.pdf": lambda: make_pdf_bomb(in_form=True),
             "liar.docx": lambda: understate_sizes(make_docx_bomb(), 5_000)}.get(name, lambda: data)()
     r = await upload(client, alice, name, data)
     assert r.status_code == status, r.text
