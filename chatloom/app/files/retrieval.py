@@ -88,7 +88,7 @@ class Retriever:
                 rankings.append(await nearest(s, user.id, file_ids, vector, model, CANDIDATES,
                                              self.files.db.vector_search))
                 # Alone (mode "vector") its order is all there is, whatever its weight.
-                weights.append(self.settings.files.vector_weight if weights else 1.0)
+                weights.append(self.settings.files.fusion_weight() if weights else 1.0)
         return fuse(rankings, self.settings.files.rrf_k, weights)[:limit]
 
     def _embeds(self, mode: str) -> bool:
