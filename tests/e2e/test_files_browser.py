@@ -1,5 +1,5 @@
-"""Files in the browser (Chromium): attach a PDF with the button and drop a Markdown file on the page,
-ask a question only they answer, and open the citation on the right passage."""
+"""Files in the browser (Chromium): attach a PDF with the button, drop a Markdown file on the page and
+paste one into the input, ask a question only they answer, and open the citation on the right passage."""
 from __future__ import annotations
 
 import sys
@@ -62,4 +62,20 @@ def test_upload_ask_and_open_the_cited_passage(page, tmp_path):
     page.wait_for_selector("#notice:not([hidden])")
     assert "PNG" in page.locator("#notice-text").inner_text()
     assert page.locator("#attachments .chip").count() == 2
+    assert page.console_errors == [] and page.dialogs == []
+
+
+def test_a_file_pasted_into_the_input_is_uploaded_and_answers_from_it(page):
+    sign_up(page)
+    page.evaluate("""(bytes) => {
+        const dt = new DataTransfer();
+        dt.items.add(new File([new Uint8Array(bytes)], 'pasted-notes.md', { type: 'text/markdown' }));
+        document.getElementById('input').dispatchEvent(
+            new ClipboardEvent('paste', { clipboardData: dt, bubbles: true, cancelable: true }));
+    }""", list(NOTES.encode()))
+    page.wait_for_selector("#attachments .chip:not(.uploading) >> text=pasted-notes.md")
+    assert page.input_value("#input") == ""  # the file went up, its bytes were not pasted as text
+
+    send_and_wait(page, "Where is the spare key to the greenhouse?")
+    assert page.locator("#messages .message.assistant .source").first.inner_text().startswith("[1] pasted-notes.md")
     assert page.console_errors == [] and page.dialogs == []
