@@ -2,8 +2,8 @@
 that answers a question.
 
 The corpus is chatloom's own documentation (docs/*.md), uploaded through the product's own path
-(extraction, passages, embeddings by the served model, the full-text index), into a fresh SQLite
-database. The questions (texts/retrieval_questions.jsonl, committed with the bench) each name the page that
+(extraction, passages, their embeddings by `files.embedding_model`, the full-text index), into a fresh
+SQLite database. The questions (texts/retrieval_questions.jsonl, committed with the bench) each name the page that
 answers them and a phrase of the answer; a retrieved passage is relevant when it is from that page and
 holds the phrase (so the set does not depend on where passages are cut). Recall@k is the fraction of
 questions with a relevant passage in the top k, for full-text search alone, vector search alone, and
@@ -17,7 +17,8 @@ read the passages and fit them to the prompt budget. It is timed over a conversa
 collection of `latency_chunks` passages (the corpus's passages again, with random unit vectors), each
 question once, as the default settings run it (full-text only) and with embeddings on (hybrid, the
 question's embedding included), with the parts beside them: the full-text search alone and the
-question's embedding alone (through quota, admission and metering), and a bare `SELECT 1` through the
+question's embedding alone (by the static model in the gateway, or through a served model's quota,
+admission and metering), and a bare `SELECT 1` through the
 same pool, the floor any database work has on the machine. The parts are alternated per
 question, so a busy moment of a shared machine lands on each alike.
 """
@@ -52,34 +53,44 @@ def _norm(text: str) -> str:
 
 def run_retrieval(loaded, k: int = 5, limit: int | None = None, latency_chunks: int = 1000,
                   docs_dir: Path = DOCS, chunk_chars: int | None = None, overlap: int | None = None,
-                  pooling: str = "last", modes: tuple[str, ...] = MODES, db_url: str | None = None) -> dict:
-    """The bench's report; `chunk_chars` and `overlap` default to the files settings' defaults. `modes`
-    without "vector" and "hybrid" indexes no vectors (fast: no model work); `db_url`: an empty database
-    to index into (default: a fresh SQLite file)."""
+                  pooling: str = "last", modes: tuple[str, ...] = MODES, db_url: str | None = None,
+                  embedding_model: str | None = None, vector_weight: float | None = None) -> dict:
+    """The bench's report; `chunk_chars`, `overlap` and `embedding_model` default to the files settings'
+    defaults (`embedding_model`: the static embedding model, or a served model's name such as
+    `loaded.id`; `vector_weight`: the fusion's weight of the vector ranking, default its default for
+    that embedder). `modes` without "vector" and "hybrid" indexes no vectors (fast: no model work); `db_url`:
+    an empty database to index into (default: a fresh SQLite file)."""
     from chatloom.settings.tree import FilesSettings
 
     defaults = FilesSettings()
     chunk_chars = chunk_chars if chunk_chars is not None else defaults.chunk_chars
     overlap = overlap if overlap is not None else defaults.chunk_overlap_chars
+    embedding_model = embedding_model or defaults.embedding_model
     with tempfile.TemporaryDirectory(prefix="chatloom-bench-retrieval-") as data_dir:
         return asyncio.run(_run(loaded, k, load_questions(limit=limit), latency_chunks, docs_dir, data_dir,
-                                chunk_chars, overlap, pooling, tuple(m for m in MODES if m in modes), db_url))
+                                chunk_chars, overlap, pooling, tuple(m for m in MODES if m in modes), db_url,
+                                embedding_model, vector_weight))
 
 
 async def _run(loaded, k: int, questions: list[dict], latency_chunks: int, docs_dir: Path, data_dir: str,
-               chunk_chars: int, overlap: int, pooling: str, modes: tuple[str, ...], db_url: str | None) -> dict:
+               chunk_chars: int, overlap: int, pooling: str, modes: tuple[str, ...], db_url: str | None,
+               embedding_model: str, vector_weight: float | None) -> dict:
     from chatloom.app.main import create_app
     from chatloom.engine import EngineConfig
+    from chatloom.models.static_embeddings import is_static, load_static_embedder
     from chatloom.serving import LocalBackend
     from chatloom.settings import Settings
     from chatloom.store import Users
 
     vectors = "vector" in modes or "hybrid" in modes
+    if vectors and is_static(embedding_model):
+        load_static_embedder(embedding_model)  # a missing package stops the bench here, saying what to install
     settings = Settings(server={"data_dir": data_dir, "db_url": db_url},
                         accounts={"jwt_secret": "bench-secret-0123456789abcdef0123456789abcdef",
                                   "argon2_time_cost": 1, "argon2_memory_kib": 1024},
-                        files={"embeddings": vectors, "chunk_chars": chunk_chars, "chunk_overlap_chars": overlap, "top_k": k,
-                               "max_user_bytes": 1_000_000_000})
+                        files={"embeddings": vectors, "chunk_chars": chunk_chars, "chunk_overlap_chars": overlap,
+                               "top_k": k, "max_user_bytes": 1_000_000_000, "embedding_model": embedding_model,
+                               "vector_weight": vector_weight})
     backend = LocalBackend(loaded, engine_config=EngineConfig(num_blocks=2048, max_num_batched_tokens=1024),
                            pooling=pooling)
     await backend.start()
@@ -105,11 +116,12 @@ async def _run(loaded, k: int, questions: list[dict], latency_chunks: int, docs_
             index_s = time.perf_counter() - t0
             passages = await _passages(ctx)
             recall, misses, stale, spread = await _recall(ctx, reader, files, passages, questions, k, modes)
-            latency = await _latency(ctx, other, passages, questions, latency_chunks, loaded, vectors)
+            latency = await _latency(ctx, other, passages, questions, latency_chunks, vectors)
             vector_search = ctx.db.vector_search or "exact"
     finally:
         await backend.close()
-    return {"benchmark": "retrieval", "model": loaded.id, "database": "sqlite" if db_url is None else
+    return {"benchmark": "retrieval", "model": loaded.id, "embedding_model": embedding_model if vectors else None,
+            "vector_weight": settings.files.fusion_weight() if vectors else None, "database": "sqlite" if db_url is None else
             db_url.split(":", 1)[0].split("+", 1)[0], "vector_search": vector_search, "pooling": pooling, "k": k,
             "questions": len(questions),
             "stale_questions": stale, "documents": len(files), "passages": len(passages),
@@ -162,10 +174,10 @@ def _spread(shown: Counter, questions: int) -> dict:
             else None}
 
 
-async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, loaded, vectors: bool) -> dict:
+async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, vectors: bool) -> dict:
     """What retrieval adds before an answer, per question, over a conversation reading `size` passages of
-    the user's own (texts of the corpus, random unit vectors): the chat's retrieval as the default settings
-    run it (full-text) and with embeddings on (hybrid), and their parts."""
+    the user's own (texts of the corpus, random unit vectors of the embedder's width, under its name): the
+    chat's retrieval with full-text search alone and with embeddings on (hybrid), and their parts."""
     from sqlalchemy import select, text
 
     from chatloom.app.files.search import pack
@@ -177,9 +189,13 @@ async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, 
     if size <= 0 or not passages:
         return {}
     rng = np.random.default_rng(0)
-    width = loaded.config.hidden_size
     texts = [t for _, t in passages.values()]
-    model = ctx.backend.default_model
+    embed_as = ctx.settings.files.embedding_model
+    model, width = ctx.backend.default_model, None
+    if vectors:  # the width and the name its vectors are stored under, from the embedder itself
+        model, probe = await ctx.files.embedder.embed(user, ["width"], embed_as)
+        width = len(probe.vectors[0])
+    width = width or 64
     file_id = new_id("file")
     async with ctx.db.session() as session:
         session.add(StoredFile(id=file_id, user_id=user.id, filename="latency.md", purpose="user_data",
@@ -209,7 +225,7 @@ async def _latency(ctx, user, passages: dict, questions: list[dict], size: int, 
         for part in parts:
             t0 = time.perf_counter()
             if part == "question_embedding":
-                await ctx.pipeline.embeddings.embed(user, [q["question"]])
+                await ctx.files.embedder.embed(user, [q["question"]], embed_as)
             elif part == "fulltext":
                 await retriever.search(user, [file_id], q["question"], "fulltext")
             elif part == "select_1":

@@ -296,7 +296,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="passage length in characters (default: files.chunk_chars)")
     p.add_argument("--overlap", type=int, default=None,
                    help="characters a passage repeats from the one before (default: files.chunk_overlap_chars)")
-    p.add_argument("--pooling", choices=("last", "mean"), default="last", help="how the model's embeddings pool")
+    p.add_argument("--pooling", choices=("last", "mean"), default="last",
+                   help="how a served model's embeddings pool (with --embedding-model naming it)")
+    p.add_argument("--embedding-model", default=None, metavar="NAME",
+                   help="what embeds passages and questions: the static embedding model (files.embedding_model's "
+                        "default) or a served model's name, e.g. the --model's registry id")
+    p.add_argument("--vector-weight", type=float, default=None, metavar="W",
+                   help="the vector ranking's weight in the fusion (default: files.vector_weight's for the embedder)")
     p.add_argument("--modes", nargs="+", choices=("fulltext", "vector", "hybrid"),
                    default=["fulltext", "vector", "hybrid"],
                    help="rankings to score (fulltext alone indexes no vectors: no model work)")

@@ -431,4 +431,6 @@ def retrieval(args) -> int:
 
     return _emit(run_retrieval(load_from_args(args), args.k, args.questions, args.latency_chunks,
                                chunk_chars=args.chunk_chars, overlap=args.overlap, pooling=args.pooling,
-                               modes=tuple(args.modes), db_url=args.db_url), args.table)
+                               modes=tuple(args.modes), db_url=args.db_url, embedding_model=args.embedding_model,
+                               vector_weight=args.vector_weight),
+                 args.table)

@@ -1,9 +1,13 @@
 """`chatloom bench retrieval` end to end on the tiny model, and its question set against the docs."""
 from __future__ import annotations
 
+import importlib.util
 import re
 
+import pytest
+
 from chatloom.bench.retrieval import DOCS, load_questions, run_retrieval
+from chatloom.settings.tree import DEFAULT_EMBEDDING_MODEL, STATIC_VECTOR_WEIGHT
 
 
 def _norm(text: str) -> str:
@@ -21,7 +25,9 @@ def test_the_question_set_is_large_and_every_answer_is_in_its_page():
 
 
 def test_bench_reports_recall_per_mode_and_latency(tiny_model_fp32):
-    r = run_retrieval(tiny_model_fp32, k=5, limit=12, latency_chunks=60)
+    # Embedded by the served tiny model: the path of a served model as the embedder.
+    r = run_retrieval(tiny_model_fp32, k=5, limit=12, latency_chunks=60, embedding_model="tiny-random")
+    assert r["embedding_model"] == "tiny-random" and r["vector_weight"] == 1.0
     assert r["questions"] == 12 and r["stale_questions"] == 0 and r["documents"] >= 20
     recall = r["recall_at_5"]
     assert set(recall) == {"fulltext", "vector", "hybrid"}
@@ -44,3 +50,14 @@ def test_bench_of_fulltext_alone_indexes_no_vectors(tiny_model_fp32):
     r = run_retrieval(tiny_model_fp32, k=5, limit=8, latency_chunks=40, modes=("fulltext",))
     assert set(r["recall_at_5"]) == {"fulltext"} and r["recall_at_5"]["fulltext"] >= 0.5
     assert set(r["latency"]) == {"passages", "searches", "chat_default", "fulltext", "select_1"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wordllama") is None,
+                    reason="needs the wordllama package: pip install --no-deps wordllama==0.4.0.post1")
+def test_bench_uses_the_static_embedding_model_by_default(tiny_model_fp32):
+    r = run_retrieval(tiny_model_fp32, k=5, limit=12, latency_chunks=40)
+    assert r["embedding_model"] == DEFAULT_EMBEDDING_MODEL and r["vector_weight"] == STATIC_VECTOR_WEIGHT
+    recall = r["recall_at_5"]
+    # Its vectors find answers by meaning; at its fusion weight they cost full-text search little.
+    assert recall["vector"] >= 0.25 and recall["hybrid"] >= recall["fulltext"] - 0.1
+    assert r["latency"]["question_embedding"]["p50_ms"] < 5
