@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test chat install clean
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned to the CPU build; the rest from the pinned lists.
