@@ -467,8 +467,10 @@ class FilesSettings(Group):
     max_user_bytes: int = Field(200_000_000, gt=0, description="Most bytes of files one user may keep (413 past it).")
     max_extracted_chars: int = Field(2_000_000, gt=0, description="Most text extracted from one file; more is "
                                                                   "refused as a decompression bomb (413).")
-    max_archive_ratio: float = Field(100.0, gt=1, description="A DOCX whose parts unpack to more than this many "
-                                                              "times its size is refused as a decompression bomb.")
+    max_archive_ratio: float = Field(100.0, gt=1, description="A DOCX whose parts, or a PDF whose pages' drawing "
+                                                              "operators, unpack to more than this many times its "
+                                                              "size (and over 1 MB) is refused as a decompression "
+                                                              "bomb.")
     chunk_chars: int = Field(1000, ge=200, description="Length of one indexed passage, in characters.")
     chunk_overlap_chars: int = Field(100, ge=0, description="Characters a passage repeats from the one before.")
     embeddings: bool = Field(False, description="Index passages with embeddings too (embedding_model) and fuse "
