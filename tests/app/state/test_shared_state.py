@@ -117,8 +117,11 @@ async def test_quotas_are_shared_by_the_gateways(tmp_path, db_url):
         me = (await g1.get("/auth/me", headers=alice)).json()
         await ctx.hot.quotas.settle(await ctx.hot.quotas.reserve(me["id"], ctx.traffic.tiers["free"], 0), 0)
         body = {"model": "scripted", "max_tokens": 5, "messages": [{"role": "user", "content": "hi there"}]}
-        replies = await asyncio.gather(*(g.post("/v1/chat/completions", headers=alice, json=body)
-                                         for _ in range(15) for g in (g1, g2)))
+        # One request on each gateway first, so both are known to grant some; then a burst on both, which
+        # the shared count must hold to 9 in all (which gateway wins which of the rest is the scheduler's).
+        replies = [await g.post("/v1/chat/completions", headers=alice, json=body) for g in (g1, g2)]
+        replies += await asyncio.gather(*(g.post("/v1/chat/completions", headers=alice, json=body)
+                                          for _ in range(14) for g in (g1, g2)))
         ok = [r for r in replies if r.status_code == 200]
         refused = [r for r in replies if r.status_code == 429]
         assert len(ok) + len(refused) == 30 and len(ok) == 9
