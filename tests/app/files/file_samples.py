@@ -7,6 +7,22 @@ import zipfile
 import zlib
 
 
+def _pdf_file(objects: list[bytes]) -> bytes:
+    """A PDF of these objects (numbered from 1, the catalog first) with a correct cross-reference table."""
+    out = io.BytesIO()
+    out.write(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objects, 1):
+        offsets.append(out.tell())
+        out.write(b"%d 0 obj\n" % i + body + b"\nendobj\n")
+    xref = out.tell()
+    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
+    for off in offsets:
+        out.write(b"%010d 00000 n \n" % off)
+    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
+    return out.getvalue()
+
+
 def make_pdf(pages: list[str]) -> bytes:
     """A small valid PDF, one text line per page (Helvetica), with a correct cross-reference table."""
     objects: list[bytes] = []
@@ -21,18 +37,7 @@ def make_pdf(pages: list[str]) -> bytes:
         objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
                        f"/Contents {5 + 2 * i} 0 R >>".encode())
         objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
-    out = io.BytesIO()
-    out.write(b"%PDF-1.4\n")
-    offsets = []
-    for i, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(b"%d 0 obj\n" % i + body + b"\nendobj\n")
-    xref = out.tell()
-    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
-    for off in offsets:
-        out.write(b"%010d 00000 n \n" % off)
-    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
-    return out.getvalue()
+    return _pdf_file(objects)
 
 
 def make_pdf_bomb(unpacked: int = 4_000_000, in_form: bool = False) -> bytes:
@@ -51,18 +56,7 @@ def make_pdf_bomb(unpacked: int = 4_000_000, in_form: bool = False) -> bytes:
                b"<< /Length %d >>\nstream\n" % len(page_stream) + page_stream + b"\nendstream" if in_form else bomb]
     if in_form:
         objects.append(bomb)
-    out = io.BytesIO()
-    out.write(b"%PDF-1.4\n")
-    offsets = []
-    for i, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(b"%d 0 obj\n" % i + body + b"\nendobj\n")
-    xref = out.tell()
-    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
-    for off in offsets:
-        out.write(b"%010d 00000 n \n" % off)
-    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
-    return out.getvalue()
+    return _pdf_file(objects)
 
 
 def make_encrypted_pdf(user_password: str = "user-password", pages: tuple[str, ...] = ("a secret page",),
