@@ -16,6 +16,7 @@ from torch import nn
 from PIL import Image
 
 from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.vision.weights import load_named
 from chatloom.models.hf_config import VISION_LANGUAGE, config_from_hf
 from chatloom.models.vision.idefics3_processor import Idefics3ImageProcessor, PreparedImage, prompt_text
 from chatloom.models.vision.siglip import SiglipConfig, SiglipVisionTransformer
@@ -150,17 +151,7 @@ class Idefics3Vision(nn.Module):
     def load(self, names: dict[str, str], get: Callable[[str], torch.Tensor | None],
              dtype: torch.dtype) -> "Idefics3Vision":
         """Fill the weights: `names` maps ours to the file's (a checkpoint's or a projector file's)."""
-        state = {}
-        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
-        for ours, theirs in names.items():
-            tensor = get(theirs)
-            if tensor is None:
-                raise ModelError(f"weight {theirs!r} is missing from the model file")
-            if tuple(tensor.shape) != shapes[ours]:
-                raise ModelError(f"weight {theirs} has shape {tuple(tensor.shape)}, expected {shapes[ours]} "
-                                 "(the weights do not match the model's config)")
-            state[ours] = tensor.to(dtype)
-        self.load_state_dict(state, strict=True)
+        load_named(self, names, get, dtype)
         return self.eval().requires_grad_(False)
 
 

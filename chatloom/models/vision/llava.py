@@ -17,6 +17,7 @@ from torch import nn
 from PIL import Image
 
 from chatloom.models.config import ModelConfig, ModelError
+from chatloom.models.vision.weights import load_named
 from chatloom.models.hf_config import config_from_hf
 from chatloom.models.vision.llava_encoder import ClipVisionTransformer, clip_config, clip_parameters, layers_to_run
 from chatloom.models.vision.llava_processor import ClipImageProcessor
@@ -165,19 +166,7 @@ class LlavaVision(nn.Module):
     def load(self, names: dict[str, str], get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
              convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> "LlavaVision":
         """Fill the weights: `names` maps ours to the file's, `convert` reshapes a file's tensor."""
-        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
-        state = {}
-        for ours, theirs in names.items():
-            tensor = get(theirs)
-            if tensor is None:
-                raise ModelError(f"weight {theirs!r} is missing from the model file")
-            if convert is not None:
-                tensor = convert(ours, tensor)
-            if tuple(tensor.shape) != shapes[ours]:
-                raise ModelError(f"weight {theirs} has shape {tuple(tensor.shape)}, expected {shapes[ours]} "
-                                 "(the weights do not match the model's config)")
-            state[ours] = tensor.to(dtype)
-        self.load_state_dict(state, strict=True)
+        load_named(self, names, get, dtype, convert)
         return self.eval().requires_grad_(False)
 
 
