@@ -58,7 +58,7 @@ from chatloom.app.generation.run_types import (AnswerText, Ask, BudgetSpent, Cha
 from chatloom.app.generation.tool_calls import ToolCall, ToolCallParser
 from chatloom.app.traffic.control import Traffic
 from chatloom.app.core.validation import check_fits, off_loop
-from chatloom.serving import Backend, GenerationRequest, Timings, Usage
+from chatloom.serving import Backend, BackendNotReady, GenerationRequest, Timings, Usage
 
 # The trip's values live in run_types.py; fronts import them from here with the pipeline.
 __all__ = ["Pipeline", "Run", "Ask", "Limits", "ChatPrompt", "TextPrompt", "TokenPrompt", "Prompt", "Thinking",
@@ -82,7 +82,11 @@ class Pipeline:
         return min(window, self.settings.engine.context_window) if self.settings.engine.context_window else window
 
     async def open(self, ask: Ask, moderate: str | None = None) -> "Run":
-        """Apply the caps and moderate `moderate` (the user's own text); raises ApiError."""
+        """Apply the caps and moderate `moderate` (the user's own text); raises ApiError, and BackendNotReady
+        (503 with Retry-After) while the model loads or the router starts, before anything is stored: the
+        caps read the backend's context window, which is not known yet."""
+        if not self.backend.ready:
+            raise BackendNotReady(self.backend.load_error or "the model is loading; try again shortly")
         run = Run(self, ask, self._limits(ask))
         if moderate:
             await self.traffic.check_input(moderate, ask.param)

@@ -175,6 +175,13 @@ def install_redis_errors(app: FastAPI, hot: HotState) -> None:
         app.add_exception_handler(exc_type, unavailable)
 
 
+def _takes_jobs(conversations) -> bool:
+    """Whether this gateway takes over other gateways' answers now: not while it shuts down, nor before
+    its model can serve (a restarted gateway whose router is still starting would fail them)."""
+    backend = getattr(conversations, "backend", None)
+    return not getattr(conversations, "draining", False) and (backend is None or backend.ready)
+
+
 async def start_hot_state(hot: HotState, conversations, db: Database, max_running: int) -> None:
     """Start the background tasks; none waits on Redis, so a gateway starts while Redis is away."""
     conversations.jobs = hot.jobs
@@ -193,6 +200,6 @@ async def start_hot_state(hot: HotState, conversations, db: Database, max_runnin
             await hot.fail_job(record, reason, db)
 
         hot.keeper = JobKeeper(hot.jobs, resume or no_resume, fail, getattr(conversations, "abandon", conversations.stop),
-                               accepting=lambda: not getattr(conversations, "draining", False))
+                               accepting=lambda: _takes_jobs(conversations))
         await hot.keeper.start()
         hot._started.append(hot.keeper.close)

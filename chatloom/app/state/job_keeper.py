@@ -26,7 +26,7 @@ class JobKeeper:
     def __init__(self, jobs: Jobs, resume: Resume, fail: Fail, on_lost: Callable[[str], Awaitable[object]],
                  accepting: Callable[[], bool] = lambda: True) -> None:
         self.jobs = jobs
-        self.accepting = accepting  # False while this gateway shuts down: it takes no jobs over
+        self.accepting = accepting  # False while this gateway shuts down or its model loads: it takes no jobs
         self.resume = resume
         self.fail = fail
         self.on_lost = on_lost  # a lease this gateway lost (another took the job): stop its copy here

@@ -17,7 +17,7 @@ from chatloom.app.state.redis_events import LogTakenOver
 from chatloom.app.chat.recovery import mark_interrupted
 from chatloom.store import AnswerChunks, Message, Messages
 
-from app_testing import make_settings, merge_groups, new_conversation, parse_sse, signup
+from app_testing import RecordingBackend, make_settings, merge_groups, new_conversation, parse_sse, signup
 from backing_services import PrivateRedis, require_redis
 from traffic_testing import ScriptedBackend, write_tiers
 
@@ -26,12 +26,15 @@ WORDS = [f" w{i}" for i in range(40)]
 
 async def gateways(stack: AsyncExitStack, tmp_path, db_url: str, redis_url: str, backend, n: int = 2,
                    **settings) -> list[httpx.AsyncClient]:
+    """`n` gateways sharing the database and Redis; `backend` is all of theirs, or a list of one each."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
+    backends = backend if isinstance(backend, list) else [backend] * n
     clients = []
     for i in range(n):
         app = create_app(make_settings(tmp_path, **merge_groups(
             {"server": {"db_url": db_url},
-             "shared_state": {"redis_url": redis_url, "prefix": prefix, "gateway_id": f"gw{i + 1}"}}, settings)), backend)
+             "shared_state": {"redis_url": redis_url, "prefix": prefix, "gateway_id": f"gw{i + 1}"}}, settings)),
+            backends[i])
         await stack.enter_async_context(app.router.lifespan_context(app))
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=f"http://gw{i + 1}")
         clients.append(await stack.enter_async_context(client))
@@ -242,6 +245,50 @@ async def test_an_answer_whose_gateway_stops_renewing_is_continued_by_the_other(
         async with app2.state.ctx.db.session() as session:  # kept with the answer for a later end event
             assert (await session.get(Message, message_id)).completion_tokens == totals["completion_tokens"]
         assert await app2.state.ctx.hot.jobs.holder(cid) is None  # the conversation is free again
+        first.cancel()
+
+
+class Starting(RecordingBackend):
+    """A restarted gateway's backend: its router is still starting until `started` is set."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.started = False
+
+    ready = property(lambda self: self.started and self.inner.ready)
+    tokenizer = property(lambda self: self.inner.tokenizer)  # renders prompts here: can continue an answer
+
+
+async def test_a_gateway_whose_router_is_starting_takes_no_answer_over(tmp_path, db_url, tiny_backend):
+    """Before, a restarted gateway took lapsed answers over at once, and its router, still starting,
+    failed them: the answer was saved as an error with no text. It now leaves them until its model can
+    serve, then continues them."""
+    starting = Starting(tiny_backend)
+    async with AsyncExitStack() as stack:
+        g1, g2, alice, cid, first, gen = await _answer_on_the_first_of_two(stack, tmp_path, db_url,
+                                                                           [tiny_backend, starting])
+        app1, app2 = g1._transport.app, g2._transport.app
+        jobs2 = app2.state.ctx.hot.jobs
+        await app1.state.ctx.conversations.abandon(cid)
+        await app1.state.ctx.hot.keeper.close()
+        before = await app1.state.ctx.hot.logs.events(gen.message_id)
+        for _ in range(1000):  # until the lease has lapsed
+            if any(r.conversation_id == cid for r in await jobs2.lapsed()):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the lease never lapsed")
+        await app2.state.ctx.hot.keeper.tick()
+        assert app2.state.ctx.conversations.running(cid) is None
+        assert (await jobs2.holder(cid)).gateway == "gw1"  # left where it was
+        r = await g2.post(f"/conversations/{await new_conversation(g2, alice)}/messages", headers=alice,
+                          json={"text": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready" and r.headers["retry-after"]
+        starting.started = True
+        rest = await _resume_on(g2, cid, alice, before[-1].id)
+        assert rest[-1].data.get("done") is True and rest[-1].data["status"] in ("complete", "incomplete"), rest[-3:]
+        saved = (await g2.get(f"/conversations/{cid}", headers=alice)).json()["messages"][-1]
+        assert saved["id"] == gen.message_id and saved["status"] != "error"
         first.cancel()
 
 
