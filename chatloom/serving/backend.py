@@ -61,6 +61,9 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str | None = None  # lets the caller abort() it later
     priority: int = 0
+    # Seconds its traffic class's time-to-first-token target leaves; a router prefers replicas expected
+    # to meet it (serving/routing.py). None: no target.
+    ttft_target_s: float | None = None
     # The last message is an unfinished assistant turn to continue (not closed, no new turn opened),
     # as vLLM's continue_final_message: how an interrupted answer resumes from its saved text.
     continue_final: bool = False

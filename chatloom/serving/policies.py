@@ -6,6 +6,9 @@ prefix_aware sends a conversation's next turn where its history already sits in 
 replica prefills only the new message, and falls back to the least loaded replica when the match is
 poor or the load would go lopsided (SGLang's cache-aware router; llm-d's weighted scorers).
 
+The load policies (least_load, prefix_aware) first keep the replicas expected to meet the request's
+class target, when it has one (`meeting_target`); round_robin, the baseline, ignores targets.
+
 Policies are pure: no I/O, no clock. A policy may keep a little state of its own (a round-robin
 counter), which only ever changes in choose(), so the simulator and the live router stay in step.
 """
@@ -26,6 +29,19 @@ def _candidates(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
     if not live:
         raise NoReplicaAvailable("no replica accepts work (all unhealthy or draining)")
     return live
+
+
+def meeting_target(request: RouteRequest, live: list[ReplicaState]) -> list[ReplicaState]:
+    """The replicas expected to give the first token within the request's target (those with no
+    estimate yet included); when none is, those expected soonest. All of them without a target."""
+    target = request.ttft_target_s
+    if target is None:
+        return live
+    within = [r for r in live if r.expected_ttft_s is None or r.expected_ttft_s <= target]
+    if within:
+        return within
+    soonest = min(r.expected_ttft_s for r in live if r.expected_ttft_s is not None)
+    return [r for r in live if r.expected_ttft_s is not None and r.expected_ttft_s <= soonest + 1e-9]
 
 
 def load_score(r: ReplicaState, weights: PolicyWeights) -> float:
@@ -59,7 +75,7 @@ class LeastLoad(RoutingPolicy):
         self._tie = 0
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> str:
-        return self._least_loaded(_candidates(replicas))
+        return self._least_loaded(meeting_target(request, _candidates(replicas)))
 
     def _least_loaded(self, live: list[ReplicaState]) -> str:
         scores = [load_score(r, self.weights) for r in live]
@@ -79,7 +95,7 @@ class PrefixAware(LeastLoad):
     name = "prefix_aware"
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> str:
-        live = _candidates(replicas)
+        live = meeting_target(request, _candidates(replicas))
         total = len(request.block_keys)
         if total == 0:
             return self._least_loaded(live)

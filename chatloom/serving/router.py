@@ -31,7 +31,7 @@ from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
 from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts,
                                      count_chat_tokens, count_text_tokens, encode_chat, sampling_params)
-from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest
+from chatloom.serving.routing import NoReplicaAvailable, PolicyWeights, ReplicaState, RouteRequest, TtftEstimate
 
 log = logging.getLogger(__name__)
 # Kept tool rounds the router remembers the replica of (the oldest forgotten first).
@@ -72,12 +72,17 @@ class Replica:
     block_size: int = 16
     error: str | None = None
     served: int = 0
+    ttft: TtftEstimate = field(default_factory=TtftEstimate)  # what a new request waits here (class targets)
+
+    @property
+    def waiting(self) -> int:
+        return self.load.num_requests_waiting or 0
 
     def state(self, cached_blocks: int) -> ReplicaState:
         # The router's in-flight count is fresher than a scrape up to one interval old.
         running = max(self.inflight, self.load.num_requests_running or 0)
         return ReplicaState(self.name, self.healthy, self.draining or self.held, self.load.kv_cache_usage_perc or 0.0,
-                            running, self.load.num_requests_waiting or 0, cached_blocks)
+                            running, self.waiting, cached_blocks, self.ttft.expected(self.waiting))
 
 
 class Router(Backend):
@@ -341,16 +346,17 @@ class Router(Backend):
             cache[key] = prefix_block_keys(ids, key[1], key[0])
         return cache[key]
 
-    def choose(self, ids: list[int], exclude: set[str]) -> Replica:
+    def choose(self, ids: list[int], exclude: set[str], ttft_target_s: float | None = None) -> Replica:
         cache: dict = {}
         candidates = [r for r in self.replicas if r.name not in exclude]
         states = [r.state(r.index.matched(self._block_keys(r, ids, cache))) for r in candidates]
         any_keys = tuple(next(iter(cache.values()), ()))
-        name = self.policy.choose(RouteRequest(len(ids), any_keys, self.model), states)
+        route = RouteRequest(len(ids), any_keys, self.model, ttft_target_s=ttft_target_s)
+        name = self.policy.choose(route, states)
         chosen = next(r for r in candidates if r.name == name)
         if not chosen.has_feed:  # the approximate index learns from what it sends
             chosen.index.add(self._block_keys(chosen, ids, cache))
-        self.policy.routed(RouteRequest(len(ids), any_keys, self.model), name)
+        self.policy.routed(route, name)
         return chosen
 
     async def prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -406,7 +412,10 @@ class Router(Backend):
                     replica, sub = kept[0], replace(sub, resume_of=kept[1])
                 else:
                     try:
-                        replica = self.choose(prompt, tried)
+                        target = request.ttft_target_s  # less the time spent here, until the first token
+                        if target is not None and first_token is None:
+                            target -= time.monotonic() - t0
+                        replica = self.choose(prompt, tried, target if first_token is None else None)
                     except NoReplicaAvailable:
                         if not tried:
                             raise BackendError(f"no replica of {self.model!r} is healthy; try again shortly") \
@@ -418,6 +427,7 @@ class Router(Backend):
                 sub_id = f"{rid}-{attempt}"
                 self._current[rid] = (replica, sub_id)
                 replica.inflight += 1
+                sent, waiting = time.monotonic(), replica.waiting
                 try:
                     async for piece in replica.client.stream_tokens(prompt, sub, sub_id, priority=request.priority):
                         if rid in self._aborted:
@@ -425,6 +435,8 @@ class Router(Backend):
                         text = answer.add(piece.token_ids, piece.text, piece.finish_reason is not None)
                         if piece.token_ids and first_token is None:
                             first_token = time.monotonic()
+                            if sub.resume_of is None:  # a kept round's resume prefills little: not a sample
+                                replica.ttft.observe(first_token - sent, waiting)
                         if answer.stopped:  # a stop string spanning the failover point
                             yield answer.finish("stop", len(ids), cached_tokens,
                                                 self._metrics(t0, first_token, answer), text)

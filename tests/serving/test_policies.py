@@ -75,3 +75,32 @@ def test_prefix_index_counts_leading_keys_and_bounds_approximate_size():
     assert len(approx) == 2 and approx.matched(keys) == 2  # the tail went first, the root side stays
     idx.replace(keys)
     assert idx.matched(keys) == 4
+
+
+def test_a_tight_target_leaves_the_replica_whose_queue_would_miss_it_and_a_loose_one_stays():
+    """The prefix sits on a replica expected to take 3 s to the first token; a chat message with 2 s
+    left goes elsewhere, work with 10 s left (or no target) keeps the cache hit. When no replica is
+    expected to meet the target, the one expected soonest is chosen."""
+    reps = [ReplicaState("a", cached_blocks=10, num_waiting=2, expected_ttft_s=3.0),
+            ReplicaState("b", cached_blocks=0, num_waiting=0, expected_ttft_s=0.4)]
+    tight, loose = (RouteRequest(160, req().block_keys, ttft_target_s=t) for t in (2.0, 10.0))
+    for name in ("prefix_aware", "least_load"):
+        assert make_policy(name).choose(tight, reps) == "b"
+    assert make_policy("prefix_aware").choose(loose, reps) == "a"
+    assert make_policy("prefix_aware").choose(req(), reps) == "a"
+    slow = [ReplicaState("a", cached_blocks=10, expected_ttft_s=3.0), ReplicaState("b", expected_ttft_s=2.5),
+            ReplicaState("c", cached_blocks=10, expected_ttft_s=None, healthy=False)]
+    assert make_policy("prefix_aware").choose(RouteRequest(160, req().block_keys, ttft_target_s=1.0), slow) == "b"
+    unknown = [ReplicaState("a", cached_blocks=10, expected_ttft_s=None), ReplicaState("b", expected_ttft_s=0.1)]
+    assert make_policy("prefix_aware").choose(tight, unknown) == "a"  # no estimate yet: not ruled out
+
+
+def test_the_ttft_estimate_learns_seconds_per_queue_place():
+    from chatloom.serving.routing import TtftEstimate
+
+    est = TtftEstimate(weight=0.5)
+    assert est.expected(3) is None
+    est.observe(0.5, waiting_at_send=0)
+    assert est.expected(0) == pytest.approx(0.5) and est.expected(3) == pytest.approx(2.0)
+    est.observe(3.0, waiting_at_send=2)  # 1 s a place: the average moves half way
+    assert est.expected(0) == pytest.approx(0.75)

@@ -41,6 +41,7 @@ quota only, at `[batch] quota_discount` (`Run.charged`). Metering records the to
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Awaitable, Callable
@@ -50,6 +51,7 @@ from chatloom.app.traffic.admission import BATCH, INTERACTIVE, REASONING, Slot
 from chatloom.app.core.errors import ApiError
 from chatloom.app.traffic.quotas import QuotaExceeded
 from chatloom.settings import Settings
+from chatloom.app.generation.caps import caps
 from chatloom.app.generation.choice_stream import ChoiceStream
 from chatloom.app.generation.embedding import Embedder
 from chatloom.app.generation.run_types import (AnswerText, Ask, BudgetSpent, ChatPrompt, Choice, Finished,
@@ -87,33 +89,10 @@ class Pipeline:
         caps read the backend's context window, which is not known yet."""
         if not self.backend.ready:
             raise BackendNotReady(self.backend.load_error or "the model is loading; try again shortly")
-        run = Run(self, ask, self._limits(ask))
+        run = Run(self, ask, caps(ask, self.backend, self.traffic, self.settings, self.context_window))
         if moderate:
             await self.traffic.check_input(moderate, ask.param)
         return run
-
-    def _limits(self, ask: Ask) -> Limits:
-        sampling, traffic = self.settings.sampling, self.traffic
-        model = self.backend.resolve_model(ask.model)
-        tier = traffic.tier(ask.user)
-        traffic.check_model(tier, model)
-        window = self.context_window
-        max_tokens = ask.max_tokens if ask.max_tokens is not None else min(sampling.max_tokens, window // 2)
-        if max_tokens > sampling.max_tokens_limit:
-            raise ApiError(400, f"max_tokens may be at most {sampling.max_tokens_limit}", "invalid_value", "max_tokens")
-        if max_tokens >= window:
-            raise ApiError(400, f"max_tokens must be below the context window ({window} tokens)",
-                           "invalid_value", "max_tokens")
-        if ask.n > sampling.max_n:
-            raise ApiError(400, f"n may be at most {sampling.max_n}", "invalid_value", "n")
-        max_tokens = traffic.cap_max_tokens(tier, max_tokens)
-        effort = traffic.effort(ask.reasoning_effort)
-        model, max_tokens, effort = traffic.degrade(tier, model, max_tokens, effort)
-        if effort is not None:  # room for the thinking on top of the answer, within the window
-            max_tokens = min(max_tokens + reasoning.BUDGET_TOKENS[effort], (window + max_tokens) // 2)
-        temperature = sampling.temperature if ask.temperature is None else ask.temperature
-        top_p = sampling.top_p if ask.top_p is None else ask.top_p
-        return Limits(model, tier, max_tokens, temperature, top_p, effort)
 
 
 class Run:
@@ -141,6 +120,7 @@ class Run:
         self.continuing = False  # taken over from a gateway that died (see adopt)
         self.resume_of, self.keeps_kv = None, False  # the tool round resumed; keep this one's KV (tool_kv.py)
         self.gave_way = False  # a batch run stopped for interactive work (see give_way)
+        self._opened = time.monotonic()  # the class's time-to-first-token target counts from here
 
     @property
     def traffic(self) -> Traffic:
@@ -338,7 +318,7 @@ class Run:
                                 else -limits.tier.priority,
                                 constraint=ask.constraint, n=ask.n, logprobs=ask.logprobs,
                                 prompt_logprobs=ask.prompt_logprobs, resume_of=self.resume_of,
-                                keep_kv=self.keeps_kv)
+                                keep_kv=self.keeps_kv, ttft_target_s=self._ttft_left())
         if isinstance(sent, ChatPrompt):
             req.messages = sent.messages
             req.continue_final = sent.continue_final
@@ -347,6 +327,14 @@ class Run:
         else:
             req.prompt_token_ids = sent.token_ids
         return req
+
+    def _ttft_left(self) -> float | None:
+        """What the class's time-to-first-token target leaves after the wait so far (the first round's
+        only: a later round's first token is not the answer's)."""
+        if self._rounds.total_tokens or self.resume_of is not None:
+            return None
+        target = self.traffic.metrics.slo_for(self.traffic.slo_class(self.limits.tier, self.kind)).ttft_s
+        return None if target is None else target - (time.monotonic() - self._opened)
 
     async def stream(self) -> AsyncIterator[Piece]:
         """The answer as pieces; the last is Finished. Closing the iterator aborts the request."""

@@ -302,3 +302,17 @@ async def test_batch_work_is_held_until_the_first_piece_passes_the_output_check(
         assert [held for held, _ in backend.holds] == [True, False]
         assert backend.holds[0][1] == 0 and backend.holds[1][1] >= 5
     assert backend.holds[-1][0] is False  # and let go when the gateway stops
+
+
+async def test_the_backend_hears_what_the_class_ttft_target_leaves(tmp_path):
+    """A router places by the time to first token the request's class has left (serving/routing.py):
+    a chat message's target, a reasoning request's own, none when the class has no target."""
+    async with scripted(tmp_path, traffic={"slo_ttft_s": 2.0, "slo_classes": {"reasoning": {"ttft_s": 10.0}}}) \
+            as (c, app, backend, alice):
+        assert (await c.post(CHAT, headers=alice, json=chat("hi"))).status_code == 200
+        assert (await c.post(CHAT, headers=alice, json=chat("hi", reasoning_effort="low"))).status_code == 200
+        chat_left, reasoning_left = (r.ttft_target_s for r in backend.requests)
+        assert 0 < chat_left <= 2.0 and 8.0 < reasoning_left <= 10.0
+    async with scripted(tmp_path / "none", traffic={"slo_ttft_s": None}) as (c, app, backend, alice):
+        assert (await c.post(CHAT, headers=alice, json=chat("hi"))).status_code == 200
+        assert backend.requests[0].ttft_target_s is None
