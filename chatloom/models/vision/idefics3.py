@@ -16,10 +16,10 @@ from torch import nn
 from PIL import Image
 
 from chatloom.models.config import ModelConfig, ModelError
-from chatloom.models.vision.weights import load_named
 from chatloom.models.hf_config import VISION_LANGUAGE, config_from_hf
 from chatloom.models.vision.idefics3_processor import Idefics3ImageProcessor, PreparedImage, prompt_text
 from chatloom.models.vision.siglip import SiglipConfig, SiglipVisionTransformer
+from chatloom.models.vision.weights import load_named
 
 VISION_ARCHITECTURES = VISION_LANGUAGE
 IMAGE_TOKEN = "<image>"

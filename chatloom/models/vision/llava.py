@@ -17,11 +17,11 @@ from torch import nn
 from PIL import Image
 
 from chatloom.models.config import ModelConfig, ModelError
-from chatloom.models.vision.weights import load_named
 from chatloom.models.hf_config import config_from_hf
 from chatloom.models.vision.llava_encoder import ClipVisionTransformer, clip_config, clip_parameters, layers_to_run
 from chatloom.models.vision.llava_processor import ClipImageProcessor
 from chatloom.models.vision.siglip import SiglipConfig
+from chatloom.models.vision.weights import load_named
 
 IMAGE_TOKEN = "<image>"
 _PROJECTOR_ACTS = {"gelu": nn.GELU, "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh")}
