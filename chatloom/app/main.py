@@ -57,8 +57,8 @@ def default_backend(settings: Settings) -> Backend:
     if settings.fleet.models or settings.fleet.replicas:  # several models, or replicas: the fleet
         from chatloom.app.core.fleet_settings import build_fleet_backend, parse_fleet
 
-        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
-                            settings.model.name)
+        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy,
+                            settings.fleet.router_weights, settings.model.name, settings.fleet.router_class_targets)
         return build_fleet_backend(fleet, lambda spec, pooling=None: local_backend(settings, spec, pooling))
     return local_backend(settings, settings.model.name)
 

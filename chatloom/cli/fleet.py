@@ -87,8 +87,8 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
             changes["autoscale.startup_s"] = round(time.monotonic() - started, 1)
     settings = settings.with_values(changes)
     try:
-        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy, settings.fleet.router_weights,
-                            settings.model.name)
+        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy,
+                            settings.fleet.router_weights, settings.model.name, settings.fleet.router_class_targets)
         asyncio.run(_probe(fleet))
         yield settings, local
     finally:

@@ -69,6 +69,11 @@ def _sim_args(p: argparse.ArgumentParser, duration: float) -> None:
     g.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0)
     g.add_argument("--slo-tpot-ms", type=positive_float, default=50.0)
     g.add_argument("--attainment", type=_efficiency, default=0.99, help="share of requests that must meet the SLO")
+    g.add_argument("--route-by-class-targets", action="store_true",
+                   help="route as the live router does with class targets: chat requests carry --slo-ttft-ms, "
+                        "reasoning requests --reasoning-ttft-ms, to replicas expected to meet them")
+    g.add_argument("--reasoning-ttft-ms", type=positive_float, default=10000.0,
+                   help="reasoning requests' TTFT target with --route-by-class-targets")
     g.add_argument("--progress", action="store_true", help="a progress bar on stderr")
 
 
@@ -160,8 +165,10 @@ def sim_config(args):
         raise ValueError("--warmup must be at least 0 and shorter than --duration")
     # The conversation traffic's prompts part from a cached block at a block's edge: reusing part of one
     # saved 0.4% of the prompt tokens in a probe of the 2.5 M tokens/s plan, at 2.5x the run's cost.
+    targets = {"interactive": args.slo_ttft_ms / 1000, "reasoning": args.reasoning_ttft_ms / 1000} \
+        if args.route_by_class_targets else {}
     return SimConfig(duration_s=args.duration, warmup_s=warmup, queue_timeout_s=args.queue_timeout, seed=args.seed,
-                     enable_prefix_caching=not args.no_prefix_caching, partial_block_hits=False)
+                     enable_prefix_caching=not args.no_prefix_caching, partial_block_hits=False, ttft_targets=targets)
 
 
 def slo_of(args):

@@ -33,15 +33,18 @@ def _candidates(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
 
 def meeting_target(request: RouteRequest, live: list[ReplicaState]) -> list[ReplicaState]:
     """The replicas expected to give the first token within the request's target (those with no
-    estimate yet included); when none is, those expected soonest. All of them without a target."""
+    estimate yet included). All of them without a target, when none is expected to meet it, or when
+    every replica has a queue: a saturated fleet gains nothing from moving work and loses the prefix
+    cache's savings, which it needs most then."""
     target = request.ttft_target_s
-    if target is None:
+    if target is None or all(r.num_waiting > 0 for r in live):
         return live
-    within = [r for r in live if r.expected_ttft_s is None or r.expected_ttft_s <= target]
-    if within:
-        return within
-    soonest = min(r.expected_ttft_s for r in live if r.expected_ttft_s is not None)
-    return [r for r in live if r.expected_ttft_s is not None and r.expected_ttft_s <= soonest + 1e-9]
+    return [r for r in live if r.expected_ttft_s is None or r.expected_ttft_s <= target] or live
+
+
+def _meets(request: RouteRequest, r: ReplicaState) -> bool:
+    t = request.ttft_target_s
+    return t is not None and r.expected_ttft_s is not None and r.expected_ttft_s <= t
 
 
 def load_score(r: ReplicaState, weights: PolicyWeights) -> float:

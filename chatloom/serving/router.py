@@ -50,6 +50,7 @@ class RouterConfig:
     approx_block_size: int = 16  # block size assumed for replicas without a feed
     approx_capacity_blocks: int = 65536  # how many blocks an approximate index remembers per replica
     timeouts: Timeouts = field(default_factory=Timeouts)  # per replica: probes, connects, silence mid-answer
+    class_targets: bool = False  # place by what the request's class target leaves (fleet.router_class_targets)
 
 
 @dataclass
@@ -78,11 +79,13 @@ class Replica:
     def waiting(self) -> int:
         return self.load.num_requests_waiting or 0
 
-    def state(self, cached_blocks: int) -> ReplicaState:
+    def state(self, cached_blocks: int, prefill_tokens: int = 0) -> ReplicaState:
+        """For a request of which this replica holds `cached_blocks` leading blocks and would prefill
+        `prefill_tokens`."""
         # The router's in-flight count is fresher than a scrape up to one interval old.
         running = max(self.inflight, self.load.num_requests_running or 0)
         return ReplicaState(self.name, self.healthy, self.draining or self.held, self.load.kv_cache_usage_perc or 0.0,
-                            running, self.waiting, cached_blocks, self.ttft.expected(self.waiting))
+                            running, self.waiting, cached_blocks, self.ttft.expected(self.waiting, prefill_tokens))
 
 
 class Router(Backend):
@@ -346,10 +349,17 @@ class Router(Backend):
             cache[key] = prefix_block_keys(ids, key[1], key[0])
         return cache[key]
 
-    def choose(self, ids: list[int], exclude: set[str], ttft_target_s: float | None = None) -> Replica:
+    def choose(self, ids: list[int], exclude: set[str], ttft_target_s: float | None = None) -> tuple[Replica, int]:
+        """The replica for prompt `ids`, and how many of its tokens that replica would prefill."""
         cache: dict = {}
         candidates = [r for r in self.replicas if r.name not in exclude]
-        states = [r.state(r.index.matched(self._block_keys(r, ids, cache))) for r in candidates]
+        prefill: dict[str, int] = {}
+        states = []
+        for r in candidates:
+            cached = r.index.matched(self._block_keys(r, ids, cache))
+            block = r.block_size if r.has_feed else self.config.approx_block_size
+            prefill[r.name] = max(0, len(ids) - cached * block)
+            states.append(r.state(cached, prefill[r.name]))
         any_keys = tuple(next(iter(cache.values()), ()))
         route = RouteRequest(len(ids), any_keys, self.model, ttft_target_s=ttft_target_s)
         name = self.policy.choose(route, states)
@@ -357,7 +367,7 @@ class Router(Backend):
         if not chosen.has_feed:  # the approximate index learns from what it sends
             chosen.index.add(self._block_keys(chosen, ids, cache))
         self.policy.routed(route, name)
-        return chosen
+        return chosen, prefill[name]
 
     async def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: with the local tokenizer, else from a healthy replica's /tokenize."""
@@ -409,13 +419,14 @@ class Router(Backend):
                     return
                 kept = self._kept.pop(request.resume_of, None) if request.resume_of and attempt == 0 else None
                 if kept is not None and kept[0].healthy and not kept[0].draining:
-                    replica, sub = kept[0], replace(sub, resume_of=kept[1])
+                    replica, sub, prefill = kept[0], replace(sub, resume_of=kept[1]), 0
                 else:
                     try:
-                        target = request.ttft_target_s  # less the time spent here, until the first token
+                        # What the class's target leaves, less the time spent here, until the first token.
+                        target = request.ttft_target_s if self.config.class_targets else None
                         if target is not None and first_token is None:
                             target -= time.monotonic() - t0
-                        replica = self.choose(prompt, tried, target if first_token is None else None)
+                        replica, prefill = self.choose(prompt, tried, target if first_token is None else None)
                     except NoReplicaAvailable:
                         if not tried:
                             raise BackendError(f"no replica of {self.model!r} is healthy; try again shortly") \
@@ -436,7 +447,7 @@ class Router(Backend):
                         if piece.token_ids and first_token is None:
                             first_token = time.monotonic()
                             if sub.resume_of is None:  # a kept round's resume prefills little: not a sample
-                                replica.ttft.observe(first_token - sent, waiting)
+                                replica.ttft.observe(first_token - sent, waiting, prefill)
                         if answer.stopped:  # a stop string spanning the failover point
                             yield answer.finish("stop", len(ids), cached_tokens,
                                                 self._metrics(t0, first_token, answer), text)

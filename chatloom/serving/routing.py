@@ -10,12 +10,12 @@ Who fills `cached_blocks` is the caller's business: the live router from each re
 cache events (exact) or from what it sent there itself (approximate, for engines without a feed);
 the simulator from its replicas' real KV-cache managers.
 
-Class targets: a request may carry the time to first token its traffic class has left
-(`ttft_target_s`), and a replica the time a new request is expected to wait there for its first
-token (`expected_ttft_s`, from a `TtftEstimate` of what that replica has lately delivered). The load
-policies then choose among the replicas expected to meet the target, so a chat message with a 2-second
-target leaves a replica whose queue would make it miss, while work with a loose target (reasoning,
-batch) keeps its prefix locality there.
+Class targets (a router's `class_targets`, off by default): a request may carry the time to first
+token its traffic class has left (`ttft_target_s`), and a replica the time a new request is expected
+to wait there for its first token (`expected_ttft_s`, from a `TtftEstimate` of its recent answers: its
+queue, and the part of the prompt it would prefill). The load policies then choose among the replicas
+expected to meet the target, so a chat message with a 2-second target leaves a replica whose queue
+would make it miss, while work with a loose target (reasoning, batch) keeps its prefix locality there.
 """
 from __future__ import annotations
 
@@ -52,22 +52,36 @@ class ReplicaState:
 class TtftEstimate:
     """How long a new request waits for its first token on one replica, learned from what it delivered.
 
-    Each observation is a request's time to first token and the requests that were waiting there when
-    it was sent; the estimate keeps a moving average of the seconds per place in the queue (the request's
-    own place included), so the expected wait of the next request is that times (1 + waiting now).
-    Pure: the caller brings the times, so the simulator can keep one beside the live router."""
+    The model: time to first token = (requests waiting there) x the seconds one of them holds the queue
+    + (prompt tokens to prefill there, those not in its prefix cache) x the seconds a token's prefill
+    takes. A replica with nobody waiting has a free slot, so only the prefill counts. Each rate is a
+    moving average of ratios: the prefill rate from answers sent when nobody waited, the queue's from
+    the others, less their prefill. The prefill term keeps a request from leaving the replica that holds
+    its history for one whose queue is shorter but where the whole prompt would be prefilled again.
+    Pure: the caller brings the times, so the simulator keeps one per replica beside the live router's."""
 
-    def __init__(self, weight: float = 0.2) -> None:
-        self.weight = weight  # of the newest observation in the moving average
-        self.per_place_s: float | None = None
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight  # of the newest sample in each moving average
+        self.prefill_s_per_token: float | None = None
+        self.queue_s_per_request: float | None = None
 
-    def observe(self, ttft_s: float, waiting_at_send: int) -> None:
-        sample = max(0.0, ttft_s) / (1 + max(0, waiting_at_send))
-        self.per_place_s = sample if self.per_place_s is None else \
-            self.per_place_s + self.weight * (sample - self.per_place_s)
+    def _average(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self.weight * (sample - old)
 
-    def expected(self, waiting: int) -> float | None:
-        return None if self.per_place_s is None else self.per_place_s * (1 + max(0, waiting))
+    def observe(self, ttft_s: float, waiting_at_send: int, prefill_tokens: int) -> None:
+        ttft_s = max(0.0, ttft_s)
+        if waiting_at_send <= 0:
+            self.prefill_s_per_token = self._average(self.prefill_s_per_token, ttft_s / max(1, prefill_tokens))
+        else:
+            prefill_s = (self.prefill_s_per_token or 0.0) * max(0, prefill_tokens)
+            self.queue_s_per_request = self._average(self.queue_s_per_request,
+                                                     max(0.0, ttft_s - prefill_s) / waiting_at_send)
+
+    def expected(self, waiting: int, prefill_tokens: int) -> float | None:
+        """None until the rate the estimate needs has been seen."""
+        if self.prefill_s_per_token is None or (waiting > 0 and self.queue_s_per_request is None):
+            return None
+        return self.prefill_s_per_token * max(0, prefill_tokens) + (self.queue_s_per_request or 0.0) * max(0, waiting)
 
 
 class NoReplicaAvailable(RuntimeError):

@@ -441,6 +441,10 @@ class FleetSettings(Group):
         "prefix_aware", description="How the router places a request.")
     router_weights: dict[str, float] | None = Field(None, description="prefix_aware weights: prefix, kv_usage, "
                                                                       "waiting, min_prefix_fraction.")
+    router_class_targets: bool = Field(False, description="Send a request away from a replica expected to miss its "
+                                                          "class's time-to-first-token target (least_load and "
+                                                          "prefix_aware). Off: in the simulator it helped some "
+                                                          "runs near saturation and tipped others into overload.")
 
 
 class EmbeddingsSettings(Group):

@@ -49,11 +49,11 @@ class DisaggSimulator(Simulator):
         self.transfers = 0
         self.transfer_seconds = 0.0
 
-    def states(self, keys):
+    def states(self, keys, prompt_tokens: int = 0):
         # The prefill router sees the prefill pool only.
         saved, self.replicas = self.replicas, self.prefill
         try:
-            return super().states(keys)
+            return super().states(keys, prompt_tokens)
         finally:
             self.replicas = saved
 

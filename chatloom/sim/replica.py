@@ -54,6 +54,9 @@ class SimRequest:
     kv_ready: bool = False
     # Answering when the run began (a snapshot start): placed in a batch, not routed nor transferred.
     under_way: bool = False
+    # When it was routed (the TTFT estimate's inputs): requests queued on its replica, tokens to prefill there.
+    waiting_at_route: int = 0
+    prefill_at_route: int = 0
 
     @property
     def output_tokens(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from chatloom.engine import block_hash
-from chatloom.serving.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy
+from chatloom.serving.routing import NoReplicaAvailable, ReplicaState, RouteRequest, RoutingPolicy, TtftEstimate
 from chatloom.sim.cost import decode_step_s, loaded_step_s
 from chatloom.sim.early_stop import EarlyStop, Tally
 from chatloom.sim.hardware import ReplicaSpec
@@ -52,6 +52,10 @@ class SimConfig:
     # Reuse the first tokens of a cached block as the engine does (False: whole blocks only; faster,
     # and the conversation traffic's prompts rarely part from a cached block within a block).
     partial_block_hits: bool = True
+    # Time-to-first-token targets by traffic class ('interactive', 'interactive:<tier>', 'reasoning'),
+    # in seconds: requests carry them to the routing policy, and each replica keeps the estimate of a
+    # new request's wait the live router keeps (serving/routing.py). Empty: no targets.
+    ttft_targets: dict[str, float] = field(default_factory=dict)
     # After duration_s no message is sent; what is in flight runs to its end.
 
 
@@ -135,7 +139,8 @@ class Simulator:
         self.log = None if keep_requests else RequestLog()
         self._live: dict[str, SimRequest] = {}  # without keep_requests: admitted, not yet ended
         self.tally = Tally(early_stop) if early_stop is not None else None
-        if self.tally is not None:
+        self._ttft = {r.name: TtftEstimate() for r in self.replicas}  # filled when requests have targets
+        if self.tally is not None or config.ttft_targets:
             for r in self.replicas:
                 r.on_first_token = self._first_token
         self.record_routes = record_routes
@@ -326,13 +331,28 @@ class Simulator:
         conv.tokens, conv.keys = prompt, keys
         return keys
 
-    def states(self, keys: tuple[int, ...]) -> list[ReplicaState]:
+    def states(self, keys: tuple[int, ...], prompt_tokens: int = 0) -> list[ReplicaState]:
         out = []
         for r in self.replicas:
             s = r.sched
+            cached = r.cached_prefix_blocks(keys)
+            estimate = self._ttft.get(r.name)  # (a disaggregated fleet's pools have none)
+            expected = estimate.expected(r.num_queued, self._prefill_tokens(prompt_tokens, cached)) \
+                if estimate is not None else None
             out.append(ReplicaState(name=r.name, kv_cache_usage=r.kv.usage, num_running=len(s.running),
-                                    num_waiting=r.num_queued, cached_blocks=r.cached_prefix_blocks(keys)))
+                                    num_waiting=r.num_queued, cached_blocks=cached, expected_ttft_s=expected))
         return out
+
+    def _prefill_tokens(self, prompt_tokens: int, cached_blocks: int) -> int:
+        """The tokens a replica holding `cached_blocks` leading blocks would prefill, as the router counts."""
+        return max(0, prompt_tokens - cached_blocks * self.spec.block_size)
+
+    def ttft_target(self, req: SimRequest) -> float | None:
+        """The request's class target (config.ttft_targets): its own class's, else its kind's."""
+        targets = self.config.ttft_targets
+        if req.reasoning:
+            return targets.get("reasoning")
+        return targets.get(f"interactive:{req.tier}", targets.get("interactive"))
 
     def _arrive(self, conv: SimConversation, t: float) -> None:
         turn = self.source.next_turn(conv)
@@ -366,8 +386,9 @@ class Simulator:
             self._kick(replica, t)
             return
         # The same request the live router (serving/router.py) builds: size, block keys, model.
-        rr = RouteRequest(prompt_tokens=len(req.prompt), block_keys=req.block_keys, model=self.spec.model_key)
-        states = self.states(req.block_keys)
+        rr = RouteRequest(prompt_tokens=len(req.prompt), block_keys=req.block_keys, model=self.spec.model_key,
+                          ttft_target_s=self.ttft_target(req))
+        states = self.states(req.block_keys, len(req.prompt))
         try:
             name = self.policy.choose(rr, states)
         except NoReplicaAvailable:
@@ -378,6 +399,9 @@ class Simulator:
         if self.record_routes:
             self.routed.append((rr, tuple(states), name))
         replica = self.by_name[name]
+        req.waiting_at_route = replica.num_queued
+        cached = next(s for s in states if s.name == name).cached_blocks
+        req.prefill_at_route = self._prefill_tokens(len(req.prompt), cached)
         replica.add(req, t)
         self._kick(replica, t)
 
@@ -409,6 +433,8 @@ class Simulator:
     def _first_token(self, req: SimRequest, t: float) -> bool:
         if self.tally is not None:
             self.tally.first_token(req, t)
+        if self.config.ttft_targets and req.replica in self._ttft and not req.under_way:
+            self._ttft[req.replica].observe(req.first_token - req.arrival, req.waiting_at_route, req.prefill_at_route)
         return False  # the request goes on here (a prefill replica of disagg.py hands it on instead)
 
     def _finished(self, req: SimRequest, t: float) -> None:

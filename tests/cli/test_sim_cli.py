@@ -2,6 +2,7 @@
 and their bad inputs."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -85,3 +86,19 @@ def test_bad_inputs_are_one_line(argv, message, capsys):
     assert rc == 2
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_sim_routes_by_class_targets_on_request(tmp_path, capsys):
+    """The flag gives the simulator's requests their class targets; the JSON is the same shape."""
+    from chatloom.cli import sim as sim_cli
+
+    base = ["sim", "--step-time", small_step_time(tmp_path), *SMALL, "--rate", "4", "--replicas", "2",
+            "--duration", "20"]
+    parser = argparse.ArgumentParser()
+    sim_cli.register(parser.add_subparsers())
+    config = sim_cli.sim_config(parser.parse_args([*base, "--route-by-class-targets", "--slo-ttft-ms", "500"]))
+    assert config.ttft_targets == {"interactive": 0.5, "reasoning": 10.0}
+    assert sim_cli.sim_config(parser.parse_args(base)).ttft_targets == {}
+    assert main([*base, "--route-by-class-targets"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert run["completed"] + run["refused"] + run["unfinished"] == run["requests"] > 0

@@ -83,6 +83,18 @@ def test_replica_flag_serves_the_default_model_and_weights_are_read():
     assert fleet.weights.prefix == 2.0 and fleet.weights.extra == {"balance_waiting": 8.0}
 
 
+def test_the_class_targets_setting_reaches_the_routers():
+    from chatloom.app.core.fleet_settings import build_fleet_backend
+    from chatloom.app.main import default_backend
+    from chatloom.settings import Settings
+
+    for on in (False, True):
+        fleet = parse_fleet(None, ["http://h:1/"], "prefix_aware", None, "tiny-random", class_targets=on)
+        assert build_fleet_backend(fleet, None).config.class_targets is on
+    settings = Settings().with_values({"fleet.replicas": ["http://h:1/"], "fleet.router_class_targets": True})
+    assert default_backend(settings).config.class_targets is True
+
+
 def test_pooling_is_set_per_local_model():
     from chatloom.app.core.fleet_settings import build_fleet_backend
     from chatloom.serving import LocalBackend

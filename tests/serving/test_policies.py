@@ -79,8 +79,7 @@ def test_prefix_index_counts_leading_keys_and_bounds_approximate_size():
 
 def test_a_tight_target_leaves_the_replica_whose_queue_would_miss_it_and_a_loose_one_stays():
     """The prefix sits on a replica expected to take 3 s to the first token; a chat message with 2 s
-    left goes elsewhere, work with 10 s left (or no target) keeps the cache hit. When no replica is
-    expected to meet the target, the one expected soonest is chosen."""
+    left goes elsewhere, work with 10 s left (or no target) keeps the cache hit."""
     reps = [ReplicaState("a", cached_blocks=10, num_waiting=2, expected_ttft_s=3.0),
             ReplicaState("b", cached_blocks=0, num_waiting=0, expected_ttft_s=0.4)]
     tight, loose = (RouteRequest(160, req().block_keys, ttft_target_s=t) for t in (2.0, 10.0))
@@ -88,19 +87,30 @@ def test_a_tight_target_leaves_the_replica_whose_queue_would_miss_it_and_a_loose
         assert make_policy(name).choose(tight, reps) == "b"
     assert make_policy("prefix_aware").choose(loose, reps) == "a"
     assert make_policy("prefix_aware").choose(req(), reps) == "a"
-    slow = [ReplicaState("a", cached_blocks=10, expected_ttft_s=3.0), ReplicaState("b", expected_ttft_s=2.5),
-            ReplicaState("c", cached_blocks=10, expected_ttft_s=None, healthy=False)]
-    assert make_policy("prefix_aware").choose(RouteRequest(160, req().block_keys, ttft_target_s=1.0), slow) == "b"
     unknown = [ReplicaState("a", cached_blocks=10, expected_ttft_s=None), ReplicaState("b", expected_ttft_s=0.1)]
     assert make_policy("prefix_aware").choose(tight, unknown) == "a"  # no estimate yet: not ruled out
 
 
-def test_the_ttft_estimate_learns_seconds_per_queue_place():
+def test_where_no_replica_is_expected_to_meet_the_target_or_all_have_queues_the_prefix_decides():
+    """Moving work then only gives up the prefix cache's savings: the choice is the one without a target."""
+    tight = RouteRequest(160, req().block_keys, ttft_target_s=1.0)
+    missing = [ReplicaState("a", cached_blocks=10, num_waiting=1, expected_ttft_s=3.0),
+               ReplicaState("b", num_waiting=0, expected_ttft_s=2.5)]
+    queued = [ReplicaState("a", cached_blocks=10, num_waiting=3, expected_ttft_s=3.0),
+              ReplicaState("b", num_waiting=1, expected_ttft_s=0.5)]
+    for reps in (missing, queued):
+        assert make_policy("prefix_aware").choose(tight, reps) == make_policy("prefix_aware").choose(req(), reps) == "a"
+
+
+def test_the_ttft_estimate_learns_the_prefill_and_the_queue_apart():
     from chatloom.serving.routing import TtftEstimate
 
     est = TtftEstimate(weight=0.5)
-    assert est.expected(3) is None
-    est.observe(0.5, waiting_at_send=0)
-    assert est.expected(0) == pytest.approx(0.5) and est.expected(3) == pytest.approx(2.0)
-    est.observe(3.0, waiting_at_send=2)  # 1 s a place: the average moves half way
-    assert est.expected(0) == pytest.approx(0.75)
+    assert est.expected(0, 1000) is None
+    est.observe(0.2, waiting_at_send=0, prefill_tokens=1000)  # 0.2 ms a prefilled token
+    assert est.expected(0, 500) == pytest.approx(0.1)
+    assert est.expected(2, 500) is None  # nothing known of its queue yet
+    est.observe(2.2, waiting_at_send=2, prefill_tokens=1000)  # 1 s a request ahead, after the prefill
+    assert est.expected(2, 500) == pytest.approx(2.1) and est.expected(0, 0) == 0
+    est.observe(0.1, waiting_at_send=0, prefill_tokens=1000)  # the prefill rate moves half way
+    assert est.expected(0, 1000) == pytest.approx(0.15)

@@ -62,17 +62,19 @@ async def test_prefix_aware_sends_the_next_turn_where_the_history_is(fleet, tiny
 async def test_a_tight_class_target_skips_the_replica_expected_to_miss_it(fleet, tiny_tokenizer):
     """The router learns each replica's time to first token from its answers; a request whose class
     target that replica is expected to miss goes elsewhere, one with a loose target follows its prefix."""
-    router = Router("tiny-random", [r.url for r in fleet], fast_config("prefix_aware"), tiny_tokenizer)
+    config = fast_config("prefix_aware")
+    config.class_targets = True
+    router = Router("tiny-random", [r.url for r in fleet], config, tiny_tokenizer)
     await router.start()
     try:
         await wait_until(lambda: all(r.has_feed for r in router.replicas))
         history = [{"role": "user", "content": "a long question about class targets " * 12}]
         await collect(router, GenerationRequest(messages=history, max_tokens=2, temperature=0))
         home = next(r for r in router.replicas if r.served)
-        assert home.state(0).expected_ttft_s is not None  # learned from that answer
         ids = await router.prompt_ids(GenerationRequest(messages=history))
         await wait_until(lambda: home.index.matched(router._block_keys(home, ids, {})) > 0)  # the feed told it
-        home.ttft.per_place_s = 5.0  # as if its queue had lately made first tokens slow
+        assert home.state(0, len(ids)).expected_ttft_s is not None  # learned from that answer
+        home.ttft.expected = lambda waiting, prefill: 30.0  # as if its first tokens had lately been slow
 
         async def placed(target):
             before = {r.name: r.served for r in router.replicas}
@@ -80,8 +82,10 @@ async def test_a_tight_class_target_skips_the_replica_expected_to_miss_it(fleet,
                                                     ttft_target_s=target))
             return next(r for r in router.replicas if r.served > before[r.name])
 
-        assert await placed(30.0) is home  # a loose target keeps the cache hit
-        assert await placed(2.0) is not home
+        assert await placed(60.0) is home  # a loose target keeps the cache hit
+        assert await placed(1.0) is not home
+        config.class_targets = False  # off (the default): the prefix decides
+        assert await placed(1.0) is home
     finally:
         await router.close()
 

@@ -42,10 +42,11 @@ class FleetSettings:
     models: tuple[ModelEntry, ...] = ()
     policy: str = "prefix_aware"
     weights: PolicyWeights = field(default_factory=PolicyWeights)
+    class_targets: bool = False  # routers place by what the class's TTFT target leaves (serving/routing.py)
 
 
 def parse_fleet(models: object, replicas: object = None, policy: object = "prefix_aware",
-                weights: object = None, default_model: str = "") -> FleetSettings:
+                weights: object = None, default_model: str = "", class_targets: bool = False) -> FleetSettings:
     """Check and normalize the raw settings; ValueError says exactly what is wrong."""
     from chatloom.serving.policies import POLICIES
 
@@ -67,7 +68,7 @@ def parse_fleet(models: object, replicas: object = None, policy: object = "prefi
     dupes = sorted({m for m in ids if ids.count(m) > 1})
     if dupes:
         raise ValueError(f"fleet.models: {', '.join(dupes)} listed twice")
-    return FleetSettings(tuple(entries), policy, _weights(weights))
+    return FleetSettings(tuple(entries), policy, _weights(weights), class_targets)
 
 
 def _served_id(spec: str) -> str:
@@ -138,8 +139,8 @@ def build_fleet_backend(fleet: FleetSettings, local_backend) -> Backend:
     backends: dict[str, Backend] = {}
     for e in fleet.models:
         if e.replicas:
-            backends[e.id] = Router(e.id, list(e.replicas), RouterConfig(policy=fleet.policy, weights=fleet.weights),
-                                    _router_tokenizer(e), e.api_key)
+            config = RouterConfig(policy=fleet.policy, weights=fleet.weights, class_targets=fleet.class_targets)
+            backends[e.id] = Router(e.id, list(e.replicas), config, _router_tokenizer(e), e.api_key)
         else:
             backends[e.id] = local_backend(e.path or e.id, e.pooling)
     if len(backends) == 1:
