@@ -101,11 +101,11 @@ class EngineSettings(Group):
                                                              "same image runs no encoder, and for the encoder "
                                                              "state of tiles part-way through its layers; 0 "
                                                              "keeps none.")
-    encoder_max_slowdown: float = Field(0.2, ge=0, description="While other requests share the engine, image "
+    encoder_max_slowdown: float = Field(0.1, ge=0, description="While other requests share the engine, image "
                                                                "encoder work gets at most this fraction of the "
                                                                "time of the steps they share, so their time per "
-                                                               "output token rises by at most that on average "
-                                                               "(0.2: 20%); 0 encodes only in steps with "
+                                                               "output token rises by about that on average "
+                                                               "(0.1: 10%); 0 encodes only in steps with "
                                                                "nothing else to run.")
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off", description="Speculative decoding: off, ngram (prompt lookup) or draft (speculative_model).")
