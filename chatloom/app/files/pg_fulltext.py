@@ -87,23 +87,53 @@ def split(rows: list[tuple]) -> tuple[list[tuple], Terms]:
     return hits, Terms(tuple(singles), tuple(phrases))
 
 
-def term_counts(hits: str, terms: Terms) -> dict[object, int]:
+def _quoted(lexeme: str) -> str:
+    """A lexeme as ts_filter's text output writes it."""
+    return "'" + lexeme.replace("'", "''") + "'"
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A question's terms by their lexemes as ts_filter's text output writes them: made once per question,
+    so each row costs only its own few lexemes (a row holds some of the question's, rarely all)."""
+
+    singles: dict[str, str]  # quoted lexeme -> the term
+    phrases: dict[str, tuple[tuple[tuple[str, str], str], ...]]  # quoted first lexeme -> (phrase, quoted second)
+
+    @classmethod
+    def of(cls, terms: Terms) -> "Lookup":
+        phrases: dict[str, list] = {}
+        for pair in terms.phrases:
+            phrases.setdefault(_quoted(pair[0]), []).append((pair, _quoted(pair[1])))
+        return cls({_quoted(x): x for x in terms.singles}, {k: tuple(v) for k, v in phrases.items()})
+
+
+def term_counts(hits: str, terms: Terms, lookup: Lookup | None = None) -> dict[object, int]:
     """How often each of `terms` occurs in one row, from ts_filter's text output ('word':3A,17A ...): a
-    single term by its positions' count, a phrase by its second lexeme's positions right after the first's."""
+    single term by its positions' count, a phrase by its second lexeme's positions right after the first's.
+    `lookup`: `Lookup.of(terms)`, made once per question."""
+    if not hits:
+        return {}
+    lookup = lookup or Lookup.of(terms)
+    # Every position is weight A (setweight marked only the question's lexemes, ts_filter kept them) and
+    # lexemes are lower case, so dropping the letters leaves plain numbers.
     found = {}
-    for entry in hits.split(" ") if hits else ():
+    tf: dict[object, int] = {}
+    for entry in hits.replace("A", "").split(" "):
         lexeme, _, at = entry.rpartition(":")  # positions hold no colon; a lexeme may
-        found[lexeme[1:-1].replace("''", "'")] = at
-    tf: dict[object, int] = {x: found[x].count(",") + 1 for x in terms.singles if x in found}
-    sets: dict[str, set[int]] = {}
-    for a, b in terms.phrases:
-        if a in found and b in found:
-            for x in (a, b):
-                if x not in sets:
-                    sets[x] = {int(p.rstrip("ABCD")) for p in found[x].split(",")}
-            count = sum(1 for p in sets[b] if p - 1 in sets[a])
+        found[lexeme] = at
+        term = lookup.singles.get(lexeme)
+        if term is not None:
+            tf[term] = at.count(",") + 1
+    for lexeme, at in found.items():
+        for pair, second in lookup.phrases.get(lexeme, ()):
+            then = found.get(second)
+            if then is None:
+                continue
+            after = set(map(int, then.split(",")))
+            count = sum(1 for p in map(int, at.split(",")) if p + 1 in after)
             if count:
-                tf[(a, b)] = count
+                tf[pair] = count
     return tf
 
 
@@ -112,7 +142,8 @@ def score(rows: list[tuple], terms: Terms, limit: int) -> list:
     if not rows:
         return []
     n, avgdl = rows[0][3], float(rows[0][4]) or 1.0
-    docs = [(row_id, length, term_counts(hits, terms)) for row_id, length, hits, _, _ in rows]
+    lookup = Lookup.of(terms)
+    docs = [(row_id, length, term_counts(hits, terms, lookup)) for row_id, length, hits, _, _ in rows]
     df: dict[object, int] = {}
     for _, _, tf in docs:
         for term in tf:
