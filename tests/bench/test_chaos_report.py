@@ -30,6 +30,17 @@ def test_error_records_come_with_their_tracebacks_and_nothing_else(tmp_path: Pat
     assert second.startswith("ERROR:    Exception in ASGI application") and second.endswith("ValueError: boom")
 
 
+def test_a_long_traceback_keeps_its_start_and_the_exception_raised(tmp_path: Path):
+    frames = "".join(f'  File "m{i}.py", line {i}, in f\n    call()\n' for i in range(60))
+    (tmp_path / "gateway2.log").write_text("2026-12-06 20:01:03,004 ERROR asyncio: Unhandled exception\n"
+                                           f"Traceback (most recent call last):\n{frames}"
+                                           "anyio.ClosedResourceError: the stream was closed\n")
+    (record,) = logged_errors(tmp_path, lines_each=40)["gateway2"]
+    lines = record.splitlines()
+    assert len(lines) == 40 and lines[0].endswith("Unhandled exception") and lines[1].startswith("Traceback")
+    assert lines[-1] == "anyio.ClosedResourceError: the stream was closed" and "lines left out" in lines[10]
+
+
 def test_only_the_first_few_records_are_kept(tmp_path: Path):
     (tmp_path / "gateway2.log").write_text("".join(f"2026-12-06 20:01:{i:02d},000 ERROR x: failure {i}\n"
                                                    for i in range(20)))

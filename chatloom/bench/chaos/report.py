@@ -40,6 +40,16 @@ _RECORD_START = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|[A-Z]+:\s)")
 _ERROR_LEVEL = re.compile(r"^(\S+ \S+ )?(ERROR|CRITICAL)\b|^(ERROR|CRITICAL):")
 
 
+def _clipped(record: list[str], lines: int) -> list[str]:
+    """A record of at most `lines` lines: its head (the message, where the traceback starts) and its tail
+    (the exception raised, which a traceback puts last), the middle's frames left out."""
+    if len(record) <= lines:
+        return record
+    head = lines // 4
+    tail = lines - head - 1
+    return [*record[:head], f"    ... ({len(record) - head - tail} lines left out)", *record[-tail:]]
+
+
 def logged_errors(folder: Path, per_log: int = 5, lines_each: int = 40) -> dict[str, list[str]]:
     """The processes' error records, the first few of each log, those with a traceback first: what
     explains a failed invariant once the run's folder is gone."""
@@ -53,8 +63,8 @@ def logged_errors(folder: Path, per_log: int = 5, lines_each: int = 40) -> dict[
                 records[-1].append(line)
         traced = [r for r in records if any(x.startswith("Traceback") for x in r[1:])]
         # Those with a traceback first: the expected errors of a fault (the database down) are many.
-        errors = ["\n".join(r[:lines_each]) for r in traced + [r for r in records if _ERROR_LEVEL.match(r[0])
-                                                                and r not in traced]]
+        errors = ["\n".join(_clipped(r, lines_each)) for r in traced + [r for r in records if _ERROR_LEVEL.match(r[0])
+                                                                          and r not in traced]]
         if errors:
             out[log.stem] = errors[:per_log]
     return out
