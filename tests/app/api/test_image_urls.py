@@ -2,7 +2,6 @@
 protection (a loopback address only when allow-listed), sniffed and checked like inline images."""
 from __future__ import annotations
 
-import asyncio
 import io
 import sys
 import threading
@@ -11,10 +10,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
-from chatloom.engine import EngineConfig
-from chatloom.models import load_model
-from chatloom.serving import LocalBackend
 
 from app_testing import app_client
 from test_vision_api import TEXT, ask, data_url, image_part, settings
@@ -63,15 +58,6 @@ def image_server():
         server.shutdown()
         server.server_close()
         thread.join()
-
-
-@pytest.fixture(scope="module")
-def vision_backend(tmp_path_factory):
-    loaded = load_model(str(tv.write_idefics3_folder(tmp_path_factory.mktemp("vision") / "tiny-vlm")), "fp32")
-    backend = LocalBackend(loaded, engine_config=EngineConfig(num_blocks=256))
-    asyncio.run(backend.start())
-    yield backend
-    asyncio.run(backend.close())
 
 
 async def _post(tmp_path, backend, url: str, **vision):

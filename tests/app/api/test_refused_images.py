@@ -2,16 +2,11 @@
 as they were, and a Responses API request stores no response, conversation, message or file."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import sys
 from pathlib import Path
 
 import pytest
-
-from chatloom.engine import EngineConfig
-from chatloom.models import load_model
-from chatloom.serving import LocalBackend
 
 from app_testing import app_client, make_settings, new_conversation
 from test_vision_api import TEXT, ask, data_url, image_part
@@ -25,15 +20,6 @@ NOT_AN_IMAGE = base64.b64encode(b"plain text, not a picture").decode()
 def _corrupt() -> str:
     raw = base64.b64decode(data_url(tv.test_image(40, 40)).split(",", 1)[1])
     return base64.b64encode(raw[: len(raw) // 2]).decode()
-
-
-@pytest.fixture(scope="module")
-def vision_backend(tmp_path_factory):
-    loaded = load_model(str(tv.write_idefics3_folder(tmp_path_factory.mktemp("vision") / "tiny-vlm")), "fp32")
-    backend = LocalBackend(loaded, engine_config=EngineConfig(num_blocks=256))
-    asyncio.run(backend.start())
-    yield backend
-    asyncio.run(backend.close())
 
 
 def _settings(tmp_path):

@@ -3,16 +3,11 @@ API with the same image, a thread behind previous_response_id keeps its images, 
 naming the problem."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import sys
 from pathlib import Path
 
 import pytest
-
-from chatloom.engine import EngineConfig
-from chatloom.models import load_model
-from chatloom.serving import LocalBackend
 
 from app_testing import app_client
 from test_vision_api import TEXT, ask, data_url, image_part, settings
@@ -21,15 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
 import tiny_vision as tv  # noqa: E402
 
 IMAGE = tv.test_image(71, 47, seed=4)
-
-
-@pytest.fixture(scope="module")
-def vision_backend(tmp_path_factory):
-    loaded = load_model(str(tv.write_idefics3_folder(tmp_path_factory.mktemp("vision") / "tiny-vlm")), "fp32")
-    backend = LocalBackend(loaded, engine_config=EngineConfig(num_blocks=256))
-    asyncio.run(backend.start())
-    yield backend
-    asyncio.run(backend.close())
 
 
 def respond(*parts: dict, **extra) -> dict:

@@ -2,7 +2,6 @@
 capability in /v1/models, images counted as the tokens they become, and a 400 naming each bad input."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import sys
@@ -11,23 +10,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from chatloom.engine import EngineConfig
-from chatloom.models import load_model
-from chatloom.serving import LocalBackend
-
 from app_testing import app_client, make_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
 import tiny_vision as tv  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def vision_backend(tmp_path_factory):
-    loaded = load_model(str(tv.write_idefics3_folder(tmp_path_factory.mktemp("vision") / "tiny-vlm")), "fp32")
-    backend = LocalBackend(loaded, engine_config=EngineConfig(num_blocks=256))
-    asyncio.run(backend.start())
-    yield backend
-    asyncio.run(backend.close())
 
 
 def data_url(image: Image.Image, fmt: str = "PNG") -> str:
