@@ -42,11 +42,6 @@ def meeting_target(request: RouteRequest, live: list[ReplicaState]) -> list[Repl
     return [r for r in live if r.expected_ttft_s is None or r.expected_ttft_s <= target] or live
 
 
-def _meets(request: RouteRequest, r: ReplicaState) -> bool:
-    t = request.ttft_target_s
-    return t is not None and r.expected_ttft_s is not None and r.expected_ttft_s <= t
-
-
 def load_score(r: ReplicaState, weights: PolicyWeights) -> float:
     """How busy a replica is: KV blocks held by live sequences, then queued and running requests."""
     running = float(weights.extra.get("running", DEFAULT_RUNNING_WEIGHT))

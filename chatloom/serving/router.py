@@ -423,10 +423,10 @@ class Router(Backend):
                 else:
                     try:
                         # What the class's target leaves, less the time spent here, until the first token.
-                        target = request.ttft_target_s if self.config.class_targets else None
-                        if target is not None and first_token is None:
+                        target = request.ttft_target_s if self.config.class_targets and first_token is None else None
+                        if target is not None:
                             target -= time.monotonic() - t0
-                        replica, prefill = self.choose(prompt, tried, target if first_token is None else None)
+                        replica, prefill = self.choose(prompt, tried, target)
                     except NoReplicaAvailable:
                         if not tried:
                             raise BackendError(f"no replica of {self.model!r} is healthy; try again shortly") \

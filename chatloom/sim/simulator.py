@@ -139,8 +139,9 @@ class Simulator:
         self.log = None if keep_requests else RequestLog()
         self._live: dict[str, SimRequest] = {}  # without keep_requests: admitted, not yet ended
         self.tally = Tally(early_stop) if early_stop is not None else None
-        self._ttft = {r.name: TtftEstimate() for r in self.replicas}  # filled when requests have targets
-        if self.tally is not None or config.ttft_targets:
+        # Each replica's estimate of a new request's wait, kept only where requests have targets.
+        self._ttft = {r.name: TtftEstimate() for r in self.replicas} if config.ttft_targets else {}
+        if self.tally is not None or self._ttft:
             for r in self.replicas:
                 r.on_first_token = self._first_token
         self.record_routes = record_routes
@@ -336,7 +337,7 @@ class Simulator:
         for r in self.replicas:
             s = r.sched
             cached = r.cached_prefix_blocks(keys)
-            estimate = self._ttft.get(r.name)  # (a disaggregated fleet's pools have none)
+            estimate = self._ttft.get(r.name)  # (none without targets, nor in a disaggregated fleet's pools)
             expected = estimate.expected(r.num_queued, self._prefill_tokens(prompt_tokens, cached)) \
                 if estimate is not None else None
             out.append(ReplicaState(name=r.name, kv_cache_usage=r.kv.usage, num_running=len(s.running),
@@ -399,9 +400,10 @@ class Simulator:
         if self.record_routes:
             self.routed.append((rr, tuple(states), name))
         replica = self.by_name[name]
-        req.waiting_at_route = replica.num_queued
-        cached = next(s for s in states if s.name == name).cached_blocks
-        req.prefill_at_route = self._prefill_tokens(len(req.prompt), cached)
+        if name in self._ttft:  # the estimate's inputs, for when the first token comes
+            req.waiting_at_route = replica.num_queued
+            cached = next(s for s in states if s.name == name).cached_blocks
+            req.prefill_at_route = self._prefill_tokens(len(req.prompt), cached)
         replica.add(req, t)
         self._kick(replica, t)
 
@@ -433,7 +435,7 @@ class Simulator:
     def _first_token(self, req: SimRequest, t: float) -> bool:
         if self.tally is not None:
             self.tally.first_token(req, t)
-        if self.config.ttft_targets and req.replica in self._ttft and not req.under_way:
+        if req.replica in self._ttft and not req.under_way:
             self._ttft[req.replica].observe(req.first_token - req.arrival, req.waiting_at_route, req.prefill_at_route)
         return False  # the request goes on here (a prefill replica of disagg.py hands it on instead)
 
