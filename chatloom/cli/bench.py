@@ -168,6 +168,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=positive_int, default=None, help="KV-cache blocks (default: the engine's)")
     p.add_argument("--busy-slots", type=positive_int, default=None,
                    help="the batch.busy_slots setting (default: the settings')")
+    p.add_argument("--no-background-interrupt", action="store_true",
+                   help="let a batch step run to its end when an interactive request comes in "
+                        "(engine.background_interrupt off)")
     p.set_defaults(func=runs.batch)
 
     p = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT/TPOT/ITL/latency percentiles, goodput")

@@ -166,7 +166,7 @@ def batch(args) -> int:
     from chatloom.bench.batch import format_table, run_batch_bench
     from chatloom.engine import EngineConfig
 
-    config = EngineConfig(max_num_seqs=args.max_num_seqs,
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, background_interrupt=not args.no_background_interrupt,
                           **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
     result = run_batch_bench(load_from_args(args), args.requests, args.users, args.turns, args.max_tokens,
                              args.batch_max_tokens, args.think_s, args.seed, config,

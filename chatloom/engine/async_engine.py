@@ -149,6 +149,8 @@ class AsyncEngine:
     def _loop(self) -> None:
         busy = False
         while not self._stopped:
+            # Before the commands: a hold of background work that comes after this point stops the step below.
+            self.engine.clear_background_interrupt()
             self._apply_commands()
             if self._embedding():
                 self._embed_step()
@@ -196,6 +198,13 @@ class AsyncEngine:
         # Stamped now, not when the engine thread gets to it: a resume's tools are timed from the caller.
         asked_at = self.engine.kv_holds.clock()
         self._commands.put(("add", (request_id, prompt, params, priority, images, asked_at)))
+        floor = self.engine.config.background_priority
+        if floor is not None and priority < floor:
+            # Foreground work is here: a step of background work alone that is running stops at its next
+            # layer boundary (LLMEngine.interrupt_background), and the next step is this request's. Not at
+            # admission: the step runs on while the gateway gets the request here, and what it finishes
+            # in that time is not thrown away.
+            self.engine.interrupt_background()
         self._wakeup.set()
         return request_id, q
 

@@ -68,6 +68,7 @@ class EngineConfig:
     background_priority: int | None = _E.background_priority  # at or above: sit out steps with foreground work
     background_yield: str = _E.background_yield  # "auto", "prefill" or "step": which steps they sit out
     background_step_tokens: int | None = _E.background_step_tokens  # a background-only step's most tokens
+    background_interrupt: bool = _E.background_interrupt  # stop a background-only step for foreground work
 
     @classmethod
     def from_settings(cls, engine: EngineSettings) -> "EngineConfig":
@@ -82,7 +83,8 @@ class EngineConfig:
                    num_speculative_tokens=engine.num_speculative_tokens,
                    speculative_model=engine.speculative_model, speculative_adaptive=engine.speculative_adaptive,
                    background_priority=engine.background_priority, background_yield=engine.background_yield,
-                   background_step_tokens=engine.background_step_tokens)
+                   background_step_tokens=engine.background_step_tokens,
+                   background_interrupt=engine.background_interrupt)
 
     def resolve_max_model_len(self, max_position: int) -> int:
         """The context window for a model that knows `max_position` positions."""

@@ -37,6 +37,7 @@ class ModelOutput:
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     # Prompt tokens' log probabilities newly found this step, for the sequences that ask.
     prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
+    interrupted: bool = False  # the step stopped part-way (ScheduledBatch.interruptible): nothing to apply
 
 
 class StepExecutor:
@@ -52,6 +53,8 @@ class StepExecutor:
         spec = self.spec
         t0 = time.perf_counter()
         fwd = execute_isolated(self.runner, batch)
+        if fwd.interrupted:
+            return ModelOutput([], [], interrupted=True)
         logits, argmax, sampled, picks = fwd.logits, fwd.argmax, fwd.sampled, fwd.picks
         if any(s.forks for s in sampled):  # choices forked from a prompt computed this step (choices.py)
             logits, argmax, sampled, picks = expand_rows(logits, argmax, sampled, picks)

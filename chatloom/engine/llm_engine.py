@@ -210,6 +210,21 @@ class LLMEngine:
         step of them that began meanwhile. No effect without a background_priority."""
         self.scheduler.background_held = held
 
+    def interrupt_background(self) -> None:
+        """Stop a step of background sequences alone (ScheduledBatch.interruptible) at its next layer
+        boundary, the one running or the next to start before clear_background_interrupt(): foreground
+        work then waits for one layer rather than the whole step. The step is planned again later.
+        Safe from any thread; only the native decode path stops (others finish their step)."""
+        interrupt = getattr(self.runner.model, "interrupt_decode", None)
+        if interrupt is not None and self.config.background_interrupt:
+            interrupt()
+
+    def clear_background_interrupt(self) -> None:
+        """Withdraw an interrupt_background() that no step has taken (at a step boundary)."""
+        clear = getattr(self.runner.model, "clear_decode_interrupt", None)
+        if clear is not None:
+            clear()
+
     def only_held_work(self) -> bool:
         """Whether a step now would run nothing: all that is queued is background work that is held."""
         return self.scheduler.only_held_work() and not self.output_processor.has_finished_outputs()
@@ -231,6 +246,9 @@ class LLMEngine:
         runner = self.runner
         encoder_s, encoder_work, t0 = runner.encoder_seconds, runner.encoder_work, time.perf_counter()
         result = self.executor.execute(batch)
+        if result.interrupted:  # foreground work came in: these sequences run the step again later
+            self.stats.interrupted += 1
+            return outputs
         if self.scheduler.encoder is not None:
             self.encoder_pacer.record(self.scheduler.encoder.shared, time.perf_counter() - t0,
                                       runner.encoder_seconds - encoder_s, runner.encoder_work - encoder_work)
@@ -398,7 +416,7 @@ class LLMEngine:
             prefix_cache_hit_rate=kv.hit_rate, prefix_cache_evictions=kv.evictions,
             num_preemptions=self.scheduler.num_preemptions, steps=st.steps, generated_tokens=st.generated_tokens,
             aborted_requests=st.aborted, generation_tokens_per_s=round(st.tokens_per_s(), 2),
-            failed_requests=st.failed, kv_holds=self.kv_holds.snapshot(),
+            failed_requests=st.failed, interrupted_steps=st.interrupted, kv_holds=self.kv_holds.snapshot(),
             spec_decode=dataclasses.replace(self.spec.stats) if self.spec is not None else None)
 
     def get_stats(self) -> dict:

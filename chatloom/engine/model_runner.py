@@ -58,6 +58,7 @@ class ForwardResult:
     picks: GreedyPicks | None = None  # each row's argmax as ints, where a native step found them (logits may be [T, 0])
     # Prefill chunks of requests asking their prompt's logprobs: (sequence, first position, logits of every query).
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    interrupted: bool = False  # an interruptible step stopped part-way: nothing came of it
 
 
 class ModelRunner:
@@ -280,8 +281,11 @@ class ModelRunner:
         # makes no tensor at all.
         if (self.kernels is not None and batch.decodes and not batch.prefills
                 and not any(s.spec_token_ids for s in batch.decodes) and self.model.decodes_tokens()):
-            logits, argmax, tokens, nan_rows = self.model.decode_tokens(*self._decode_inputs(batch), self._pools,
-                                                                        self.before_forward, self._argmax_only(batch))
+            found = self.model.decode_tokens(*self._decode_inputs(batch), self._pools, self.before_forward,
+                                             self._argmax_only(batch), batch.interruptible)
+            if found is None:
+                return ForwardResult(torch.empty(0), None, [], interrupted=True)
+            logits, argmax, tokens, nan_rows = found
             return ForwardResult(logits, argmax, sampled, picks=GreedyPicks(tokens, nan_rows))
         ids, positions, attn, rows = self._prepare(batch)
         embeds = self._image_embeds(batch)

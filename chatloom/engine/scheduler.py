@@ -30,6 +30,9 @@ class ScheduledBatch:
     # Slices of image pieces' encoder layers to run before the forward (encoder_plan.py), cached as
     # they finish; a step may carry them alone (a piece part-way through the encoder is read by nobody yet).
     encode: list[PlannedPiece] = field(default_factory=list)
+    # Background decodes alone: the step may stop between layers when foreground work arrives (the
+    # engine's interrupt_background), and is then planned again.
+    interruptible: bool = False
 
     @property
     def num_spec_tokens(self) -> int:
@@ -144,6 +147,9 @@ class Scheduler:
                 and self.running):
             # Every sequence waits for image pieces the pacing held back: encoding them delays nobody.
             batch = self._schedule(False)
+        floor = self.config.background_priority
+        batch.interruptible = (floor is not None and bool(batch.decodes) and not batch.prefills and not batch.encode
+                               and all(seq.priority >= floor for seq in batch.decodes))
         return batch
 
     def _schedule(self, shared: bool) -> ScheduledBatch:

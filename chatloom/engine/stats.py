@@ -31,6 +31,7 @@ class EngineSnapshot:
     generation_tokens_per_s: float
     num_waiting_tokens: int = 0  # prompt tokens the waiting requests still need prefilled
     failed_requests: int = 0  # ended by an error attributed to them alone (the rest of their batch went on)
+    interrupted_steps: int = 0  # background (batch) steps stopped part-way for foreground work
     spec_decode: "SpecDecodeStats | None" = None  # None: speculative decoding is off
     kv_holds: "HoldStats | None" = None  # rounds kept while their tools run (kv_holds.py)
 
@@ -54,6 +55,7 @@ class EngineStats:
     generated_tokens: int = 0
     aborted: int = 0
     failed: int = 0  # requests ended by an error attributed to them alone
+    interrupted: int = 0  # background steps stopped part-way for foreground work (run again later)
     window_seconds: float = 10.0
     _recent: deque = field(default_factory=deque)  # (time, generated tokens)
 

@@ -345,19 +345,35 @@ class DecoderForCausalLM(nn.Module):
 
     def decode_tokens(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                       pools: tuple[list[torch.Tensor], list[torch.Tensor]],
-                      before_native: Callable[[], None] | None = None, argmax_only: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+                      before_native: Callable[[], None] | None = None, argmax_only: bool = False,
+                      interruptible: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None:
         """A plain decode step (one query per sequence) from Python ints, where decodes_tokens():
         query i is token ids[i] at positions[i] of the sequence with block table tables[i], its K/V
         going to slots[i]. Returns decode_logits' logits and argmax, the argmax as ints, and the rows
         whose logits hold a NaN. Same bits as decode_logits; no tensor is made here, as each torch
         call costs tens of microseconds on the caches the step's weights have just flushed. With
         `argmax_only` (no row's logits are read) the stack may return logits of shape [T, 0] and the
-        exact argmax found by screening (DecodeStack.set_greedy_head)."""
+        exact argmax found by screening (DecodeStack.set_greedy_head). With `interruptible`, None if
+        interrupt_decode() stopped the step between two layers (nothing came of it; run again, it
+        writes the same K/V)."""
         stack = self.decode_stack()
         if before_native is not None:
             before_native()
-        return stack.forward_tokens(ids, positions, slots, tables, pools[0], pools[1], argmax_only)
+        found = stack.forward_tokens(ids, positions, slots, tables, pools[0], pools[1], argmax_only, interruptible)
+        return None if interruptible and stack.interrupted else found
+
+    def interrupt_decode(self) -> None:
+        """Stop an interruptible decode_tokens step at its next layer boundary: the one running, or the
+        next one to start before clear_decode_interrupt(). Safe from any thread."""
+        stack = self._decode_stack
+        if stack:
+            stack.interrupt()
+
+    def clear_decode_interrupt(self) -> None:
+        """Withdraw an interrupt_decode() that no step has taken."""
+        stack = self._decode_stack
+        if stack:
+            stack.clear_interrupt()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (bf16 logits would round near-ties into exact ties)."""

@@ -190,6 +190,7 @@ class BackendStats:
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
     num_preemptions: int | None = None
+    interrupted_steps: int | None = None  # batch steps stopped part-way for interactive work (a local engine)
     generation_tokens_per_s: float | None = None
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, where it is on
     kv_holds: HoldStats | None = None  # the KV cache of answers waiting for their tools, where it is kept

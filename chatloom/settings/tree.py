@@ -130,6 +130,10 @@ class EngineSettings(Group):
                                 "sequences, so an interactive request that arrives during it waits for a short "
                                 "step; unset: 32 on a CPU (where a step's time grows with its tokens), the whole "
                                 "step budget on a GPU.")
+    background_interrupt: bool = Field(
+        True, description="Stop a step that carries only background sequences between two layers when an "
+                          "interactive request reaches the engine, so it waits for one layer rather than the "
+                          "whole step; the step runs again later (the local engine's native decode path).")
 
     @model_validator(mode="after")
     def _draft_needs_a_model(self) -> "EngineSettings":

@@ -64,6 +64,9 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.prefix_cache_queries or 0)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits or 0)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.num_preemptions or 0)
+        if s.interrupted_steps is not None:
+            yield counter("chatloom:interrupted_batch_steps", "Steps of batch work alone stopped part-way for an "
+                          "interactive request (each runs again later).", s.interrupted_steps)
         if s.spec_decode is not None:  # speculative decoding is on
             sd = s.spec_decode
             for key, doc in (("num_drafts", "Sequence-steps that carried proposed tokens."),

@@ -100,7 +100,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("has_embedding", &DecodeStack::has_embedding, "whether set_embedding took a table")
       .def("forward_tokens", &DecodeStack::forward_tokens, NoGil(), pybind11::arg("ids"), pybind11::arg("positions"),
            pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("k_pools"), pybind11::arg("v_pools"),
-           pybind11::arg("argmax_only") = false)
+           pybind11::arg("argmax_only") = false, pybind11::arg("interruptible") = false)
+      .def("interrupt", &DecodeStack::interrupt,
+           "stop an interruptible forward_tokens at its next layer boundary (the one running, or the next)")
+      .def("clear_interrupt", &DecodeStack::clear_interrupt, "withdraw an interrupt() no step has taken")
+      .def_property_readonly("interrupted", &DecodeStack::interrupted, "whether the last forward_tokens stopped early")
       .def("set_profiling", &DecodeStack::set_profiling, "time each part of the team path's steps (resets the sums)",
            pybind11::arg("on"))
       .def("set_test_stall", &DecodeStack::set_test_stall,

@@ -58,6 +58,11 @@ bool team_pools(const std::vector<torch::Tensor>& k_pools) {
   return type == torch::kFloat32 || type == torch::kHalf || type == torch::kBFloat16;
 }
 
+// What a stopped step returns: no logits and no picks.
+std::tuple<torch::Tensor, torch::Tensor> stopped_step(const torch::Tensor& x) {
+  return {torch::empty({0, 0}, x.options()), torch::empty({0}, x.options().dtype(torch::kInt64))};
+}
+
 }  // namespace
 
 NativeLinear::NativeLinear(int64_t kind_, torch::Tensor weight_, c10::optional<torch::Tensor> scales_,
@@ -122,6 +127,10 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, con
   torch::Tensor residual = x;
   torch::Tensor h;
   for (size_t i = 0; i < n; ++i) {
+    if (i > 0 && stop_asked()) {
+      interrupted_ = true;
+      return x;
+    }
     const DecodeLayerWeights& w = layers_[i];
     h = i == 0 ? rms_norm(x.contiguous(), w.input_norm, eps_) : add_rms_norm(h, residual, w.input_norm, eps_);
     auto qkv = run_linear(w.qkv, h);
@@ -151,9 +160,12 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeStack::forward_logits(
   if (x.size(0) <= kMaxTaskRows && team_pools(k_pools)) {
     torch::Tensor logits, argmax;
     forward_team(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens, &logits, &argmax);
+    if (interrupted_) return stopped_step(x);
     return {logits, argmax};
   }
-  auto logits = run_linear(*head_, forward(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens));
+  const auto hidden = forward(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
+  if (interrupted_) return stopped_step(x);
+  auto logits = run_linear(*head_, hidden);
   return {logits, logits.argmax(1)};
 }
 
@@ -193,6 +205,7 @@ DecodeStack::Picks DecodeStack::forward_argmax(
   check_stack_inputs(x, layers_.size(), k_pools, v_pools);
   if (screens_head(x.size(0), k_pools)) {
     const auto hidden = forward(x, positions, k_pools, v_pools, slot_mapping, block_tables, rows, kv_lens);
+    if (interrupted_) return logits_with_picks(stopped_step(x));
     auto [argmax, picked] = greedy_head_argmax(hidden, head_->weight, head_->scales, head_->out_features,
                                                greedy_codes_, greedy_scales_, greedy_norms_);
     const float* v = picked.data_ptr<float>();
@@ -226,7 +239,7 @@ void DecodeStack::set_embedding(torch::Tensor weight, const std::string& kind) {
 DecodeStack::Picks DecodeStack::forward_tokens(
     const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
     const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
-    const std::vector<torch::Tensor>& v_pools, bool argmax_only) const {
+    const std::vector<torch::Tensor>& v_pools, bool argmax_only, bool interruptible) const {
   TORCH_CHECK(embedding_.defined(), "this stack has no embedding (set_embedding took none)");
   const int64_t t = (int64_t)ids.size(), vocab = embedding_.size(0), hidden = team_[0].qkv.k_dim;
   TORCH_CHECK(t >= 1 && (int64_t)positions.size() == t && (int64_t)slots.size() == t && (int64_t)tables.size() == t,
@@ -258,6 +271,13 @@ DecodeStack::Picks DecodeStack::forward_tokens(
   const auto pos_t = view(positions, {t}, torch::kInt64), slots_t = view(slots, {t}, torch::kInt64);
   const auto tables_t = view(padded, {t, (int64_t)width}, torch::kInt32);
   const auto rows_t = view(rows, {t}, torch::kInt32), lens_t = view(kv_lens, {t}, torch::kInt32);
+  // Only this call may stop early: forward, forward_logits and forward_argmax called on their own never do.
+  struct Interruptible {
+    bool& flag;
+    Interruptible(bool& f, bool on) : flag(f) { flag = on; }
+    ~Interruptible() { flag = false; }
+  } scope(interruptible_, interruptible);
+  interrupted_ = false;
   if (argmax_only) return forward_argmax(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t);
   return logits_with_picks(forward_logits(x, pos_t, k_pools, v_pools, slots_t, tables_t, rows_t, lens_t));
 }

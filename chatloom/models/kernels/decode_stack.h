@@ -3,6 +3,7 @@
 #include "kernels.h"
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <string>
@@ -81,10 +82,19 @@ class DecodeStack {
   // slots[i] and sees positions[i] + 1 keys. Returns forward_logits' logits and argmax, the argmax
   // as a list, and the rows whose maximum is a NaN (the model failed on them). With `argmax_only`
   // (every row greedy, nobody reads the logits) it is forward_argmax on the lists.
+  // With `interruptible`, the step stops at the next layer boundary once interrupt() is called (from
+  // any thread, during the call or after the last clear_interrupt()); interrupted() then says so, and
+  // the returned tensors are empty. A stopped step wrote this step's K/V for its first layers only: run
+  // again, it writes the same values at the same slots.
   Picks forward_tokens(
       const std::vector<int64_t>& ids, const std::vector<int64_t>& positions, const std::vector<int64_t>& slots,
       const std::vector<std::vector<int32_t>>& tables, const std::vector<torch::Tensor>& k_pools,
-      const std::vector<torch::Tensor>& v_pools, bool argmax_only = false) const;
+      const std::vector<torch::Tensor>& v_pools, bool argmax_only = false, bool interruptible = false) const;
+  // Ask an interruptible step to stop (the one running or the next one), or withdraw the request.
+  void interrupt() { interrupt_.store(true, std::memory_order_release); }
+  void clear_interrupt() { interrupt_.store(false, std::memory_order_release); }
+  // Whether the last forward_tokens call stopped early.
+  bool interrupted() const { return interrupted_; }
 
   // Wall time per part of the team path's decode steps (decode_team.cpp), summed while profiling is
   // on: the serial parts as the leading thread ran them, each matmul from its start to the barrier
@@ -108,6 +118,8 @@ class DecodeStack {
                              torch::Tensor* logits = nullptr, torch::Tensor* argmax = nullptr) const;
 
   bool team_shape_ok() const;
+  // Whether the step in progress is interruptible and was asked to stop (checked between layers).
+  bool stop_asked() const { return interruptible_ && interrupt_.load(std::memory_order_acquire); }
   // Whether an argmax-only step of this many rows takes the screened head (forward_argmax).
   bool screens_head(int64_t rows, const std::vector<torch::Tensor>& k_pools) const;
 
@@ -119,6 +131,9 @@ class DecodeStack {
   // The parts in kTeamParts order, the step count, then the items redone (counted while profiling).
   mutable std::array<int64_t, 11> profile_ns_{};
   int64_t stall_ns_ = 0, stall_every_ = 0;
+  std::atomic<bool> interrupt_{false};
+  // The call in progress may stop (forward_tokens' `interruptible`), and whether the last one did.
+  mutable bool interruptible_ = false, interrupted_ = false;
   torch::Tensor embedding_;  // set_embedding's table, or undefined
   std::string embedding_kind_;  // its blocks' kind, or "" for float32 rows
   torch::Tensor greedy_codes_, greedy_scales_, greedy_norms_;  // set_greedy_head's, or undefined

@@ -303,6 +303,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     }
   };
 
+  std::atomic<bool> stopping{false};  // the step stops at the phase opened last (stop_asked)
   // One flag per work item: set by whoever finishes the item first. Only that finish counts towards
   // the phase's `done`, so an item run twice still completes its phase once.
   std::vector<int64_t> first_item(phases + 1, 0);
@@ -315,6 +316,9 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
     if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == first_item[k + 1] - first_item[k]) {
       if (timed) ph.serial_ns = now_ns();
       serial_after(k);
+      // A layer is done: a step asked to stop does so here, every thread at its next phase.
+      if (k % kPerLayer == kPerLayer - 1 && k + 1 < layer_phases && stop_asked())
+        stopping.store(true, std::memory_order_release);
       if (timed) phase[k + 1].opened_ns = now_ns();
       phase[k + 1].open.store(true, std::memory_order_release);
     }
@@ -362,6 +366,7 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
         }
         if (spins > 4000) sched_yield();
       }
+      if (stopping.load(std::memory_order_acquire)) break;
       const int64_t n_items = items(k);
       for (int64_t item; (item = ph.next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
         if (stall_ns_ > 0 && stall_every_ > 0 && k % stall_every_ == 0 && omp_get_thread_num() == 1)
@@ -370,6 +375,10 @@ torch::Tensor DecodeStack::forward_team(torch::Tensor x, torch::Tensor positions
         finish(k, item);
       }
     }
+  }
+  if (stopping.load()) {
+    interrupted_ = true;
+    return out;
   }
   if (timed) {
     // Parts in kTeamParts order: input_norm, qkv, attention, o, post_norm, gate_up, silu, down, head.

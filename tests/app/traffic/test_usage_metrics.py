@@ -70,7 +70,8 @@ async def test_metrics_parse_and_use_vllm_names(client, alice):
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                 "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+                 "chatloom:interrupted_batch_steps", "vllm:time_to_first_token_seconds",
+                 "vllm:time_per_output_token_seconds",
                  "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                  "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
                  "chatloom:rate_limited", "chatloom:queue_timeouts", "chatloom:admission_queue_wait_seconds",
