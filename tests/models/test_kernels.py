@@ -273,3 +273,29 @@ def test_the_library_is_named_by_its_sources_and_the_cpu_it_was_built_for():
     assert library_name(b"sources", cpu) == library_name(b"sources", cpu)
     assert library_name(b"sources", cpu) != library_name(b"sources", cpu + b" avx512_vp2intersect")
     assert library_name(b"sources", cpu) != library_name(b"other sources", cpu)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hold_the_next_one(tmp_path, monkeypatch):
+    """torch's build lock is a file its build removes at the end: a process killed mid-build leaves it.
+    The next build finds no live builder (none holds the OS lock) and goes on instead of waiting forever;
+    a live builder's OS lock makes the next one wait for it."""
+    import fcntl
+    import threading
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from chatloom.models import kernels
+
+    (tmp_path / "lock").touch()  # what a killed build leaves
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append((tmp_path / "lock").exists()) or "module")
+    assert kernels._build("k", [], tmp_path) == "module" and built == [False]
+
+    with open(tmp_path / "build.flock", "w") as held:  # a build in progress in another process
+        fcntl.flock(held, fcntl.LOCK_EX)
+        second = threading.Thread(target=kernels._build, args=("k", [], tmp_path))
+        second.start()
+        second.join(0.3)
+        assert second.is_alive() and len(built) == 1  # waiting for the live builder
+    second.join(10)
+    assert not second.is_alive() and len(built) == 2

@@ -7,6 +7,7 @@ is available (or CHATLOOM_RUNTIME__KERNELS=0), callers fall back to the pure PyT
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -82,9 +83,16 @@ def _build(name: str, sources: list[Path], build_dir: Path):
     from torch.utils.cpp_extension import load
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(p) for p in sources],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    # torch's own lock is a file its build removes when it ends: a process killed while building (SIGTERM
+    # or SIGKILL at a server's first start) leaves it, and every later build would wait for it forever.
+    # Builders here hold an OS lock for the whole build, which goes with their process: once this one
+    # holds it, no live process is building, and a torch lock file found is stale.
+    with open(build_dir / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(name=name, sources=[str(p) for p in sources],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 def _import_library(name: str, path: Path):
