@@ -282,7 +282,7 @@ class ModelRunner:
         if (self.kernels is not None and batch.decodes and not batch.prefills
                 and not any(s.spec_token_ids for s in batch.decodes) and self.model.decodes_tokens()):
             found = self.model.decode_tokens(*self._decode_inputs(batch), self._pools, self.before_forward,
-                                             self._argmax_only(batch), batch.interruptible)
+                                             self._argmax_only(batch), interruptible=batch.interruptible)
             if found is None:
                 return ForwardResult(torch.empty(0), None, [], interrupted=True)
             logits, argmax, tokens, nan_rows = found

@@ -489,7 +489,7 @@ def test_the_engine_gives_the_same_greedy_tokens_from_the_lists_path(tiny_model_
     loaded = LoadedModel("stack-test", model, tiny_model_fp32.tokenizer, cfg)
     calls = []
     real = model.decode_tokens
-    monkeypatch.setattr(model, "decode_tokens", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(model, "decode_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompts = [[5, 17, 42, 9], [100, 3], [7] * 11]
     params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0, min_tokens=5),
