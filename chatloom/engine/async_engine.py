@@ -149,7 +149,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         busy = False
         while not self._stopped:
-            # Before the commands: a hold of background work that comes after this point stops the step below.
+            # Before the commands: a foreground request added after this point stops the step below.
             self.engine.clear_background_interrupt()
             self._apply_commands()
             if self._embedding():
