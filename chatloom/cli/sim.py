@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--full", action="store_true",
                    help="bisect with full cell simulations (--cell-size, --duration) instead of sizing from the "
                         "step model and confirming with short probes of a small cell; slow above ~1e5 tokens/s")
-    p.add_argument("--probe-replicas", type=positive_int, default=2, help="replicas in the fast planner's probe cell")
+    p.add_argument("--probe-replicas", type=positive_int, default=4, help="replicas in the fast planner's probe cell")
     p.add_argument("--probe-duration", type=positive_float, default=30.0,
                    help="simulated seconds of each fast-planner probe")
     p.add_argument("--plot", default=None, metavar="DIR", help="write replicas_vs_peak.png there")

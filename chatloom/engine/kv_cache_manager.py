@@ -243,11 +243,12 @@ class KVCacheManager:
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         return True
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Publish every computed, full block of `seq` in the prefix cache."""
+    def register_full_blocks(self, seq: Sequence, computed: int | None = None) -> None:
+        """Publish every computed, full block of `seq` in the prefix cache (of its first `computed`
+        tokens when given: the simulator publishes what a run of steps had computed before its last)."""
         if not self.pool.enable_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = (seq.num_computed_tokens if computed is None else computed) // self.block_size
         if num_full > seq.num_hashed_blocks:
             self.pool.cache_full_blocks(seq.block_table, seq.cache_token_ids, seq.num_hashed_blocks, num_full)
             seq.num_hashed_blocks = num_full

@@ -145,7 +145,7 @@ def slo_capacity(spec: ReplicaSpec, traffic: TrafficModel, tpot_s: float, prefix
 
 
 def plan_fast(spec: ReplicaSpec, traffic: TrafficModel, policy: PolicySpec, slo: SLO, config: SimConfig,
-              probe_replicas: int = 2, max_probes: int = 6, step: float = 0.05, margin: float = 1.1,
+              probe_replicas: int = 4, max_probes: int = 6, step: float = 0.05, margin: float = 1.1,
               on_probe: Callable[[Probe], None] | None = None) -> PlanResult:
     """Size analytically, then confirm with short probes of one small cell at the per-replica load the
     answer implies. A probe's cost follows the requests of `probe_replicas` replicas, not the fleet's

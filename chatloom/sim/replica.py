@@ -337,6 +337,9 @@ class SimReplica:
             if start + k < seq.params.max_tokens and len(tokens) < max_len and seq.metrics.first_token_time is not None:
                 made += k  # most decodes neither begin nor end their answer: only their tokens count
             else:
+                if k > 1:
+                    # The real engine published each block as it filled, up to the step before the last.
+                    kv.register_full_blocks(seq, seq.num_computed_tokens - 1)
                 self._after_tokens(seq, req, k, first_end, now)
                 if seq.status is SequenceStatus.FINISHED:
                     continue

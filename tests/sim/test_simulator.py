@@ -142,6 +142,28 @@ def test_fast_forward_gives_the_same_timings_as_single_steps(monkeypatch):
         assert fast[rid][2:] == slow[rid][2:]
 
 
+def test_a_fast_forwarded_answer_leaves_its_blocks_cached_for_the_next_turn(monkeypatch):
+    # Each second turn resends its first turn and the answer; the engine publishes each block as it
+    # fills, so the answer's blocks are cached even when its last steps ran as one fast-forwarded event.
+    rng, reqs = random.Random(5), []
+    for i in range(12):
+        prompt = [rng.randrange(1000, 2000) for _ in range(rng.randint(20, 80))]
+        answer = [rng.randrange(1000, 2000) for _ in range(rng.randint(60, 120))]
+        reqs.append(SimRequest(f"a{i}", 0.5 * i, prompt, answer))
+        reqs.append(SimRequest(f"b{i}", 60.0 + 0.5 * i, prompt + answer + [7, 8, 9], [1, 2]))
+    cached = []
+    for max_run in (replica_mod.MAX_RUN_STEPS, 1):
+        monkeypatch.setattr(replica_mod, "MAX_RUN_STEPS", max_run)
+        out = Simulator(small_spec(num_blocks=2000), 1, None, None, SimConfig(duration_s=100.0, check_invariants=True),
+                        trace=[SimRequest(r.rid, r.arrival, list(r.prompt), list(r.answer)) for r in reqs]).run()
+        cached.append({r.rid: r.cached_tokens for r in out.requests if r.rid.startswith("b")})
+    fast, slow = cached
+    assert fast == slow
+    for r in reqs[1::2]:
+        first = len(r.prompt) - 3
+        assert fast[r.rid] >= (first - 2) // 16 * 16 > 0, r.rid  # the full blocks computed before the last step
+
+
 def test_a_spread_step_model_widens_the_ttft_tail_and_repeats_exactly():
     spread = LinearStepTime(coef=STEP.coef, fit={"ratio_quantiles": [0.6, 0.8, 1.0, 1.4, 3.0]})
     runs = {}
@@ -173,10 +195,11 @@ def test_summary_figures_follow_the_definitions():
 
 def test_cells_pool_and_scale_rates():
     spec = small_spec()
-    cfg = SimConfig(duration_s=20.0, warmup_s=5.0)
+    # Long enough that two cells' few conversations give a steady rate (20 s gave 4.1-11.2 over seeds).
+    cfg = SimConfig(duration_s=120.0, warmup_s=5.0)
     res = run_fleet(spec, 8, FewestQueued, small_traffic(rate=8.0), cfg, cell_size=2, sample_cells=2)
     assert res.replicas_simulated == 4
-    s = summarize(res.table, res.replicas, SLO(), 5.0, 20.0, fleet_size=8)
+    s = summarize(res.table, res.replicas, SLO(), 5.0, 120.0, fleet_size=8)
     # Two of four cells ran at a quarter of the traffic each: the pooled rate scales back to the fleet's.
     assert s["request_rate"] == pytest.approx(8.0, rel=0.35)
 
