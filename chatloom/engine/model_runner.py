@@ -89,6 +89,8 @@ class ModelRunner:
         # Whether a decode step whose rows are all plain greedy may skip the logits, plain or checking
         # proposals (tests turn it off to compare).
         self.argmax_only_steps = True
+        # Whether short prefill chunks beside decodes run as decode queries (tests turn it off to compare).
+        self.mixed_as_decode = not model.config.layer_windows
 
     def copy_block_prefix(self, src: int, dst: int, n: int) -> None:
         """Block dst's first n K/V slots from block src's, in every layer (a partial prefix-cache hit)."""
@@ -105,6 +107,7 @@ class ModelRunner:
         kern = self.kernels
         attn = AttentionBatch(num_decode=len(batch.decodes), block_size=bs, kernels=kern)
 
+        as_queries = self._chunks_as_decode_queries(batch)
         if batch.decodes:
             tables, ctx_lens = [], []
             rows: list[int] | None = None  # query -> table row, when some decode carries proposed tokens
@@ -130,6 +133,23 @@ class ModelRunner:
                 elif rows is not None:
                     rows.append(len(tables))
                 tables.append(table)
+            logit_rows.extend(range(len(ids)))
+            for seq, n in batch.prefills if as_queries else ():
+                # A short chunk beside decodes: its tokens are queries of the decode path, each seeing
+                # the keys up to and including itself, as proposed tokens are (the native stack then
+                # runs the whole step); only a prompt's last token gives logits.
+                if rows is None:
+                    rows = list(range(len(tables)))
+                start, table = seq.num_computed_tokens, seq.block_table
+                for p in range(start, start + n):
+                    ids.append(seq.token_ids[p])
+                    positions.append(p)
+                    slots.append(table[p // bs] * bs + p % bs)
+                    ctx_lens.append(p + 1)
+                    rows.append(len(tables))
+                if start + n == len(seq):
+                    logit_rows.append(len(ids) - 1)
+                tables.append(table)
             attn.num_decode = len(ids)
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]
@@ -142,9 +162,8 @@ class ModelRunner:
                 attn.decode_block_tables = torch.tensor(padded if rows is None else [padded[r] for r in rows])
                 lens = torch.tensor(ctx_lens)
                 attn.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            logit_rows.extend(range(len(ids)))
 
-        for seq, n in batch.prefills:
+        for seq, n in batch.prefills if not as_queries else ():
             start = seq.num_computed_tokens
             q_start = len(ids)
             ids.extend(seq.token_ids[start:start + n])
@@ -172,6 +191,14 @@ class ModelRunner:
             attn.set_prefill_tables()
         attn.slot_mapping = torch.tensor(slots)
         return torch.tensor(ids), torch.tensor(positions), attn, logit_rows
+
+    def _chunks_as_decode_queries(self, batch: ScheduledBatch) -> bool:
+        """Whether this step's prefill chunks run as decode queries: a short mixed step (scheduler.py's
+        `short_mixed`), on the compiled kernel, and on a model whose native decode stack takes the step.
+        Otherwise a few prompt tokens send every decode row of the step through the general path, whose
+        per-layer Python and prefill attention cost milliseconds more."""
+        return (batch.short_mixed and self.kernels is not None and self.mixed_as_decode and self.model.native_decode
+                and self.model.decode_stack() is not None)
 
     def encode_pieces(self, pieces: list[PlannedPiece]) -> list[torch.Tensor | None]:
         """Run `pieces` (a step's plan: each piece's layers start..stop-1), those of one image with the same

@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # names in annotations only: a text-only scheduler never load
     from chatloom.engine.encoder_plan import EncoderPlanner, PlannedPiece
 
 
+# The most queries (decodes, proposed tokens and prompt tokens) of a step whose prompt chunks run as
+# decode queries: the native decode stack's team path takes up to 12 rows.
+MIXED_AS_DECODE_QUERIES = 12
+
+
 @dataclass
 class ScheduledBatch:
     """One step's plan, what the model runner executes."""
@@ -42,6 +47,12 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.decodes) + self.num_spec_tokens + sum(n for _, n in self.prefills)
+
+    @property
+    def short_mixed(self) -> bool:
+        """Decodes and prompt chunks, at most MIXED_AS_DECODE_QUERIES queries in all: the model runner
+        runs the chunks' tokens as decode queries, on the native decode stack where the model has one."""
+        return bool(self.decodes and self.prefills) and self.num_tokens <= MIXED_AS_DECODE_QUERIES
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills or self.encode)

@@ -115,9 +115,12 @@ def test_shape_of_counts_decodes_beside_a_prefill_apart():
 
     seq = lambda computed: SimpleNamespace(num_computed_tokens=computed)  # noqa: E731
     decode_only = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[])
-    mixed = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[(seq(32), 10)])
+    mixed = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[(seq(32), 11)])
     assert shape_of(decode_only).mixed_decode_tokens == 0
-    assert shape_of(mixed) == BatchShape(2, 10, 32, 10 * (32 + 5.5), 1, 2)
+    assert shape_of(mixed) == BatchShape(2, 11, 32, 11 * (32 + 6), 1, 2)
+    # At most 12 queries: the engine runs the chunk's tokens as decode queries, at no mixed-step cost.
+    short = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[(seq(32), 10)])
+    assert shape_of(short) == BatchShape(2, 10, 32, 10 * (32 + 5.5), 1, 0)
 
 
 def test_the_fit_keeps_the_spread_of_the_timed_steps_and_jitter_draws_from_it():
