@@ -89,8 +89,9 @@ class ModelRunner:
         # Whether a decode step whose rows are all plain greedy may skip the logits, plain or checking
         # proposals (tests turn it off to compare).
         self.argmax_only_steps = True
-        # Whether short prefill chunks beside decodes run as decode queries (tests turn it off to compare).
-        self.mixed_as_decode = not model.config.layer_windows
+        # Whether short prefill chunks beside decodes run as decode queries, where the model has a native
+        # decode stack (tests turn it off to compare).
+        self.mixed_as_decode = True
 
     def copy_block_prefix(self, src: int, dst: int, n: int) -> None:
         """Block dst's first n K/V slots from block src's, in every layer (a partial prefix-cache hit)."""

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from chatloom.engine.scheduler import MIXED_AS_DECODE_QUERIES
-
 LINEAR_FEATURES = ("const", "decode_tokens", "prefill_tokens", "decode_ctx", "prefill_attn", "prefill_seqs",
                    "mixed_decode_tokens")
 # Coefficients a model file written before they existed may lack (read as 0).
@@ -239,6 +237,5 @@ def shape_of(batch) -> BatchShape:
         pre_tokens += n
         attn += n * (seq.num_computed_tokens + (n + 1) / 2)
     # A short mixed step runs on the native decode stack like a decode-only one: no mixed-step cost.
-    long_mixed = batch.prefills and len(batch.decodes) + pre_tokens > MIXED_AS_DECODE_QUERIES
-    mixed = len(batch.decodes) if long_mixed else 0
+    mixed = len(batch.decodes) if batch.prefills and not batch.short_mixed else 0
     return BatchShape(len(batch.decodes), pre_tokens, decode_ctx, attn, len(batch.prefills), mixed)

@@ -110,16 +110,22 @@ def test_a_model_file_without_the_mixed_decode_term_reads_as_zero():
 
 
 def test_shape_of_counts_decodes_beside_a_prefill_apart():
-    from types import SimpleNamespace
+    from chatloom.engine import SamplingParams
+    from chatloom.engine.scheduler import ScheduledBatch
+    from chatloom.engine.sequence import Sequence
     from chatloom.sim.step_time import shape_of
 
-    seq = lambda computed: SimpleNamespace(num_computed_tokens=computed)  # noqa: E731
-    decode_only = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[])
-    mixed = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[(seq(32), 11)])
+    def seq(computed: int) -> Sequence:
+        s = Sequence("s", list(range(computed + 16)), SamplingParams())
+        s.num_computed_tokens = computed
+        return s
+
+    decode_only = ScheduledBatch(decodes=[seq(10), seq(20)])
+    mixed = ScheduledBatch(decodes=[seq(10), seq(20)], prefills=[(seq(32), 11)])
     assert shape_of(decode_only).mixed_decode_tokens == 0
     assert shape_of(mixed) == BatchShape(2, 11, 32, 11 * (32 + 6), 1, 2)
     # At most 12 queries: the engine runs the chunk's tokens as decode queries, at no mixed-step cost.
-    short = SimpleNamespace(decodes=[seq(10), seq(20)], prefills=[(seq(32), 10)])
+    short = ScheduledBatch(decodes=[seq(10), seq(20)], prefills=[(seq(32), 10)])
     assert shape_of(short) == BatchShape(2, 10, 32, 10 * (32 + 5.5), 1, 0)
 
 
