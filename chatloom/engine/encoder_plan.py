@@ -7,7 +7,9 @@ encoder cache (encoder_cache.py) for the next slice; the slice through the last 
 final norm and the connector and makes the piece's embeddings readable. The scheduler asks
 `EncoderPlanner.fit` how far a sequence's prefill chunk may reach: the chunk runs up to the first
 position whose piece is not finished by the end of this step, so the text before an image and the
-streams of other users move on every step while an image is encoded a slice at a time.
+streams of other users move on every step while an image is encoded a slice at a time. In a shared
+step a chunk that would stop short of such a piece by less than the piece's length waits for the step
+that finishes it.
 
 Work is counted in embedding-layers (a piece's embeddings x the layers run). A step runs a slice only
 when all of these hold:
@@ -139,6 +141,7 @@ class EncoderPlanner:
         self._planned_work = 0
         self._planned_bytes = 0  # what the planned slices add to what the cache holds pinned
         self.shared = False  # whether this step is shared with other requests (paced)
+        self.held_short = False  # whether the last `fit` held a short chunk back for its piece
         # Each sequence's pinned pieces, with the last prompt position each one fills.
         self.pins: dict[Sequence, dict[PieceKey, int]] = {}
 
@@ -160,7 +163,9 @@ class EncoderPlanner:
     def fit(self, seq: Sequence, n: int) -> int:
         """How many of the next `n` prompt tokens of `seq` can run this step: up to the first image
         position whose piece is not finished by the end of this step. Plans slices of the pieces the
-        chunk reaches and pins them, and every cached piece it reaches, for `seq`."""
+        chunk reaches and pins them, and every cached piece it reaches, for `seq`. Sets `held_short`
+        when the chunk was held back to be read with the piece it stops at."""
+        self.held_short = False
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         pins = self.pins.setdefault(seq, {})
         for image in seq.images:
@@ -177,7 +182,12 @@ class EncoderPlanner:
                     pins[key] = image.piece_last_position(index)
                     self.cache.pin(key)
                 if key not in self.cache and (planned is None or planned.stop < self.layers):
-                    return max(image.piece_first_position(index) - start, 0)
+                    reach = max(image.piece_first_position(index) - start, 0)
+                    # In a shared step, a chunk shorter than the piece it stops at waits to be read with
+                    # that piece: now it would lengthen the others' step and bring the first token no
+                    # closer (the encoder sets that); with the piece it adds to a step that runs anyway.
+                    self.held_short = self.shared and 0 < reach < size
+                    return 0 if self.held_short else reach
         return n
 
     def _plan(self, seq: Sequence, image: ImageInput, index: int) -> PlannedPiece | None:

@@ -188,7 +188,7 @@ class Scheduler:
                 break
             if seq.images and self.encoder is not None:
                 n = self.encoder.fit(seq, n)
-                if n == 0:  # its next image piece waits for a step with encoder budget left
+                if n == 0:  # its next image piece waits for encoder budget (and a short chunk for it)
                     i += 1
                     continue
             # Grow the block table; when the pool is full, preempt the lowest-priority, newest.
@@ -229,14 +229,14 @@ class Scheduler:
                 n = min(remaining, budget)
             if seq.images and self.encoder is not None:
                 n = self.encoder.fit(seq, n)
-                if n == 0 and not self.encoder.planned_for(seq):
+                if n == 0 and not self.encoder.planned_for(seq) and not self.encoder.held_short:
                     self.encoder.forget(seq)
                     self.kv.free_sequence(seq)
                     break
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if n == 0:  # admitted for a slice of its image's encoder work alone: it reads nothing yet
+            if n == 0:  # admitted for a slice of its image's encoder work, or to wait for it: nothing read yet
                 continue
             if remaining == 1:
                 batch.decodes.append(seq)

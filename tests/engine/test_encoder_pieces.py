@@ -3,6 +3,7 @@ prefill runs up to the first piece not ready, other sequences keep decoding, the
 to its limit with the pieces in flight pinned, and a second question reuses the cached pieces."""
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.engine.encoder_cache import EncoderCache
 from chatloom.engine.encoder_plan import EncoderPacer
 from chatloom.models import load_model
+from chatloom.models.vision.images import content_hash
+from chatloom.models.vision.prompt import expand_images
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -207,3 +210,55 @@ def test_pinned_pieces_are_not_evicted():
     assert ("x", 0) in big
     big.unpin(("x", 0))
     assert ("x", 0) not in big and big.bytes == 0
+
+
+def _image_first(loaded, image):
+    """A prompt that opens with the image, so the text before its first tile is shorter than a tile."""
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return expand_images(loaded.vision, loaded.tokenizer, "<image>What is it?", [(content_hash(buf.getvalue()),
+                                                                                  image)])
+
+
+def test_a_short_chunk_waits_to_be_read_with_its_piece(loaded):
+    # Beside a decoding stream, the image's text before a tile (its tags) is read with that tile, never
+    # in a step of its own: each chunk of the image's prompt reads at least a tile's worth.
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, encoder_max_slowdown=1e9))
+    text = engine.add_request(loaded.tokenizer.encode("a story"), TEXT)
+    _steps(engine, lambda: engine.requests[text].seq.num_output_tokens >= 1)
+    ids, placed = _image_first(loaded, tv.test_image(20, 20, seed=18))
+    piece = placed[0].piece_len
+    assert 0 < placed[0].positions[0] < piece  # the tags before the first tile are shorter than it
+    image = engine.add_request(ids, GREEDY, images=placed)
+    seq = engine.requests[image].seq
+    chunks = []
+    while seq.num_computed_tokens < len(ids):
+        before = seq.num_computed_tokens
+        outs = engine.step()
+        assert text in {o.request_id for o in outs if o.delta_token_ids}  # the stream moves every step
+        if seq.num_computed_tokens > before:
+            chunks.append(seq.num_computed_tokens - before)
+        assert len(chunks) < 200
+    assert min(chunks) >= piece and sum(chunks) == len(ids)
+    out = None
+    while out is None:
+        out = next((o for o in engine.step() if o.request_id == image and o.finished), None)
+    engine.abort(text)
+    assert out.token_ids == _alone(loaded, ids, placed)
+
+
+def test_a_request_behind_a_waiting_image_is_not_held_up(loaded):
+    # The image request waits for the stream to end (no encoder time beside it) with its short text
+    # held back; a text request that arrives after it still runs now.
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, encoder_max_slowdown=0))
+    stream = engine.add_request(loaded.tokenizer.encode("a story"), TEXT)
+    _steps(engine, lambda: engine.requests[stream].seq.num_output_tokens >= 1)
+    ids, placed = _image_first(loaded, tv.test_image(20, 20, seed=19))
+    image = engine.add_request(ids, GREEDY, images=placed)
+    later = engine.add_request(loaded.tokenizer.encode("hello"), SamplingParams(temperature=0.0, max_tokens=2))
+    _steps(engine, lambda: later not in engine.requests)
+    assert engine.requests[image].seq.num_computed_tokens == 0 and engine.runner.encoder_pieces == 0
+    assert engine.requests[stream].seq.num_output_tokens < 20
+    engine.abort(stream)
+    _steps(engine, lambda: image not in engine.requests)
+    assert engine.runner.encoder_pieces == 17
