@@ -8,8 +8,8 @@ final norm and the connector and makes the piece's embeddings readable. The sche
 `EncoderPlanner.fit` how far a sequence's prefill chunk may reach: the chunk runs up to the first
 position whose piece is not finished by the end of this step, so the text before an image and the
 streams of other users move on every step while an image is encoded a slice at a time. In a shared
-step a chunk that would stop short of such a piece by less than the piece's length waits for the step
-that finishes it.
+step a chunk shorter than the piece it would stop at waits for the step that finishes that piece, where
+the two fit one step's token budget together.
 
 Work is counted in embedding-layers (a piece's embeddings x the layers run). A step runs a slice only
 when all of these hold:
@@ -186,7 +186,8 @@ class EncoderPlanner:
                     # In a shared step, a chunk shorter than the piece it stops at waits to be read with
                     # that piece: now it would lengthen the others' step and bring the first token no
                     # closer (the encoder sets that); with the piece it adds to a step that runs anyway.
-                    self.held_short = self.shared and 0 < reach < size
+                    # Only where both fit one step, so the request's prefill takes no step more.
+                    self.held_short = self.shared and 0 < reach < size and reach + size <= self.token_budget
                     return 0 if self.held_short else reach
         return n
 

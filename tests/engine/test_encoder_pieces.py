@@ -262,3 +262,19 @@ def test_a_request_behind_a_waiting_image_is_not_held_up(loaded):
     engine.abort(stream)
     _steps(engine, lambda: image not in engine.requests)
     assert engine.runner.encoder_pieces == 17
+
+
+def test_a_short_chunk_that_would_not_fit_with_its_piece_is_read_at_once(loaded):
+    # A budget of 5 tokens: the 2-token opening and its 4-token tile do not fit one step together, so
+    # holding the opening back would cost the image request a step; it is read beside the stream at once.
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=5,
+                                            encoder_max_slowdown=0))
+    stream = engine.add_request(loaded.tokenizer.encode("a story"), TEXT)
+    _steps(engine, lambda: engine.requests[stream].seq.num_output_tokens >= 1)
+    ids, placed = _image_first(loaded, tv.test_image(20, 20, seed=20))
+    image = engine.add_request(ids, GREEDY, images=placed)
+    engine.step()
+    assert engine.requests[image].seq.num_computed_tokens == placed[0].positions[0] == 2
+    engine.abort(stream)
+    _steps(engine, lambda: image not in engine.requests)
+    assert engine.runner.encoder_pieces == 17
