@@ -3,7 +3,6 @@ prefill runs up to the first piece not ready, other sequences keep decoding, the
 to its limit with the pieces in flight pinned, and a second question reuses the cached pieces."""
 from __future__ import annotations
 
-import io
 import sys
 from pathlib import Path
 
@@ -14,13 +13,11 @@ from chatloom.engine import EngineConfig, LLMEngine, SamplingParams
 from chatloom.engine.encoder_cache import EncoderCache
 from chatloom.engine.encoder_plan import EncoderPacer
 from chatloom.models import load_model
-from chatloom.models.vision.images import content_hash
-from chatloom.models.vision.prompt import expand_images
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_vision as tv  # noqa: E402
-from test_vision_engine import GREEDY, _placed, _run  # noqa: E402
+from test_vision_engine import GREEDY, _expanded, _placed, _run  # noqa: E402
 
 TEXT = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 PIECE_BYTES = 4 * 32 * 4  # a tile's 4 embeddings of the tiny decoder's 32 floats
@@ -214,10 +211,7 @@ def test_pinned_pieces_are_not_evicted():
 
 def _image_first(loaded, image):
     """A prompt that opens with the image, so the text before its first tile is shorter than a tile."""
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return expand_images(loaded.vision, loaded.tokenizer, "<image>What is it?", [(content_hash(buf.getvalue()),
-                                                                                  image)])
+    return _expanded(loaded, "<image>What is it?", [image])
 
 
 def test_a_short_chunk_waits_to_be_read_with_its_piece(loaded):

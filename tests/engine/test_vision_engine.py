@@ -29,7 +29,12 @@ def loaded(tmp_path_factory):
 
 def _placed(loaded, images, question="What is it?"):
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-    text = render_chat(loaded.tokenizer.chat_template, [{"role": "user", "content": content}])
+    return _expanded(loaded, render_chat(loaded.tokenizer.chat_template, [{"role": "user", "content": content}]),
+                     images)
+
+
+def _expanded(loaded, text, images):
+    """Token ids of `text` with its image markers expanded for `images`, and their placements."""
     pairs = []
     for image in images:
         buf = io.BytesIO()
