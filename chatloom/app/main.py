@@ -41,6 +41,7 @@ from chatloom.app.core.validation import EdgeGuard
 from chatloom.engine import EngineConfig
 from chatloom.models.static_embeddings import is_static
 from chatloom.serving import Backend, BackendError, LocalBackend, ModelLoadFailed
+from chatloom.serving import gc_pacing
 from chatloom.serving.autoscale import AutoscaleConfig, PredictiveAutoscaler
 from chatloom.serving.local_fleet import LocalReplicas
 from chatloom.serving.local_scaler import LocalFleetScaler
@@ -238,6 +239,7 @@ async def _start_speech(speech: SpeechBackend) -> None:
 async def _start_backend(backend: Backend, app: FastAPI) -> None:
     try:
         await backend.start()
+        gc_pacing.after_load()  # what the model's load built joins the startup heap no collection walks
     except ModelLoadFailed as exc:
         # No retry can help: where the CLI runs the server (app.state.stop_server), it stops and exits
         # with this reason; an app embedded elsewhere stays up with the reason on /readyz.

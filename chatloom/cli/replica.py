@@ -26,9 +26,11 @@ def cmd_replica(args: argparse.Namespace) -> int:
 
     from chatloom.model_args import bf16_matmul, int8_matmul, load_from_args
     from chatloom.models import ModelError
+    from chatloom.serving import gc_pacing
     from chatloom.serving.backend import ModelLoadFailed
     from chatloom.serving.local import LocalBackend
     from chatloom.serving.replica_server import create_replica_app
+    from chatloom.settings import environment_settings
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -44,6 +46,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
     except ModelLoadFailed as exc:
         raise ModelError(str(exc)) from None
     app = create_replica_app(backend)
+    gc_pacing.start(environment_settings().runtime)  # the model is loaded: it is never walked again
     print(f"chatloom: replica serving {loaded.id} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

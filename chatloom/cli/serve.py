@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from chatloom.app.main import create_app
 
     from chatloom.cli.fleet import fleet_for_serve
+    from chatloom.serving import gc_pacing
 
     settings = _settings(args)
     check_model_kinds(settings)
@@ -82,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with fleet_for_serve(settings, args) as (settings, local):  # replicas started/probed; a bad one is one line
         app = create_app(settings, local_replicas=local)
         app.state.ctx.backend.check()  # a missing model file or unsupported architecture: one line, exit 2
+        gc_pacing.start(settings.runtime)  # what startup built is never walked again (serving/gc_pacing.py)
         scheme = "https (HTTP/2)" if all(tls) else "http"
         shared = f", shared state in Redis at {settings.shared_state.redis_url}" if settings.shared_state.redis_url else ""
         print(f"chatloom: serving {settings.model.name} on {scheme}://{settings.server.host}:{settings.server.port} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # The static embedding model shipped in the wordllama package (chatloom/models/static_embeddings.py).
@@ -587,6 +587,20 @@ class RuntimeSettings(Group):
                                               "for comparisons. Read by the C++ kernels when they load.")
     skip_memory_check: bool = Field(False, description="Load a model even when weights and KV cache look larger "
                                                        "than the available memory.")
+    gc_freeze: bool = Field(True, description="A server (`chatloom serve`, `chatloom replica`) moves the objects "
+                                              "its startup and model load built out of the garbage collector's "
+                                              "reach, so that no collection walks them again (docs/deployment.md).")
+    gc_thresholds: list[int] = Field([700, 10, 100], min_length=3, max_length=3,
+                                     description="A server's `gc.set_threshold()`: Python's defaults but a "
+                                                 "full collection after 100 middle ones instead of 10, since "
+                                                 "a full one stops every stream for as long as it walks the heap.")
+
+    @field_validator("gc_thresholds")
+    @classmethod
+    def _thresholds(cls, value: list[int]) -> list[int]:
+        if value[0] < 1 or min(value) < 0:
+            raise ValueError("three counts, the first at least 1 (0 would turn the collector off)")
+        return value
 
 
 class PortabilitySettings(Group):
