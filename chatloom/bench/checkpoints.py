@@ -365,16 +365,18 @@ def _add_metadata(writer: Any, key: str, value: Any) -> None:
         writer.add_key_value(key, value, V.ARRAY, sub_type=sub)
 
 
-def write_gguf(shape: Shape, path: Path, seed: int, meta: dict[str, Any]) -> None:
-    """A GGUF F16 file of the shape, one tensor in memory at a time."""
+def write_gguf(shape: Shape, path: Path, seed: int, meta: dict[str, Any], writer: Any = None,
+               tensors: Callable = _gguf_tensors, file_type: Any = None) -> None:
+    """A GGUF F16 file of the shape, one tensor in memory at a time. `writer`, `tensors` and
+    `file_type` write other types (kquant_checkpoints.py)."""
     import gguf
 
     cfg = shape.config
     hidden, inter, heads, kv, d, vocab = _dims(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(path), shape.family)
+    w = (writer or gguf.GGUFWriter)(str(path), shape.family)
     w.add_name(shape.name)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type is None else file_type)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(hidden)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -389,7 +391,7 @@ def write_gguf(shape: Shape, path: Path, seed: int, meta: dict[str, Any]) -> Non
     w.add_vocab_size(vocab)
     for key, value in meta.items():
         _add_metadata(w, key, value)
-    tensors = list(_gguf_tensors(shape, seed))
+    tensors = list(tensors(shape, seed))
     for name, dims, dtype, _ in tensors:
         w.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize)
     w.write_header_to_file()

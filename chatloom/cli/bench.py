@@ -319,6 +319,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(a vision model: Hugging Face folder only)")
     p.add_argument("--out", required=True, help="the folder to write NAME-hf/ and NAME-f16.gguf into")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-q4-k-m", action="store_true",
+                   help="write only NAME-q4_k_m-random.gguf instead: Q4_K_M's tensor types with random block "
+                        "bytes, in seconds, for speed measurements (no llama-quantize; outputs meaningless)")
     p.set_defaults(func=runs.checkpoints)
 
     p = sub.add_parser("sizes", help="chatloom, llama-server and vLLM side by side on the same weights, one server "

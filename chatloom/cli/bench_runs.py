@@ -282,6 +282,7 @@ def checkpoints(args) -> int:
 
     from chatloom.bench import vision_checkpoint
     from chatloom.bench.checkpoints import SHAPES, make_checkpoint
+    from chatloom.bench.kquant_checkpoints import write_random_q4_k_m
 
     names = args.shapes or list(SHAPES)
     known = [*SHAPES, vision_checkpoint.NAME]
@@ -292,8 +293,15 @@ def checkpoints(args) -> int:
     for name in names:
         print(f"writing {name} under {args.out}", file=sys.stderr)
         if name == vision_checkpoint.NAME:  # a Hugging Face folder only: GGUF splits a vision model in two
+            if args.random_q4_k_m:
+                raise ValueError(f"--random-q4-k-m: {name} is a vision model, written as a Hugging Face folder only")
             folder, params = vision_checkpoint.make_vision_checkpoint(Path(args.out), args.seed)
             written[name] = {"hf_folder": str(folder), "parameters": params}
+            continue
+        if args.random_q4_k_m:
+            file = Path(args.out) / f"{name}-q4_k_m-random.gguf"
+            written[name] = {"gguf_q4_k_m_random": str(file),
+                             "gguf_bytes": write_random_q4_k_m(SHAPES[name], file, args.seed)}
             continue
         made = make_checkpoint(SHAPES[name], Path(args.out), args.seed)
         written[name] = {"hf_folder": str(made.hf_folder), "gguf_f16": str(made.gguf_file),
