@@ -18,6 +18,8 @@
 #include "kernels.h"
 #include "panel_tile.h"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -33,20 +35,31 @@ constexpr int64_t kFewRows = 12;
 constexpr int64_t kTaskPanels = 4;
 // Rows per block of the many-row path: a multiple of both wide tiles' rows (10 and 8).
 constexpr int64_t kRowBlock = 80;
-// How far ahead the kernels prefetch the weights, per CPU maker (measured with `chatloom bench
-// kquant-matmul`, GB/s of the panels' bytes over the float32 kernel's in the same run). One row: on
-// the 2-core EPYC (Zen 5) one thread streamed the most at 6 KiB into L1, and at 4 and 8 KiB Q6_K fell
-// to two thirds of that; on the 2-core Xeon (Emerald Rapids) 12 KiB into L2 streamed 0.85-0.90 of the
-// float32 rate where 6 KiB into L1 streamed 0.78-0.83. Several rows: 1 KiB on Zen 5; on the Xeon
-// 4 KiB, where at 1 KiB Q6_K streamed half the float32 rate at 4 and 8 rows (0.71-0.88 at 4 KiB).
+// How far ahead the kernels prefetch the weights, per CPU (measured with `chatloom bench
+// kquant-matmul`, GB/s of the panels' bytes in thread CPU time, one thread). One row: on the 2-core
+// EPYC of Zen 5 one thread streamed the most at 6 KiB into L1, and at 4 and 8 KiB Q6_K fell to two
+// thirds of that; on a 2-core Xeon (Emerald Rapids) 12 KiB into L2 streamed 0.85-0.90 of the float32
+// rate where 6 KiB into L1 streamed 0.78-0.83; on a 2-core EPYC of Zen 4, 6 KiB into L1 streamed
+// Q6_K at 8.3-8.7 GB/s, 12 KiB into L2 at 17-19 and 8 KiB into L2 at 20.7-22.5 (Q4_K 16.5, 17-19
+// and 18-20), and a 3B decode step took 4-5 ms less at 8 KiB than at 12. Several rows: 1 KiB on Zen 5;
+// 4 KiB on the Xeon, where at 1 KiB Q6_K streamed half the float32 rate at 4 and 8 rows, and on Zen 4
+// (Q6_K at 4 rows 11 GB/s against 8.2-8.9).
 struct Prefetch {
   int64_t row_ahead;  // one-row kernel
   bool row_to_l2;     // its prefetches go to L2 (_MM_HINT_T1), not L1
   int64_t ahead;      // the kernels of several rows
 };
+// The CPU's family from CPUID leaf 1 (AMD: 0x19 Zen 3 and 4, 0x1A Zen 5).
+unsigned cpu_family() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+  const unsigned base = (eax >> 8) & 0xF;
+  return base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+}
 const Prefetch kPrefetch = [] {
   __builtin_cpu_init();
-  return __builtin_cpu_is("intel") ? Prefetch{12288, true, 4096} : Prefetch{6144, false, 1024};
+  if (!__builtin_cpu_is("amd")) return Prefetch{12288, true, 4096};
+  return cpu_family() >= 0x1A ? Prefetch{6144, false, 1024} : Prefetch{8192, true, 4096};
 }();
 
 // The quantized rows: q [m, K] (each 8 depths in the order above), per block of 32 the scale s and
