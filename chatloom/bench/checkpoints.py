@@ -365,16 +365,17 @@ def _add_metadata(writer: Any, key: str, value: Any) -> None:
         writer.add_key_value(key, value, V.ARRAY, sub_type=sub)
 
 
-def write_gguf(shape: Shape, path: Path, seed: int, meta: dict[str, Any], writer: Any = None,
-               tensors: Callable = _gguf_tensors, file_type: Any = None) -> None:
-    """A GGUF F16 file of the shape, one tensor in memory at a time. `writer`, `tensors` and
-    `file_type` write other types (kquant_checkpoints.py)."""
+def write_gguf(shape: Shape, path: Path, seed: int, meta: dict[str, Any], tensors: Callable = _gguf_tensors,
+               file_type: Any = None) -> None:
+    """A GGUF F16 file of the shape, one tensor in memory at a time. `tensors` and `file_type` write
+    other types: a tensor whose dtype is a GGML quantization type is written as its blocks' bytes
+    (kquant_checkpoints.py)."""
     import gguf
 
     cfg = shape.config
     hidden, inter, heads, kv, d, vocab = _dims(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    w = (writer or gguf.GGUFWriter)(str(path), shape.family)
+    w = gguf.GGUFWriter(str(path), shape.family)
     w.add_name(shape.name)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if file_type is None else file_type)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -393,7 +394,12 @@ def write_gguf(shape: Shape, path: Path, seed: int, meta: dict[str, Any], writer
         _add_metadata(w, key, value)
     tensors = list(tensors(shape, seed))
     for name, dims, dtype, _ in tensors:
-        w.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize)
+        if isinstance(dtype, gguf.GGMLQuantizationType):  # [rows, weights] stored as rows of blocks
+            block, block_bytes = gguf.GGML_QUANT_SIZES[dtype]
+            rows, row_bytes = dims[0], dims[1] // block * block_bytes
+            w.add_tensor_info(name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes, raw_dtype=dtype)
+        else:
+            w.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

@@ -60,25 +60,14 @@ def write_random_q4_k_m(shape: Shape, path: Path, seed: int = 0) -> int:
 
     layers = shape.config["num_hidden_layers"]
     rng = np.random.default_rng(seed)
-    sizes = gguf.GGML_QUANT_SIZES
-
-    class Writer(gguf.GGUFWriter):
-        def add_tensor_info(self, name, tensor_shape, tensor_dtype, tensor_nbytes, raw_dtype=None):
-            if len(tensor_shape) != 2:
-                return super().add_tensor_info(name, tensor_shape, tensor_dtype, tensor_nbytes, raw_dtype)
-            kind = q4_k_m_type(name, layers)
-            rows, cols = tensor_shape
-            row_bytes = cols // SUPER_BLOCK * sizes[kind][1]
-            return super().add_tensor_info(name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes,
-                                           raw_dtype=kind)
 
     def tensors(shape_: Shape, seed_: int):
         for name, dims, dtype, make in checkpoints._gguf_tensors(shape_, seed_):
             if len(dims) == 2:
-                kind = q4_k_m_type(name, layers)
-                make = (lambda k=kind, d=dims: random_blocks(k, d[0], d[1], rng))
+                dtype = q4_k_m_type(name, layers)
+                make = (lambda k=dtype, d=dims: random_blocks(k, d[0], d[1], rng))
             yield name, dims, dtype, make
 
-    checkpoints.write_gguf(shape, Path(path), seed, checkpoints.tokenizer_metadata(shape),
-                           writer=Writer, tensors=tensors, file_type=gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    checkpoints.write_gguf(shape, Path(path), seed, checkpoints.tokenizer_metadata(shape), tensors=tensors,
+                           file_type=gguf.LlamaFileType.MOSTLY_Q4_K_M)
     return Path(path).stat().st_size

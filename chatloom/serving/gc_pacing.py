@@ -34,15 +34,15 @@ class PacingSettings(Protocol):
     gc_thresholds: list[int]
 
 
-_started = False
+_paced: PacingSettings | None = None  # what start() was given
 
 
 def start(settings: PacingSettings) -> None:
     """Pace this process's collector (the first call; later ones change nothing)."""
-    global _started
-    if _started:
+    global _paced
+    if _paced is not None:
         return
-    _started = True
+    _paced = settings
     gc.set_threshold(*settings.gc_thresholds)
     if settings.gc_freeze:
         freeze()
@@ -50,7 +50,7 @@ def start(settings: PacingSettings) -> None:
 
 def after_load() -> None:
     """Freeze what loading the model built, where `start()` paced this process with freezing on."""
-    if _started and gc.get_freeze_count() > 0:
+    if _paced is not None and _paced.gc_freeze:
         freeze()
 
 

@@ -12,7 +12,7 @@ from chatloom.settings.tree import RuntimeSettings
 def restored_collector(monkeypatch):
     """The test process's collector as it was, whatever the test does to it."""
     thresholds = gc.get_threshold()
-    monkeypatch.setattr(gc_pacing, "_started", False)
+    monkeypatch.setattr(gc_pacing, "_paced", None)
     yield
     gc.unfreeze()
     gc.set_threshold(*thresholds)
