@@ -88,7 +88,8 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
     settings = settings.with_values(changes)
     try:
         fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy,
-                            settings.fleet.router_weights, settings.model.name, settings.fleet.router_class_targets)
+                            settings.fleet.router_weights, settings.model.name, settings.fleet.router_class_targets,
+                            settings.fleet.router_opening_limit, settings.fleet.router_opening_hold_ms / 1000)
         asyncio.run(_probe(fleet))
         yield settings, local
     finally:

@@ -26,6 +26,7 @@ from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
                                       Delta, EmbedInput, Embeddings, GenerationRequest, TextLogprob)
 from chatloom.serving.openai_protocol import error_message, sampling_to_body
+from chatloom.serving.stream_pool import StreamClients
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,11 @@ class RemoteBackend(Backend):
         self._tokenizer = tokenizer
         self.timeouts = timeouts or Timeouts()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(
-            self.timeouts.probe, connect=self.timeouts.connect), limits=httpx.Limits(max_connections=None,
-                                                                                    max_keepalive_connections=64))
+        # Made once: each client would otherwise load the CA certificates again (milliseconds of the loop).
+        self._ssl = httpx.create_ssl_context()
+        self._client = self._new_client(headers, keepalive=64)  # probes, embeddings, KV instructions
+        # What every answer sends (its /tokenize, its stream) on clients with small pools (see stream_pool).
+        self._streams = StreamClients(lambda per_client: self._new_client(headers, keepalive=per_client))
         self._info: ServerInfo | None = None
         self._error: str | None = None
         self._responses: dict[str, httpx.Response] = {}
@@ -114,6 +117,11 @@ class RemoteBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.base_url!r}, model={self.model!r})"
+
+    def _new_client(self, headers: dict, keepalive: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, verify=self._ssl, timeout=httpx.Timeout(
+            self.timeouts.probe, connect=self.timeouts.connect), limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=keepalive))
 
     def _priority(self, priority: int) -> dict:
         """The request body's priority field, where the server takes one and it is not the default."""
@@ -212,7 +220,7 @@ class RemoteBackend(Backend):
             body["prompt"] = prompt or ""
         try:
             # On the request's path: a saturated replica is slow to accept, not gone.
-            r = await self._client.post("/tokenize", json=body, timeout=httpx.Timeout(
+            r = await self._streams.request("POST", "/tokenize", json=body, timeout=httpx.Timeout(
                 self.timeouts.between_chunks, connect=self.timeouts.stream_connect))
         except httpx.HTTPError as exc:
             raise ReplicaError(f"{self.base_url}/tokenize: {_describe(exc)}") from None
@@ -227,7 +235,7 @@ class RemoteBackend(Backend):
         timeout = httpx.Timeout(self.timeouts.between_chunks, connect=self.timeouts.stream_connect)
         where = f"{self.base_url}{path}"
         try:
-            async with self._client.stream("POST", path, json=body, timeout=timeout) as r:
+            async with self._streams.stream("POST", path, json=body, timeout=timeout) as r:
                 if r.status_code != 200:
                     await r.aread()
                     _json_or_error(r, where)  # raises with the server's own message
@@ -359,6 +367,7 @@ class RemoteBackend(Backend):
             raise BackendNotReady(str(exc)) from None
 
     async def close(self) -> None:
+        await self._streams.aclose()
         await self._client.aclose()
 
     @property

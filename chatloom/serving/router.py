@@ -27,6 +27,7 @@ from chatloom.engine.block_hash import prefix_block_keys
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
                                       Delta, EmbedInput, Embeddings, GenerationRequest, ReplicaStatus, Timings)
 from chatloom.serving.continuation import AnswerProgress
+from chatloom.serving.opening_gate import OpeningGate
 from chatloom.serving.policies import make_policy
 from chatloom.serving.prefix_index import PrefixIndex
 from chatloom.serving.remote import (RemoteBackend, ReplicaError, ReplicaModelMismatch, ReplicaTimeout, Timeouts,
@@ -51,6 +52,8 @@ class RouterConfig:
     approx_capacity_blocks: int = 65536  # how many blocks an approximate index remembers per replica
     timeouts: Timeouts = field(default_factory=Timeouts)  # per replica: probes, connects, silence mid-answer
     class_targets: bool = False  # place by what the request's class target leaves (fleet.router_class_targets)
+    opening_limit: int = 2  # requests placed at once, the rest wait (opening_gate; 0: no limit)
+    opening_hold_s: float = 0.05  # longest one request keeps its place while it waits on a replica
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Router(Backend):
         self.model = model
         self.config = config or RouterConfig()
         self.policy = make_policy(self.config.policy, self.config.weights)
+        self._opening = OpeningGate(self.config.opening_limit, self.config.opening_hold_s)
         self._tokenizer = tokenizer
         self.replicas: list[Replica] = []
         for i, r in enumerate(replicas):
@@ -398,8 +402,15 @@ class Router(Backend):
             # nor their logprobs survive.
             raise BadGenerationRequest("n above 1 and logprobs are not supported through the router",
                                        "unsupported_value", "n" if request.n > 1 else "logprobs")
-        ids = await self.prompt_ids(request)
+        # Tokenizing and placing it wait for a place at the gate; its stream's request gives it back.
+        leave = await self._opening.enter()
+        try:
+            ids = await self.prompt_ids(request)
+        except BaseException:
+            leave()
+            raise
         if len(ids) >= self.context_window:
+            leave()
             raise BadGenerationRequest(f"the prompt has {len(ids)} tokens; this model's context window is "
                                        f"{self.context_window} tokens and the answer needs room too",
                                        "context_length_exceeded", "messages")
@@ -439,6 +450,7 @@ class Router(Backend):
                 self._current[rid] = (replica, sub_id)
                 replica.inflight += 1
                 sent, waiting = time.monotonic(), replica.waiting
+                leave()
                 try:
                     async for piece in replica.client.stream_tokens(prompt, sub, sub_id, priority=request.priority):
                         if rid in self._aborted:
@@ -490,6 +502,7 @@ class Router(Backend):
             raise BackendError(f"the answer failed on {len(tried)} replica(s) of {self.model!r}; "
                                f"no other replica is available")
         finally:
+            leave()
             self._current.pop(rid, None)
             self._aborted.discard(rid)
 

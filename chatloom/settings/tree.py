@@ -449,6 +449,13 @@ class FleetSettings(Group):
                                                           "class's time-to-first-token target (least_load and "
                                                           "prefix_aware). Off: in the simulator it helped some "
                                                           "runs near saturation and tipped others into overload.")
+    router_opening_limit: int = Field(2, ge=0, description="Most requests a router places at once (tokenizing "
+                                                           "the prompt at a replica, choosing one, sending it); "
+                                                           "the rest wait their turn, so that a burst of new "
+                                                           "requests does not hold up the answers streaming. 0: "
+                                                           "no limit.")
+    router_opening_hold_ms: float = Field(50.0, gt=0, description="Longest one request keeps its place while it "
+                                                                  "waits on a replica during placement.")
 
 
 class EmbeddingsSettings(Group):
@@ -590,10 +597,16 @@ class RuntimeSettings(Group):
     gc_freeze: bool = Field(True, description="A server (`chatloom serve`, `chatloom replica`) moves the objects "
                                               "its startup and model load built out of the garbage collector's "
                                               "reach, so that no collection walks them again (docs/deployment.md).")
-    gc_thresholds: list[int] = Field([700, 10, 100], min_length=3, max_length=3,
+    gc_thresholds: list[int] = Field([700, 10, 2000], min_length=3, max_length=3,
                                      description="A server's `gc.set_threshold()`: Python's defaults but a "
-                                                 "full collection after 100 middle ones instead of 10, since "
-                                                 "a full one stops every stream for as long as it walks the heap.")
+                                                 "full collection after 2,000 middle ones instead of 10 (about a "
+                                                 "minute with the young collections' clock), since a full one "
+                                                 "stops every stream for as long as it walks the heap.")
+    gc_young_interval_ms: float = Field(30.0, ge=0, description="A server collects the two younger generations "
+                                                                "this often, from a thread of its own, so that each "
+                                                                "collection is short (0: only when Python's "
+                                                                "allocation counts say so; then lower "
+                                                                "gc_thresholds[2], e.g. to 100).")
 
     @field_validator("gc_thresholds")
     @classmethod

@@ -43,10 +43,13 @@ class FleetSettings:
     policy: str = "prefix_aware"
     weights: PolicyWeights = field(default_factory=PolicyWeights)
     class_targets: bool = False  # routers place by what the class's TTFT target leaves (serving/routing.py)
+    opening_limit: int = 2  # requests a router places at once (serving/opening_gate.py)
+    opening_hold_s: float = 0.05
 
 
 def parse_fleet(models: object, replicas: object = None, policy: object = "prefix_aware",
-                weights: object = None, default_model: str = "", class_targets: bool = False) -> FleetSettings:
+                weights: object = None, default_model: str = "", class_targets: bool = False,
+                opening_limit: int = 2, opening_hold_s: float = 0.05) -> FleetSettings:
     """Check and normalize the raw settings; ValueError says exactly what is wrong."""
     from chatloom.serving.policies import POLICIES
 
@@ -68,7 +71,8 @@ def parse_fleet(models: object, replicas: object = None, policy: object = "prefi
     dupes = sorted({m for m in ids if ids.count(m) > 1})
     if dupes:
         raise ValueError(f"fleet.models: {', '.join(dupes)} listed twice")
-    return FleetSettings(tuple(entries), policy, _weights(weights), class_targets)
+    return FleetSettings(tuple(entries), policy, _weights(weights), class_targets, opening_limit,
+                         opening_hold_s)
 
 
 def _served_id(spec: str) -> str:
@@ -139,7 +143,8 @@ def build_fleet_backend(fleet: FleetSettings, local_backend) -> Backend:
     backends: dict[str, Backend] = {}
     for e in fleet.models:
         if e.replicas:
-            config = RouterConfig(policy=fleet.policy, weights=fleet.weights, class_targets=fleet.class_targets)
+            config = RouterConfig(policy=fleet.policy, weights=fleet.weights, class_targets=fleet.class_targets,
+                                  opening_limit=fleet.opening_limit, opening_hold_s=fleet.opening_hold_s)
             backends[e.id] = Router(e.id, list(e.replicas), config, _router_tokenizer(e), e.api_key)
         else:
             backends[e.id] = local_backend(e.path or e.id, e.pooling)
