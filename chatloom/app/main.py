@@ -56,11 +56,9 @@ log = logging.getLogger(__name__)
 
 def default_backend(settings: Settings) -> Backend:
     if settings.fleet.models or settings.fleet.replicas:  # several models, or replicas: the fleet
-        from chatloom.app.core.fleet_settings import build_fleet_backend, parse_fleet
+        from chatloom.app.core.fleet_settings import build_fleet_backend, fleet_from_settings
 
-        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy,
-                            settings.fleet.router_weights, settings.model.name, settings.fleet.router_class_targets,
-                            settings.fleet.router_opening_limit, settings.fleet.router_opening_hold_ms / 1000)
+        fleet = fleet_from_settings(settings)
         return build_fleet_backend(fleet, lambda spec, pooling=None: local_backend(settings, spec, pooling))
     return local_backend(settings, settings.model.name)
 

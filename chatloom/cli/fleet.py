@@ -47,7 +47,7 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
     probed."""
     import logging
 
-    from chatloom.app.core.fleet_settings import parse_fleet
+    from chatloom.app.core.fleet_settings import fleet_from_settings
 
     # The router checks every replica each second; one httpx line per check would drown the log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -87,9 +87,7 @@ def fleet_for_serve(settings, args: argparse.Namespace) -> Iterator[tuple[object
             changes["autoscale.startup_s"] = round(time.monotonic() - started, 1)
     settings = settings.with_values(changes)
     try:
-        fleet = parse_fleet(settings.fleet.models, settings.fleet.replicas, settings.fleet.router_policy,
-                            settings.fleet.router_weights, settings.model.name, settings.fleet.router_class_targets,
-                            settings.fleet.router_opening_limit, settings.fleet.router_opening_hold_ms / 1000)
+        fleet = fleet_from_settings(settings)
         asyncio.run(_probe(fleet))
         yield settings, local
     finally:

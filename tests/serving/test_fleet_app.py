@@ -95,6 +95,16 @@ def test_the_class_targets_setting_reaches_the_routers():
     assert default_backend(settings).config.class_targets is True
 
 
+def test_the_opening_gate_settings_reach_the_routers():
+    from chatloom.app.main import default_backend
+
+    settings = Settings().with_values({"fleet.replicas": ["http://h:1/"], "fleet.router_opening_limit": 5,
+                                       "fleet.router_opening_hold_ms": 20})
+    router = default_backend(settings)
+    assert (router.config.opening_limit, router.config.opening_hold_s) == (5, 0.02)
+    assert (router._opening.limit, router._opening.hold_s) == (5, 0.02)
+
+
 def test_pooling_is_set_per_local_model():
     from chatloom.app.core.fleet_settings import build_fleet_backend
     from chatloom.serving import LocalBackend

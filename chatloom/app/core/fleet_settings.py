@@ -75,6 +75,13 @@ def parse_fleet(models: object, replicas: object = None, policy: object = "prefi
                          opening_hold_s)
 
 
+def fleet_from_settings(settings) -> FleetSettings:
+    """parse_fleet over the settings tree's `fleet` group and default model (serve and the fleet CLI)."""
+    f = settings.fleet
+    return parse_fleet(f.models, f.replicas, f.router_policy, f.router_weights, settings.model.name,
+                       f.router_class_targets, f.router_opening_limit, f.router_opening_hold_ms / 1000)
+
+
 def _served_id(spec: str) -> str:
     from chatloom.serving.local import model_id_for
 
