@@ -313,6 +313,10 @@ class TrafficSettings(Group):
     cached_input_discount: float = Field(0.5, ge=0, le=1, description="Share taken off the quota cost of "
                                          "prompt tokens served from the prefix cache (0: full price; "
                                          "1: free).")
+    metering_flush_gap_ms: float = Field(50.0, ge=0, description="Least time between the starts of two "
+                                         "metering writes that follow each other back to back: answers "
+                                         "ending together share a transaction. A record in a quiet moment "
+                                         "is written at once.")
     slo_classes: dict[str, SloTarget] = Field(
         default_factory=lambda: {"reasoning": SloTarget(ttft_s=10.0, tpot_s=0.2)},
         description="Targets per traffic class, overriding slo_ttft_s/slo_tpot_s: 'reasoning', 'interactive', "

@@ -242,7 +242,8 @@ def build_traffic(settings: Settings, backend: Backend, db: Database) -> Traffic
         admission.before_refusing = before_refusing
     return Traffic(settings=settings, tiers=TierTable.load(settings.traffic.tiers_file, default=settings.traffic.default_tier),
                    quotas=MemoryQuotaStore(), admission=admission, moderator=build_moderator(settings),
-                   metrics=metrics, meter=Meter(db), reasoning_max_effort=settings.traffic.reasoning_max_effort,
+                   metrics=metrics, meter=Meter(db, flush_gap_s=settings.traffic.metering_flush_gap_ms / 1e3),
+                   reasoning_max_effort=settings.traffic.reasoning_max_effort,
                    ladder=ladder, recent_wait=recent_wait)
 
 

@@ -2,10 +2,19 @@
 
 One writer task per process owns the writes: records queue in memory, summed per (user, day, model),
 and each flush adds them in one transaction. So metering holds one database connection at a time
-(SQLite gets one metering writer, and a burst of answers ending together cannot empty the pool), and
-a failed flush (database locked, pool timeout, database restarting) keeps its records and retries with
-backoff. close() flushes what is queued before the database is closed. A conversation answer's tokens
-skip the queue: `write` adds them in the transaction that saves the answer (chat/final_save.py)."""
+(SQLite gets one metering writer, and a burst of answers ending together cannot empty the pool).
+
+A flush that follows another back to back (records arrived while the first ran) starts `flush_gap_s`
+after it at the earliest (`traffic.metering_flush_gap_ms`, 50 ms). A record arriving in a quiet
+moment is written at once; when hundreds of answers end within a few seconds, each flush carries
+what ended since the last one. Back-to-back flushes wrote one to three records per transaction, about
+70 transactions a second at 1,000 ending streams, each taking 1.5 ms of CPU from a gateway that is
+relaying every other stream's tokens meanwhile.
+
+A failed flush (database locked, pool timeout, database restarting) keeps its records and retries
+with backoff. close() flushes what is queued before the database is closed. A conversation answer's
+tokens skip the queue: `write` adds them in the transaction that saves the answer
+(chat/final_save.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -48,12 +57,19 @@ class Tally:
 class Meter:
     """Usage rows, written by one background task. `wait_s`: how long record() waits for its flush
     (so a caller usually reads its own usage back at once) before it returns and leaves the record
-    queued; `backoff_s`: the first and the longest pause between failed flushes."""
+    queued; `backoff_s`: the first and the longest pause between failed flushes; `flush_gap_s`: the
+    least time from one flush's start to the next one's."""
 
-    def __init__(self, db: Database, wait_s: float = 5.0, backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
+    def __init__(self, db: Database, wait_s: float = 5.0, backoff_s: tuple[float, float] = (0.05, 2.0),
+                 flush_gap_s: float = 0.05) -> None:
         self.db = db
         self.wait_s = wait_s
         self.backoff_s = backoff_s
+        self.flush_gap_s = flush_gap_s
+        self.flushes = 0  # transactions begun by the writer (for logs and tests)
+        self._flushed_at = -math.inf  # when the last flush began (time.monotonic)
+        self._hurry = False  # close() has begun: the writer skips what is left of the gap
+        self._gap_end: asyncio.Future[None] | None = None  # the writer waiting out the gap; close() ends it
         self._pending: dict[Key, Tally] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._task: asyncio.Task[None] | None = None
@@ -93,6 +109,9 @@ class Meter:
         `timeout_s` are logged as lost."""
         loop = asyncio.get_running_loop()
         task = self._task
+        self._hurry = True
+        if self._gap_end is not None and not self._gap_end.done() and self._gap_end.get_loop() is loop:
+            self._gap_end.set_result(None)
         if self._pending and (task is None or task.done() or task.get_loop() is not loop):
             task = self._task = asyncio.create_task(self._run(), name="metering-writer")
         if task is not None and not task.done() and task.get_loop() is loop:
@@ -113,6 +132,7 @@ class Meter:
         if self._reader is not None:
             await self._reader.dispose()
             self._reader = None
+        self._hurry = False  # a meter reopened in another event loop paces its flushes again
 
     async def charged_on(self, user_id: str, day: str, discount: float) -> int:
         """What the user's metered tokens of `day` (written, and queued here) cost the quota, cached prompt
@@ -154,9 +174,15 @@ class Meter:
 
     async def _run(self) -> None:
         delay = self.backoff_s[0]
+        paced = False  # a writer's first flush goes at once: a lone record is never held up
         while self._pending:
+            if paced:
+                await self._gap()
+            paced = True
             batch, waiters = self._pending, self._waiters
             self._pending, self._waiters = {}, []
+            self._flushed_at = time.monotonic()
+            self.flushes += 1
             try:
                 left = await self._flush(batch)
             except asyncio.CancelledError:
@@ -172,6 +198,17 @@ class Meter:
             self.failed_flushes += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff_s[1])
+
+    async def _gap(self) -> None:
+        """Before a flush that follows another (records came while it ran), wait out what is left of
+        `flush_gap_s` since that one began (nothing once close() has begun): more records join."""
+        left = self._flushed_at + self.flush_gap_s - time.monotonic()
+        if left > 0 and not self._hurry:
+            self._gap_end = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait({self._gap_end}, timeout=left)
+            finally:
+                self._gap_end = None
 
     async def _flush(self, batch: dict[Key, Tally]) -> dict[Key, Tally]:
         """Write `batch`; returns what is left to retry."""

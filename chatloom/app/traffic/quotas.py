@@ -84,7 +84,7 @@ class Reservation:
     day: str
     settled: bool = False
     batch: bool = False  # counted against the day only
-    _entry: list = field(default_factory=list, repr=False)  # [time, tokens] in the minute window
+    _entry: list = field(default_factory=list, repr=False)  # [time, tokens, in the window] (memory store)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names it in a shared store
 
 
@@ -107,7 +107,10 @@ class QuotaStore(abc.ABC):
 
 @dataclass
 class _UserCounters:
-    minute: deque = field(default_factory=deque)  # [time, tokens] entries, oldest first
+    minute: deque = field(default_factory=deque)  # [time, tokens, in the window] entries, oldest first
+    # The sum of the window's tokens, kept as entries come, change and leave: a user with thousands of
+    # requests in the last minute is checked without adding them all up each time.
+    minute_tokens: int = 0
     requests: deque = field(default_factory=deque)  # request start times
     day: str = ""
     day_tokens: int = 0
@@ -206,7 +209,9 @@ class MemoryQuotaStore(QuotaStore):
     def _counters(self, user_id: str, now: float) -> _UserCounters:
         c = self._users.setdefault(user_id, _UserCounters())
         while c.minute and c.minute[0][0] <= now - MINUTE:
-            c.minute.popleft()
+            entry = c.minute.popleft()
+            entry[2] = False
+            c.minute_tokens -= entry[1]
         while c.requests and c.requests[0] <= now - MINUTE:
             c.requests.popleft()
         today = _today(now)
@@ -216,13 +221,20 @@ class MemoryQuotaStore(QuotaStore):
 
     @staticmethod
     def _minute_used(c: _UserCounters) -> int:
-        return sum(e[1] for e in c.minute)
+        return c.minute_tokens
+
+    @staticmethod
+    def _set_entry(c: _UserCounters, entry: list, tokens: int) -> None:
+        """Change a reservation's tokens in the window; one that has left it changes nothing."""
+        if entry[2]:
+            c.minute_tokens += tokens - entry[1]
+        entry[1] = tokens
 
     @staticmethod
     def _wait_for(c: _UserCounters, now: float, need: int, limit: int) -> float:
         """Seconds until the minute window has room for `need` more tokens."""
-        used = sum(e[1] for e in c.minute)
-        for t, tokens in c.minute:
+        used = c.minute_tokens
+        for t, tokens, _ in c.minute:
             used -= tokens
             if used + need <= limit:
                 return t + MINUTE - now
@@ -245,8 +257,9 @@ class MemoryQuotaStore(QuotaStore):
         if batch:
             c.day_tokens += tokens
             return Reservation(user_id, tokens, now, c.day, batch=True)
-        entry = [now, tokens]
+        entry = [now, tokens, True]
         c.minute.append(entry)
+        c.minute_tokens += tokens
         c.requests.append(now)
         c.day_tokens += tokens
         c.active += 1
@@ -261,7 +274,7 @@ class MemoryQuotaStore(QuotaStore):
         c = self._counters(reservation.user_id, now)
         self._check(c, tier, extra, now, new_request=False, batch=reservation.batch)
         if reservation._entry:
-            reservation._entry[1] += extra
+            self._set_entry(c, reservation._entry, reservation._entry[1] + extra)
         c.day_tokens += extra
         reservation.tokens = tokens
 
@@ -275,8 +288,7 @@ class MemoryQuotaStore(QuotaStore):
         delta = used_tokens - reservation.tokens
         if not reservation.batch:
             c.active = max(0, c.active - 1)
-            # The entry may have left the minute window already; changing it then changes nothing.
-            reservation._entry[1] = used_tokens
+            self._set_entry(c, reservation._entry, used_tokens)
         if reservation.day == c.day:
             c.day_tokens = max(0, c.day_tokens + delta)
 

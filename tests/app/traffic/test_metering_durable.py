@@ -93,6 +93,40 @@ async def test_shutdown_flushes_queued_records(db):
                                 sum(u.completion_tokens for _, u in records))
 
 
+async def test_a_lone_record_is_written_at_once_whatever_the_gap(db):
+    meter = Meter(db, wait_s=5.0, flush_gap_s=60.0)
+    for i in range(3):  # each one after the last was written: a quiet moment every time
+        await asyncio.wait_for(meter.record("usr_0", "m", Usage(prompt_tokens=1, completion_tokens=2)), 10)
+        assert meter.queued == 0 and meter.flushes == i + 1
+    assert await totals(db) == (3, 3, 6)
+    await meter.close()
+
+
+async def test_records_arriving_during_a_flush_wait_out_the_gap_together(db):
+    meter = Meter(db, wait_s=0.05, flush_gap_s=60.0)
+    writing, release = asyncio.Event(), asyncio.Event()
+    real_write = meter._write
+
+    async def first_write_held(batch):
+        if meter.flushes == 1:
+            writing.set()
+            await release.wait()
+        await real_write(batch)
+
+    meter._write = first_write_held
+    first = asyncio.create_task(meter.record("usr_0", "m", Usage(prompt_tokens=1, completion_tokens=1)))
+    await asyncio.wait_for(writing.wait(), 10)
+    await meter.record("usr_1", "m", Usage(prompt_tokens=1, completion_tokens=1))  # while the first runs
+    release.set()
+    await first
+    # The next flush waits for the gap: what ends meanwhile joins it instead of a transaction each.
+    for u in ("usr_2", "usr_3", "usr_1"):
+        await meter.record(u, "m", Usage(prompt_tokens=1, completion_tokens=1))
+    assert meter.flushes == 1 and meter.queued == 4
+    await asyncio.wait_for(meter.close(), 10)  # shutdown does not wait for the gap
+    assert meter.flushes == 2 and meter.queued == 0 and await totals(db) == (5, 5, 5)
+
+
 async def test_close_gives_up_at_its_deadline_when_the_database_stays_locked(db, caplog):
     meter = Meter(db, wait_s=0.0, backoff_s=(0.01, 0.05))
     holder = lock(db)

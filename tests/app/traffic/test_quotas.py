@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 
@@ -11,7 +12,7 @@ import pytest
 from chatloom.app.state.redis_connection import RedisHub
 from chatloom.app.state.redis_quotas import RedisQuotaStore
 from chatloom.app.main import create_app
-from chatloom.app.traffic.quotas import MemoryQuotaStore, QuotaExceeded, duration
+from chatloom.app.traffic.quotas import MemoryQuotaStore, QuotaExceeded, Reservation, duration
 from chatloom.app.traffic.tiers import Tier
 
 from app_testing import make_settings, new_conversation, parse_sse, signup
@@ -99,6 +100,34 @@ async def test_extending_counts_the_extra_tokens(make_store):
         assert "80 of 100" in str(exc)
     await store.settle(r, 80)
     assert (await store.state("u", tier)).remaining_tokens == 20
+
+
+async def test_the_minute_window_counts_what_its_reservations_hold_now(make_store):
+    """Reservations made, grown and settled while the clock runs past the one-minute window, some settled
+    after they left it: the window always holds the sum over the reservations made in the last minute."""
+    rng = random.Random(7)
+    clock = Clock()
+    store = make_store(clock)
+    tier = small_tier(tokens_per_minute=10**9, tokens_per_day=10**12)
+    made: list[tuple[float, Reservation]] = []  # every reservation, settled or not, with its time
+    running: list[Reservation] = []
+    for _ in range(300):
+        clock.t += rng.uniform(0, 1.5)
+        roll = rng.random()
+        if roll < 0.5 or not running:
+            r = await store.reserve("u", tier, rng.randint(1, 500))
+            made.append((clock.t, r))
+            running.append(r)
+        elif roll < 0.65:
+            r = rng.choice(running)
+            await store.extend(r, tier, r.tokens + rng.randint(0, 300))
+        else:
+            r = running.pop(rng.randrange(len(running)))
+            used = rng.randint(0, r.tokens)
+            await store.settle(r, used)
+            r.tokens = used  # what it counts from now on
+        expected = sum(r.tokens for t, r in made if t > clock.t - 60)
+        assert tier.tokens_per_minute - (await store.state("u", tier)).remaining_tokens == expected
 
 
 async def test_daily_limit_is_insufficient_quota_until_midnight(make_store):
