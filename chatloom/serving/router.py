@@ -402,26 +402,23 @@ class Router(Backend):
             # nor their logprobs survive.
             raise BadGenerationRequest("n above 1 and logprobs are not supported through the router",
                                        "unsupported_value", "n" if request.n > 1 else "logprobs")
-        # Tokenizing and placing it wait for a place at the gate; its stream's request gives it back.
+        rid = request.request_id or f"route-{next(self._ids)}"
+        # Tokenizing and placing it wait for a place at the gate. Its stream's request gives the place
+        # back; so does the `finally` below, wherever the request ends before that (leave is idempotent).
         leave = await self._opening.enter()
         try:
             ids = await self.prompt_ids(request)
-        except BaseException:
-            leave()
-            raise
-        if len(ids) >= self.context_window:
-            leave()
-            raise BadGenerationRequest(f"the prompt has {len(ids)} tokens; this model's context window is "
-                                       f"{self.context_window} tokens and the answer needs room too",
-                                       "context_length_exceeded", "messages")
-        rid = request.request_id or f"route-{next(self._ids)}"
-        answer = (AnswerProgress.resumed(params, self._tokenizer, request.resume_token_ids, request.resume_text)
-                  if request.resume_token_ids else AnswerProgress(params, self._tokenizer))
-        t0 = time.monotonic()
-        first_token: float | None = None
-        tried: set[str] = set()
-        cached_tokens = 0
-        try:
+            if len(ids) >= self.context_window:
+                raise BadGenerationRequest(f"the prompt has {len(ids)} tokens; this model's context window is "
+                                           f"{self.context_window} tokens and the answer needs room too",
+                                           "context_length_exceeded", "messages")
+            answer = (AnswerProgress.resumed(params, self._tokenizer, request.resume_token_ids,
+                                             request.resume_text)
+                      if request.resume_token_ids else AnswerProgress(params, self._tokenizer))
+            t0 = time.monotonic()
+            first_token: float | None = None
+            tried: set[str] = set()
+            cached_tokens = 0
             for attempt in range(self.config.max_attempts):
                 prompt = ids + answer.token_ids
                 sub = answer.remaining_params()

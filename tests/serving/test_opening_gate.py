@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from chatloom.serving.backend import GenerationRequest
+from chatloom.serving.backend import BadGenerationRequest, GenerationRequest
 from chatloom.serving.opening_gate import OpeningGate
 from chatloom.serving.router import Router, RouterConfig
 
@@ -103,6 +103,21 @@ async def test_a_streaming_answer_does_not_keep_its_place(fleet, tiny_tokenizer)
         short = GenerationRequest(prompt="another user", max_tokens=3, temperature=0)
         assert await asyncio.wait_for(_text(router, short), 30)
         await long.aclose()
+    finally:
+        await router.close()
+
+
+async def test_a_prompt_too_long_gives_its_place_back(fleet, tiny_tokenizer):
+    router = Router("tiny-random", [r.url for r in fleet], RouterConfig(opening_limit=1, opening_hold_s=600),
+                    tiny_tokenizer)
+    await router.start()
+    try:
+        too_long = GenerationRequest(prompt="word " * (router.context_window + 10), max_tokens=3)
+        with pytest.raises(BadGenerationRequest, match="context window"):
+            await _text(router, too_long)
+        assert router._opening.inside == 0
+        short = GenerationRequest(prompt="another user", max_tokens=3, temperature=0)
+        assert await asyncio.wait_for(_text(router, short), 30)
     finally:
         await router.close()
 
