@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from chatloom.engine.sampling_params import InvalidRequest, SamplingParams
 from chatloom.serving.backend import (Backend, BackendError, BackendNotReady, BackendStats, BadGenerationRequest,
                                       Delta, EmbedInput, Embeddings, GenerationRequest, TextLogprob)
+from chatloom.serving.answer_http import AnswerClient, AnswerHTTPError, AnswerStream
 from chatloom.serving.openai_protocol import error_message, sampling_to_body
-from chatloom.serving.stream_pool import StreamClients
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,12 @@ class RemoteBackend(Backend):
         # Made once: each client would otherwise load the CA certificates again (milliseconds of the loop).
         self._ssl = httpx.create_ssl_context()
         self._client = self._new_client(headers, keepalive=64)  # probes, embeddings, KV instructions
-        # What every answer sends (its /tokenize, its stream) on clients with small pools (see stream_pool).
-        self._streams = StreamClients(lambda per_client: self._new_client(headers, keepalive=per_client))
+        # What every answer sends (its /tokenize, its stream): the gateway's hot path (see answer_http).
+        self._answers = AnswerClient(self.base_url, headers, self._ssl, self.timeouts.stream_connect,
+                                     self.timeouts.between_chunks)
         self._info: ServerInfo | None = None
         self._error: str | None = None
-        self._responses: dict[str, httpx.Response] = {}
+        self._responses: dict[str, AnswerStream] = {}
         self._background: set = set()  # KV instructions on their way
 
     def __repr__(self) -> str:
@@ -133,7 +134,7 @@ class RemoteBackend(Backend):
             r = await self._client.get(path, **kw)
         except httpx.HTTPError as exc:
             raise ReplicaError(f"{self.base_url}{path}: {_describe(exc)}") from None
-        return _json_or_error(r, f"{self.base_url}{path}")
+        return _json_or_error(r.status_code, _body(r), f"{self.base_url}{path}")
 
     async def probe(self) -> ServerInfo:
         """Ask /v1/models what the server serves; ReplicaError says why it cannot be used."""
@@ -206,7 +207,7 @@ class RemoteBackend(Backend):
             raise ReplicaError(f"{self.base_url}/v1/kv_events: {_describe(exc)}") from None
         if r.status_code in (404, 405):
             return None
-        body = _json_or_error(r, f"{self.base_url}/v1/kv_events")
+        body = _json_or_error(r.status_code, _body(r), f"{self.base_url}/v1/kv_events")
         if not isinstance(body.get("events"), list) or not isinstance(body.get("last_seq"), int):
             raise ReplicaError(f"{self.base_url}/v1/kv_events answered an unknown shape")
         return body
@@ -219,12 +220,11 @@ class RemoteBackend(Backend):
         else:
             body["prompt"] = prompt or ""
         try:
-            # On the request's path: a saturated replica is slow to accept, not gone.
-            r = await self._streams.request("POST", "/tokenize", json=body, timeout=httpx.Timeout(
-                self.timeouts.between_chunks, connect=self.timeouts.stream_connect))
-        except httpx.HTTPError as exc:
-            raise ReplicaError(f"{self.base_url}/tokenize: {_describe(exc)}") from None
-        tokens = _json_or_error(r, f"{self.base_url}/tokenize").get("tokens")
+            # On the request's path: a saturated replica is slow to accept, not gone (the stream's timeouts).
+            r = await self._answers.post("/tokenize", body)
+        except AnswerHTTPError as exc:
+            raise ReplicaError(f"{self.base_url}/tokenize: {exc}") from None
+        tokens = _json_or_error(r.status, r.body, f"{self.base_url}/tokenize").get("tokens")
         if not isinstance(tokens, list):
             raise ReplicaError(f"{self.base_url}/tokenize answered no token list")
         return tokens
@@ -232,23 +232,21 @@ class RemoteBackend(Backend):
     # -- streaming ------------------------------------------------------------------------
     async def _stream(self, path: str, body: dict, request_id: str | None) -> AsyncIterator[dict]:
         """The JSON chunks of an SSE answer. 4xx: BadGenerationRequest; anything broken: ReplicaError."""
-        timeout = httpx.Timeout(self.timeouts.between_chunks, connect=self.timeouts.stream_connect)
         where = f"{self.base_url}{path}"
         try:
-            async with self._streams.stream("POST", path, json=body, timeout=timeout) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    _json_or_error(r, where)  # raises with the server's own message
-                    raise ReplicaError(f"{where} answered {r.status_code}")
+            async with self._answers.stream(path, body) as r:
+                if r.status != 200:
+                    _json_or_error(r.status, await r.read_json(), where)  # raises with the server's own message
+                    raise ReplicaError(f"{where} answered {r.status}")
                 if request_id is not None:
                     self._responses[request_id] = r
                 done = False
                 try:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
+                    async for line in r.lines():
+                        if not line.startswith(b"data:"):
                             continue
                         data = line[5:].strip()
-                        if data == "[DONE]":
+                        if data == b"[DONE]":
                             done = True
                             break
                         try:
@@ -263,12 +261,8 @@ class RemoteBackend(Backend):
                         self._responses.pop(request_id, None)
                 if not done:
                     raise ReplicaError(f"{where}: the stream ended without [DONE] (server died?)")
-        except httpx.TimeoutException as exc:
-            raise ReplicaTimeout(f"{where}: {_describe(exc)}") from None
-        except httpx.HTTPError as exc:
-            raise ReplicaError(f"{where}: {_describe(exc)}") from None
-        except httpx.StreamError as exc:  # abort() closed the response under the reader
-            raise ReplicaError(f"{where}: the stream was closed ({type(exc).__name__})") from None
+        except AnswerHTTPError as exc:
+            raise (ReplicaTimeout if exc.timed_out else ReplicaError)(f"{where}: {exc}") from None
 
     async def stream_tokens(self, prompt_ids: list[int], params: SamplingParams,
                             request_id: str | None = None, logprobs: int | None = None,
@@ -314,7 +308,7 @@ class RemoteBackend(Backend):
             raise ReplicaTimeout(f"{where}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise ReplicaError(f"{where}: {_describe(exc)}") from None
-        answer = _json_or_error(r, where)
+        answer = _json_or_error(r.status_code, _body(r), where)
         data = answer.get("data")
         try:
             rows = sorted(data, key=lambda d: d["index"])
@@ -353,9 +347,7 @@ class RemoteBackend(Backend):
         """Close the request's connection; the server aborts it."""
         r = self._responses.pop(request_id, None)
         if r is not None:
-            import asyncio
-
-            asyncio.ensure_future(r.aclose())
+            r.close()
 
     # -- the Backend API ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -367,7 +359,7 @@ class RemoteBackend(Backend):
             raise BackendNotReady(str(exc)) from None
 
     async def close(self) -> None:
-        await self._streams.aclose()
+        await self._answers.aclose()
         await self._client.aclose()
 
     @property
@@ -517,20 +509,24 @@ def _describe(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _json_or_error(r: httpx.Response, where: str) -> dict:
-    """The JSON object of a 2xx answer; the server's own message for 4xx; ReplicaError otherwise."""
+def _body(r: httpx.Response) -> object:
+    """An httpx answer's body as JSON; None when it is not JSON."""
     try:
-        body = r.json()
+        return r.json()
     except ValueError:
-        body = None
-    if 400 <= r.status_code < 500 and r.status_code not in (404, 408, 429) or (
-            r.status_code == 404 and isinstance(body, dict) and _code(body) == "model_not_found"):
-        message = error_message(body) or f"{where} refused the request ({r.status_code})"
-        if r.status_code == 404:
+        return None
+
+
+def _json_or_error(status: int, body: object, where: str) -> dict:
+    """The JSON object `body` of a 2xx answer; the server's own message for 4xx; ReplicaError otherwise."""
+    if 400 <= status < 500 and status not in (404, 408, 429) or (
+            status == 404 and isinstance(body, dict) and _code(body) == "model_not_found"):
+        message = error_message(body) or f"{where} refused the request ({status})"
+        if status == 404:
             raise ReplicaModelMismatch(message)
         raise BadGenerationRequest(message, _code(body) or "invalid_request")
-    if r.status_code >= 300:
-        raise ReplicaError(f"{where} answered {r.status_code}: {error_message(body) or 'no error message'}")
+    if status >= 300:
+        raise ReplicaError(f"{where} answered {status}: {error_message(body) or 'no error message'}")
     if not isinstance(body, dict):
         raise ReplicaError(f"{where} did not answer JSON (is it an OpenAI-compatible server?)")
     return body
