@@ -108,6 +108,7 @@ async def _batch(client: httpx.AsyncClient, headers: dict, model: str, requests:
     r = await client.post("/v1/files", headers=headers, files={"file": ("bench.jsonl", "\n".join(lines).encode())},
                           data={"purpose": "batch"})
     r.raise_for_status()
+    engine_before = await _engine_seconds(client)
     start = time.perf_counter()
     r = await client.post("/v1/batches", headers=headers, json={"input_file_id": r.json()["id"],
                                                                 "endpoint": "/v1/chat/completions",
@@ -120,13 +121,35 @@ async def _batch(client: httpx.AsyncClient, headers: dict, model: str, requests:
             break
         await asyncio.sleep(POLL_S)
     seconds = time.perf_counter() - start
+    engine = _spent(engine_before, await _engine_seconds(client))
     tokens = 0
     if batch.get("output_file_id"):
         content = await client.get(f"/v1/files/{batch['output_file_id']}/content", headers=headers)
         tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in content.text.splitlines())
     counts = batch["request_counts"]
     return {"status": batch["status"], "completed": counts["completed"], "failed": counts["failed"],
-            "output_tokens": tokens, "seconds": round(seconds, 3), "output_tokens_per_s": round(tokens / seconds, 3)}
+            "output_tokens": tokens, "seconds": round(seconds, 3), "output_tokens_per_s": round(tokens / seconds, 3),
+            "engine_seconds": engine}
+
+
+async def _engine_seconds(client: httpx.AsyncClient) -> dict[str, float]:
+    """The engine's step seconds so far by what the steps carried (chatloom:engine_step_seconds), and the
+    wall clock: two readings give a phase's foreground, background and interrupted time."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = await client.get("/metrics")
+    r.raise_for_status()
+    found = {"wall": time.perf_counter()}
+    for family in text_string_to_metric_families(r.text):
+        if family.name == "chatloom:engine_step_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    found[sample.labels["kind"]] = found.get(sample.labels["kind"], 0.0) + sample.value
+    return found
+
+
+def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
 
 
 def _tiers_file(folder: Path) -> str:
@@ -153,6 +176,9 @@ def _merge(parts: list[dict]) -> dict:
     for key in ("completed", "failed", "output_tokens", "seconds"):
         merged[key] = round(sum(p[key] for p in parts), 3)
     merged["output_tokens_per_s"] = round(merged["output_tokens"] / merged["seconds"], 3)
+    kinds = {k for p in parts for k in p["engine_seconds"]}
+    merged["engine_seconds"] = {k: round(sum(p["engine_seconds"].get(k, 0.0) for p in parts), 3)
+                                for k in sorted(kinds)}
     return merged
 
 
@@ -171,10 +197,12 @@ async def _run(url: str, model: str, requests: int, rounds: int, users: int, tur
 
         alone, together = Interactive(), Interactive()
         asked = [0] * users  # each user's turns so far, over all phases
-        batch_alone, batch_together = [], []
+        batch_alone, batch_together, users_engine = [], [], []
         for r in range(rounds):  # the phases alternate, so each sees the machine's load of the same minutes
             share = requests // rounds + (1 if r < requests % rounds else 0)
+            before = await _engine_seconds(client)
             _add(alone, await _users(client, chatters, model, max_tokens, think_s, lambda turn: turn < turns, asked))
+            users_engine.append(_spent(before, await _engine_seconds(client)))
             batch_alone.append(await _batch(client, owner, model, share, batch_max_tokens, seed + 2 + 2 * r))
             running = asyncio.create_task(_batch(client, owner, model, share, batch_max_tokens, seed + 3 + 2 * r))
             _add(together, await _users(client, chatters, model, max_tokens, think_s,
@@ -191,9 +219,29 @@ async def _run(url: str, model: str, requests: int, rounds: int, users: int, tur
             "interactive_alone": alone.summary(), "batch_alone": batch_alone,
             "together": {"interactive": together.summary(), "batch": batch_together},
             "idle_capacity_tokens_per_s": round(idle, 3), "ttft_p90_ratio": ratio, "batch_share_of_idle": share,
+            "engine_time": _engine_time(users_engine, batch_alone, batch_together),
             "targets": {"ttft_p90_ratio_max": TTFT_RATIO_MAX, "batch_share_of_idle_min": IDLE_SHARE_MIN,
                         "met": ratio is not None and share is not None and ratio <= TTFT_RATIO_MAX
                         and share >= IDLE_SHARE_MIN}}
+
+
+def _engine_time(users_engine: list[dict], batch_alone: dict, batch_together: dict) -> dict:
+    """The same phases in engine time. On an engine whose step time grows with each sequence (a CPU), the
+    users' tokens cost more engine time apiece than the batch's (their steps are small), so the batch
+    alone minus what the users used, in tokens a second, is more than the time they leave can give. Here
+    the time left is the phase's wall time minus its steps with a user's sequence in them, and the batch's
+    share is its tokens over what the batch alone made in that much time."""
+    users = {k: sum(e.get(k, 0.0) for e in users_engine) for k in ("wall", "foreground")}
+    t = batch_together["engine_seconds"]
+    left = t["wall"] - t.get("foreground", 0.0)
+    rate = batch_alone["output_tokens_per_s"]
+    capacity = rate * left
+    return {
+        "interactive_alone_foreground_share": round(users["foreground"] / users["wall"], 3) if users["wall"] else None,
+        "together_foreground_share": round(t.get("foreground", 0.0) / t["wall"], 3) if t["wall"] else None,
+        "together_seconds_left_by_interactive": round(left, 3),
+        "together_background_s": t.get("background", 0.0), "together_interrupted_s": t.get("interrupted", 0.0),
+        "batch_share_of_time_left": round(batch_together["output_tokens"] / capacity, 3) if capacity > 0 else None}
 
 
 def _client(url: str, *args) -> dict:
@@ -220,7 +268,8 @@ def run_batch_bench(loaded, requests: int = 1000, users: int = 4, turns: int = 8
     from chatloom.settings import Settings
 
     with tempfile.TemporaryDirectory(prefix="chatloom-bench-batch-") as work:
-        groups = {"server": {"data_dir": work}, "traffic": {"tiers_file": _tiers_file(Path(work))},
+        groups = {"server": {"data_dir": work, "metrics_public": True},
+                  "traffic": {"tiers_file": _tiers_file(Path(work))},
                   "accounts": {"argon2_time_cost": 1, "argon2_memory_kib": 1024},
                   "sampling": {"max_tokens": max_tokens}}
         if engine_config is not None:  # the admission queue's slots follow the engine's
@@ -254,4 +303,10 @@ def format_table(result: dict) -> str:
                  f"TTFT p90 ratio {result['ttft_p90_ratio']} "
                  f"(target <= {TTFT_RATIO_MAX}); batch share of idle {result['batch_share_of_idle']} "
                  f"(target >= {IDLE_SHARE_MIN}); targets met: {result['targets']['met']}")
+    e = result["engine_time"]
+    lines.append(f"engine time with a user's sequence: {e['interactive_alone_foreground_share']} of the users' "
+                 f"phase, {e['together_foreground_share']} beside the batch; batch share of the time left "
+                 f"{e['batch_share_of_time_left']} (background steps {e['together_background_s']} s, "
+                 f"stopped part-way {e['together_interrupted_s']} s, of "
+                 f"{e['together_seconds_left_by_interactive']} s)")
     return "\n".join(lines)

@@ -246,13 +246,17 @@ class LLMEngine:
         runner = self.runner
         encoder_s, encoder_work, t0 = runner.encoder_seconds, runner.encoder_work, time.perf_counter()
         result = self.executor.execute(batch)
+        floor = self.scheduler.config.background_priority
+        background = floor is not None and bool(scheduled) and all(seq.priority >= floor for seq in scheduled)
         if result.interrupted:  # foreground work came in: these sequences run the step again later
             self.stats.interrupted += 1
+            self.stats.record_step_time(time.perf_counter() - t0, background, interrupted=True)
             return outputs
         if self.scheduler.encoder is not None:
             self.encoder_pacer.record(self.scheduler.encoder.shared, time.perf_counter() - t0,
                                       runner.encoder_seconds - encoder_s, runner.encoder_work - encoder_work)
         self._update(batch, scheduled, result, outputs)
+        self.stats.record_step_time(time.perf_counter() - t0, background, interrupted=False)
         return outputs
 
     def _update(self, batch: ScheduledBatch, scheduled: list[Sequence], result: ModelOutput,
@@ -416,7 +420,8 @@ class LLMEngine:
             prefix_cache_hit_rate=kv.hit_rate, prefix_cache_evictions=kv.evictions,
             num_preemptions=self.scheduler.num_preemptions, steps=st.steps, generated_tokens=st.generated_tokens,
             aborted_requests=st.aborted, generation_tokens_per_s=round(st.tokens_per_s(), 2),
-            failed_requests=st.failed, interrupted_steps=st.interrupted, kv_holds=self.kv_holds.snapshot(),
+            failed_requests=st.failed, interrupted_steps=st.interrupted, step_seconds=st.step_seconds(),
+            kv_holds=self.kv_holds.snapshot(),
             spec_decode=dataclasses.replace(self.spec.stats) if self.spec is not None else None)
 
     def get_stats(self) -> dict:

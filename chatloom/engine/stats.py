@@ -32,13 +32,17 @@ class EngineSnapshot:
     num_waiting_tokens: int = 0  # prompt tokens the waiting requests still need prefilled
     failed_requests: int = 0  # ended by an error attributed to them alone (the rest of their batch went on)
     interrupted_steps: int = 0  # background (batch) steps stopped part-way for foreground work
+    # Seconds of steps, by what they carried: any foreground sequence; background (batch) sequences only,
+    # run to their end; background steps stopped part-way (their work done again later).
+    step_seconds: dict[str, float] = field(default_factory=dict)
     spec_decode: "SpecDecodeStats | None" = None  # None: speculative decoding is off
     kv_holds: "HoldStats | None" = None  # rounds kept while their tools run (kv_holds.py)
 
     def as_dict(self) -> dict:
         """Flat, for printing and JSON: the speculative counters under their spec_decode_* names, the hold
-        counters under kv_hold_*."""
+        counters under kv_hold_*, the step seconds under *_step_seconds."""
         flat = asdict(self)
+        flat.update({f"{kind}_step_seconds": v for kind, v in flat.pop("step_seconds").items()})
         flat.pop("spec_decode")
         holds = flat.pop("kv_holds")
         if holds is not None:
@@ -56,6 +60,10 @@ class EngineStats:
     aborted: int = 0
     failed: int = 0  # requests ended by an error attributed to them alone
     interrupted: int = 0  # background steps stopped part-way for foreground work (run again later)
+    # What EngineSnapshot.step_seconds reports: time a step took, by what it carried.
+    foreground_s: float = 0.0
+    background_s: float = 0.0
+    interrupted_s: float = 0.0
     window_seconds: float = 10.0
     _recent: deque = field(default_factory=deque)  # (time, generated tokens)
 
@@ -66,6 +74,18 @@ class EngineStats:
         self._recent.append((now, new_tokens))
         while self._recent and now - self._recent[0][0] > self.window_seconds:
             self._recent.popleft()
+
+    def record_step_time(self, seconds: float, background: bool, interrupted: bool) -> None:
+        if interrupted:
+            self.interrupted_s += seconds
+        elif background:
+            self.background_s += seconds
+        else:
+            self.foreground_s += seconds
+
+    def step_seconds(self) -> dict[str, float]:
+        return {"foreground": round(self.foreground_s, 6), "background": round(self.background_s, 6),
+                "interrupted": round(self.interrupted_s, 6)}
 
     def tokens_per_s(self) -> float:
         if len(self._recent) < 2:

@@ -191,6 +191,8 @@ class BackendStats:
     prefix_cache_hits: int | None = None
     num_preemptions: int | None = None
     interrupted_steps: int | None = None  # batch steps stopped part-way for interactive work (a local engine)
+    # Seconds of engine steps by what they carried: foreground, background (batch alone), interrupted.
+    step_seconds: dict[str, float] | None = None
     generation_tokens_per_s: float | None = None
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, where it is on
     kv_holds: HoldStats | None = None  # the KV cache of answers waiting for their tools, where it is kept

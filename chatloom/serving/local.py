@@ -347,7 +347,7 @@ class LocalBackend(Backend):
             kv_cache_usage_perc=s.kv_cache_usage_perc, kv_cache_blocks=s.kv_cache_blocks,
             kv_cache_free_blocks=s.kv_cache_free_blocks, block_size=s.block_size,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, interrupted_steps=s.interrupted_steps,
+            num_preemptions=s.num_preemptions, interrupted_steps=s.interrupted_steps, step_seconds=s.step_seconds,
             generation_tokens_per_s=s.generation_tokens_per_s,
             spec_decode=s.spec_decode, kv_holds=s.kv_holds)
 

@@ -166,15 +166,22 @@ def test_background_sequences_sit_out_steps_that_read_a_foreground_prompt(tiny_m
                if s.request_id.startswith("batch"))
 
 
-def test_background_sequences_use_only_idle_steps_where_steps_cost_per_sequence(tiny_model):
+def _batch_running(tiny_model, background_yield: str, seed: int) -> tuple[LLMEngine, list[list[int]]]:
+    """An engine whose batch request (priority 1000, the background floor) has run two steps, and the prompts
+    (the second for a foreground request)."""
     engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
                                                 max_num_batched_tokens=16, background_priority=1000,
-                                                background_yield="auto"))  # a CPU: "step"
-    assert engine.scheduler.config.background_yield == "step"
-    prompts = _prompts(tiny_model.config.vocab_size, 2, seed=9)
+                                                background_yield=background_yield))
+    prompts = _prompts(tiny_model.config.vocab_size, 2, seed=seed)
     engine.add_request(prompts[0][:8], SamplingParams(max_tokens=30, ignore_eos=True), "batch", priority=1000)
     engine.step()
     engine.step()
+    return engine, prompts
+
+
+def test_background_sequences_use_only_idle_steps_where_steps_cost_per_sequence(tiny_model):
+    engine, prompts = _batch_running(tiny_model, "auto", seed=9)
+    assert engine.scheduler.config.background_yield == "step"  # a CPU
     batch = engine.scheduler.running[0]
     before = batch.num_computed_tokens
     engine.add_request(prompts[1][:8], SamplingParams(max_tokens=5, ignore_eos=True), "chat", priority=0)
@@ -183,6 +190,18 @@ def test_background_sequences_use_only_idle_steps_where_steps_cost_per_sequence(
         assert batch.num_computed_tokens == before
     engine.step()  # idle again: the batch goes on
     assert batch.num_computed_tokens == before + 1
+
+
+def test_step_seconds_count_each_step_by_what_it_carried(tiny_model):
+    engine, prompts = _batch_running(tiny_model, "step", seed=9)
+    first = engine.snapshot().step_seconds
+    assert first["background"] > 0 and first["foreground"] == 0 and first["interrupted"] == 0
+    engine.add_request(prompts[1][:8], SamplingParams(max_tokens=5, ignore_eos=True), "chat", priority=0)
+    while any(s.request_id == "chat" for s in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()  # steps with the chat in them (the batch sits them out)
+    second = engine.snapshot().step_seconds
+    assert second["foreground"] > 0 and second["background"] == first["background"]
+    assert engine.get_stats()["foreground_step_seconds"] == second["foreground"]
 
 
 def test_a_step_of_background_sequences_alone_is_short(tiny_model):
@@ -222,13 +241,7 @@ def test_without_a_background_floor_every_sequence_runs_in_every_step(tiny_model
 
 def test_held_background_sequences_sit_out_every_step_until_let_go(tiny_model):
     # "prefill": unheld, batch decodes ride along with a foreground decode; held, they sit out even those.
-    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=8,
-                                                max_num_batched_tokens=16, background_priority=1000,
-                                                background_yield="prefill"))
-    prompts = _prompts(tiny_model.config.vocab_size, 2, seed=13)
-    engine.add_request(prompts[0][:8], SamplingParams(max_tokens=30, ignore_eos=True), "batch", priority=1000)
-    engine.step()
-    engine.step()
+    engine, prompts = _batch_running(tiny_model, "prefill", seed=13)
     batch = engine.scheduler.running[0]
     before = batch.num_computed_tokens
     engine.hold_background(True)

@@ -67,6 +67,14 @@ class _EngineCollector:
         if s.interrupted_steps is not None:
             yield counter("chatloom:interrupted_batch_steps", "Steps of batch work alone stopped part-way for an "
                           "interactive request (each runs again later).", s.interrupted_steps)
+        if s.step_seconds is not None:
+            steps = CounterMetricFamily("chatloom:engine_step_seconds", "Seconds of engine steps by what they "
+                                        "carried: foreground (any interactive sequence), background (batch "
+                                        "work alone), interrupted (batch steps stopped part-way).",
+                                        labels=["model_name", "kind"])
+            for kind, seconds in s.step_seconds.items():
+                steps.add_metric([model[0], kind], seconds)
+            yield steps
         if s.spec_decode is not None:  # speculative decoding is on
             sd = s.spec_decode
             for key, doc in (("num_drafts", "Sequence-steps that carried proposed tokens."),

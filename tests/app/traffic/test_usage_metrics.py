@@ -77,6 +77,10 @@ async def test_metrics_parse_and_use_vllm_names(client, alice):
                  "chatloom:rate_limited", "chatloom:queue_timeouts", "chatloom:admission_queue_wait_seconds",
                  "chatloom:admission_queue_waiting", "chatloom:moderation_blocks"):
         assert name in families, name
+    # The chat's steps were foreground work: the engine's step seconds say so, by kind.
+    steps = {s.labels["kind"]: s.value for s in families["chatloom:engine_step_seconds"].samples
+             if s.name.endswith("_total")}
+    assert set(steps) == {"foreground", "background", "interrupted"} and steps["foreground"] > 0
     ttft = {s.name: s.value for s in families["vllm:time_to_first_token_seconds"].samples}
     assert ttft["vllm:time_to_first_token_seconds_count"] == 1
     assert families["vllm:prefix_cache_queries"].type == "counter"
