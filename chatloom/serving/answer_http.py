@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-# aiohttp reads lines of up to twice this (a chunk with many tokens' top logprobs is a few hundred KB).
-MAX_LINE_BYTES = 1 << 20
+# aiohttp reads lines of up to twice its buffer (a chunk with many tokens' top logprobs is a few hundred KB).
+READ_BUFFER_BYTES = 1 << 20
 
 
 class AnswerHTTPError(Exception):
@@ -85,7 +85,7 @@ class AnswerClient:
             if self._session is not None and not self._session.closed:
                 _abandon(self._session)
             self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=self._timeout, read_bufsize=MAX_LINE_BYTES, trust_env=True,
+                headers=self._headers, timeout=self._timeout, read_bufsize=READ_BUFFER_BYTES, trust_env=True,
                 connector=aiohttp.TCPConnector(limit=0, ssl=self._ssl))
             self._loop = loop
         return self._session

@@ -8,7 +8,7 @@ import ssl
 import pytest
 from aiohttp import web
 
-from chatloom.serving.answer_http import MAX_LINE_BYTES, AnswerClient, AnswerHTTPError
+from chatloom.serving.answer_http import READ_BUFFER_BYTES, AnswerClient, AnswerHTTPError
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:
@@ -20,7 +20,7 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     if body.get("hang"):
         await asyncio.sleep(30)
     if body.get("long"):
-        await response.write(b"data: " + b"x" * (2 * MAX_LINE_BYTES + 10) + b"\n")
+        await response.write(b"data: " + b"x" * (2 * READ_BUFFER_BYTES + 10) + b"\n")
     await response.write(b"data: [DONE]\n\n")
     return response
 
