@@ -246,17 +246,15 @@ class LLMEngine:
         runner = self.runner
         encoder_s, encoder_work, t0 = runner.encoder_seconds, runner.encoder_work, time.perf_counter()
         result = self.executor.execute(batch)
-        floor = self.scheduler.config.background_priority
-        background = floor is not None and bool(scheduled) and all(seq.priority >= floor for seq in scheduled)
         if result.interrupted:  # foreground work came in: these sequences run the step again later
             self.stats.interrupted += 1
-            self.stats.record_step_time(time.perf_counter() - t0, background, interrupted=True)
+            self.stats.record_step_time(time.perf_counter() - t0, batch.background_only, interrupted=True)
             return outputs
         if self.scheduler.encoder is not None:
             self.encoder_pacer.record(self.scheduler.encoder.shared, time.perf_counter() - t0,
                                       runner.encoder_seconds - encoder_s, runner.encoder_work - encoder_work)
         self._update(batch, scheduled, result, outputs)
-        self.stats.record_step_time(time.perf_counter() - t0, background, interrupted=False)
+        self.stats.record_step_time(time.perf_counter() - t0, batch.background_only, interrupted=False)
         return outputs
 
     def _update(self, batch: ScheduledBatch, scheduled: list[Sequence], result: ModelOutput,

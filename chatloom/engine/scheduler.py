@@ -35,6 +35,8 @@ class ScheduledBatch:
     # Slices of image pieces' encoder layers to run before the forward (encoder_plan.py), cached as
     # they finish; a step may carry them alone (a piece part-way through the encoder is read by nobody yet).
     encode: list[PlannedPiece] = field(default_factory=list)
+    # Only background (batch) sequences in it: the engine counts its time as such.
+    background_only: bool = False
     # Background decodes alone: the step may stop between layers when foreground work arrives (the
     # engine's interrupt_background), and is then planned again.
     interruptible: bool = False
@@ -159,8 +161,9 @@ class Scheduler:
             # Every sequence waits for image pieces the pacing held back: encoding them delays nobody.
             batch = self._schedule(False)
         floor = self.config.background_priority
-        batch.interruptible = (floor is not None and bool(batch.decodes) and not batch.prefills and not batch.encode
-                               and all(seq.priority >= floor for seq in batch.decodes))
+        seqs = batch.decodes + [seq for seq, _ in batch.prefills]
+        batch.background_only = floor is not None and bool(seqs) and all(seq.priority >= floor for seq in seqs)
+        batch.interruptible = batch.background_only and bool(batch.decodes) and not batch.prefills and not batch.encode
         return batch
 
     def _schedule(self, shared: bool) -> ScheduledBatch:

@@ -134,7 +134,7 @@ def _failure(exc: BaseException) -> BaseException:
     """aiohttp's and asyncio's errors as AnswerHTTPError with a reason a log line can name; others as they are."""
     if isinstance(exc, AnswerHTTPError):
         return exc
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp's connect and read timeouts are ones too
         return AnswerHTTPError("no answer in time", timed_out=True)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return AnswerHTTPError("connection refused or host unreachable")

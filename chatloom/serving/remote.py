@@ -107,7 +107,10 @@ class RemoteBackend(Backend):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Made once: each client would otherwise load the CA certificates again (milliseconds of the loop).
         self._ssl = httpx.create_ssl_context()
-        self._client = self._new_client(headers, keepalive=64)  # probes, embeddings, KV instructions
+        self._client = httpx.AsyncClient(  # probes, embeddings, KV instructions
+            base_url=self.base_url, headers=headers, verify=self._ssl,
+            timeout=httpx.Timeout(self.timeouts.probe, connect=self.timeouts.connect),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         # What every answer sends (its /tokenize, its stream): the gateway's hot path (see answer_http).
         self._answers = AnswerClient(self.base_url, headers, self._ssl, self.timeouts.stream_connect,
                                      self.timeouts.between_chunks)
@@ -118,11 +121,6 @@ class RemoteBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.base_url!r}, model={self.model!r})"
-
-    def _new_client(self, headers: dict, keepalive: int) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.base_url, headers=headers, verify=self._ssl, timeout=httpx.Timeout(
-            self.timeouts.probe, connect=self.timeouts.connect), limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=keepalive))
 
     def _priority(self, priority: int) -> dict:
         """The request body's priority field, where the server takes one and it is not the default."""
