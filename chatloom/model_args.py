@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser, *, from_settings: bool = False) -
     p.add_argument("--int8-matmul", action="store_true", default=None,
                    help=f"multiply quantized GGUF weights with int8 activations: about 1.4x the throughput, "
                         f"slightly less exact (see README; default: ${INT8_ENV}, else on for K-quant files "
-                        f"where the CPU has AVX-512 VNNI)")
+                        f"where the CPU has AVX-512 VNNI, or AVX2 without AVX-512)")
     p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="a GGUF decoder's image encoder and projector, llama.cpp's mmproj file (LLaVA, SmolVLM)")
 

@@ -17,8 +17,8 @@ from chatloom.models.llama import LlamaForCausalLM
 from chatloom.models.kernels import load_kernels
 from chatloom.models.panel_cache import PanelCache
 from chatloom.models.memory_check import check_fits, dense_weight_bytes, gguf_weight_bytes, vision_weight_bytes
-from chatloom.models.packed_linear import (QUANTIZED_KINDS, kernels_can_pack, kquant_int8_supported,
-                                          kquant_matmul_supported)
+from chatloom.models.packed_linear import (QUANTIZED_KINDS, kernels_can_pack, kquant_int8_by_default,
+                                          kquant_int8_supported, kquant_matmul_supported)
 from chatloom.models.registry import DEFAULT_MODEL, REGISTRY, smollm2_path, tiny_random_config
 from chatloom.models.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from chatloom.models.weights import build_model, random_model
@@ -115,11 +115,11 @@ def gguf_layout(reader, torch_dtype: torch.dtype, int8_matmul: bool | None,
                 bf16_matmul: bool) -> tuple[bool, bool, bool]:
     """How a GGUF file's matmul weights are kept once loaded: (quantized blocks kept, int8 activations,
     Q4_K/Q6_K in their super-blocks), decided as packed_linear.pack_linears decides it. `int8_matmul`
-    None is the default: on for files mostly in K-quants where the CPU has the int8 super-block kernel."""
+    None is the default: on for files mostly in K-quants where packed_linear.kquant_int8_by_default says."""
     kernels = load_kernels()
     keeps = torch_dtype == torch.float32 and kernels_can_pack(kernels)
     if int8_matmul is None:
-        int8_matmul = keeps and not bf16_matmul and _mostly_kquants(reader) and kquant_int8_supported(kernels)
+        int8_matmul = keeps and not bf16_matmul and _mostly_kquants(reader) and kquant_int8_by_default(kernels)
     # Super-blocks serve the exact mode and, where its kernel exists, the int8 one (as packing does).
     super_blocks = keeps and not bf16_matmul and kquant_matmul_supported(kernels) \
         and (not int8_matmul or kquant_int8_supported(kernels))
@@ -135,8 +135,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fp32",
     less exact; off by default; commands resolve their flag and CHATLOOM_MODEL__INT8_MATMUL once, in
     chatloom/model_args.py). `bf16_matmul` keeps every matmul weight in bfloat16 (AVX-512 BF16 where
     the CPU has it; off by default, resolved like int8 in chatloom/model_args.py). `int8_matmul=None` decides by
-    the file: on for a GGUF file whose matmul weights are mostly K-quants, where the CPU runs their int8
-    kernel, as llama.cpp multiplies them; off otherwise. Before any weight is read, the weights plus `kv_cache_bytes` (or what it
+    the file: on for a GGUF file whose matmul weights are mostly K-quants, where the CPU runs an int8
+    kernel for them faster than the exact one (packed_linear.kquant_int8_by_default), as llama.cpp
+    multiplies them; off otherwise. Before any weight is read, the weights plus `kv_cache_bytes` (or what it
     returns for the model's config) are checked against the memory available: ModelError if they do not fit.
     `weight_cache` is a folder that keeps a GGUF file's K-quant layers packed between starts
     (panel_cache.py; None packs them at every start, as library callers and tests do by default)."""

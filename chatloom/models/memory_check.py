@@ -15,9 +15,10 @@ from chatloom.models.config import ModelConfig, ModelError
 
 # Bytes per weight once packed for the kernels: codes plus a float32 (d, m) per 32 or per 16.
 _KEPT_BYTES_PER_WEIGHT = {"Q4_1": 0.75, "Q4_K": 0.75, "Q4_0": 1.25, "Q8_0": 1.25, "Q5_K": 1.25, "Q6_K": 1.5}
-# With int8 activations a 32-weight group layer whose groups have an offset (Q4_0 becomes Q4_1 there)
-# keeps the offsets again as a float32 panel of their own, multiplied by the block sums of x.
-_OFFSET_KINDS = {"Q4_0", "Q4_1", "Q4_K", "Q5_K"}
+# With int8 activations an 8-bit-code layer whose groups have an offset (Q5_K) keeps the offsets again
+# as a float32 panel of their own, multiplied by the block sums of x (the nibble layouts' kernel applies
+# their offsets itself), and Q4_0 is kept as Q4_1's nibbles (packed_linear.q4_0_as_q4_1).
+_OFFSET_KINDS = {"Q5_K"}
 _INT8_OFFSET_BYTES_PER_WEIGHT = 4 / 32
 # Q4_K and Q6_K kept in their super-blocks (kquant_panels.py): 4.625 and 6.5625 bits, each part its own.
 _SUPER_BLOCK_BYTES_PER_WEIGHT = {"Q4_K": 4.625 / 8, "Q6_K": 6.5625 / 8}
@@ -68,11 +69,14 @@ def gguf_weight_bytes(tensors, float_bytes: int, keeps_quantized: bool, super_bl
     `super_blocks`: Q4_K and Q6_K layers are kept in their super-blocks (loader.gguf_layout says when);
     a quantized embedding is looked up from its blocks where the matmuls keep blocks too, unless
     `float_embedding` (the bfloat16 mode, whose tied head is made from the float32 table);
-    `int8_activations`: 32-weight group layers with an offset keep it apart as well (QuantizedLinear)."""
+    `int8_activations`: 8-bit-code layers with an offset keep it apart as well, and Q4_0 layers take
+    Q4_1's nibbles (QuantizedLinear)."""
 
     def grouped(kinds: set[str], kind: str, n: int) -> int:
         if len(kinds) > 1:
             return int(n * _KEPT_BYTES_PER_WEIGHT["Q6_K"])
+        if int8_activations and kind == "Q4_0":
+            return int(n * _KEPT_BYTES_PER_WEIGHT["Q4_1"])
         extra = n * _INT8_OFFSET_BYTES_PER_WEIGHT if int8_activations and kind in _OFFSET_KINDS else 0
         return int(n * _KEPT_BYTES_PER_WEIGHT[kind] + extra)
 

@@ -269,6 +269,15 @@ def kquant_int8_supported(kernels) -> bool:
         and kernels.kquant_int8_supported()
 
 
+def kquant_int8_by_default(kernels) -> bool:
+    """Whether K-quant files multiply with int8 activations unless told otherwise: where the CPU has the
+    int8 super-block kernel (AVX-512 VNNI), and where it has no super-block kernel at all but the int8
+    group-layout one (AVX2 without AVX-512: Zen 2 and 3, Intel's desktop cores), as there the int8
+    layouts decode about 1.6x and prefill 1.9x as fast as the exact ones (docs/speed.md). An AVX-512
+    CPU without VNNI keeps the exact super-blocks, which read fewer bytes."""
+    return kquant_int8_supported(kernels) or (int8_matmul_supported(kernels) and not kquant_matmul_supported(kernels))
+
+
 class KQuantLinear(KernelLinear):
     """y = x @ W^T + b with W kept as GGUF Q4_K / Q6_K super-blocks (kquant_panels.py), at about the
     file's bytes per weight: by default the exact mode's arithmetic (the bits of gguf's dequantizer

@@ -64,8 +64,9 @@ class ModelSettings(Group):
     int8_matmul: bool | None = Field(None, description="Multiply quantized GGUF weights with int8 activations: "
                                                         "faster, slightly less exact. Unset: on for K-quant "
                                                         "files (Q4_K_M and the like, multiplied the way "
-                                                        "llama.cpp does) where the CPU has AVX-512 VNNI, off "
-                                                        "otherwise; false keeps every file exact.")
+                                                        "llama.cpp does) where the CPU has AVX-512 VNNI, "
+                                                        "or AVX2 without AVX-512; off otherwise; false "
+                                                        "keeps every file exact.")
     bf16_matmul: bool = Field(False, description="Keep float weights in bfloat16 for the matmuls "
                                                  "(commands with --bf16-matmul).")
     weight_cache: str = Field("auto", description="Folder that keeps a GGUF file's K-quant layers in the "

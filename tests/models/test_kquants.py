@@ -16,9 +16,9 @@ from chatloom.models import load_model
 from chatloom.models.kernels import load_kernels
 from chatloom.models.registry import DEFAULT_MODEL
 from chatloom.models.kquant_panels import SUPER_BYTES, kquant_panels_fit, pack_kquant_panels
-from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, kquant_int8_supported,
-                                           kquant_matmul_supported, pack_linears, pack_quantized, pack_weight,
-                                           quantized_layout)
+from chatloom.models.packed_linear import (KQuantLinear, QuantizedLinear, QuantizedWeight, kquant_int8_by_default,
+                                           kquant_int8_supported, kquant_matmul_supported, pack_linears,
+                                           pack_quantized, pack_weight, quantized_layout)
 
 import tiny_checkpoints as tc
 
@@ -318,10 +318,15 @@ def test_q4_k_m_gguf_in_int8_mode(tmp_path):
 
 def test_unset_int8_is_on_for_k_quant_files_only(tmp_path):
     """int8_matmul=None (the settings' default): a K-quant file multiplies with int8 activations where the
-    CPU has the kernel, as llama.cpp multiplies K-quants; the bundled Q4_1/Q8_0 model stays exact."""
+    CPU has the int8 super-block kernel (AVX-512 VNNI), or only the int8 group-layout one (AVX2 without
+    AVX-512), as llama.cpp multiplies K-quants; the bundled Q4_1/Q8_0 model stays exact."""
     _, path, _ = _kquant_checkpoint(tmp_path)
     auto = load_model(str(path), "fp32", int8_matmul=None)
     down = auto.model.layers[1].mlp.down_proj
-    assert down.int8_activations is kquant_int8_supported(kernels)
+    avx2_only = kernels.int8_linear_supported() and not kquant_matmul_supported(kernels)
+    assert kquant_int8_by_default(kernels) == (kquant_int8_supported(kernels) or avx2_only)
+    assert down.int8_activations is kquant_int8_by_default(kernels)
+    if down.int8_activations:  # in its super-blocks where their int8 kernel runs (VNNI), else the group layouts
+        assert isinstance(down, KQuantLinear) is kquant_int8_supported(kernels)
     bundled = load_model(DEFAULT_MODEL, "fp32", int8_matmul=None)
     assert not bundled.model.layers[0].mlp.down_proj.int8_activations

@@ -48,3 +48,28 @@ def test_engine_refuses_a_pool_larger_than_memory(tiny_model_fp32, monkeypatch):
     monkeypatch.setattr(mc, "available_memory_bytes", lambda: 2**20)
     with pytest.raises(ModelError, match="KV cache of 100000 blocks does not fit in memory"):
         LLMEngine(tiny_model_fp32, EngineConfig(num_blocks=100000))
+
+
+def test_the_int8_estimate_of_the_bundled_model_is_what_it_holds():
+    """Q4_1 and Q8_0 (and Q4_0, kept as Q4_1) multiply in their nibble and 8-bit layouts without an
+    offset panel of their own, so the int8 mode holds what the estimate says (the memory check and
+    `chatloom capacity` count it)."""
+    import torch
+
+    from chatloom.models.kernels import load_kernels
+    from chatloom.models.loader import gguf_layout
+    from chatloom.models.packed_linear import int8_matmul_supported
+    from chatloom.models.registry import DEFAULT_MODEL, smollm2_path
+
+    if not int8_matmul_supported(load_kernels()):
+        pytest.skip("no int8 kernels on this CPU")
+    reader = open_gguf(smollm2_path())
+    keeps, int8, super_blocks = gguf_layout(reader, torch.float32, True, False)
+    assert keeps and int8
+    estimate = gguf_weight_bytes(reader.tensors, 4, keeps, super_blocks, int8_activations=int8)
+    model, held, seen = load_model(DEFAULT_MODEL, "fp32", int8_matmul=True).model, 0, set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is not None and "rope" not in name and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            held += t.numel() * t.element_size()
+    assert abs(estimate - held) < 0.02 * held
